@@ -1,0 +1,131 @@
+"""ONNX Runtime backend: runs FP32 and Q/DQ INT8 graphs and exposes intermediate tensors."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from quantlab import graph
+from quantlab.data import check_batch
+from quantlab.errors import DataError, ModelError
+
+_DEFAULT_SESSIONS_CACHED = 4
+
+
+class OnnxRuntimeBackend:
+    """Run an ONNX model in ONNX Runtime; any tensor of the graph can be requested.
+
+    Intermediate tensors are exposed by adding them as graph outputs; one session
+    is kept per requested tensor set (a small LRU), so repeated runs are cheap.
+    """
+
+    def __init__(
+        self,
+        model: onnx.ModelProto | str | os.PathLike,
+        name: str = "onnxruntime",
+        providers: Sequence[str] | None = None,
+        threads: int | None = None,
+        optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    ):
+        self.model = model if isinstance(model, onnx.ModelProto) else graph.load_model(model)
+        self.name = name
+        self.providers = list(providers or ["CPUExecutionProvider"])
+        self.threads = threads
+        self.optimization = optimization
+        self.inputs = graph.input_specs(self.model)
+        self.outputs = [spec.name for spec in graph.output_specs(self.model)]
+        self._known = set(graph.topological_tensors(self.model)) | set(self.outputs)
+        self._sessions: dict[tuple[str, ...], ort.InferenceSession] = {}
+
+    def session_options(self, optimized_model_path: str | None = None) -> ort.SessionOptions:
+        """Session options used for every session of this backend."""
+        options = ort.SessionOptions()
+        options.graph_optimization_level = self.optimization
+        options.log_severity_level = 3
+        if self.threads:
+            options.intra_op_num_threads = self.threads
+        if optimized_model_path:
+            options.optimized_model_filepath = optimized_model_path
+        return options
+
+    def _session(self, tensors: tuple[str, ...]) -> ort.InferenceSession:
+        if tensors in self._sessions:
+            return self._sessions[tensors]
+        model = with_outputs(self.model, tensors) if tensors != tuple(self.outputs) else self.model
+        try:
+            session = ort.InferenceSession(
+                model.SerializeToString(), self.session_options(), providers=self.providers
+            )
+        except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NotImplemented types
+            raise ModelError(f"ONNX Runtime cannot load the model: {exc}") from None
+        if len(self._sessions) >= _DEFAULT_SESSIONS_CACHED:
+            self._sessions.pop(next(iter(self._sessions)))
+        self._sessions[tensors] = session
+        return session
+
+    def run(
+        self, batch: Mapping[str, np.ndarray], tensors: Sequence[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Run one batch; return the requested tensors (default: graph outputs)."""
+        check_batch(batch, self.inputs)
+        wanted = tuple(tensors) if tensors is not None else tuple(self.outputs)
+        unknown = [t for t in wanted if t not in self._known]
+        if unknown:
+            raise ModelError(
+                f"tensor(s) {unknown[:5]} are not in the model; list the model's tensors with "
+                "quantlab.graph.topological_tensors(model)."
+            )
+        session = self._session(wanted)
+        feeds = {spec.name: np.asarray(batch[spec.name], dtype=spec.dtype) for spec in self.inputs}
+        values = session.run(list(wanted), feeds)
+        return dict(zip(wanted, values, strict=True))
+
+
+def with_outputs(model: onnx.ModelProto, tensors: Sequence[str]) -> onnx.ModelProto:
+    """A copy of `model` whose graph outputs are exactly `tensors` (types left to ORT)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    known = {v.name: v for v in list(model.graph.value_info) + list(model.graph.output)}
+    known.update({v.name: v for v in model.graph.input})
+    del copy.graph.output[:]
+    for name in tensors:
+        if name in known:
+            copy.graph.output.append(known[name])
+        else:
+            copy.graph.output.append(onnx.ValueInfoProto(name=name))
+    return copy
+
+
+def optimized_op_types(model: onnx.ModelProto) -> Counter:
+    """Op types of the graph ONNX Runtime actually executes on CPU after its optimizations.
+
+    This is how to show that a Q/DQ model runs integer kernels: the fused graph
+    holds QLinearConv / QLinearMatMul / MatMulInteger instead of float ops.
+    """
+    backend = OnnxRuntimeBackend(model)
+    with tempfile.TemporaryDirectory() as folder:
+        path = str(Path(folder) / "optimized.onnx")
+        ort.InferenceSession(
+            model.SerializeToString(),
+            backend.session_options(optimized_model_path=path),
+            providers=["CPUExecutionProvider"],
+        )
+        optimized = onnx.load(path)
+    return Counter(node.op_type for node in optimized.graph.node)
+
+
+def check_finite(values: Mapping[str, np.ndarray], order: Sequence[str], where: str) -> None:
+    """Raise DataError naming the first tensor (in `order`) that holds NaN or Inf."""
+    for name in order:
+        if name in values and not np.isfinite(values[name]).all():
+            raise DataError(
+                f"{where}: tensor '{name}' contains NaN or Inf. It is the first such tensor in "
+                "topological order; check the input data and the layer that produces it."
+            )

@@ -1,0 +1,74 @@
+"""Command line: a thin layer over the Python API, one module per command in ``commands/``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from quantlab import __version__
+from quantlab.errors import QuantlabError
+
+# Command name -> module in quantlab.commands exposing `HELP`, `add_arguments(parser)`, `run(args)`.
+COMMANDS = {
+    "demo": "demo",
+    "calibrate": "calibrate",
+    "validate": "validate",
+    "zoo": "zoo",
+}
+
+DESCRIPTION = """\
+quantlab: INT8 quantization and accuracy validation for TensorRT deployments.
+
+Typical flow:
+  quantlab demo                                    # every zoo model, end to end, with a report
+  quantlab calibrate MODEL --data DATA --out DIR   # scales, Q/DQ model, TensorRT cache
+  quantlab validate --onnx M.onnx --engine M.int8.onnx --data DATA --out DIR
+Run `quantlab COMMAND --help` for the options of each command.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every available command."""
+    parser = argparse.ArgumentParser(
+        prog="quantlab",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"quantlab {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(f"quantlab.commands.{module_name}")
+        except ModuleNotFoundError:
+            continue
+        sub = subparsers.add_parser(
+            name,
+            help=module.HELP,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `quantlab` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except QuantlabError as exc:
+        print(f"quantlab {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"quantlab {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Self-contained HTML reports: one page, inline CSS, figures embedded as PNG data URIs.
+
+A report is a list of :class:`Section` objects, each an HTML fragment that a
+step of the flow renders from its own results; this module only assembles them.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import io
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import pandas as pd
+from markupsafe import Markup
+
+from quantlab import __version__
+from quantlab.experiment import write_text
+
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("quantlab.report", "templates"),
+    autoescape=jinja2.select_autoescape(["html"]),
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+@dataclass(frozen=True)
+class Section:
+    """One titled part of a report; `html` is a trusted fragment built by this module."""
+
+    title: str
+    html: str
+    anchor: str = ""
+
+
+def figure_to_data_uri(figure) -> str:
+    """Encode a matplotlib figure as a PNG data URI and close it."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def figure_html(figure, caption: str) -> str:
+    """An embedded figure with a caption, as an HTML fragment."""
+    return _ENV.get_template("figure.html").render(src=figure_to_data_uri(figure), caption=caption)
+
+
+def table_html(frame: pd.DataFrame, float_format: str = "{:.4g}", caption: str = "") -> str:
+    """A DataFrame as an HTML table (values escaped, numbers right-aligned)."""
+    rows = [
+        [(float_format.format(v) if isinstance(v, float) else str(v)) for v in row]
+        for row in frame.itertuples(index=False)
+    ]
+    numeric = [pd.api.types.is_numeric_dtype(frame[c]) for c in frame.columns]
+    return _ENV.get_template("table.html").render(
+        columns=[str(c) for c in frame.columns], rows=rows, numeric=numeric, caption=caption
+    )
+
+
+def render_report(title: str, sections: Sequence[Section], subtitle: str = "") -> str:
+    """The whole self-contained page as a string."""
+    return _ENV.get_template("report.html").render(
+        title=title,
+        subtitle=subtitle,
+        sections=[(s.title, s.anchor or f"s{i}", Markup(s.html)) for i, s in enumerate(sections)],
+        generated=_dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        version=__version__,
+    )
+
+
+def write_report(
+    path: str | os.PathLike, title: str, sections: Sequence[Section], subtitle: str = ""
+) -> Path:
+    """Render and atomically write the report to `path`."""
+    return write_text(path, render_report(title, sections, subtitle))
