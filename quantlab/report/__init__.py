@@ -15,11 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
+import matplotlib
 import pandas as pd
 from markupsafe import Markup
 
 from quantlab import __version__
 from quantlab.experiment import write_text
+
+# Reports are rendered off-screen (CI, servers, notebooks alike).
+matplotlib.use("Agg")
 
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("quantlab.report", "templates"),

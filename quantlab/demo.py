@@ -1,0 +1,254 @@
+"""`quantlab demo`: every zoo model end to end — export, calibrate, Q/DQ, evaluate FP32 vs INT8.
+
+Writes ``<out>/report.html`` (self-contained), ``<out>/summary.json`` (the same
+figures for machines) and one artifact folder per model (``<out>/<model>/``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from quantlab import pipeline, tasks, zoo
+from quantlab.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
+from quantlab.errors import OutputExistsError
+from quantlab.experiment import prepare_output, read_json, write_json
+from quantlab.report import Section, figure_html, table_html, write_report
+
+DEMO_MARKER = "quantlab demo"
+# Integer kernels ONNX Runtime substitutes for Q/DQ groups; their presence in the
+# optimized graph is the evidence that the INT8 model really runs in int8.
+INTEGER_OPS = (
+    "QLinearConv",
+    "QLinearMatMul",
+    "MatMulInteger",
+    "QGemm",
+    "ConvInteger",
+    "QLinearAdd",
+    "QLinearGlobalAveragePool",
+    "QLinearSigmoid",
+    "QLinearMul",
+    "QLinearConcat",
+    "QLinearAveragePool",
+    "QLinearLeakyRelu",
+    "QLinearSoftmax",
+)
+LATENCY_BATCH = 32
+LATENCY_REPEATS = 15
+
+
+def _log(message: str) -> None:
+    tqdm.write(message, file=sys.stderr)
+
+
+def _prepare_demo_folder(out: Path, force: bool) -> Path:
+    """The demo regenerates its own earlier output; any other non-empty folder needs force."""
+    summary = out / "summary.json"
+    is_old_demo = summary.is_file() and read_json(summary).get("generator") == DEMO_MARKER
+    try:
+        return prepare_output(out, force=force or is_old_demo)
+    except OutputExistsError as exc:
+        raise OutputExistsError(
+            f"{exc} (quantlab demo only replaces its own earlier output)"
+        ) from None
+
+
+def median_latency_ms(backend: OnnxRuntimeBackend, batch: dict[str, np.ndarray]) -> float:
+    """Median wall time of one `backend.run(batch)` in milliseconds, after warm-up."""
+    for _ in range(3):
+        backend.run(batch)
+    times = []
+    for _ in range(LATENCY_REPEATS):
+        start = time.perf_counter()
+        backend.run(batch)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run_model(name: str, out: Path, method: str, eval_limit: int | None, progress: bool) -> dict:
+    """Export, calibrate, quantize and evaluate one zoo model; return its summary record."""
+    entry = zoo.get(name)
+    folder = out / name
+    _log(f"[{name}] export to ONNX")
+    model = pipeline.export_zoo_model(name, folder / "model.onnx")
+    _log(f"[{name}] calibrate ({method}) on {len(entry.calibration_set())} samples")
+    result = pipeline.run_calibration(
+        model, entry.calibration_set(), folder, method=method, force=True, progress=progress
+    )
+    eval_set = entry.eval_set(eval_limit)
+    record = {
+        "name": name,
+        "task": entry.task,
+        "description": entry.description,
+        "metric": tasks.PRIMARY_METRIC[entry.task],
+        "eval_samples": len(eval_set.inputs),
+        "calibration_samples": result.stats.num_samples,
+        "method": method,
+    }
+    backends = {
+        "fp32": OnnxRuntimeBackend(result.model, name="onnxruntime fp32"),
+        "int8": OnnxRuntimeBackend(result.qdq_model, name="onnxruntime int8"),
+    }
+    for precision, backend in backends.items():
+        bar = (
+            (lambda it, p=precision: tqdm(it, desc=f"[{name}] evaluate {p}", leave=False))
+            if progress
+            else None
+        )
+        metrics = tasks.evaluate(entry, backend.run, eval_set, progress=bar)
+        record[f"metrics_{precision}"] = metrics
+        record[precision] = metrics[record["metric"]]
+        latency_batch = {entry.input_name: eval_set.inputs[:LATENCY_BATCH]}
+        record[f"{precision}_latency_ms"] = median_latency_ms(backend, latency_batch)
+    record["delta"] = record["int8"] - record["fp32"]
+    record["speedup"] = record["fp32_latency_ms"] / record["int8_latency_ms"]
+    ops = optimized_op_types(result.qdq_model)
+    record["int8_kernels"] = {op: ops[op] for op in INTEGER_OPS if ops[op]}
+    _log(
+        f"[{name}] {tasks.METRIC_LABELS[record['metric']]}: FP32 {record['fp32']:.4f}  "
+        f"INT8 {record['int8']:.4f}  (delta {record['delta']:+.4f}); "
+        f"latency {record['fp32_latency_ms']:.1f} -> {record['int8_latency_ms']:.1f} ms"
+    )
+    return record
+
+
+def _summary_frame(records: Sequence[dict]) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "model": [r["name"] for r in records],
+            "task": [r["task"] for r in records],
+            "metric": [tasks.METRIC_LABELS[r["metric"]] for r in records],
+            "FP32": [r["fp32"] for r in records],
+            "INT8": [r["int8"] for r in records],
+            "delta": [r["delta"] for r in records],
+            f"FP32 ms / batch {LATENCY_BATCH}": [r["fp32_latency_ms"] for r in records],
+            f"INT8 ms / batch {LATENCY_BATCH}": [r["int8_latency_ms"] for r in records],
+            "INT8 speed-up": [r["speedup"] for r in records],
+            "INT8 kernels in ORT": [
+                ", ".join(f"{op} x{n}" for op, n in r["int8_kernels"].items()) or "none"
+                for r in records
+            ],
+        }
+    )
+
+
+def _accuracy_figure(records: Sequence[dict]):
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    x = np.arange(len(records))
+    labels = [f"{r['name']}\n({tasks.METRIC_LABELS[r['metric']]})" for r in records]
+    for offset, key, color in ((-0.2, "fp32", "#5b6575"), (0.2, "int8", "#76b900")):
+        values = [r[key] for r in records]
+        bars = left.bar(x + offset, values, 0.4, label=key.upper(), color=color)
+        left.bar_label(bars, fmt="%.3f", fontsize=8)
+        latency = [r[f"{key}_latency_ms"] for r in records]
+        right.bar(x + offset, latency, 0.4, label=key.upper(), color=color)
+    left.set_xticks(x, labels)
+    left.set_ylim(0, 1.08)
+    left.set_title("Task metric on the held-out split")
+    left.legend(loc="lower right")
+    right.set_xticks(x, [r["name"] for r in records])
+    right.set_ylabel(f"ms per batch of {LATENCY_BATCH} (median)")
+    right.set_title("ONNX Runtime CPU latency")
+    right.legend()
+    figure.tight_layout()
+    return figure
+
+
+def _per_class_figure(record: dict):
+    import matplotlib.pyplot as plt
+
+    classes = list(record["metrics_fp32"]["per_class"])
+    figure, axis = plt.subplots(figsize=(6, 3.2))
+    x = np.arange(len(classes))
+    for offset, key, color in ((-0.2, "fp32", "#5b6575"), (0.2, "int8", "#76b900")):
+        values = [record[f"metrics_{key}"]["per_class"][c] for c in classes]
+        axis.bar(x + offset, values, 0.4, label=key.upper(), color=color)
+    axis.set_xticks(x, classes)
+    axis.set_ylabel("AP@[.5:.95]")
+    axis.set_title(f"{record['name']}: per-class AP")
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    return figure
+
+
+def _sections(records: Sequence[dict]) -> list[Section]:
+    summary = table_html(
+        _summary_frame(records),
+        caption=(
+            "Metrics computed on each model's held-out evaluation split; INT8 = the Q/DQ model "
+            "run by ONNX Runtime (CPU) with integer kernels."
+        ),
+    )
+    sections = [
+        Section(
+            "Summary",
+            summary
+            + figure_html(
+                _accuracy_figure(records), "FP32 vs INT8 task metric and latency per model"
+            ),
+        )
+    ]
+    for record in records:
+        metrics = pd.DataFrame(
+            {
+                "metric": [
+                    tasks.METRIC_LABELS.get(k, k)
+                    for k, v in record["metrics_fp32"].items()
+                    if not isinstance(v, dict)
+                ],
+                "FP32": [v for v in record["metrics_fp32"].values() if not isinstance(v, dict)],
+                "INT8": [v for v in record["metrics_int8"].values() if not isinstance(v, dict)],
+            }
+        )
+        body = (
+            f"<p>{record['description']}. Calibrated with <code>{record['method']}</code> "
+            f"on {record['calibration_samples']} samples; evaluated on "
+            f"{record['eval_samples']} held-out samples. Artifacts: "
+            f"<code>{record['name']}/</code> (model.onnx, model.int8.onnx, scales.json, "
+            "calibration.cache, stats.npz).</p>" + table_html(metrics)
+        )
+        if record["task"] == "detection":
+            body += figure_html(_per_class_figure(record), "Per-class AP, FP32 vs INT8")
+        sections.append(Section(record["name"], body))
+    return sections
+
+
+def run_demo(
+    out: str | os.PathLike = "reports/demo",
+    models: Sequence[str] | None = None,
+    method: str = "entropy",
+    eval_limit: int | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Run the demo for `models` (default: every zoo model) and write report and summary."""
+    out = _prepare_demo_folder(Path(out), force)
+    names = list(models or zoo.names())
+    started = time.perf_counter()
+    records = [run_model(name, out, method, eval_limit, progress) for name in names]
+    summary = {
+        "generator": DEMO_MARKER,
+        "method": method,
+        "seconds": round(time.perf_counter() - started, 1),
+        "models": records,
+    }
+    write_json(out / "summary.json", summary)
+    write_report(
+        out / "report.html",
+        "quantlab demo: INT8 accuracy of the reference models",
+        _sections(records),
+        subtitle=f"Every zoo model exported, calibrated ({method}), quantized to Q/DQ "
+        "INT8 and evaluated in ONNX Runtime.",
+    )
+    _log(f"wrote {out / 'report.html'} and {out / 'summary.json'} in {summary['seconds']:.0f} s")
+    return summary

@@ -1,0 +1,126 @@
+"""The calibration flow as one call: collect -> calibrate -> Q/DQ model + cache, into a folder.
+
+This is what ``quantlab calibrate`` and ``quantlab demo`` run, and what a
+notebook calls directly::
+
+    from quantlab import pipeline
+    result = pipeline.run_calibration("model.onnx", "calibration_data/digits/calibration.npy",
+                                      out="reports/my-run", method="entropy")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from quantlab import cache, calibrate, collect, graph, qdq
+from quantlab.data import BatchSource, Preprocess, open_data
+from quantlab.experiment import prepare_output, write_json
+
+# Files a calibration run writes; a folder holding any of them is refused unless forced.
+CALIBRATION_FILES = (
+    "model.onnx",
+    "model.int8.onnx",
+    "scales.json",
+    "calibration.cache",
+    "stats.npz",
+    "calibration.json",
+)
+# TensorRT names the algorithm in the cache header; max/percentile/mse caches are
+# written with the min-max header because TensorRT has no calibrator of those names.
+CACHE_ALGORITHM = {
+    "entropy": "EntropyCalibration2",
+    "max": "MinMaxCalibration",
+    "percentile": "MinMaxCalibration",
+    "mse": "MinMaxCalibration",
+}
+
+
+@dataclass
+class CalibrationResult:
+    """Everything a calibration run produced, in memory and in `folder`."""
+
+    folder: Path
+    model: onnx.ModelProto
+    qdq_model: onnx.ModelProto
+    stats: collect.Statistics
+    scales: calibrate.Scales
+
+
+def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
+    """An ONNX model from a path, a zoo model name, or a ModelProto (normalized)."""
+    if isinstance(model, onnx.ModelProto):
+        return graph.normalize(model)
+    from quantlab import zoo
+
+    if str(model) in zoo.names() and not Path(model).exists():
+        return export_zoo_model(str(model))
+    return graph.load_model(model)
+
+
+def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.ModelProto:
+    """Export a zoo model to ONNX (to `path` if given, else a cache under the zoo's folder)."""
+    from quantlab import zoo
+
+    entry = zoo.get(name)
+    target = Path(path) if path else zoo.WEIGHTS_DIR.parent / ".onnx-cache" / f"{name}.onnx"
+    sample = entry.calibration_set()[:2]
+    return graph.export_torch(entry.build(), sample, target, output_names=entry.output_names)
+
+
+def run_calibration(
+    model: str | os.PathLike | onnx.ModelProto,
+    data: str | os.PathLike | BatchSource | object,
+    out: str | os.PathLike,
+    method: str = "entropy",
+    method_params: Mapping[str, float] | None = None,
+    batch_size: int = 32,
+    max_samples: int | None = None,
+    preprocess: Preprocess | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> CalibrationResult:
+    """Calibrate `model` on `data` and write the experiment folder `out`.
+
+    Writes ``model.onnx`` (normalized FP32), ``stats.npz``, ``scales.json``,
+    ``calibration.cache`` (TensorRT format), ``model.int8.onnx`` (Q/DQ) and
+    ``calibration.json`` (what was run). Nothing is written if collection fails.
+    """
+    method_params = dict(method_params or {})
+    calibrate.check_method(method, method_params)
+    model = resolve_model(model)
+    inputs = graph.input_specs(model)
+    source = (
+        data
+        if isinstance(data, BatchSource)
+        else open_data(data, inputs, batch_size, max_samples, preprocess)
+    )
+    folder = prepare_output(out, force=force, produces=CALIBRATION_FILES)
+    tensors = qdq.activation_tensors_to_calibrate(model)
+    stats = collect.collect(model, source, tensors, progress=progress)
+    scales = calibrate.calibrate(stats, method, **method_params)
+    qdq_model = qdq.quantize_model(model, scales.amax)
+
+    graph.save_model(model, folder / "model.onnx")
+    stats.save(folder / "stats.npz")
+    scales.save(folder / "scales.json")
+    cache.write_calibration_cache(
+        folder / "calibration.cache", scales.scale, algorithm=CACHE_ALGORITHM[method]
+    )
+    graph.save_model(qdq_model, folder / "model.int8.onnx")
+    write_json(
+        folder / "calibration.json",
+        {
+            "data": source.description,
+            "num_samples": source.num_samples,
+            "batch_size": source.batch_size,
+            "method": method,
+            "params": method_params,
+            "tensors": len(tensors),
+        },
+    )
+    return CalibrationResult(folder, model, qdq_model, stats, scales)

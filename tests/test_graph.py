@@ -1,0 +1,83 @@
+"""Loading, normalizing and exporting ONNX graphs, and the errors for bad model files."""
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from quantlab import graph
+from quantlab.errors import ModelError
+
+
+def test_missing_model_file_names_it(tmp_path):
+    with pytest.raises(ModelError, match="nope.onnx does not exist"):
+        graph.load_model(tmp_path / "nope.onnx")
+
+
+def test_non_onnx_file_is_rejected(tmp_path):
+    path = tmp_path / "notes.onnx"
+    path.write_text("this is a text file, not a protobuf\n" * 20)
+    with pytest.raises(ModelError, match="notes.onnx"):
+        graph.load_model(path)
+
+
+def test_truncated_model_is_rejected(tiny_model, tmp_path):
+    _, path, _ = tiny_model
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ModelError, match="broken.onnx"):
+        graph.load_model(broken)
+
+
+def test_export_matches_torch_and_is_normalized(tiny_model):
+    model, path, module = tiny_model
+    assert graph.opset_version(model) >= graph.MIN_OPSET
+    names = [node.name for node in model.graph.node]
+    assert len(set(names)) == len(names) and all(names)
+    x = np.random.default_rng(3).standard_normal((4, 3, 16, 16)).astype(np.float32)
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (onnx_out,) = session.run(None, {"input": x})
+    with torch.no_grad():
+        torch_out = module(torch.from_numpy(x)).numpy()
+    # float32 kernels differ in summation order only: a few ulps of the logits' magnitude.
+    np.testing.assert_allclose(onnx_out, torch_out, rtol=1e-4, atol=1e-5)
+    assert graph.input_specs(model)[0].shape[1:] == (3, 16, 16)
+    assert graph.input_specs(model)[0].shape[0] is None  # dynamic batch
+
+
+def test_normalize_upgrades_old_opset_and_names_nodes():
+    nodes = [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Relu", ["y"], ["z"])]
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 4])],
+    )
+    old = helper.make_model(g, opset_imports=[helper.make_opsetid("", 11)])
+    model = graph.normalize(old)
+    assert graph.opset_version(model) == graph.MIN_OPSET
+    assert [n.name for n in model.graph.node] == ["Relu_0", "Relu_1"]
+    assert {v.name for v in model.graph.value_info} == {"y"}  # inferred intermediate shape
+
+
+def test_topological_tensors_and_module_paths(tiny_model):
+    model, _, _ = tiny_model
+    order = graph.topological_tensors(model)
+    assert order[0] == "input" and order[-1] == "logits"
+    producers = graph.producers(model)
+    position = {name: i for i, name in enumerate(order)}
+    for name in order[1:]:
+        for source in producers[name].input:
+            if source in position:
+                assert position[source] < position[name]
+    modules = {graph.node_module_path(n) for n in model.graph.node if n.op_type in ("Conv", "Gemm")}
+    assert {"bn1", "conv2", "fc"} <= modules  # BN folded into conv1 carries the BN's scope
+
+
+def test_save_model_is_loadable(tiny_model, tmp_path):
+    model, _, _ = tiny_model
+    path = graph.save_model(model, tmp_path / "copy.onnx")
+    assert onnx.load(str(path)).graph.node[0].name == model.graph.node[0].name

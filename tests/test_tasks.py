@@ -1,0 +1,81 @@
+"""Task metrics against hand-computed values and a brute-force top-k."""
+
+import numpy as np
+import pytest
+
+from quantlab.errors import DataError
+from quantlab.tasks import coco_map, topk_accuracy
+
+
+def _coco(boxes_per_image):
+    images, annotations = [], []
+    for image_id, boxes in enumerate(boxes_per_image, start=1):
+        images.append({"id": image_id, "width": 100, "height": 100, "file_name": f"{image_id}.png"})
+        for box in boxes:
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": image_id,
+                    "category_id": 1,
+                    "bbox": box,
+                    "area": box[2] * box[3],
+                    "iscrowd": 0,
+                }
+            )
+    return {
+        "images": images,
+        "annotations": annotations,
+        "categories": [{"id": 1, "name": "square"}],
+    }
+
+
+def _det(image_id, box, score):
+    return {"image_id": image_id, "category_id": 1, "bbox": box, "score": score}
+
+
+def test_perfect_detections_score_one():
+    gt = _coco([[[10, 10, 30, 30]], [[50, 40, 20, 25]]])
+    result = coco_map(gt, [_det(1, [10, 10, 30, 30], 0.9), _det(2, [50, 40, 20, 25], 0.8)])
+    assert result["map"] == pytest.approx(1.0)
+    assert result["per_class"]["square"] == pytest.approx(1.0)
+
+
+def test_iou_062_counts_at_three_of_ten_thresholds():
+    # GT 20x20; detection 20x12.4 inside it: IoU = 248/400 = 0.62, so it matches at
+    # IoU thresholds .50, .55, .60 and misses at .65 ... .95: mAP@[.5:.95] = 3/10.
+    gt = _coco([[[10, 10, 20, 20]]])
+    result = coco_map(gt, [_det(1, [10, 10, 20, 12.4], 0.9)])
+    assert result["map50"] == pytest.approx(1.0)
+    assert result["map75"] == pytest.approx(0.0)
+    assert result["map"] == pytest.approx(0.3)
+
+
+def test_false_positive_between_true_positives():
+    # Ranked: TP, FP, TP over two GT boxes. Precision 1 up to recall .5, then 2/3 up to
+    # recall 1; COCO's 101-point interpolation: (51 * 1 + 50 * 2/3) / 101.
+    gt = _coco([[[10, 10, 20, 20], [60, 60, 20, 20]]])
+    dets = [
+        _det(1, [10, 10, 20, 20], 0.9),
+        _det(1, [35, 80, 10, 10], 0.8),
+        _det(1, [60, 60, 20, 20], 0.7),
+    ]
+    assert coco_map(gt, dets)["map"] == pytest.approx((51 + 50 * 2 / 3) / 101)
+
+
+def test_no_detections_score_zero():
+    assert coco_map(_coco([[[10, 10, 20, 20]]]), [])["map"] == 0.0
+
+
+def test_topk_matches_brute_force():
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((300, 10))
+    labels = rng.integers(0, 10, 300)
+    result = topk_accuracy(logits, labels, ks=(1, 3, 5))
+    for k in (1, 3, 5):
+        expected = np.mean([labels[i] in np.argsort(-logits[i])[:k] for i in range(300)])
+        assert result[f"top{k}"] == pytest.approx(expected)
+
+
+def test_topk_rejects_mismatched_labels():
+    with pytest.raises(DataError, match="labels"):
+        topk_accuracy(np.zeros((4, 10)), np.zeros(5, dtype=int))
