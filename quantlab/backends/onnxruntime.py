@@ -49,6 +49,9 @@ class OnnxRuntimeBackend:
         options = ort.SessionOptions()
         options.graph_optimization_level = self.optimization
         options.log_severity_level = 3
+        # Keep Q/DQ int8 as TensorRT runs it: on x86 ORT otherwise rewrites int8 pairs to
+        # uint8, which fails wherever one Q feeds several consumers and then blocks QLinearConv.
+        options.add_session_config_entry("session.qdqisint8allowed", "1")
         if self.threads:
             options.intra_op_num_threads = self.threads
         if optimized_model_path:

@@ -1,0 +1,130 @@
+"""TensorRT calibration cache (implicit INT8, TensorRT <= 10): read and write.
+
+The cache is text: a header ``TRT-<version>-<Algorithm>`` (version is
+TensorRT's version number, e.g. 8601 for 8.6.1, 100300 for 10.3.0), then one
+``<tensor name>: <8 hex digits>`` line per tensor, the hex being the big-endian
+IEEE-754 float32 bit pattern of the scale (amax / 127). Tensor names may hold
+``:`` or ``/`` (``input_1:0``, ``/conv1/Conv_output_0``), so a line splits at
+its last ``": "``. TensorRT omits tensors it has no scale for and has been
+seen writing 0 and Infinity scales; the reader returns those as written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from quantlab.errors import ConfigError, DataError
+from quantlab.experiment import write_text
+
+ALGORITHMS = ("EntropyCalibration2", "EntropyCalibration", "MinMaxCalibration",
+              "LegacyCalibration")
+_HEADER = re.compile(r"TRT-([0-9A-Za-z]+)-([A-Za-z0-9]+)")
+_HEX = re.compile(r"[0-9a-fA-F]{8}")
+
+
+class CacheHeader(NamedTuple):
+    """The first line of a cache: TensorRT version number and calibration algorithm."""
+
+    trt_version: str
+    algorithm: str
+
+    def __str__(self) -> str:
+        return f"TRT-{self.trt_version}-{self.algorithm}"
+
+
+def trt_version_number(version: str | int) -> str:
+    """TensorRT's version number as written in caches: '8.6.1' -> '8601', '10.3.0' -> '100300'.
+
+    A string of digits (or an int) is taken as already in that form.
+    """
+    text = str(version)
+    if text.isdigit():
+        return text
+    parts = text.split(".")
+    if len(parts) < 2 or not all(p.isdigit() for p in parts[:3]):
+        raise ConfigError(
+            f"TensorRT version '{version}' is neither a dotted version (8.6.1) nor a version "
+            "number (8601)."
+        )
+    major, minor, patch = (int(p) for p in (parts + ["0"])[:3])
+    # NV_TENSORRT_VERSION: major*1000 + minor*100 + patch before 10, major*10000 + ... after.
+    return str(major * (10000 if major >= 10 else 1000) + minor * 100 + patch)
+
+
+def scale_to_hex(scale: float) -> str:
+    """The 8 lowercase hex digits of `scale` as a big-endian float32 (1/127 -> '3c010204')."""
+    return struct.pack(">f", np.float32(scale)).hex()
+
+
+def hex_to_scale(text: str) -> np.float32:
+    """Inverse of :func:`scale_to_hex`."""
+    return np.float32(struct.unpack(">f", bytes.fromhex(text))[0])
+
+
+def write_calibration_cache(
+    path: str | os.PathLike,
+    scales: Mapping[str, float],
+    algorithm: str = "EntropyCalibration2",
+    trt_version: str | int = "8601",
+) -> Path:
+    """Atomically write a TensorRT calibration cache of `scales` (tensor -> amax / 127).
+
+    `trt_version` must be the version of the TensorRT that will read the cache
+    (TensorRT recalibrates when the header does not match it).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"algorithm '{algorithm}' is not one of {', '.join(ALGORITHMS)}.")
+    header = CacheHeader(trt_version_number(trt_version), algorithm)
+    lines = [str(header)]
+    for name, scale in scales.items():
+        if not (np.isfinite(scale) and scale > 0):
+            raise DataError(
+                f"tensor '{name}' has scale {scale}; a calibration cache needs a finite positive "
+                "scale for every tensor. Recalibrate, or leave the tensor out of the cache."
+            )
+        if "\n" in name or not name:
+            raise DataError(f"tensor name {name!r} cannot be written to a calibration cache line.")
+        lines.append(f"{name}: {scale_to_hex(scale)}")
+    return write_text(path, "\n".join(lines) + "\n")
+
+
+def read_calibration_cache(path: str | os.PathLike) -> tuple[CacheHeader, dict[str, np.float32]]:
+    """Read a calibration cache (ours or TensorRT's): its header and tensor -> float32 scale."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("ascii")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"calibration cache {path} cannot be read as text ({exc}).") from None
+    lines = text.splitlines()
+    if not lines:
+        raise DataError(f"calibration cache {path} is empty.")
+    match = _HEADER.fullmatch(lines[0].strip())
+    if not match or match.group(2) not in ALGORITHMS:
+        raise DataError(
+            f"calibration cache {path}, line 1: header {lines[0][:80]!r} is not "
+            f"'TRT-<version>-<algorithm>' with an algorithm among {', '.join(ALGORITHMS)}."
+        )
+    header = CacheHeader(match.group(1), match.group(2))
+    scales: dict[str, np.float32] = {}
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        name, sep, value = line.rstrip().rpartition(": ")
+        if not sep or not name or not _HEX.fullmatch(value):
+            raise DataError(
+                f"calibration cache {path}, line {number}: {line[:80]!r} is not "
+                "'<tensor name>: <8 hex digits>'. The file is damaged; regenerate it."
+            )
+        if name in scales:
+            raise DataError(
+                f"calibration cache {path}, line {number}: tensor '{name}' appears twice."
+            )
+        scales[name] = hex_to_scale(value)
+    return header, scales

@@ -1,0 +1,220 @@
+"""Statistics -> amax per tensor: entropy (TensorRT's EntropyCalibration2), max, percentile, mse.
+
+Calibrators only decide; the statistics they read are collected by
+:mod:`quantlab.collect`. docs/calibration.md explains each method and how our
+entropy calibrator relates to TensorRT's, pytorch-quantization's, ONNX
+Runtime's, MXNet's and TVM's.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from quantlab.collect import Statistics
+from quantlab.errors import ConfigError, DataError
+from quantlab.experiment import read_json, write_json
+
+METHODS = ("entropy", "max", "percentile", "mse")
+# amax given to a tensor that was zero on all calibration data: any positive
+# value represents 0 exactly; 1.0 keeps a usable range if deployment data differs.
+SAFE_AMAX = 1.0
+# KL values closer than this (nats) are ties: the summation order of the
+# vectorized search and of a loop differ by ~1e-15, far below real differences.
+KL_TIE_TOLERANCE = 1e-12
+# Candidate amax values evaluated at once by the mse search (bounds memory).
+MSE_BLOCK = 256
+SCALES_FORMAT = "quantlab.scales"
+
+
+@dataclass
+class Scales:
+    """amax per tensor (scale = amax / 127) with the method and parameters that chose them."""
+
+    amax: dict[str, float]
+    method: str
+    params: dict[str, Any] = field(default_factory=dict)
+    num_samples: int = 0
+
+    @property
+    def scale(self) -> dict[str, float]:
+        """Symmetric int8 scale per tensor: amax / 127."""
+        return {name: amax / 127.0 for name, amax in self.amax.items()}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write ``scales.json`` atomically."""
+        return write_json(path, {
+            "format": SCALES_FORMAT,
+            "method": self.method,
+            "params": self.params,
+            "num_samples": self.num_samples,
+            "tensors": {name: {"amax": amax, "scale": amax / 127.0}
+                        for name, amax in self.amax.items()},
+        })
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Scales:
+        """Read a ``scales.json`` written by :meth:`save`."""
+        path = Path(path)
+        try:
+            data = read_json(path)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{path} is not a readable scales file ({exc}).") from None
+        if not isinstance(data, dict) or data.get("format") != SCALES_FORMAT:
+            raise DataError(
+                f"{path} is not a quantlab scales file (no \"format\": \"{SCALES_FORMAT}\"); pass "
+                "the scales.json written by `quantlab calibrate`."
+            )
+        try:
+            amax = {str(name): float(entry["amax"]) for name, entry in data["tensors"].items()}
+            return cls(amax, str(data["method"]), dict(data["params"]), int(data["num_samples"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise DataError(
+                f"{path} is a damaged scales file (field {exc}); calibrate again to rewrite it."
+            ) from None
+
+
+def calibrate(stats: Statistics, method: str = "entropy", **params: Any) -> Scales:
+    """Choose an amax for every tensor in `stats` with `method`.
+
+    Parameters: entropy ``start_bin`` (128), ``num_levels`` (128); percentile
+    ``percentile`` (99.99); mse ``start_bin`` (128).
+    """
+    params = check_method(method, params, stats.num_bins)
+    amax: dict[str, float] = {}
+    zero = []
+    for name, tensor in stats.tensors.items():
+        if tensor.amax == 0.0:
+            zero.append(name)
+            amax[name] = SAFE_AMAX
+            continue
+        if method == "max":
+            amax[name] = tensor.amax
+            continue
+        hist, top = tensor.histogram(stats.num_bins)
+        width = top / stats.num_bins
+        if method == "entropy":
+            # TensorRT puts the threshold in the middle of the bin after the kept
+            # ones: (i + 0.5) * width (GTC 2017; TensorRT-written caches show
+            # amax = 2048.5/2048 * max for unclipped tensors, e.g. 3c010a14 for max 1).
+            kept = entropy_threshold_bin(hist, params["start_bin"], params["num_levels"])
+            amax[name] = (kept + 0.5) * width
+        elif method == "percentile":
+            amax[name] = percentile_threshold_bin(hist, params["percentile"]) * width
+        else:
+            amax[name] = mse_threshold_bin(hist, params["start_bin"]) * width
+    if zero:
+        warnings.warn(
+            f"{len(zero)} tensor(s) were all zeros in calibration ({zero[:5]}); they get amax "
+            f"{SAFE_AMAX}, which represents 0 exactly.",
+            stacklevel=2,
+        )
+    return Scales(amax, method, params, stats.num_samples)
+
+
+def check_method(method: str, params: Mapping[str, Any], num_bins: int = 2048) -> dict[str, Any]:
+    """The full parameter set of `method` (defaults filled in); ConfigError if anything is wrong.
+
+    Cheap, so callers can validate options before a long collection.
+    """
+    if method not in METHODS:
+        raise ConfigError(f"calibration method '{method}' is not one of {', '.join(METHODS)}.")
+    defaults = {"entropy": {"start_bin": 128, "num_levels": 128}, "max": {},
+                "percentile": {"percentile": 99.99}, "mse": {"start_bin": 128}}[method]
+    unknown = sorted(set(params) - set(defaults))
+    if unknown:
+        raise ConfigError(
+            f"calibration method '{method}' has no parameter(s) {unknown}; it takes "
+            f"{sorted(defaults) or 'none'}."
+        )
+    merged = {**defaults, **params}
+    if method == "percentile" and not 0.0 < merged["percentile"] <= 100.0:
+        raise ConfigError(f"percentile must be in (0, 100], got {merged['percentile']}.")
+    if method in ("entropy", "mse") and not 1 <= merged["start_bin"] <= num_bins:
+        raise ConfigError(f"start_bin must be in [1, {num_bins}], got {merged['start_bin']}.")
+    return merged
+
+
+def entropy_threshold_bin(hist: np.ndarray, start_bin: int = 128, num_levels: int = 128) -> int:
+    """Number of bins i of |x| histogram `hist` to keep that minimizes KL(P_i || Q_i).
+
+    TensorRT's EntropyCalibration2 as published (GTC 2017) and re-implemented
+    by NVIDIA's pytorch-quantization: bin 0 takes bin 1's count; for every
+    i in [start_bin, len(hist)], P_i = hist[:i] with the mass of hist[i:] added
+    to its last bin; Q_i = hist[:i] merged into `num_levels` levels (bin j in
+    level floor(num_levels * j / i)), each level's mass spread evenly over its
+    bins that are non-zero in hist[:i] (zero elsewhere); P and Q normalized;
+    0 log 0 = 0 and P > 0 where Q = 0 gives infinity. Ties (within
+    KL_TIE_TOLERANCE) go to the largest i. All candidates are evaluated at once
+    from prefix sums (levels are contiguous runs of bins).
+    """
+    h = np.asarray(hist, np.float64).copy()
+    n = len(h)
+    h[0] = h[1]
+    total = h.sum()
+    if total == 0.0:
+        return n
+    h /= total
+    kept = np.arange(start_bin, n + 1)
+    nonzero = h > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h_log_h = np.where(nonzero, h * np.log(np.where(nonzero, h, 1.0)), 0.0)
+    mass_prefix = np.concatenate(([0.0], np.cumsum(h)))
+    count_prefix = np.concatenate(([0], np.cumsum(nonzero)))
+    plogp_prefix = np.concatenate(([0.0], np.cumsum(h_log_h)))
+
+    # Level l of candidate i covers bins [ceil(l*i/L), ceil((l+1)*i/L)).
+    bounds = -((-np.arange(num_levels + 1)[None, :] * kept[:, None]) // num_levels)
+    level_mass = np.diff(mass_prefix[bounds], axis=1)
+    level_count = np.diff(count_prefix[bounds], axis=1)
+    # Suffix sums, not 1 - prefix: an empty tail must give exactly zero outliers.
+    outliers = np.concatenate((np.cumsum(h[::-1])[::-1], [0.0]))[kept]
+    last = h[kept - 1] + outliers
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # sum_j h_j log Q_j over kept bins = sum over levels of mass * log(mass / count).
+        level_q = np.where(level_mass > 0, level_mass / np.maximum(level_count, 1), 1.0)
+        cross = (level_mass * np.log(level_q)).sum(axis=1)
+        last_q = level_mass[:, -1] / np.maximum(level_count[:, -1], 1)
+        last_plogp = np.where(last > 0, last * np.log(np.where(last > 0, last, 1.0)), 0.0)
+        plogp = plogp_prefix[kept - 1] + last_plogp
+        # The outlier mass sits in the last bin, where Q is the last level's share.
+        outlier_cross = np.where(outliers > 0, outliers * np.log(last_q), 0.0)
+        kl = plogp - cross - outlier_cross + np.log(mass_prefix[kept])
+    # Outliers folded into an empty last bin meet Q = 0 there: infinite divergence.
+    kl[(outliers > 0) & (h[kept - 1] == 0)] = np.inf
+    kl[~np.isfinite(kl)] = np.inf
+    best = kl.min()
+    if not np.isfinite(best):
+        return n
+    return int(kept[np.flatnonzero(kl <= best + KL_TIE_TOLERANCE)[-1]])
+
+
+def percentile_threshold_bin(hist: np.ndarray, percentile: float) -> int:
+    """Smallest k such that bins [0, k) hold at least `percentile` % of the mass."""
+    cumulative = np.cumsum(np.asarray(hist, np.float64))
+    target = cumulative[-1] * percentile / 100.0
+    return int(min(np.searchsorted(cumulative, target, side="left") + 1, len(cumulative)))
+
+
+def mse_threshold_bin(hist: np.ndarray, start_bin: int = 128) -> int:
+    """k in [start_bin, len(hist)] whose amax = k bins minimizes the histogram's int8 MSE.
+
+    Each bin's mass sits at its centre c; with scale s = k / 127 (in bins) it
+    quantizes to min(round(c / s), 127) * s. Ties go to the smallest k.
+    """
+    counts = np.asarray(hist, np.float64)
+    centres = np.arange(len(counts)) + 0.5
+    candidates = np.arange(start_bin, len(counts) + 1)
+    errors = np.concatenate([
+        ((np.minimum(np.rint(centres / s[:, None]), 127.0) * s[:, None] - centres) ** 2
+         * counts).sum(axis=1)
+        for s in np.array_split(candidates / 127.0, -(-len(candidates) // MSE_BLOCK))
+    ])
+    return int(candidates[np.argmin(errors)])
+

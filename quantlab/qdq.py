@@ -1,0 +1,395 @@
+"""Insert QuantizeLinear/DequantizeLinear pairs following TensorRT's explicit-quantization rules.
+
+The placement rules, each with its source, are in docs/qdq.md. In short: int8,
+symmetric, zero point 0; activations per-tensor, weights per-channel on the
+output-channel axis, stored as int8 initializers behind a per-axis
+DequantizeLinear; Q/DQ on the inputs of Conv / ConvTranspose / Gemm / MatMul,
+not on their outputs; on a residual Add only the residual (skip) input; pairs
+move backward through ops that commute with quantization (MaxPool, Reshape,
+...) instead of being doubled; biases stay float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from quantlab import graph
+from quantlab.errors import ConfigError, DataError, ModelError
+
+PRECISIONS = ("int8", "fp16", "fp32")
+# Weighted ops TensorRT runs in INT8 when their inputs are quantized: op -> weight input index.
+LINEAR_OPS = {"Conv": 1, "ConvTranspose": 1, "Gemm": 1, "MatMul": 1}
+# Ops whose data input 0 commutes exactly with a zero-point-0 per-tensor quantizer
+# (they only select, move or reorder elements). TensorRT propagates Q backward and
+# DQ forward through them; ORT's QDQ propagation transformer does the same.
+PASS_THROUGH_OPS = frozenset(
+    {"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Slice", "Identity"}
+)
+# The residual Add fuses into the Conv that produces its other input (TensorRT guide).
+_BACKBONE_OPS = ("Conv", "ConvTranspose")
+_QMAX = 127.0
+# The smallest amax whose scale (amax / 127) is still a normal float32.
+_MIN_AMAX = float(np.finfo(np.float32).tiny) * _QMAX
+
+
+@dataclass
+class _Placement:
+    """Where the pairs go; every activation pair is keyed by the tensor it sits on."""
+
+    # tensor carrying a pair -> tensor whose amax gives its scale
+    source: dict[str, str] = field(default_factory=dict)
+    # tensor carrying a pair -> (node name, input index) edges that read its DQ output
+    readers: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    # (node name, input index) -> (weight initializer name, axis or None for per-tensor)
+    weights: dict[tuple[str, int], tuple[str, int | None]] = field(default_factory=dict)
+
+
+def weight_axis(node: onnx.NodeProto, weight_input_index: int) -> int:
+    """Output-channel axis of a Conv / ConvTranspose / Gemm / MatMul weight input.
+
+    Conv weights are [C_out, C_in/g, k...] (axis 0); ConvTranspose weights are
+    [C_in, C_out/g, k...] (axis 1); Gemm's B is [N, K] with transB=1 (axis 0) and
+    [K, N] with transB=0 (axis 1); MatMul's constant B is [K, N] (axis 1).
+    """
+    if LINEAR_OPS.get(node.op_type) != weight_input_index:
+        raise ModelError(
+            f"node '{node.name}' ({node.op_type}) has no per-channel weight at input "
+            f"{weight_input_index}; only input 1 of {', '.join(LINEAR_OPS)} is a weight with an "
+            "output-channel axis. Quantize that input per-tensor instead."
+        )
+    if node.op_type == "ConvTranspose":
+        return 1
+    if node.op_type == "Gemm":
+        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+        return 0 if trans_b else 1
+    if node.op_type == "MatMul":
+        return 1
+    return 0
+
+
+def weight_amax(weight: np.ndarray, axis: int | None) -> np.ndarray:
+    """Max |w| per channel along `axis` (a scalar array when `axis` is None).
+
+    An all-zero channel gets the smallest amax whose scale is a normal float32,
+    so its scale is valid and it still quantizes to exactly zero.
+    """
+    magnitude = np.abs(np.asarray(weight, dtype=np.float32))
+    if axis is None:
+        amax = magnitude.max(initial=0.0)
+    else:
+        reduce_axes = tuple(i for i in range(magnitude.ndim) if i != axis % magnitude.ndim)
+        amax = magnitude.max(axis=reduce_axes, initial=0.0)
+    return np.maximum(amax, _MIN_AMAX).astype(np.float32)
+
+
+def activation_tensors_to_calibrate(
+    model: onnx.ModelProto, plan: Mapping[str, str] | None = None
+) -> list[str]:
+    """ONNX tensor names whose amax the Q/DQ model needs, in topological order."""
+    model = graph.normalize(model)
+    placement = _place(model, plan)
+    wanted = set(placement.source.values())
+    return [name for name in graph.topological_tensors(model) if name in wanted]
+
+
+def quantize_model(
+    model: onnx.ModelProto,
+    amax: Mapping[str, float],
+    plan: Mapping[str, str] | None = None,
+    per_channel: bool = True,
+) -> onnx.ModelProto:
+    """Return a copy of `model` with Q/DQ pairs placed by TensorRT's explicit-quantization rules.
+
+    `amax` maps each tensor from `activation_tensors_to_calibrate` to its
+    calibrated max |x| (scale = amax / 127). `plan` maps node name -> "int8",
+    "fp16" or "fp32"; nodes missing from it run in INT8 where quantizable.
+    "fp16" is treated like "fp32" for now (no Q/DQ on the node's inputs; no Cast
+    nodes are inserted yet). Weights are per-channel unless `per_channel` is False.
+    """
+    model = graph.normalize(model)
+    placement = _place(model, plan)
+    scales = {t: _activation_scale(t, amax) for t in set(placement.source.values())}
+    return _build(model, placement, scales, per_channel)
+
+
+def _precisions(model: onnx.ModelProto, plan: Mapping[str, str] | None) -> dict[str, str]:
+    result = {node.name: "int8" for node in model.graph.node}
+    for name, precision in (plan or {}).items():
+        if name not in result:
+            known = ", ".join(list(result)[:5])
+            raise ConfigError(
+                f"plan names node '{name}', which is not in the model (nodes are e.g. {known}). "
+                "Key the plan by ONNX node name as listed by the model's graph."
+            )
+        if precision not in PRECISIONS:
+            raise ConfigError(
+                f"plan gives node '{name}' precision '{precision}'; use one of "
+                f"{', '.join(PRECISIONS)}."
+            )
+        result[name] = precision
+    return result
+
+
+def _place(model: onnx.ModelProto, plan: Mapping[str, str] | None) -> _Placement:
+    precision = _precisions(model, plan)
+    initializers = {init.name for init in model.graph.initializer}
+    producers = graph.producers(model)
+    consumers = graph.consumers(model)
+    outputs = {out.name for out in model.graph.output}
+    placement = _Placement()
+
+    def request(tensor: str, node: onnx.NodeProto, index: int, source: str) -> None:
+        placement.source.setdefault(tensor, source)
+        placement.readers.setdefault(tensor, []).append((node.name, index))
+
+    for node in model.graph.node:
+        if precision[node.name] != "int8":
+            continue
+        if node.op_type in LINEAR_OPS:
+            # Data and weight inputs only: a Conv/Gemm bias stays float (see docs/qdq.md).
+            for index, name in enumerate(node.input[:2]):
+                if name in initializers:
+                    is_weight = index == LINEAR_OPS[node.op_type]
+                    placement.weights[(node.name, index)] = (
+                        name, weight_axis(node, index) if is_weight else None
+                    )
+                else:
+                    request(name, node, index, name)
+        elif node.op_type == "Add":
+            index = _residual_input(node, producers, consumers, initializers)
+            if index is not None:
+                request(node.input[index], node, index, node.input[index])
+
+    _propagate_backward(model, placement, precision, producers, consumers, outputs, initializers)
+    _pair_linear_outputs_before_relu(model, placement, precision, consumers, outputs)
+    return placement
+
+
+def _all_readers(tensor: str, placement: _Placement, consumers, outputs) -> bool:
+    """True when every consumer edge of `tensor` reads its DQ output (nothing sees float)."""
+    if tensor in outputs:
+        return False
+    edges = {(n.name, i) for n in consumers.get(tensor, []) for i, x in enumerate(n.input)
+             if x == tensor}
+    return edges == set(placement.readers.get(tensor, []))
+
+
+def _propagate_backward(model, placement, precision, producers, consumers, outputs, initializers):
+    """Move each pair backward through pass-through ops, keeping the consumer's scale.
+
+    Q(op(u)) == op(Q(u)) for these ops, so the move is exact. When the op's input
+    already carries a pair, the op reads that DQ output and no second pair is made.
+    """
+    for tensor in reversed(graph.topological_tensors(model)):
+        while tensor in placement.readers:
+            producer = producers.get(tensor)
+            if (
+                producer is None
+                or producer.op_type not in PASS_THROUGH_OPS
+                or precision[producer.name] != "int8"
+                or producer.input[0] in initializers
+                or not _all_readers(tensor, placement, consumers, outputs)
+            ):
+                break
+            source = placement.source.pop(tensor)
+            del placement.readers[tensor]
+            upstream = producer.input[0]
+            placement.source.setdefault(upstream, source)
+            placement.readers.setdefault(upstream, []).append((producer.name, 0))
+            tensor = upstream
+
+
+def _pair_linear_outputs_before_relu(model, placement, precision, consumers, outputs):
+    """Add a pair between a quantized linear op and its only consumer Relu (ORT fusion).
+
+    With zero point 0 and the Relu output's own scale, relu(DQ(Q(x))) ==
+    DQ(Q(relu(x))), so this pair changes no value; it lets ONNX Runtime fuse
+    DQ -> Conv -> Q into QLinearConv, which it cannot do across a Relu.
+    """
+    for node in model.graph.node:
+        if node.op_type not in LINEAR_OPS or precision[node.name] != "int8":
+            continue
+        output = node.output[0]
+        readers = consumers.get(output, [])
+        if output in outputs or output in placement.readers or len(readers) != 1:
+            continue
+        relu = readers[0]
+        if relu.op_type != "Relu" or precision[relu.name] != "int8":
+            continue
+        relu_out = relu.output[0]
+        if relu_out in placement.readers and _all_readers(relu_out, placement, consumers, outputs):
+            placement.source[output] = placement.source[relu_out]
+            placement.readers[output] = [(relu.name, 0)]
+
+
+def _residual_input(node, producers, consumers, initializers) -> int | None:
+    """Index of the residual (skip) input of an Add that TensorRT fuses into a Conv, else None.
+
+    Follows TensorRT Model Optimizer's rule: an input produced by a Conv is the
+    fusible branch; when both are, the one on the longer path from the lowest
+    common ancestor is the branch and the other is the residual.
+    """
+    if len(node.input) != 2 or any(name in initializers for name in node.input):
+        return None
+    backbones = [_backbone(name, producers, consumers) for name in node.input]
+    if not any(backbones):
+        return None
+    lca, distance = _lowest_common_ancestor(node.input[0], node.input[1], producers, initializers)
+    if all(backbones):
+        if backbones[0] is backbones[1] or lca is None:
+            return None
+        return 1 if distance[0] > distance[1] else 0
+    branch = 0 if backbones[0] else 1
+    if lca is not None and lca == backbones[branch].output[0]:
+        return None  # both inputs derive from the Conv's own output: not a skip connection
+    return 1 - branch
+
+
+def _backbone(tensor, producers, consumers) -> onnx.NodeProto | None:
+    """The Conv producing `tensor`, directly or through a BatchNormalization it alone feeds."""
+    producer = producers.get(tensor)
+    if producer is not None and producer.op_type == "BatchNormalization":
+        if len(consumers.get(producer.input[0], [])) != 1:
+            return None
+        producer = producers.get(producer.input[0])
+    return producer if producer is not None and producer.op_type in _BACKBONE_OPS else None
+
+
+def _lowest_common_ancestor(first, second, producers, initializers):
+    """Common ancestor tensor with the smallest summed distance, and the two distances."""
+    first_dist = _ancestor_distances(first, producers, initializers)
+    second_dist = _ancestor_distances(second, producers, initializers)
+    common = set(first_dist) & set(second_dist)
+    if not common:
+        return None, (0, 0)
+    lca = min(common, key=lambda t: (first_dist[t] + second_dist[t], t))
+    return lca, (first_dist[lca], second_dist[lca])
+
+
+def _ancestor_distances(tensor, producers, initializers) -> dict[str, int]:
+    distances = {tensor: 0}
+    frontier = [tensor]
+    while frontier:
+        following = []
+        for name in frontier:
+            producer = producers.get(name)
+            for parent in producer.input if producer is not None else ():
+                if parent and parent not in initializers and parent not in distances:
+                    distances[parent] = distances[name] + 1
+                    following.append(parent)
+        frontier = following
+    return distances
+
+
+def _activation_scale(tensor: str, amax: Mapping[str, float]) -> np.float32:
+    if tensor not in amax:
+        raise DataError(
+            f"no amax for tensor '{tensor}', which the Q/DQ model quantizes. Calibrate every "
+            "tensor returned by quantlab.qdq.activation_tensors_to_calibrate(model, plan) "
+            "(or pin the nodes reading it to fp32 in the plan)."
+        )
+    value = float(amax[tensor])
+    if not np.isfinite(value) or value < 0:
+        raise DataError(
+            f"amax of tensor '{tensor}' is {value}; it must be a finite number >= 0. "
+            "Re-run calibration on data without NaN/Inf for this tensor."
+        )
+    return np.float32(max(value, _MIN_AMAX) / _QMAX)
+
+
+def quantize_weight(weight: np.ndarray, scale: np.ndarray, axis: int | None) -> np.ndarray:
+    """int8 weight: round half to even, saturate to [-128, 127] (ONNX QuantizeLinear)."""
+    shape = [1] * weight.ndim
+    if axis is not None:
+        shape[axis] = -1
+    scaled = weight.astype(np.float32) / np.reshape(scale, shape)
+    return np.clip(np.rint(scaled), -128, 127).astype(np.int8)
+
+
+class _Names:
+    """Fresh tensor/node names that never collide with the model's own."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.used = {t for n in model.graph.node for t in (*n.input, *n.output, n.name)}
+        self.used.update(i.name for i in model.graph.initializer)
+        self.used.update(v.name for v in model.graph.input)
+
+    def __call__(self, base: str) -> str:
+        name, count = base, 0
+        while name in self.used:
+            count += 1
+            name = f"{base}_{count}"
+        self.used.add(name)
+        return name
+
+
+def _build(model, placement: _Placement, scales, per_channel: bool) -> onnx.ModelProto:
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    g = result.graph
+    names = _Names(model)
+    weights = graph.initializers(model)
+    zero_point = names("quantlab_zero_point_int8")
+    g.initializer.append(numpy_helper.from_array(np.array(0, dtype=np.int8), zero_point))
+    rewired: dict[tuple[str, int], str] = {}
+
+    # Weights: int8 initializer -> DequantizeLinear (per-axis), one DQ per (weight, axis).
+    prelude = []
+    weight_dq: dict[tuple[str, int | None], str] = {}
+    for edge, (weight_name, axis) in placement.weights.items():
+        axis = axis if per_channel else None
+        if (weight_name, axis) not in weight_dq:
+            weight = weights[weight_name]
+            scale = weight_amax(weight, axis) / np.float32(_QMAX)
+            q_name, s_name, z_name = (names(f"{weight_name}_{s}") for s in
+                                      ("quantized", "scale", "zero_point"))
+            g.initializer.extend([
+                numpy_helper.from_array(quantize_weight(weight, scale, axis), q_name),
+                numpy_helper.from_array(scale.astype(np.float32), s_name),
+                numpy_helper.from_array(np.zeros(scale.shape, np.int8), z_name),
+            ])
+            out = names(f"{weight_name}_dequantized")
+            attrs = {"axis": axis} if axis is not None else {}
+            prelude.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [out],
+                                            name=names(f"{weight_name}_DequantizeLinear"), **attrs))
+            weight_dq[(weight_name, axis)] = out
+        rewired[edge] = weight_dq[(weight_name, axis)]
+
+    # Activations: one Q/DQ pair per tensor, placed right after its producer.
+    pairs: dict[str, list[onnx.NodeProto]] = {}
+    for tensor, readers in placement.readers.items():
+        scale_name = names(f"{tensor}_scale")
+        g.initializer.append(
+            numpy_helper.from_array(np.array(scales[placement.source[tensor]]), scale_name))
+        quantized, dequantized = names(f"{tensor}_quantized"), names(f"{tensor}_dequantized")
+        pairs[tensor] = [
+            helper.make_node("QuantizeLinear", [tensor, scale_name, zero_point], [quantized],
+                             name=names(f"{tensor}_QuantizeLinear")),
+            helper.make_node("DequantizeLinear", [quantized, scale_name, zero_point],
+                             [dequantized], name=names(f"{tensor}_DequantizeLinear")),
+        ]
+        rewired.update({edge: dequantized for edge in readers})
+
+    nodes = list(prelude)
+    for tensor in (v.name for v in model.graph.input):
+        nodes.extend(pairs.get(tensor, []))
+    for node in g.node:
+        for index in range(len(node.input)):
+            node.input[index] = rewired.get((node.name, index), node.input[index])
+        nodes.append(node)
+        for tensor in node.output:
+            nodes.extend(pairs.get(tensor, []))
+    del g.node[:]
+    g.node.extend(nodes)
+    # Weight initializers that only fed quantized inputs are now unused.
+    still_read = {name for node in g.node for name in node.input}
+    still_read.update(v.name for v in g.input)
+    kept = [init for init in g.initializer if init.name in still_read]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    return result

@@ -1,0 +1,254 @@
+"""Calibrators against slow line-by-line references of the published algorithms."""
+
+import math
+
+import numpy as np
+import pytest
+
+from quantlab import graph
+from quantlab.calibrate import (
+    KL_TIE_TOLERANCE,
+    SAFE_AMAX,
+    Scales,
+    calibrate,
+    check_method,
+    entropy_threshold_bin,
+    mse_threshold_bin,
+    percentile_threshold_bin,
+)
+from quantlab.collect import OVERSAMPLE, Statistics, TensorStats, collect
+from quantlab.data import open_data
+from quantlab.errors import ConfigError, DataError
+
+
+def reference_entropy_bin(hist, start_bin=128, num_levels=128):
+    """GTC 2017 / pytorch-quantization entropy search, one candidate and one bin at a time."""
+    bins = [float(v) for v in hist]
+    n = len(bins)
+    bins[0] = bins[1]
+    if sum(bins) == 0:
+        return n
+    divergences = []
+    for i in range(start_bin, n + 1):
+        outliers = sum(bins[i:])
+        p = bins[:i]
+        p[i - 1] += outliers
+        # Quantize bins[:i] (without the outliers) into levels; spread each level
+        # over the bins that are non-zero in bins[:i].
+        level_sum = [0.0] * num_levels
+        level_count = [0] * num_levels
+        for j in range(i):
+            level = j * num_levels // i
+            if bins[j] != 0:
+                level_sum[level] += bins[j]
+                level_count[level] += 1
+        q = [0.0] * i
+        for j in range(i):
+            if bins[j] != 0:
+                level = j * num_levels // i
+                q[j] = level_sum[level] / level_count[level]
+        p_total, q_total = sum(p), sum(q)
+        kl = 0.0
+        for pj, qj in zip(p, q, strict=True):
+            if pj == 0:
+                continue
+            if qj == 0:
+                kl = math.inf
+                break
+            kl += pj / p_total * math.log((pj / p_total) / (qj / q_total))
+        divergences.append(kl)
+    best = min(divergences)
+    if math.isinf(best):
+        return n
+    return max(start_bin + k for k, d in enumerate(divergences) if d <= best + KL_TIE_TOLERANCE)
+
+
+def abs_histogram(samples, bins):
+    samples = np.abs(samples)
+    return np.histogram(samples, bins=bins, range=(0, samples.max()))[0]
+
+
+def synthetic_histograms(bins):
+    rng = np.random.default_rng(7)
+    gauss = rng.standard_normal(200_000)
+    sparse = np.zeros(bins)
+    sparse[rng.choice(bins, 40, replace=False)] = rng.integers(1, 1000, 40)
+    spike = np.zeros(bins)
+    spike[bins // 3] = 5000
+    return {
+        "gaussian": abs_histogram(gauss, bins),
+        "laplacian": abs_histogram(rng.laplace(size=200_000), bins),
+        "student-t": abs_histogram(rng.standard_t(3, size=200_000), bins),
+        "one-sided": abs_histogram(np.maximum(gauss, 0), bins),
+        "uniform": abs_histogram(rng.uniform(-1, 1, 200_000), bins),
+        "outlier": abs_histogram(np.append(gauss, 60.0), bins),
+        "all-zero": np.zeros(bins),
+        "zeros-only-in-bin-0": np.eye(1, bins)[0] * 100,
+        "single-spike": spike,
+        "sparse": sparse,
+    }
+
+
+@pytest.mark.parametrize("name", list(synthetic_histograms(512)))
+def test_entropy_matches_reference_512_bins(name):
+    hist = synthetic_histograms(512)[name]
+    assert entropy_threshold_bin(hist) == reference_entropy_bin(hist)
+
+
+@pytest.mark.parametrize("name", ["gaussian", "student-t", "sparse"])
+def test_entropy_matches_reference_2048_bins(name):
+    hist = synthetic_histograms(2048)[name]
+    assert entropy_threshold_bin(hist) == reference_entropy_bin(hist)
+
+
+def test_entropy_known_values():
+    # A flat histogram is reproduced exactly by 128 levels only with no clipping.
+    assert entropy_threshold_bin(np.full(2048, 10.0)) == 2048
+    # One spike: every candidate that keeps it has KL 0; ties go to the widest range.
+    spike = np.zeros(2048)
+    spike[700] = 1.0
+    assert entropy_threshold_bin(spike) == 2048
+    # An isolated outlier sits alone in its level and is represented exactly:
+    # the algorithm keeps it (folding it into an empty bin instead is infinite KL).
+    hist = np.zeros(2048)
+    hist[:256] = 1000.0
+    hist[2047] = 1.0
+    assert entropy_threshold_bin(hist) == 2048
+    # A smooth exponential tail is clipped: wide levels blur the dense head.
+    decay = np.exp(-np.arange(2048) / 30.0) * 1e6
+    assert entropy_threshold_bin(decay) < 1024
+
+
+@pytest.fixture(scope="module")
+def resnet_stats(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    module = torchvision.models.resnet18(weights=None, num_classes=10)
+    path = tmp_path_factory.mktemp("resnet") / "resnet18.onnx"
+    model = graph.export_torch(module, np.zeros((1, 3, 32, 32), np.float32), path)
+    floats = graph.float_tensors(model)
+    tensors = [t for t in graph.topological_tensors(model) if t in floats]
+    data = np.random.default_rng(0).standard_normal((16, 3, 32, 32)).astype(np.float32)
+    source = open_data(data, graph.input_specs(model), batch_size=8)
+    return collect(model, source, tensors, num_bins=512, progress=False)
+
+
+def test_entropy_matches_reference_on_resnet18_histograms(resnet_stats):
+    names = list(resnet_stats.tensors)
+    assert len(names) > 20
+    for name in names[::4]:
+        hist, _ = resnet_stats.tensors[name].histogram(512)
+        assert entropy_threshold_bin(hist) == reference_entropy_bin(hist), name
+
+
+def test_calibrate_methods_on_resnet18(resnet_stats):
+    maxima = calibrate(resnet_stats, "max")
+    for method in ("entropy", "percentile", "mse"):
+        scales = calibrate(resnet_stats, method)
+        for name, amax in scales.amax.items():
+            # Histogram methods clip or keep the range; entropy may add half a bin.
+            assert 0 < amax <= maxima.amax[name] * (1 + 0.5 / 512) + 1e-12, (method, name)
+        assert scales.num_samples == 16
+
+
+def reference_percentile_bin(hist, percentile):
+    total = sum(float(v) for v in hist)
+    running = 0.0
+    for k, count in enumerate(hist, start=1):
+        running += float(count)
+        if running >= total * percentile / 100.0:
+            return k
+    return len(hist)
+
+
+@pytest.mark.parametrize("percentile", [50.0, 99.0, 99.99, 100.0])
+def test_percentile_matches_reference(percentile):
+    for name, hist in synthetic_histograms(512).items():
+        if hist.sum():
+            expected = reference_percentile_bin(hist, percentile)
+            assert percentile_threshold_bin(hist, percentile) == expected, name
+
+
+def test_percentile_amax_brackets_numpy_percentile():
+    samples = np.abs(np.random.default_rng(3).standard_normal(100_000)).astype(np.float32)
+    stats = Statistics({"x": _stats_of(samples)}, 1)
+    amax = calibrate(stats, "percentile", percentile=99.0).amax["x"]
+    width = samples.max() / 2048
+    # The bin's upper edge lies at most one calibration bin (plus interpolation) above.
+    assert np.percentile(samples, 99.0) <= amax <= np.percentile(samples, 99.0) + 1.5 * width
+
+
+def reference_mse_bin(hist, start_bin):
+    best_k, best_error = None, math.inf
+    for k in range(start_bin, len(hist) + 1):
+        scale = k / 127.0
+        error = 0.0
+        for j, count in enumerate(hist):
+            centre = j + 0.5
+            quantized = min(round(centre / scale), 127) * scale
+            error += float(count) * (quantized - centre) ** 2
+        if error < best_error:
+            best_k, best_error = k, error
+    return best_k
+
+
+@pytest.mark.parametrize("name", ["gaussian", "laplacian", "student-t", "outlier", "sparse"])
+def test_mse_matches_reference(name):
+    hist = synthetic_histograms(256)[name]
+    assert mse_threshold_bin(hist, 64) == reference_mse_bin(hist, 64)
+
+
+def _stats_of(values):
+    stats = TensorStats.empty(2048 * OVERSAMPLE)
+    assert stats.update(np.array(values, np.float32))
+    return stats
+
+
+def test_max_and_entropy_amax_values():
+    values = np.random.default_rng(1).uniform(-3.0, 2.0, 50_000).astype(np.float32)
+    stats = Statistics({"x": _stats_of(values)}, 50_000)
+    assert calibrate(stats, "max").amax["x"] == float(np.abs(values).max())
+    # Uniform data is not clipped; TensorRT then writes amax = (2048 + 0.5) bins.
+    amax = calibrate(stats, "entropy").amax["x"]
+    assert amax == pytest.approx(float(np.abs(values).max()) * 2048.5 / 2048, rel=1e-12)
+
+
+def test_all_zero_tensor_gets_safe_amax_with_warning():
+    stats = Statistics({"zero": _stats_of(np.zeros(100))}, 1)
+    for method in ("entropy", "max", "percentile", "mse"):
+        with pytest.warns(UserWarning, match="zero"):
+            scales = calibrate(stats, method)
+        assert scales.amax["zero"] == SAFE_AMAX
+
+
+def test_bad_method_and_parameters():
+    stats = Statistics({"x": _stats_of([1.0, 2.0])}, 1)
+    with pytest.raises(ConfigError, match="kl"):
+        calibrate(stats, "kl")
+    with pytest.raises(ConfigError, match="percentile"):
+        calibrate(stats, "entropy", percentile=99.0)
+    with pytest.raises(ConfigError, match="percentile"):
+        calibrate(stats, "percentile", percentile=0.0)
+    with pytest.raises(ConfigError, match="start_bin"):
+        check_method("mse", {"start_bin": 4096})
+    assert check_method("percentile", {}) == {"percentile": 99.99}
+
+
+def test_scales_round_trip(tmp_path):
+    scales = Scales({"a": 0.1 + 0.2, "b/c:0": 1e-30, "d": 3.0}, "percentile",
+                    {"percentile": 99.9}, 64)
+    path = scales.save(tmp_path / "scales.json")
+    loaded = Scales.load(path)
+    assert loaded == scales
+    assert loaded.scale["d"] == 3.0 / 127.0
+
+
+def test_scales_load_errors(tmp_path):
+    (tmp_path / "other.json").write_text('{"hello": 1}')
+    with pytest.raises(DataError, match="other.json"):
+        Scales.load(tmp_path / "other.json")
+    (tmp_path / "broken.json").write_text('{"format": "quantlab.scales", "tensors": {"a": {}}}')
+    with pytest.raises(DataError, match="broken.json"):
+        Scales.load(tmp_path / "broken.json")
+

@@ -1,0 +1,470 @@
+"""Tests for quantlab.qdq: Q/DQ placement, weight axes, INT8 numerics vs a NumPy simulation.
+
+The simulation never reads the Q/DQ graph: it evaluates the FP32 graph node by
+node in float64 with onnx.reference and fake-quantizes (round half to even,
+clip to [-128, 127], zero point 0) exactly the inputs the placement rules name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from quantlab import graph, qdq
+from quantlab.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
+from quantlab.errors import ConfigError, DataError, ModelError
+
+RNG_SEED = 0
+LINEAR_CASES = ["Conv", "ConvTranspose", "Gemm_transB1", "Gemm_transB0", "MatMul"]
+INTEGER_OPS = {"QLinearConv", "QLinearMatMul", "MatMulInteger", "QGemm", "MatMulIntegerToFloat"}
+
+
+# ---------------------------------------------------------------- reference simulation
+
+def fake_quant(x: np.ndarray, amax, axis: int | None = None) -> np.ndarray:
+    """Symmetric int8 fake quantization with scale = float32(amax / 127), returned in float64.
+
+    The division x / scale is done in float32 as ONNX QuantizeLinear defines it for
+    float32 inputs, so both sides round the same quotient; the rest is float64.
+    """
+    scale = (np.asarray(amax, np.float64) / 127.0).astype(np.float32)
+    if axis is not None:
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        scale = scale.reshape(shape)
+    quotient = np.asarray(x, np.float32) / scale
+    return np.clip(np.rint(quotient), -128, 127).astype(np.float64) * scale.astype(np.float64)
+
+
+def channel_amax(w: np.ndarray, axis: int) -> np.ndarray:
+    """Per-channel max |w|, written independently of qdq.weight_amax (loop over channels)."""
+    moved = np.moveaxis(np.abs(w.astype(np.float64)), axis, 0)
+    return np.array([channel.max() for channel in moved])
+
+
+def simulate(model, feeds, amax, rule):
+    """Evaluate `model` node by node in float64, fake-quantizing the inputs `rule` names.
+
+    `rule(node, index, is_initializer)` returns None (leave float), "act"
+    (per-tensor with amax[input name]) or an int axis (per-channel weight).
+    """
+    values = {k: np.asarray(v, np.float64) for k, v in feeds.items()}
+    values.update({k: v.astype(np.float64) if v.dtype == np.float32 else v
+                   for k, v in graph.initializers(model).items()})
+    constant = {i.name for i in model.graph.initializer}
+    for node in model.graph.node:
+        inputs = {}
+        for index, name in enumerate(node.input):
+            if not name:
+                continue
+            value = values[name]
+            how = rule(node, index, name in constant)
+            if how == "act":
+                value = fake_quant(value, amax[name])
+            elif how is not None:
+                value = fake_quant(value, channel_amax(value, how), how)
+            inputs[name] = value
+        outputs = ReferenceEvaluator(node).run(None, inputs)
+        values.update(zip(node.output, outputs, strict=True))
+    return {out.name: values[out.name] for out in model.graph.output}
+
+
+def linear_rule(residual: dict[str, int] | None = None, fp32: frozenset = frozenset()):
+    """The placement rules of docs/qdq.md: data + weight inputs of linear ops, residual inputs."""
+    residual = residual or {}
+
+    def rule(node, index, is_initializer):
+        if node.name in fp32:
+            return None
+        if node.op_type in qdq.LINEAR_OPS and index < 2:
+            if is_initializer and index == 1:
+                return expected_axis(node)
+            return "act"
+        if node.op_type == "Add" and residual.get(node.name) == index:
+            return "act"
+        return None
+
+    return rule
+
+
+def expected_axis(node) -> int:
+    """Output-channel axis, stated from the ONNX operator definitions."""
+    trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+    return {"Conv": 0, "ConvTranspose": 1, "MatMul": 1, "Gemm": 0 if trans_b else 1}[node.op_type]
+
+
+def fp32_amax(model, feeds) -> dict[str, float]:
+    """Calibrated amax (max |x| on the test batch) for every tensor of the FP32 model."""
+    values = OnnxRuntimeBackend(model).run(feeds, graph.topological_tensors(model))
+    return {name: float(np.abs(v).max()) for name, v in values.items()}
+
+
+def run(model, feeds):
+    return OnnxRuntimeBackend(model).run(feeds)
+
+
+# ---------------------------------------------------------------- hand-built graphs
+
+def make_model(nodes, inputs, initializers, output="y"):
+    g = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs.items()],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in initializers.items()],
+    )
+    return graph.normalize(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]))
+
+
+def rand(*shape, seed=RNG_SEED):
+    return np.random.default_rng(seed + sum(shape)).normal(size=shape).astype(np.float32)
+
+
+def linear_case(kind: str):
+    """One weighted op followed by Relu; returns (model, feeds, node name)."""
+    if kind == "Conv":
+        node = helper.make_node("Conv", ["x", "w", "b"], ["h"], name="op", pads=[1, 1, 1, 1])
+        inits, shape = {"w": rand(6, 3, 3, 3), "b": rand(6)}, [2, 3, 8, 8]
+    elif kind == "ConvTranspose":
+        node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["h"], name="op", strides=[2, 2])
+        inits, shape = {"w": rand(3, 5, 2, 2), "b": rand(5)}, [2, 3, 8, 8]
+    elif kind == "Gemm_transB1":
+        node = helper.make_node("Gemm", ["x", "w", "b"], ["h"], name="op", transB=1)
+        inits, shape = {"w": rand(7, 12), "b": rand(7)}, [2, 12]
+    elif kind == "Gemm_transB0":
+        node = helper.make_node("Gemm", ["x", "w", "b"], ["h"], name="op", transB=0)
+        inits, shape = {"w": rand(12, 7), "b": rand(7)}, [2, 12]
+    else:
+        node = helper.make_node("MatMul", ["x", "w"], ["h"], name="op")
+        inits, shape = {"w": rand(12, 7)}, [2, 4, 12]
+    relu = helper.make_node("Relu", ["h"], ["y"], name="relu")
+    model = make_model([node, relu], {"x": shape}, inits)
+    return model, {"x": rand(*shape, seed=1)}, "op"
+
+
+def dq_feeding(model, node_name, index):
+    producers = graph.producers(model)
+    node = next(n for n in model.graph.node if n.name == node_name)
+    return producers.get(node.input[index])
+
+
+def q_nodes_on(model, tensor):
+    return [n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == tensor]
+
+
+@pytest.mark.parametrize("kind", LINEAR_CASES)
+def test_weight_axis_attribute_and_values(kind):
+    model, feeds, name = linear_case(kind)
+    node = next(n for n in model.graph.node if n.name == name)
+    axis = expected_axis(node)
+    assert qdq.weight_axis(node, 1) == axis
+
+    amax = fp32_amax(model, feeds)
+    quantized = qdq.quantize_model(model, amax)
+    dq = dq_feeding(quantized, name, 1)
+    assert dq.op_type == "DequantizeLinear"
+    assert next(helper.get_attribute_value(a) for a in dq.attribute if a.name == "axis") == axis
+    stored = graph.initializers(quantized)
+    assert stored[dq.input[0]].dtype == np.int8
+    assert not stored[dq.input[2]].any()  # zero point 0
+    dequantized = ReferenceEvaluator(dq).run(None, {k: stored[k] for k in dq.input})[0]
+    weight = graph.initializers(model)["w"]
+    # The int8 weight times its scale is exactly the fake-quantized float weight
+    # (both are one float32 product; only float64-vs-float32 rounding remains).
+    expected = fake_quant(weight.astype(np.float64), channel_amax(weight, axis), axis)
+    np.testing.assert_allclose(dequantized, expected, rtol=1e-6, atol=0)
+    # The bias stays a float initializer read directly by the op (docs/qdq.md).
+    op = next(n for n in quantized.graph.node if n.name == name)
+    if len(op.input) > 2:
+        assert op.input[2] == "b"
+
+
+@pytest.mark.parametrize("kind", LINEAR_CASES)
+def test_single_layer_matches_fake_quant_simulation(kind):
+    model, feeds, _ = linear_case(kind)
+    amax = fp32_amax(model, feeds)
+    got = run(qdq.quantize_model(model, amax), feeds)["y"]
+    want = simulate(model, feeds, amax, linear_rule())["y"]
+    # The op's output is unquantized (TensorRT: no Q on outputs) and the graph output
+    # has no consumer that needs a pair, so ORT differs from the float64 simulation
+    # only by float32 accumulation: relative 1e-5 of the output range.
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_attention_matmul_quantizes_both_activations_per_tensor():
+    nodes = [
+        helper.make_node("MatMul", ["q", "k"], ["s"], name="scores"),
+        helper.make_node("Relu", ["s"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "v"], ["y"], name="context"),
+    ]
+    model = make_model(nodes, {"q": [2, 5, 8], "k": [2, 8, 5], "v": [2, 5, 8]}, {})
+    feeds = {"q": rand(2, 5, 8, seed=3), "k": rand(2, 8, 5, seed=4), "v": rand(2, 5, 8, seed=5)}
+    amax = fp32_amax(model, feeds)
+    # s -> Relu -> r: the pair on s borrows r's scale, so s needs no amax of its own.
+    assert qdq.activation_tensors_to_calibrate(model) == ["q", "k", "v", "r"]
+    quantized = qdq.quantize_model(model, amax)
+    for name, index in (("scores", 0), ("scores", 1), ("context", 0), ("context", 1)):
+        dq = dq_feeding(quantized, name, index)
+        assert dq.op_type == "DequantizeLinear" and not any(a.name == "axis" for a in dq.attribute)
+        assert numpy_helper.to_array(
+            next(i for i in quantized.graph.initializer if i.name == dq.input[1])).ndim == 0
+    assert INTEGER_OPS & set(optimized_op_types(quantized))
+    got = run(quantized, feeds)["y"]
+    want = simulate(model, feeds, amax, linear_rule())["y"]
+    # "scores" requantizes its int32 accumulator into the Relu's int8 scale (the
+    # ORT-fusion pair): a float32-vs-float64 rounding tie can flip one LSB of s.
+    # One LSB of s times max|v| times the 5-term reduction bounds the output error.
+    lsb = amax["r"] / 127
+    assert np.abs(got - want).max() <= lsb * np.abs(feeds["v"]).max() * 5
+
+
+def conv_chain_model():
+    """x -> Conv -> Relu -> MaxPool -> {Conv, Add residual}; Concat of two branches -> Conv."""
+    conv = {"pads": [1, 1, 1, 1]}
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", **conv),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("MaxPool", ["r1"], ["p"], name="pool", kernel_shape=[2, 2],
+                         strides=[2, 2]),
+        helper.make_node("Conv", ["p", "w2", "b2"], ["c2"], name="conv2", **conv),
+        helper.make_node("Add", ["c2", "p"], ["a"], name="add"),
+        helper.make_node("Relu", ["a"], ["r2"], name="relu2"),
+        helper.make_node("Conv", ["r2", "w3"], ["c3"], name="conv3", **conv),
+        helper.make_node("Concat", ["c3", "r2"], ["cat"], name="concat", axis=1),
+        helper.make_node("Conv", ["cat", "w4"], ["c4"], name="conv4", **conv),
+        helper.make_node("Conv", ["r2", "w5"], ["c5"], name="conv5", **conv),
+        helper.make_node("Add", ["c4", "c5"], ["y"], name="sum"),
+    ]
+    inits = {"w1": rand(4, 3, 3, 3), "w2": rand(4, 4, 3, 3), "b2": rand(4), "w3": rand(4, 4, 3, 3),
+             "w4": rand(4, 8, 3, 3), "w5": rand(4, 4, 3, 3)}
+    return make_model(nodes, {"x": [2, 3, 8, 8]}, inits), {"x": rand(2, 3, 8, 8, seed=7)}
+
+
+def test_placement_rules_on_hand_built_graph():
+    model, feeds = conv_chain_model()
+    amax = fp32_amax(model, feeds)
+    quantized = qdq.quantize_model(model, amax)
+    by_name = {n.name: n for n in quantized.graph.node}
+    producers = graph.producers(quantized)
+    # Conv2 feeds the residual Add directly (TensorRT fuses Conv+Add); the skip input is quantized.
+    assert by_name["add"].input[0] == "c2"
+    assert by_name["add"].input[1] == "p"  # MaxPool of the DQ output: quantized, see below
+    # "sum" adds two Conv outputs from the same ancestor r2: the shorter branch (conv5)
+    # is the residual input, the longer one (conv3 -> concat -> conv4) fuses.
+    assert by_name["sum"].input[0] == "c4"
+    assert producers[by_name["sum"].input[1]].op_type == "DequantizeLinear"
+    # MaxPool: the pair moved backward onto r1, so p carries no second pair.
+    assert not q_nodes_on(quantized, "p")
+    assert producers[by_name["pool"].input[0]].op_type == "DequantizeLinear"
+    # Concat: one pair on its output, none added on its inputs for it.
+    assert len(q_nodes_on(quantized, "cat")) == 1
+    assert not q_nodes_on(quantized, "c3")
+    # One shared pair on r2, read by both conv3 and conv5.
+    (r2_q,) = q_nodes_on(quantized, "r2")
+    shared_dq = next(n for n in quantized.graph.node if n.input[:1] == [r2_q.output[0]])
+    assert {n.name for n in quantized.graph.node if shared_dq.output[0] in n.input} == {
+        "conv3", "conv5"}
+    # The pair moved onto r1 keeps p's scale, and the calibration list names p, not r1.
+    tensors = qdq.activation_tensors_to_calibrate(model)
+    assert "p" in tensors and "r1" not in tensors
+    assert tensors == [t for t in graph.topological_tensors(model) if t in set(tensors)]
+
+    got = run(quantized, feeds)["y"]
+    want = simulate(model, feeds, amax, linear_rule({"add": 1, "sum": 1}))["y"]
+    # conv1 runs as QLinearConv requantizing into p's scale; a rounding tie can flip
+    # one LSB there. Bound: relative 1e-3 of the output range (one LSB of p through
+    # two 3x3 convs with N(0,1) weights is ~1e-2 of a typical value; measured 0).
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+
+
+def test_plan_pins_node_to_fp32():
+    model, feeds = conv_chain_model()
+    amax = fp32_amax(model, feeds)
+    plan = {"conv2": "fp32", "add": "fp16"}
+    quantized = qdq.quantize_model(model, amax, plan=plan)
+    conv2 = next(n for n in quantized.graph.node if n.name == "conv2")
+    assert list(conv2.input) == ["p", "w2", "b2"]  # float data, float weight, float bias
+    add = next(n for n in quantized.graph.node if n.name == "add")
+    assert list(add.input) == ["c2", "p"]
+    got = run(quantized, feeds)["y"]
+    want = simulate(model, feeds, amax, linear_rule({"sum": 1}, frozenset(plan)))["y"]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+
+
+def test_integer_kernels_for_conv_and_gemm_models():
+    conv_model, conv_feeds = conv_chain_model()
+    conv_ops = optimized_op_types(qdq.quantize_model(conv_model, fp32_amax(conv_model, conv_feeds)))
+    assert conv_ops["QLinearConv"] >= 1
+
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2")]
+    model = make_model(nodes, {"x": [2, 16]}, {"w1": rand(8, 16), "b1": rand(8), "w2": rand(8, 4)})
+    feeds = {"x": rand(2, 16, seed=9)}
+    ops = optimized_op_types(qdq.quantize_model(model, fp32_amax(model, feeds)))
+    assert INTEGER_OPS & set(ops), dict(ops)
+
+
+def test_weight_amax_known_values_and_zero_channel():
+    w = np.zeros((3, 2, 2), np.float32)
+    w[0, 1, 1], w[2, 0, 0] = -3.0, 0.5
+    amax = qdq.weight_amax(w, 0)
+    assert amax[0] == 3.0 and amax[2] == 0.5
+    assert 0 < amax[1] < 1e-30 and np.isfinite(amax[1] / 127) and amax[1] / 127 > 0
+    assert qdq.quantize_weight(w, amax / 127, 0)[1].tolist() == [[0, 0], [0, 0]]
+    assert qdq.weight_amax(w, None) == 3.0
+
+
+def test_weight_axis_rejects_non_weight_input():
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="c")
+    with pytest.raises(ModelError, match="'c'"):
+        qdq.weight_axis(node, 0)
+
+
+def test_errors_name_the_tensor_and_node():
+    model, feeds = conv_chain_model()
+    amax = fp32_amax(model, feeds)
+    missing = {k: v for k, v in amax.items() if k != "cat"}
+    with pytest.raises(DataError, match="'cat'"):
+        qdq.quantize_model(model, missing)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(DataError, match="'r2'"):
+            qdq.quantize_model(model, {**amax, "r2": bad})
+    with pytest.raises(ConfigError, match="'conv2'.*int4"):
+        qdq.quantize_model(model, amax, plan={"conv2": "int4"})
+    with pytest.raises(ConfigError, match="'nope'"):
+        qdq.quantize_model(model, amax, plan={"nope": "fp32"})
+
+
+# ---------------------------------------------------------------- torchvision models
+
+def randomize_batchnorm(module, seed):
+    """Non-trivial BN statistics so the folded convs carry real biases."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for bn in (m for m in module.modules() if isinstance(m, torch.nn.BatchNorm2d)):
+            n = bn.num_features
+            bn.running_mean.copy_(0.1 * torch.randn(n, generator=generator))
+            bn.running_var.copy_(0.5 + torch.rand(n, generator=generator))
+            bn.weight.copy_(0.5 + torch.rand(n, generator=generator))
+            bn.bias.copy_(0.1 * torch.randn(n, generator=generator))
+    return module
+
+
+@pytest.fixture(scope="module")
+def resnet18(tmp_path_factory):
+    import torch
+    import torchvision
+
+    torch.manual_seed(RNG_SEED)
+    module = randomize_batchnorm(torchvision.models.resnet18(weights=None), RNG_SEED)
+    x = np.random.default_rng(RNG_SEED).normal(size=(2, 3, 64, 64)).astype(np.float32)
+    model = graph.export_torch(module, x, tmp_path_factory.mktemp("r18") / "resnet18.onnx")
+    amax = fp32_amax(model, {"input": x})
+    return model, {"input": x}, amax, qdq.quantize_model(model, amax)
+
+
+def resnet_residual(model) -> dict[str, int]:
+    # torchvision BasicBlock computes `out += identity`: the identity is input 1.
+    return {n.name: 1 for n in model.graph.node if n.op_type == "Add"}
+
+
+def assert_layers_match_simulation(model, quantized, feeds, amax, rule):
+    """Teacher-forced check: every quantized node, fed the INT8 model's own input values,
+    gives what the float64 fake-quant simulation of that one node gives.
+
+    End-to-end comparison of a deep net is not meaningful: quantization is
+    discontinuous, so a float32-vs-float64 rounding tie flips one LSB somewhere and
+    that flip cascades (measured on random resnet18: end-to-end gap of the same order
+    as the quantization error itself). Per node the only difference left is float32
+    accumulation over <= 4608 products (~1e-6 relative), so the tolerance is 1e-4 of
+    each output's range.
+    """
+    tensors = graph.topological_tensors(model)
+    got = OnnxRuntimeBackend(quantized).run(feeds, tensors)
+    weights = graph.initializers(model)
+    checked = 0
+    for node in model.graph.node:
+        if node.op_type not in qdq.LINEAR_OPS and node.op_type != "Add":
+            continue
+        inputs = {}
+        for index, name in enumerate(node.input):
+            value = weights[name] if name in weights else got[name]
+            value = value.astype(np.float64) if value.dtype == np.float32 else value
+            how = rule(node, index, name in weights)
+            if how == "act":
+                value = fake_quant(value, amax[name])
+            elif how is not None:
+                value = fake_quant(value, channel_amax(value, how), how)
+            inputs[name] = value
+        want = ReferenceEvaluator(node).run(None, inputs)[0]
+        np.testing.assert_allclose(got[node.output[0]], want, rtol=0,
+                                   atol=1e-4 * np.abs(want).max(), err_msg=node.name)
+        checked += 1
+    return checked
+
+
+@pytest.mark.slow
+def test_resnet18_runs_int8_kernels_and_layers_match_simulation(resnet18):
+    model, feeds, amax, quantized = resnet18
+    ops = optimized_op_types(quantized)
+    # 9 Conv->Relu convs + 3 downsample convs; the 8 convs feeding a residual Add stay
+    # float in ORT because TensorRT fuses them with the Add (no Q on their output).
+    assert ops["QLinearConv"] == 12, dict(ops)
+    assert assert_layers_match_simulation(
+        model, quantized, feeds, amax, linear_rule(resnet_residual(model))) == 29
+
+
+@pytest.mark.slow
+def test_resnet18_placement(resnet18):
+    model, _, amax, quantized = resnet18
+    producers = graph.producers(quantized)
+    consumers = graph.consumers(quantized)
+    scale_of = graph.initializers(quantized)
+    for add in (n for n in quantized.graph.node if n.op_type == "Add"):
+        assert producers[add.input[0]].op_type == "Conv"  # the fused branch: no pair
+        residual = producers[add.input[1]]  # a DQ, or the MaxPool reading one
+        if residual.op_type == "MaxPool":
+            residual = producers[residual.input[0]]
+        assert residual.op_type == "DequantizeLinear"
+    residual_dq = {n.input[1] for n in quantized.graph.node if n.op_type == "Add"}
+    for conv in (n for n in quantized.graph.node if n.op_type == "Conv"):
+        for q in q_nodes_on(quantized, conv.output[0]):
+            # A pair on a Conv output is either the residual input of an Add, or the
+            # value-neutral ORT-fusion pair before a Relu, sharing the Relu output's scale.
+            readers = consumers[q.output[0]][0].output[0]
+            reader_ops = [c.op_type for c in consumers[readers]]
+            if reader_ops == ["Relu"]:
+                relu_q = q_nodes_on(quantized, consumers[readers][0].output[0])
+                assert scale_of[q.input[1]] == scale_of[relu_q[0].input[1]]
+            else:
+                assert readers in residual_dq
+    pool = next(n for n in quantized.graph.node if n.op_type == "MaxPool")
+    assert not q_nodes_on(quantized, pool.output[0])  # no second pair after MaxPool
+    assert producers[pool.input[0]].op_type == "DequantizeLinear"
+    reshape = next(n for n in quantized.graph.node if n.op_type == "Reshape")
+    assert not q_nodes_on(quantized, reshape.output[0])  # moved before the Reshape
+    assert set(qdq.activation_tensors_to_calibrate(model)) <= set(amax)
+
+
+@pytest.mark.slow
+def test_mobilenet_v3_small_quantizes_and_matches_simulation(tmp_path):
+    import torch
+    import torchvision
+
+    torch.manual_seed(RNG_SEED)
+    module = randomize_batchnorm(torchvision.models.mobilenet_v3_small(weights=None), RNG_SEED)
+    x = np.random.default_rng(1).normal(size=(2, 3, 64, 64)).astype(np.float32)
+    model = graph.export_torch(module, x, tmp_path / "mobilenet.onnx")
+    feeds = {"input": x}
+    amax = fp32_amax(model, feeds)
+    quantized = qdq.quantize_model(model, amax)
+    onnx.checker.check_model(quantized)
+    assert optimized_op_types(quantized)["QLinearConv"] >= 1
+    # torchvision InvertedResidual computes `result += input`: the block input is input 1.
+    rule = linear_rule(resnet_residual(model))
+    assert assert_layers_match_simulation(model, quantized, feeds, amax, rule) == 60
