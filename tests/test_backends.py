@@ -1,0 +1,149 @@
+"""Torch backend mapping (module outputs -> ONNX tensors) and the TensorRT availability check."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+from quantlab import compare, graph
+from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+from quantlab.backends.tensorrt import TensorRTBackend
+from quantlab.backends.torch import TorchBackend
+from quantlab.errors import BackendUnavailableError, ModelError
+
+
+class SSDLiteRaw(torch.nn.Module):
+    """SSDlite320 backbone + head raw outputs (box regression, class logits), no NMS/decoding."""
+
+    def __init__(self):
+        super().__init__()
+        ssd = torchvision.models.detection.ssdlite320_mobilenet_v3_large(
+            weights=None, weights_backbone=None)
+        self.backbone, self.head = ssd.backbone, ssd.head
+
+    def forward(self, x):
+        out = self.head(list(self.backbone(x).values()))
+        return out["bbox_regression"], out["cls_logits"]
+
+
+class TwoHeads(torch.nn.Module):
+    """A submodule returning a tuple and one returning a dict; a ReLU module used twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.relu = torch.nn.ReLU()
+        self.split = Split()
+        self.named = Named()
+
+    def forward(self, x):
+        y = self.relu(self.conv(x))
+        wide, narrow = self.split(y)
+        parts = self.named(self.relu(wide - 1.0))
+        return parts["mean"], parts["max"] + narrow.mean((1, 2, 3))[:, None]
+
+
+class Split(torch.nn.Module):
+    def forward(self, y):
+        return y * 2.0, y[:, :1] + 1.0
+
+
+class Named(torch.nn.Module):
+    def forward(self, y):
+        return {"mean": y.mean((2, 3)), "max": y.amax((1, 2, 3))[:, None]}
+
+
+_RESULTS: dict = {}
+
+
+def _torch_vs_ort(module, shape, tmp_path):
+    """Map, run both backends on 2 random samples; return (backend, model, {tensor: cosine}).
+
+    Results are cached per module class so the slow export runs once per model.
+    """
+    key = (type(module).__name__, shape)
+    if key in _RESULTS:
+        return _RESULTS[key]
+    module = module.eval()
+    x = np.random.default_rng(0).standard_normal((2, *shape)).astype(np.float32)
+    model = graph.export_torch(module, x[:1], tmp_path / "m.onnx")
+    backend = TorchBackend(module, model)
+    names = list(backend.mapping)
+    expected = OnnxRuntimeBackend(model).run({"input": x}, names)
+    got = backend.run({"input": x}, names)
+    cosines = {}
+    for name in names:
+        error = compare.TensorError()
+        error.update(expected[name], got[name])
+        cosines[name] = error.cosine
+    _RESULTS[key] = backend, model, cosines
+    return _RESULTS[key]
+
+
+@pytest.mark.parametrize("factory, shape, min_mapped", [
+    (lambda: torchvision.models.resnet18(weights=None), (3, 32, 32), 35),
+    (lambda: torchvision.models.mobilenet_v3_small(weights=None), (3, 32, 32), 100),
+    (SSDLiteRaw, (3, 96, 96), 150),
+])
+def test_torch_matches_onnxruntime_on_every_mapped_tensor(factory, shape, min_mapped, tmp_path):
+    torch.manual_seed(0)
+    backend, model, cosines = _torch_vs_ort(factory(), shape, tmp_path)
+    assert len(cosines) >= min_mapped
+    # FP32 kernels differ only in summation order (and BN folding): cosine 1 - O(1e-7).
+    worst = min(cosines, key=cosines.get)
+    assert cosines[worst] > 0.9999, worst
+    # Graph outputs are always mapped (the root module's flattened outputs, in order).
+    assert all(o.name in backend.mapping for o in model.graph.output)
+    # Nothing dropped silently: every float tensor is mapped, unmapped, or a graph input.
+    floats = graph.float_tensors(model)
+    inputs = {s.name for s in graph.input_specs(model)}
+    listed = set(backend.mapping) | set(backend.unmapped) | inputs
+    assert {t for t in graph.topological_tensors(model) if t in floats} <= listed
+
+
+def test_resnet_unmapped_are_inline_ops_and_folded_convs(tmp_path):
+    torch.manual_seed(0)
+    backend, model, _ = _torch_vs_ort(torchvision.models.resnet18(weights=None), (3, 32, 32),
+                                      tmp_path)
+    producers = graph.producers(model)
+    # Residual Adds are written inline in BasicBlock.forward, the flatten in ResNet.forward.
+    assert {producers[t].op_type for t in backend.unmapped} <= {"Add", "Reshape", "Flatten"}
+    assert sum(producers[t].op_type == "Add" for t in backend.unmapped) == 8
+    # BatchNorm folds into the Conv (the node carries the BN scope): the Conv module has none.
+    assert "conv1" in backend.unmapped_modules and "bn1" not in backend.unmapped_modules
+    # layer1.0.relu runs twice; its second call is the block's output, mapped via layer1.0.
+    assert backend.mapping[producers_output(model, "layer1.0.relu", 1)].module in (
+        "layer1.0", "layer1.0.relu")
+
+
+def producers_output(model, module_path: str, call: int) -> str:
+    """Output tensor of the `call`-th node carrying scope `module_path` exactly."""
+    nodes = [n for n in model.graph.node if graph.node_module_path(n) == module_path]
+    return nodes[call].output[0]
+
+
+def test_tuple_and_dict_outputs_and_shared_module(tmp_path):
+    torch.manual_seed(0)
+    backend, model, cosines = _torch_vs_ort(TwoHeads(), (3, 6, 6), tmp_path)
+    modules = {(m.module, m.index) for m in backend.mapping.values()}
+    # Both tuple elements and both dict values are mapped, each to the right tensor (cosine);
+    # "mean" is also graph output 0, which the root module's call owns.
+    assert {("split", 0), ("split", 1), ("named", 1), ("", 0), ("", 1)} <= modules
+    assert min(cosines.values()) > 0.9999
+    # The shared ReLU's two calls map to two different tensors.
+    relu_calls = {m.call for m in backend.mapping.values() if m.module == "relu"}
+    assert relu_calls == {0, 1}
+    with pytest.raises(ModelError, match="no torch module output"):
+        backend.run({"input": np.zeros((1, 3, 6, 6), np.float32)}, ["no_such_tensor"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None,
+                    reason="tensorrt is installed; the unavailability message does not apply")
+def test_tensorrt_backend_reports_missing_package(tmp_path):
+    message = r"not installed; install quantlab\[tensorrt\] on a machine with an NVIDIA GPU"
+    with pytest.raises(BackendUnavailableError, match=message):
+        TensorRTBackend(tmp_path / "model.onnx")

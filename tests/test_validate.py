@@ -1,0 +1,209 @@
+"""validate.py and `quantlab validate`: divergence localization, local errors, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pandas as pd
+import pytest
+import torch
+from onnx import numpy_helper
+
+from quantlab import cli, graph, qdq, tasks
+from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+from quantlab.data import open_data
+from quantlab.errors import ConfigError, DataError, ModelError
+from quantlab.experiment import read_json
+from quantlab.validate import ENGINE, FP32, TORCH, Task, validate
+
+
+class FourConv(torch.nn.Module):
+    """Four Conv+ReLU stages and a Linear head: a chain where 'first' is unambiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = torch.nn.ModuleList(
+            torch.nn.Conv2d(c, 8, 3, padding=1) for c in (3, 8, 8, 8))
+        self.fc = torch.nn.Linear(8, 5)
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = torch.relu(conv(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def make_four_conv() -> torch.nn.Module:
+    """Factory used by the CLI test (`--torch test_validate:make_four_conv`)."""
+    torch.manual_seed(0)
+    return FourConv().eval()
+
+
+@pytest.fixture(scope="module")
+def four_conv(tmp_path_factory):
+    """(module, FP32 model, path, Q/DQ model, inputs (24, 3, 8, 8), labels)."""
+    folder = tmp_path_factory.mktemp("fourconv")
+    module = make_four_conv()
+    x = np.random.default_rng(0).standard_normal((24, 3, 8, 8)).astype(np.float32)
+    model = graph.export_torch(module, x[:2], folder / "m.onnx", output_names=["logits"])
+    quantized = _quantize(model, x)
+    labels = np.random.default_rng(1).integers(0, 5, len(x))
+    return module, model, folder / "m.onnx", quantized, x, labels
+
+
+def _quantize(model: onnx.ModelProto, x: np.ndarray) -> onnx.ModelProto:
+    names = qdq.activation_tensors_to_calibrate(model)
+    values = OnnxRuntimeBackend(model).run({"input": x}, names)
+    return qdq.quantize_model(model, {n: float(np.abs(v).max()) for n, v in values.items()})
+
+
+def _source(model, x, batch_size=8):
+    return open_data(x, graph.input_specs(model), batch_size=batch_size)
+
+
+def _conv_nodes(model):
+    return [n for n in model.graph.node if n.op_type == "Conv"]
+
+
+def test_altered_weights_are_the_first_divergence(four_conv, tmp_path):
+    module, model, _, _, x, _ = four_conv
+    altered = onnx.ModelProto()
+    altered.CopyFrom(model)
+    target = _conv_nodes(altered)[2]
+    weights = {i.name: i for i in altered.graph.initializer}
+    weight = numpy_helper.to_array(weights[target.input[1]])
+    weights[target.input[1]].CopyFrom(numpy_helper.from_array(-weight, target.input[1]))
+    result = validate(altered, _quantize(altered, x), _source(model, x), tmp_path,
+                      torch_module=module, progress=False)
+    divergence = result.divergences[(TORCH, FP32)]
+    assert divergence.node == target.name and divergence.tensor == target.output[0]
+    assert divergence.op_type == "Conv" and divergence.torch_module == "convs.2"
+    assert divergence.reason == "jump" and divergence.sqnr_db < 10
+    summary = read_json(tmp_path / "summary.json")
+    assert summary["pairs"][0]["first_divergence"]["node"] == target.name
+    # Layers before the altered one agree to float32 rounding.
+    table = result.tables[(TORCH, FP32)].set_index("tensor")
+    assert table.loc[_conv_nodes(model)[1].output[0], "sqnr_db"] > 100
+
+
+def test_bad_scale_is_the_worst_local_error(four_conv, tmp_path):
+    _, model, _, quantized, x, _ = four_conv
+    bad = onnx.ModelProto()
+    bad.CopyFrom(quantized)
+    # The activation quantizer in front of the third Conv: shrink its scale 30x so most
+    # values saturate at +-127 * scale.
+    target = next(n for n in _conv_nodes(bad) if n.name == _conv_nodes(model)[2].name)
+    dq = graph.producers(bad)[target.input[0]]
+    quantize = graph.producers(bad)[dq.input[0]]
+    scales = {i.name: i for i in bad.graph.initializer}
+    scale = numpy_helper.to_array(scales[dq.input[1]])
+    scales[dq.input[1]].CopyFrom(numpy_helper.from_array(scale / 30, dq.input[1]))
+    result = validate(model, bad, _source(model, x), tmp_path, mode="local", progress=False)
+    table = result.tables[(FP32, ENGINE)]
+    worst = table.sort_values("sqnr_db").iloc[0]
+    assert worst["node"] == target.name
+    assert worst["quantized_inputs"] == quantize.input[0]
+    assert (tmp_path / "layers_onnx_fp32_vs_engine_int8_local.csv").is_file()
+    written = pd.read_csv(tmp_path / "layers_onnx_fp32_vs_engine_int8_local.csv")
+    assert written["sqnr_db"].to_numpy() == pytest.approx(table["sqnr_db"].to_numpy(), rel=1e-9)
+    # Every other quantized node stays near the ~40 dB that 8 bits give on these inputs.
+    others = table[table["node"] != target.name]["sqnr_db"]
+    assert worst["sqnr_db"] < others.min() - 10
+
+
+def test_task_metrics_match_a_direct_evaluation(four_conv, tmp_path):
+    module, model, _, quantized, x, labels = four_conv
+    task = Task("classification", lambda outputs, ids: outputs["logits"], labels=labels)
+    result = validate(model, quantized, _source(model, x, batch_size=5), tmp_path,
+                      torch_module=module, task=task, progress=False)
+    # Reference: each stage's logits over the whole set at once, scored by tasks.py.
+    with torch.no_grad():
+        torch_logits = module(torch.from_numpy(x)).numpy()
+    int8_logits = OnnxRuntimeBackend(quantized).run({"input": x})["logits"]
+    assert result.metrics[TORCH] == pytest.approx(tasks.topk_accuracy(torch_logits, labels))
+    assert result.metrics[ENGINE] == pytest.approx(tasks.topk_accuracy(int8_logits, labels))
+    assert "SQNR per tensor" in result.report.read_text()
+
+
+def test_identical_stages_give_infinite_sqnr_everywhere(four_conv, tmp_path):
+    _, model, _, _, x, _ = four_conv
+    result = validate(model, model, _source(model, x), tmp_path, progress=False)
+    table = pd.read_csv(tmp_path / "layers_onnx_fp32_vs_engine_int8.csv")
+    assert (table["sqnr_db"] == math.inf).all() and (table["cosine"] == 1.0).all()
+    assert result.divergences[(FP32, ENGINE)] is None
+    outputs = read_json(tmp_path / "summary.json")["pairs"][0]["outputs"]
+    assert outputs["logits"]["sqnr_db"] == math.inf
+
+
+def test_mismatched_tensor_names_are_named(four_conv, tmp_path):
+    _, model, _, quantized, x, _ = four_conv
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(quantized)
+    renamed.graph.output[0].name = "scores"
+    for node in renamed.graph.node:
+        node.output[:] = ["scores" if o == "logits" else o for o in node.output]
+    with pytest.raises(ModelError, match=r"\['logits'\].*\['scores'\]"):
+        validate(model, renamed, _source(model, x), tmp_path, progress=False)
+
+
+class LogOfShifted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        return torch.exp(torch.log(self.conv(x) - 100.0))
+
+
+def test_nan_is_reported_at_the_first_tensor(tmp_path):
+    torch.manual_seed(0)
+    module = LogOfShifted().eval()
+    x = np.random.default_rng(0).standard_normal((4, 3, 4, 4)).astype(np.float32)
+    model = graph.export_torch(module, x[:1], tmp_path / "nan.onnx", output_names=["y"])
+    log_output = next(n for n in model.graph.node if n.op_type == "Log").output[0]
+    with pytest.raises(DataError, match=f"stage 'onnx_fp32'.*tensor '{log_output}'"):
+        validate(model, model, _source(model, x), tmp_path / "out", progress=False)
+
+
+def test_labels_that_do_not_cover_the_data(four_conv, tmp_path):
+    _, model, _, quantized, x, labels = four_conv
+    task = Task("classification", lambda outputs, ids: outputs["logits"], labels=labels[:10])
+    with pytest.raises(DataError, match="24 samples.*only 10"):
+        validate(model, quantized, _source(model, x), tmp_path, task=task, progress=False)
+
+
+def test_cli_validate_end_to_end_and_bad_input(four_conv, tmp_path, monkeypatch, capsys):
+    _, model, path, quantized, x, _ = four_conv
+    graph.save_model(quantized, tmp_path / "m.int8.onnx")
+    np.save(tmp_path / "x.npy", x)
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    common = ["validate", "--onnx", str(path), "--engine", str(tmp_path / "m.int8.onnx"),
+              "--batch-size", "8", "--no-progress"]
+    code = cli.main([*common, "--data", str(tmp_path / "x.npy"), "--out", str(tmp_path / "run"),
+                     "--torch", "test_validate:make_four_conv", "--max-samples", "16"])
+    assert code == 0
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert summary["samples"] == 16
+    pairs = [(p["reference"], p["test"]) for p in summary["pairs"]]
+    assert pairs == [(TORCH, FP32), (FP32, ENGINE)]
+    assert summary["pairs"][0]["first_divergence"] is None
+    # The output folder is not overwritten without --force.
+    assert cli.main([*common, "--data", str(tmp_path / "x.npy"),
+                     "--out", str(tmp_path / "run")]) == 1
+    assert "--force" in capsys.readouterr().err
+    # A torch factory that cannot be imported is named.
+    code = cli.main([*common, "--data", str(tmp_path / "x.npy"), "--out", str(tmp_path / "r2"),
+                     "--torch", "no_such_pkg.models:build"])
+    assert code == 1 and "no_such_pkg" in capsys.readouterr().err
+    # Data of the wrong shape is named with the model input it does not fit.
+    np.save(tmp_path / "bad.npy", x[:, :, :4])
+    code = cli.main([*common, "--data", str(tmp_path / "bad.npy"), "--out", str(tmp_path / "r3")])
+    assert code == 1 and "model input 'input'" in capsys.readouterr().err
+
+
+def test_load_factory_needs_module_colon_function():
+    from quantlab.commands.validate import load_factory
+
+    with pytest.raises(ConfigError, match="module:factory"):
+        load_factory("just_a_module")
