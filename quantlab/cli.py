@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 from quantlab import __version__
 from quantlab.errors import QuantlabError
@@ -38,10 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"quantlab {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS.items():
-        try:
-            module = importlib.import_module(f"quantlab.commands.{module_name}")
-        except ModuleNotFoundError:
-            continue
+        module = importlib.import_module(f"quantlab.commands.{module_name}")
         sub = subparsers.add_parser(
             name,
             help=module.HELP,
@@ -60,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "run", None):
         parser.print_help()
         return 2
+    warnings.showwarning = lambda message, *_args, **_kwargs: print(
+        f"quantlab {args.command}: warning: {message}", file=sys.stderr
+    )
     try:
         return int(args.run(args) or 0)
     except QuantlabError as exc:

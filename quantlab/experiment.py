@@ -18,31 +18,42 @@ import numpy as np
 from quantlab.errors import OutputExistsError
 
 
-def prepare_output(
+def existing_results(
     folder: str | os.PathLike, force: bool = False, produces: Iterable[str] = ()
-) -> Path:
-    """Create `folder`; refuse if it already holds any of the files `produces` (or anything,
-    when `produces` is empty) unless `force`, in which case those files are removed first."""
+) -> list[Path]:
+    """The files of `produces` already in `folder` (everything in it when `produces` is empty).
+
+    Raises OutputExistsError if there are any and `force` is false. Nothing is
+    changed on disk, so a command can check before it starts its long work.
+    """
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise OutputExistsError(f"output path {folder} exists and is not a folder.")
     names = list(produces)
-    existing = (
-        [folder / n for n in names if (folder / n).exists()]
-        if names
-        else (list(folder.iterdir()) if folder.exists() else [])
-    )
+    if names:
+        existing = [folder / n for n in names if (folder / n).exists()]
+    else:
+        existing = list(folder.iterdir()) if folder.exists() else []
     if existing and not force:
         shown = ", ".join(p.name for p in existing[:5])
         raise OutputExistsError(
             f"output folder {folder} already holds results ({shown}). Choose another --out "
             "folder, or pass --force to replace them."
         )
-    for path in existing:
+    return existing
+
+
+def prepare_output(
+    folder: str | os.PathLike, force: bool = False, produces: Iterable[str] = ()
+) -> Path:
+    """Create `folder` for new results: refuse if it holds any of `produces` (or anything, when
+    `produces` is empty) unless `force`, in which case those are removed first."""
+    for path in existing_results(folder, force, produces):
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import os
-import tempfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import onnx
 from onnx import helper, numpy_helper, shape_inference
 
 from quantlab.errors import ModelError
+from quantlab.experiment import atomic_write
 
 MIN_OPSET = 17
 EXPORT_OPSET = 18
@@ -67,18 +67,8 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
-    """Write `model` atomically (temp file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".onnx.tmp")
-    os.close(fd)
-    try:
-        onnx.save(model, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    """Write `model` atomically (temporary file in the same folder, then one rename)."""
+    return atomic_write(path, lambda tmp: onnx.save(model, tmp))
 
 
 def normalize(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -19,7 +19,7 @@ import onnx
 
 from quantlab import cache, calibrate, collect, graph, qdq
 from quantlab.data import BatchSource, Preprocess, open_data
-from quantlab.experiment import prepare_output, write_json
+from quantlab.experiment import existing_results, prepare_output, write_json
 
 # Files a calibration run writes; a folder holding any of them is refused unless forced.
 CALIBRATION_FILES = (
@@ -99,11 +99,14 @@ def run_calibration(
         if isinstance(data, BatchSource)
         else open_data(data, inputs, batch_size, max_samples, preprocess)
     )
-    folder = prepare_output(out, force=force, produces=CALIBRATION_FILES)
+    # Refuse an occupied folder before the long work, create it only after it succeeded:
+    # a failed run leaves no partial output.
+    existing_results(out, force=force, produces=CALIBRATION_FILES)
     tensors = qdq.activation_tensors_to_calibrate(model)
     stats = collect.collect(model, source, tensors, progress=progress)
     scales = calibrate.calibrate(stats, method, **method_params)
     qdq_model = qdq.quantize_model(model, scales.amax)
+    folder = prepare_output(out, force=force, produces=CALIBRATION_FILES)
 
     graph.save_model(model, folder / "model.onnx")
     stats.save(folder / "stats.npz")

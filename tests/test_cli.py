@@ -63,3 +63,32 @@ def test_percentile_option_needs_percentile_method(tiny_model, tmp_path, capsys)
                  str(tmp_path / "o"), "--method", "max", "--percentile", "99.9"])
     assert code == 1
     assert "percentile" in capsys.readouterr().err
+
+
+def test_nan_in_calibration_data_names_tensor_and_batch_and_writes_nothing(tiny_model, tmp_path,
+                                                                           capsys):
+    _, path, _ = tiny_model
+    data = np.ones((12, 3, 16, 16), np.float32)
+    data[9, 1, 2, 3] = np.nan  # sample 9 lies in batch 2 (batches of 4, counted from 0)
+    np.save(tmp_path / "calib.npy", data)
+    code = main(["calibrate", str(path), "--data", str(tmp_path / "calib.npy"), "--out",
+                 str(tmp_path / "out"), "--batch-size", "4", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "'input'" in err and "batch 2" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_undecodable_image_writes_nothing(tiny_model, tmp_path, capsys):
+    _, path, _ = tiny_model
+    images = tmp_path / "images"
+    images.mkdir()
+    from PIL import Image
+
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(images / "a.png")
+    (images / "b.png").write_bytes(b"\x89PNG broken")
+    code = main(["calibrate", str(path), "--data", str(images), "--out", str(tmp_path / "out"),
+                 "--no-progress"])
+    assert code == 1
+    assert "b.png cannot be decoded" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
