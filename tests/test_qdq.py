@@ -45,6 +45,16 @@ def channel_amax(w: np.ndarray, axis: int) -> np.ndarray:
     return np.array([channel.max() for channel in moved])
 
 
+def simulated_input(rule, node, index, name, value, is_constant, amax):
+    """The value the rules feed `node`'s input `index`: fake-quantized if the rules quantize it."""
+    how = rule(node, index, is_constant)
+    if how == "act":
+        return fake_quant(value, amax[name])
+    if how is not None:
+        return fake_quant(value, channel_amax(value, how), how)
+    return value
+
+
 def simulate(model, feeds, amax, rule):
     """Evaluate `model` node by node in float64, fake-quantizing the inputs `rule` names.
 
@@ -61,12 +71,7 @@ def simulate(model, feeds, amax, rule):
             if not name:
                 continue
             value = values[name]
-            how = rule(node, index, name in constant)
-            if how == "act":
-                value = fake_quant(value, amax[name])
-            elif how is not None:
-                value = fake_quant(value, channel_amax(value, how), how)
-            inputs[name] = value
+            inputs[name] = simulated_input(rule, node, index, name, value, name in constant, amax)
         outputs = ReferenceEvaluator(node).run(None, inputs)
         values.update(zip(node.output, outputs, strict=True))
     return {out.name: values[out.name] for out in model.graph.output}
@@ -395,12 +400,7 @@ def assert_layers_match_simulation(model, quantized, feeds, amax, rule):
         for index, name in enumerate(node.input):
             value = weights[name] if name in weights else got[name]
             value = value.astype(np.float64) if value.dtype == np.float32 else value
-            how = rule(node, index, name in weights)
-            if how == "act":
-                value = fake_quant(value, amax[name])
-            elif how is not None:
-                value = fake_quant(value, channel_amax(value, how), how)
-            inputs[name] = value
+            inputs[name] = simulated_input(rule, node, index, name, value, name in weights, amax)
         want = ReferenceEvaluator(node).run(None, inputs)[0]
         np.testing.assert_allclose(got[node.output[0]], want, rtol=0,
                                    atol=1e-4 * np.abs(want).max(), err_msg=node.name)
