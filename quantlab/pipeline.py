@@ -11,6 +11,7 @@ notebook calls directly::
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,13 +64,14 @@ def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto
 
 
 def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.ModelProto:
-    """Export a zoo model to ONNX (to `path` if given, else a cache under the zoo's folder)."""
+    """Export a zoo model to ONNX; the file is kept at `path` if one is given."""
     from quantlab import zoo
 
     entry = zoo.get(name)
-    target = Path(path) if path else zoo.WEIGHTS_DIR.parent / ".onnx-cache" / f"{name}.onnx"
     sample = entry.calibration_set()[:2]
-    return graph.export_torch(entry.build(), sample, target, output_names=entry.output_names)
+    with tempfile.TemporaryDirectory() as scratch:
+        target = Path(path) if path else Path(scratch) / f"{name}.onnx"
+        return graph.export_torch(entry.build(), sample, target, output_names=entry.output_names)
 
 
 def run_calibration(
