@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from markupsafe import escape
 from tqdm.auto import tqdm
 
 from quantlab import pipeline, tasks, zoo
@@ -188,6 +189,10 @@ def _sections(records: Sequence[dict]) -> list[Section]:
             "Metrics computed on each model's held-out evaluation split; INT8 = the Q/DQ model "
             "run by ONNX Runtime (CPU) with integer kernels."
         ),
+    ) + (
+        "<p>Latency is a sanity check, not a deployment figure: on CPU, ONNX Runtime's int8 "
+        "kernels pay for quantize/dequantize and NCHW-to-NHWC layout changes, which dominate "
+        "models this small. The deployment latency is the TensorRT engine's.</p>"
     )
     sections = [
         Section(
@@ -211,7 +216,8 @@ def _sections(records: Sequence[dict]) -> list[Section]:
             }
         )
         body = (
-            f"<p>{record['description']}. Calibrated with <code>{record['method']}</code> "
+            f"<p>{escape(record['description'].rstrip('.'))}. "
+            f"Calibrated with <code>{record['method']}</code> "
             f"on {record['calibration_samples']} samples; evaluated on "
             f"{record['eval_samples']} held-out samples. Artifacts: "
             f"<code>{record['name']}/</code> (model.onnx, model.int8.onnx, scales.json, "
