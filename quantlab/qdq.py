@@ -166,7 +166,8 @@ def _place(model: onnx.ModelProto, plan: Mapping[str, str] | None) -> _Placement
                 request(node.input[index], node, index, node.input[index])
 
     _propagate_backward(model, placement, precision, producers, consumers, outputs, initializers)
-    _pair_linear_outputs_before_relu(model, placement, precision, consumers, outputs)
+    tensors = {init.name: init for init in model.graph.initializer}
+    _pair_linear_outputs_before_relu(model, placement, precision, consumers, outputs, tensors)
     return placement
 
 
@@ -204,11 +205,22 @@ def _propagate_backward(model, placement, precision, producers, consumers, outpu
             tensor = upstream
 
 
-def _pair_linear_outputs_before_relu(model, placement, precision, consumers, outputs):
-    """Add a pair between a quantized linear op and its only consumer Relu (ORT fusion).
+def _is_relu(node: onnx.NodeProto, initializers: Mapping[str, onnx.TensorProto]) -> bool:
+    """Relu, or Clip with min 0 (ReLU6): ops for which relu(DQ(Q(x))) == DQ(Q(relu(x)))."""
+    if node.op_type == "Relu":
+        return True
+    if node.op_type != "Clip" or len(node.input) < 2 or node.input[1] not in initializers:
+        return False
+    return float(numpy_helper.to_array(initializers[node.input[1]])) == 0.0
+
+
+def _pair_linear_outputs_before_relu(model, placement, precision, consumers, outputs,
+                                     initializers):
+    """Add a pair between a quantized linear op and its only consumer Relu/ReLU6 (ORT fusion).
 
     With zero point 0 and the Relu output's own scale, relu(DQ(Q(x))) ==
-    DQ(Q(relu(x))), so this pair changes no value; it lets ONNX Runtime fuse
+    DQ(Q(relu(x))) (for ReLU6 too: its output amax never exceeds 6, so saturation
+    agrees), so this pair changes no value; it lets ONNX Runtime fuse
     DQ -> Conv -> Q into QLinearConv, which it cannot do across a Relu.
     """
     for node in model.graph.node:
@@ -219,7 +231,7 @@ def _pair_linear_outputs_before_relu(model, placement, precision, consumers, out
         if output in outputs or output in placement.readers or len(readers) != 1:
             continue
         relu = readers[0]
-        if relu.op_type != "Relu" or precision[relu.name] != "int8":
+        if not _is_relu(relu, initializers) or precision[relu.name] != "int8":
             continue
         relu_out = relu.output[0]
         if relu_out in placement.readers and _all_readers(relu_out, placement, consumers, outputs):

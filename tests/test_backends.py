@@ -8,26 +8,13 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+from helpers import SSDLiteRaw, zoo_module, zoo_params
 
-from quantlab import compare, graph
+from quantlab import compare, graph, zoo
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.backends.tensorrt import TensorRTBackend
 from quantlab.backends.torch import TorchBackend
 from quantlab.errors import BackendUnavailableError, ModelError
-
-
-class SSDLiteRaw(torch.nn.Module):
-    """SSDlite320 backbone + head raw outputs (box regression, class logits), no NMS/decoding."""
-
-    def __init__(self):
-        super().__init__()
-        ssd = torchvision.models.detection.ssdlite320_mobilenet_v3_large(
-            weights=None, weights_backbone=None)
-        self.backbone, self.head = ssd.backbone, ssd.head
-
-    def forward(self, x):
-        out = self.head(list(self.backbone(x).values()))
-        return out["bbox_regression"], out["cls_logits"]
 
 
 class TwoHeads(torch.nn.Module):
@@ -60,8 +47,9 @@ class Named(torch.nn.Module):
 _RESULTS: dict = {}
 
 
-def _torch_vs_ort(module, shape, tmp_path):
-    """Map, run both backends on 2 random samples; return (backend, model, {tensor: cosine}).
+def _torch_vs_ort(module, shape, tmp_path, samples=None):
+    """Map, run both backends on `samples` (default: 2 random ones); return
+    (backend, model, {tensor: cosine}).
 
     Results are cached per module class so the slow export runs once per model.
     """
@@ -69,7 +57,8 @@ def _torch_vs_ort(module, shape, tmp_path):
     if key in _RESULTS:
         return _RESULTS[key]
     module = module.eval()
-    x = np.random.default_rng(0).standard_normal((2, *shape)).astype(np.float32)
+    x = samples if samples is not None else (
+        np.random.default_rng(0).standard_normal((2, *shape)).astype(np.float32))
     model = graph.export_torch(module, x[:1], tmp_path / "m.onnx")
     backend = TorchBackend(module, model)
     names = list(backend.mapping)
@@ -93,6 +82,10 @@ def test_torch_matches_onnxruntime_on_every_mapped_tensor(factory, shape, min_ma
     torch.manual_seed(0)
     backend, model, cosines = _torch_vs_ort(factory(), shape, tmp_path)
     assert len(cosines) >= min_mapped
+    assert_mapping_agrees_and_is_complete(backend, model, cosines)
+
+
+def assert_mapping_agrees_and_is_complete(backend, model, cosines):
     # FP32 kernels differ only in summation order (and BN folding): cosine 1 - O(1e-7).
     worst = min(cosines, key=cosines.get)
     assert cosines[worst] > 0.9999, worst
@@ -103,6 +96,26 @@ def test_torch_matches_onnxruntime_on_every_mapped_tensor(factory, shape, min_ma
     inputs = {s.name for s in graph.input_specs(model)}
     listed = set(backend.mapping) | set(backend.unmapped) | inputs
     assert {t for t in graph.topological_tensors(model) if t in floats} <= listed
+
+
+# Mapped tensors measured on torch 2.14 export: module outputs minus the BN-folded Convs.
+ZOO_MIN_MAPPED = {"shapes-det": 80, "digits-cnn": 11, "digits-vit": 33}
+
+
+@pytest.mark.parametrize("name", zoo_params())
+def test_torch_matches_onnxruntime_on_zoo_models(name, tmp_path):
+    """The zoo's modules on two of their calibration samples (shapes-det: see zoo_module)."""
+    entry = zoo.get(name)
+    module = zoo_module(name)
+    backend, model, cosines = _torch_vs_ort(module, entry.input_shape, tmp_path,
+                                            entry.calibration_set()[:2])
+    assert len(cosines) >= ZOO_MIN_MAPPED[name]
+    assert_mapping_agrees_and_is_complete(backend, model, cosines)
+    # The module calls without an ONNX tensor are only the Convs whose BatchNorm folded into
+    # them (the BN module owns the fused output) and Dropout (identity in eval mode).
+    modules = dict(module.named_modules())
+    dropped = {type(modules[path.split("#")[0]]) for path in backend.unmapped_modules}
+    assert dropped <= {torch.nn.Conv2d, torch.nn.Dropout}, backend.unmapped_modules
 
 
 def test_resnet_unmapped_are_inline_ops_and_folded_convs(tmp_path):
