@@ -136,15 +136,18 @@ def test_shapes_det_meets_its_map_on_200_eval_images():
     assert evaluator.stats[0] >= 0.48 and evaluator.stats[1] >= 0.83
 
 
-def test_shapes_det_onnx_export_matches_torch(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("name", zoo.names())
+def test_onnx_export_matches_torch(tmp_path, name):
     onnxruntime = pytest.importorskip("onnxruntime")
-    entry = zoo.get("shapes-det")
+    entry = zoo.get(name)
     model = entry.build()
-    x = entry.calibration_set()[:2]
-    path = tmp_path / "shapes-det.onnx"
+    x = entry.calibration_set()[:3]
+    path = tmp_path / f"{name}.onnx"
     torch.onnx.export(model, (torch.from_numpy(x[:1]),), path, dynamo=True, opset_version=18,
                       input_names=[entry.input_name], output_names=list(entry.output_names),
                       dynamic_shapes=({0: "batch"},))
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for expected, actual in zip(run(model, x), session.run(None, {"input": x}), strict=True):
+    actual_outputs = session.run(list(entry.output_names), {entry.input_name: x})
+    for expected, actual in zip(run(model, x), actual_outputs, strict=True):
         np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
