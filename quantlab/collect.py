@@ -276,13 +276,15 @@ def collect(
     else:
         groups = [names[i:i + group_size] for i in range(0, len(names), group_size)]
 
-    backend = OnnxRuntimeBackend(model)
-    inputs = [spec.name for spec in backend.inputs]
+    inputs = [spec.name for spec in graph.input_specs(model)]
     stats = {name: TensorStats.empty(num_bins * OVERSAMPLE) for name in names}
     num_samples = 0
     with tqdm(total=batches.num_samples * len(groups), unit="sample", desc="collect",
               disable=not progress, leave=False) as bar:
         for group_index, group in enumerate(groups):
+            # A fresh backend per group: the previous group's session (and its memory
+            # arena) is released instead of cached, so peak memory is one group's.
+            backend = OnnxRuntimeBackend(model)
             for batch_index, batch in enumerate(batches):
                 _check_inputs(batch, inputs, batch_index)
                 values = backend.run(batch, tensors=group)

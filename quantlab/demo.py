@@ -18,10 +18,12 @@ import pandas as pd
 from markupsafe import escape
 from tqdm.auto import tqdm
 
-from quantlab import pipeline, tasks, zoo
+from quantlab import calibrate, collect, pipeline, qdq, tasks, zoo
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
+from quantlab.data import open_data
 from quantlab.errors import OutputExistsError
 from quantlab.experiment import prepare_output, read_json, write_json
+from quantlab.graph import input_specs
 from quantlab.report import Section, figure_html, table_html, write_report
 
 DEMO_MARKER = "quantlab demo"
@@ -74,48 +76,73 @@ def median_latency_ms(backend: OnnxRuntimeBackend, batch: dict[str, np.ndarray])
     return statistics.median(times)
 
 
-def run_model(name: str, out: Path, method: str, eval_limit: int | None, progress: bool) -> dict:
-    """Export, calibrate, quantize and evaluate one zoo model; return its summary record."""
+def _evaluate(entry, backend: OnnxRuntimeBackend, eval_set, label: str, progress: bool) -> dict:
+    bar = (
+        (lambda it: tqdm(it, desc=f"[{entry.name}] evaluate {label}", leave=False))
+        if progress
+        else None
+    )
+    return tasks.evaluate(entry, backend.run, eval_set, progress=bar)
+
+
+def run_model(
+    name: str, out: Path, methods: Sequence[str], eval_limit: int | None, progress: bool
+) -> dict:
+    """Export, collect statistics once, then calibrate, quantize and evaluate with each of
+    `methods`; write the artifacts of the best method; return the model's summary record."""
     entry = zoo.get(name)
-    folder = out / name
     _log(f"[{name}] export to ONNX")
-    model = pipeline.export_zoo_model(name, folder / "model.onnx")
-    _log(f"[{name}] calibrate ({method}) on {len(entry.calibration_set())} samples")
-    result = pipeline.run_calibration(
-        model, entry.calibration_set(), folder, method=method, force=True, progress=progress
+    model = pipeline.export_zoo_model(name)
+    inputs = input_specs(model)
+    source = open_data(entry.calibration_set(), inputs, batch_size=32)
+    _log(f"[{name}] collect statistics on {source.num_samples} calibration samples")
+    stats = collect.collect(
+        model, source, qdq.activation_tensors_to_calibrate(model), progress=progress
     )
     eval_set = entry.eval_set(eval_limit)
+    metric = tasks.PRIMARY_METRIC[entry.task]
+    fp32 = OnnxRuntimeBackend(model, name="onnxruntime fp32")
     record = {
         "name": name,
         "task": entry.task,
         "description": entry.description,
-        "metric": tasks.PRIMARY_METRIC[entry.task],
+        "metric": metric,
         "eval_samples": len(eval_set.inputs),
-        "calibration_samples": result.stats.num_samples,
-        "method": method,
+        "calibration_samples": stats.num_samples,
+        "metrics_fp32": _evaluate(entry, fp32, eval_set, "fp32", progress),
+        "methods": {},
     }
-    backends = {
-        "fp32": OnnxRuntimeBackend(result.model, name="onnxruntime fp32"),
-        "int8": OnnxRuntimeBackend(result.qdq_model, name="onnxruntime int8"),
-    }
-    for precision, backend in backends.items():
-        bar = (
-            (lambda it, p=precision: tqdm(it, desc=f"[{name}] evaluate {p}", leave=False))
-            if progress
-            else None
+    results = {}
+    for method in methods:
+        scales = calibrate.calibrate(stats, method)
+        results[method] = pipeline.CalibrationResult(
+            model, qdq.quantize_model(model, scales.amax), stats, scales, source
         )
-        metrics = tasks.evaluate(entry, backend.run, eval_set, progress=bar)
-        record[f"metrics_{precision}"] = metrics
-        record[precision] = metrics[record["metric"]]
-        latency_batch = {entry.input_name: eval_set.inputs[:LATENCY_BATCH]}
-        record[f"{precision}_latency_ms"] = median_latency_ms(backend, latency_batch)
+        int8 = OnnxRuntimeBackend(results[method].qdq_model, name=f"onnxruntime int8 {method}")
+        metrics = _evaluate(entry, int8, eval_set, f"int8 ({method})", progress)
+        record["methods"][method] = metrics
+        _log(f"[{name}] INT8 ({method}): {tasks.METRIC_LABELS[metric]} {metrics[metric]:.4f}")
+    # The best method's artifacts are written; ties go to the earlier (default) method.
+    best = max(methods, key=lambda m: record["methods"][m][metric])
+    pipeline.write_results(results[best], out / name, force=True)
+    record.update(
+        method=best,
+        metrics_int8=record["methods"][best],
+        fp32=record["metrics_fp32"][metric],
+        int8=record["methods"][best][metric],
+    )
+    batch = {entry.input_name: eval_set.inputs[:LATENCY_BATCH]}
+    record["fp32_latency_ms"] = median_latency_ms(fp32, batch)
+    record["int8_latency_ms"] = median_latency_ms(
+        OnnxRuntimeBackend(results[best].qdq_model), batch
+    )
     record["delta"] = record["int8"] - record["fp32"]
     record["speedup"] = record["fp32_latency_ms"] / record["int8_latency_ms"]
-    ops = optimized_op_types(result.qdq_model)
+    ops = optimized_op_types(results[best].qdq_model)
     record["int8_kernels"] = {op: ops[op] for op in INTEGER_OPS if ops[op]}
     _log(
-        f"[{name}] {tasks.METRIC_LABELS[record['metric']]}: FP32 {record['fp32']:.4f}  "
-        f"INT8 {record['int8']:.4f}  (delta {record['delta']:+.4f}); "
+        f"[{name}] {tasks.METRIC_LABELS[metric]}: FP32 {record['fp32']:.4f}  "
+        f"INT8 {record['int8']:.4f} ({best}, delta {record['delta']:+.4f}); "
         f"latency {record['fp32_latency_ms']:.1f} -> {record['int8_latency_ms']:.1f} ms"
     )
     return record
@@ -129,6 +156,7 @@ def _summary_frame(records: Sequence[dict]) -> pd.DataFrame:
             "metric": [tasks.METRIC_LABELS[r["metric"]] for r in records],
             "FP32": [r["fp32"] for r in records],
             "INT8": [r["int8"] for r in records],
+            "INT8 calibration": [r["method"] for r in records],
             "delta": [r["delta"] for r in records],
             f"FP32 ms / batch {LATENCY_BATCH}": [r["fp32_latency_ms"] for r in records],
             f"INT8 ms / batch {LATENCY_BATCH}": [r["int8_latency_ms"] for r in records],
@@ -215,13 +243,25 @@ def _sections(records: Sequence[dict]) -> list[Section]:
                 "INT8": [v for v in record["metrics_int8"].values() if not isinstance(v, dict)],
             }
         )
+        label = tasks.METRIC_LABELS[record["metric"]]
+        by_method = pd.DataFrame(
+            {
+                "calibration method": list(record["methods"]),
+                f"INT8 {label}": [m[record["metric"]] for m in record["methods"].values()],
+                "delta vs FP32": [
+                    m[record["metric"]] - record["fp32"] for m in record["methods"].values()
+                ],
+            }
+        )
         body = (
-            f"<p>{escape(record['description'].rstrip('.'))}. "
-            f"Calibrated with <code>{record['method']}</code> "
-            f"on {record['calibration_samples']} samples; evaluated on "
-            f"{record['eval_samples']} held-out samples. Artifacts: "
-            f"<code>{record['name']}/</code> (model.onnx, model.int8.onnx, scales.json, "
-            "calibration.cache, stats.npz).</p>" + table_html(metrics)
+            f"<p>{escape(record['description'].rstrip('.'))}. Statistics collected once on "
+            f"{record['calibration_samples']} calibration samples; every calibration method "
+            f"computed its scales from them; evaluated on {record['eval_samples']} held-out "
+            f"samples. The best method, <code>{record['method']}</code>, wrote the artifacts "
+            f"in <code>{record['name']}/</code> (model.onnx, model.int8.onnx, scales.json, "
+            "calibration.cache, stats.npz).</p>"
+            + table_html(by_method, caption="INT8 metric by calibration method")
+            + table_html(metrics, caption=f"All metrics, FP32 vs INT8 ({record['method']})")
         )
         if record["task"] == "detection":
             body += figure_html(_per_class_figure(record), "Per-class AP, FP32 vs INT8")
@@ -232,7 +272,7 @@ def _sections(records: Sequence[dict]) -> list[Section]:
 def run_demo(
     out: str | os.PathLike = "reports/demo",
     models: Sequence[str] | None = None,
-    method: str = "entropy",
+    methods: Sequence[str] = calibrate.METHODS,
     eval_limit: int | None = None,
     force: bool = False,
     progress: bool = True,
@@ -241,10 +281,10 @@ def run_demo(
     out = _prepare_demo_folder(Path(out), force)
     names = list(models or zoo.names())
     started = time.perf_counter()
-    records = [run_model(name, out, method, eval_limit, progress) for name in names]
+    records = [run_model(name, out, methods, eval_limit, progress) for name in names]
     summary = {
         "generator": DEMO_MARKER,
-        "method": method,
+        "methods": list(methods),
         "seconds": round(time.perf_counter() - started, 1),
         "models": records,
     }
@@ -253,8 +293,8 @@ def run_demo(
         out / "report.html",
         "quantlab demo: INT8 accuracy of the reference models",
         _sections(records),
-        subtitle=f"Every zoo model exported, calibrated ({method}), quantized to Q/DQ "
-        "INT8 and evaluated in ONNX Runtime.",
+        subtitle=f"Every zoo model exported, calibrated ({', '.join(methods)}), quantized to "
+        "Q/DQ INT8 and evaluated in ONNX Runtime.",
     )
     _log(f"wrote {out / 'report.html'} and {out / 'summary.json'} in {summary['seconds']:.0f} s")
     return summary

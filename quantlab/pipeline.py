@@ -43,22 +43,26 @@ CACHE_ALGORITHM = {
 
 @dataclass
 class CalibrationResult:
-    """Everything a calibration run produced, in memory and in `folder`."""
+    """Everything a calibration produced; `folder` is where it was written (None until then)."""
 
-    folder: Path
     model: onnx.ModelProto
     qdq_model: onnx.ModelProto
     stats: collect.Statistics
     scales: calibrate.Scales
+    data: BatchSource
+    folder: Path | None = None
 
 
 def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
     """An ONNX model from a path, a zoo model name, or a ModelProto (normalized)."""
     if isinstance(model, onnx.ModelProto):
         return graph.normalize(model)
+    if Path(model).exists():
+        return graph.load_model(model)
+    # Only a name that is not a file may be a zoo model (importing the zoo imports torch).
     from quantlab import zoo
 
-    if str(model) in zoo.names() and not Path(model).exists():
+    if str(model) in zoo.names():
         return export_zoo_model(str(model))
     return graph.load_model(model)
 
@@ -104,28 +108,35 @@ def run_calibration(
     # Refuse an occupied folder before the long work, create it only after it succeeded:
     # a failed run leaves no partial output.
     existing_results(out, force=force, produces=CALIBRATION_FILES)
-    tensors = qdq.activation_tensors_to_calibrate(model)
-    stats = collect.collect(model, source, tensors, progress=progress)
+    stats = collect.collect(model, source, qdq.activation_tensors_to_calibrate(model),
+                            progress=progress)
     scales = calibrate.calibrate(stats, method, **method_params)
-    qdq_model = qdq.quantize_model(model, scales.amax)
-    folder = prepare_output(out, force=force, produces=CALIBRATION_FILES)
+    result = CalibrationResult(model, qdq.quantize_model(model, scales.amax), stats, scales, source)
+    write_results(result, out, force=force)
+    return result
 
-    graph.save_model(model, folder / "model.onnx")
-    stats.save(folder / "stats.npz")
+
+def write_results(result: CalibrationResult, out: str | os.PathLike, force: bool = False) -> Path:
+    """Write a calibration's files into `out` (refused if it holds results, unless `force`)."""
+    folder = prepare_output(out, force=force, produces=CALIBRATION_FILES)
+    scales = result.scales
+    graph.save_model(result.model, folder / "model.onnx")
+    result.stats.save(folder / "stats.npz")
     scales.save(folder / "scales.json")
     cache.write_calibration_cache(
-        folder / "calibration.cache", scales.scale, algorithm=CACHE_ALGORITHM[method]
+        folder / "calibration.cache", scales.scale, algorithm=CACHE_ALGORITHM[scales.method]
     )
-    graph.save_model(qdq_model, folder / "model.int8.onnx")
+    graph.save_model(result.qdq_model, folder / "model.int8.onnx")
     write_json(
         folder / "calibration.json",
         {
-            "data": source.description,
-            "num_samples": source.num_samples,
-            "batch_size": source.batch_size,
-            "method": method,
-            "params": method_params,
-            "tensors": len(tensors),
+            "data": result.data.description,
+            "num_samples": result.data.num_samples,
+            "batch_size": result.data.batch_size,
+            "method": scales.method,
+            "params": scales.params,
+            "tensors": len(scales.amax),
         },
     )
-    return CalibrationResult(folder, model, qdq_model, stats, scales)
+    result.folder = folder
+    return folder

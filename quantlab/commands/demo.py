@@ -1,14 +1,16 @@
 """Run every bundled zoo model end to end and write an INT8 accuracy report.
 
-For each model: export to ONNX, collect activation statistics on its
-calibration split (calibration_data/), compute scales, write the Q/DQ INT8
-model and the TensorRT calibration cache, evaluate FP32 and INT8 in ONNX
-Runtime on the held-out split, and time both. The result is
+For each model: export to ONNX, collect activation statistics once on its
+calibration split (calibration_data/), compute scales with every calibration
+method (entropy, max, percentile, mse), quantize to Q/DQ INT8 and evaluate
+each in ONNX Runtime on the held-out split against FP32; the best method's
+Q/DQ model, scales and TensorRT calibration cache are written, and FP32 vs
+INT8 latency is timed. The result is
 reports/demo/report.html (self-contained) and reports/demo/summary.json.
 
 examples:
   quantlab demo
-  quantlab demo --models digits-cnn digits-vit --method max
+  quantlab demo --models digits-cnn digits-vit --methods entropy max
   quantlab demo --out /tmp/demo --eval-limit 200
 """
 
@@ -38,10 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"zoo models to run (default: all of {', '.join(zoo.names())})",
     )
     parser.add_argument(
-        "--method",
-        default="entropy",
+        "--methods",
+        nargs="+",
+        default=list(METHODS),
         choices=METHODS,
-        help="calibration method (default: %(default)s)",
+        metavar="METHOD",
+        help=f"calibration methods to compare (default: all of {', '.join(METHODS)})",
     )
     parser.add_argument(
         "--eval-limit",
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     run_demo(
         args.out,
         args.models,
-        args.method,
+        args.methods,
         args.eval_limit,
         args.force,
         progress=not args.no_progress,
