@@ -89,12 +89,15 @@ def run_calibration(
     preprocess: Preprocess | None = None,
     force: bool = False,
     progress: bool = True,
+    trt_version: str = cache.DEFAULT_TRT_VERSION,
 ) -> CalibrationResult:
     """Calibrate `model` on `data` and write the experiment folder `out`.
 
     Writes ``model.onnx`` (normalized FP32), ``stats.npz``, ``scales.json``,
     ``calibration.cache`` (TensorRT format), ``model.int8.onnx`` (Q/DQ) and
     ``calibration.json`` (what was run). Nothing is written if collection fails.
+    `trt_version` goes into the cache header; TensorRT ignores a cache whose
+    version is not its own.
     """
     method_params = dict(method_params or {})
     calibrate.check_method(method, method_params)
@@ -112,11 +115,16 @@ def run_calibration(
                             progress=progress)
     scales = calibrate.calibrate(stats, method, **method_params)
     result = CalibrationResult(model, qdq.quantize_model(model, scales.amax), stats, scales, source)
-    write_results(result, out, force=force)
+    write_results(result, out, force=force, trt_version=trt_version)
     return result
 
 
-def write_results(result: CalibrationResult, out: str | os.PathLike, force: bool = False) -> Path:
+def write_results(
+    result: CalibrationResult,
+    out: str | os.PathLike,
+    force: bool = False,
+    trt_version: str = cache.DEFAULT_TRT_VERSION,
+) -> Path:
     """Write a calibration's files into `out` (refused if it holds results, unless `force`)."""
     folder = prepare_output(out, force=force, produces=CALIBRATION_FILES)
     scales = result.scales
@@ -124,7 +132,10 @@ def write_results(result: CalibrationResult, out: str | os.PathLike, force: bool
     result.stats.save(folder / "stats.npz")
     scales.save(folder / "scales.json")
     cache.write_calibration_cache(
-        folder / "calibration.cache", scales.scale, algorithm=CACHE_ALGORITHM[scales.method]
+        folder / "calibration.cache",
+        scales.scale,
+        algorithm=CACHE_ALGORITHM[scales.method],
+        trt_version=trt_version,
     )
     graph.save_model(result.qdq_model, folder / "model.int8.onnx")
     write_json(

@@ -30,6 +30,7 @@ HELP = "collect statistics, compute scales, write the Q/DQ model and TensorRT ca
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab calibrate`."""
+    from quantlab.cache import DEFAULT_TRT_VERSION
     from quantlab.calibrate import METHODS
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
@@ -64,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="use at most the first N samples (default: all)",
+    )
+    parser.add_argument(
+        "--trt-version",
+        default=DEFAULT_TRT_VERSION,
+        metavar="X.Y.Z",
+        help="TensorRT version written into calibration.cache; TensorRT ignores a cache made "
+        "for another version (default: %(default)s)",
     )
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -133,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         max_samples=args.max_samples,
         preprocess=preprocess,
         force=args.force,
+        trt_version=args.trt_version,
         progress=not args.no_progress,
     )
     print(
