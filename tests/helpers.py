@@ -7,20 +7,6 @@ import torch
 import torchvision
 
 from quantlab import zoo
-from quantlab.zoo.shapes_det import ShapesDetector
-
-
-def zoo_module(name: str) -> torch.nn.Module:
-    """``zoo.get(name).build()``: the trained module, in eval mode.
-
-    shapes-det's weights are still training; until ``quantlab/zoo/weights/shapes-det.pt``
-    lands, its untrained module (seeded) stands in, with the zoo's input shape and data.
-    """
-    entry = zoo.get(name)
-    if name == "shapes-det" and not entry.weights_path.is_file():
-        torch.manual_seed(0)
-        return ShapesDetector().eval()
-    return entry.build()
 
 
 class SSDLiteRaw(torch.nn.Module):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from helpers import SSDLiteRaw, zoo_module, zoo_params
+from helpers import SSDLiteRaw, zoo_params
 
 from quantlab import compare, graph, zoo
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
@@ -104,9 +104,9 @@ ZOO_MIN_MAPPED = {"shapes-det": 80, "digits-cnn": 11, "digits-vit": 33}
 
 @pytest.mark.parametrize("name", zoo_params())
 def test_torch_matches_onnxruntime_on_zoo_models(name, tmp_path):
-    """The zoo's modules on two of their calibration samples (shapes-det: see zoo_module)."""
+    """The zoo's trained modules on two of their calibration samples."""
     entry = zoo.get(name)
-    module = zoo_module(name)
+    module = entry.build()
     backend, model, cosines = _torch_vs_ort(module, entry.input_shape, tmp_path,
                                             entry.calibration_set()[:2])
     assert len(cosines) >= ZOO_MIN_MAPPED[name]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import SSDLiteRaw, zoo_module, zoo_params
+from helpers import SSDLiteRaw, zoo_params
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
@@ -554,7 +554,7 @@ def zoo_case(request, tmp_path_factory):
     entry = zoo.get(request.param)
     x = entry.calibration_set()[:4]
     path = tmp_path_factory.mktemp(request.param) / "model.onnx"
-    model = graph.export_torch(zoo_module(request.param), x, path,
+    model = graph.export_torch(entry.build(), x, path,
                                output_names=entry.output_names)
     feeds = {entry.input_name: x}
     amax = fp32_amax(model, feeds)
