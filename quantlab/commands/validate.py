@@ -26,6 +26,7 @@ HELP = "compare torch, ONNX Runtime FP32 and the INT8 engine layer by layer and 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab validate`."""
+    from quantlab.calibrate import METHODS
     from quantlab.validate import MODES
 
     parser.add_argument("--onnx", metavar="MODEL.onnx", help="FP32 ONNX model (reference)")
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "was exported to --onnx (adds the torch stage)")
     source.add_argument("--zoo", metavar="NAME", help="a zoo model: torch stage, task metrics, "
                         "and --onnx/--engine made here when not given")
+    parser.add_argument("--method", choices=METHODS, default="entropy",
+                        help="with --zoo and no --engine: calibration method of the INT8 model "
+                             "made here (default: %(default)s)")
     parser.add_argument("--mode", choices=MODES, default="global",
                         help="global: stages end to end; local: each INT8 layer fed the FP32 "
                              "input (default: %(default)s)")
@@ -127,6 +131,6 @@ def _zoo_models(entry, out: Path, args) -> tuple[Path, Path]:
     from quantlab import pipeline
 
     result = pipeline.run_calibration(entry.name, entry.calibration_set(), out / "calibration",
-                                      batch_size=args.batch_size, force=args.force,
-                                      progress=not args.no_progress)
+                                      method=args.method, batch_size=args.batch_size,
+                                      force=args.force, progress=not args.no_progress)
     return result.folder / "model.onnx", result.folder / "model.int8.onnx"
