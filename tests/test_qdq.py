@@ -450,9 +450,32 @@ def assert_layers_match_simulation(model, quantized, feeds, amax, rule):
             inputs[name] = simulated_input(rule, node, index, name, value, name in weights, amax)
         want = ReferenceEvaluator(node).run(None, inputs)[0]
         np.testing.assert_allclose(got[node.output[0]], want, rtol=0,
-                                   atol=1e-4 * np.abs(want).max(), err_msg=node.name)
+                                   atol=1e-4 * np.abs(want).max() + one_lsb_flip(node, inputs,
+                                                                                 amax, rule),
+                                   err_msg=node.name)
         checked += 1
     return checked
+
+
+def one_lsb_flip(node, inputs, amax, rule) -> float:
+    """How far one activation element rounded one LSB the other way moves the node's output.
+
+    ONNX Runtime's optimized QuantizeLinear multiplies by the reciprocal scale instead of
+    dividing, so values within an ulp of a rounding tie can land one LSB away from
+    x / scale (measured on the trained shapes-det: 1 in ~10^4 elements). One flipped
+    element of input i moves a Conv/Gemm/MatMul output by at most LSB_i * max|other
+    operand|, an Add output by LSB_i; a wrong scale or axis errs by many LSBs.
+    """
+    names = [n for n in node.input[:2] if n]
+    bound = 0.0
+    for index, name in enumerate(names):
+        if name not in amax or rule(node, index, False) != "act":  # weights are not in amax
+            continue
+        lsb = amax[name] / 127.0
+        other = names[1 - index] if len(names) == 2 else None
+        factor = 1.0 if node.op_type == "Add" or other is None else np.abs(inputs[other]).max()
+        bound += lsb * factor
+    return bound
 
 
 def assert_rule_from_graph_is(rule, model, quantized):
