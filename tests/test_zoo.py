@@ -117,12 +117,13 @@ def test_digits_models_meet_their_accuracy(name, threshold):
     assert (logits.argmax(1) == data.labels).mean() >= threshold
 
 
-def test_shapes_det_meets_its_map_on_200_eval_images():
+def test_shapes_det_meets_its_map_on_the_held_out_split():
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
     entry = zoo.get("shapes-det")
-    data = entry.eval_set(limit=200)
+    data = entry.eval_set()
+    assert len(data.inputs) >= 500
     scores, boxes = run(entry.build(), data.inputs)
     detections = entry.postprocess({"scores": scores, "boxes": boxes}, data.image_ids)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -133,7 +134,8 @@ def test_shapes_det_meets_its_map_on_200_eval_images():
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()
-    assert evaluator.stats[0] >= 0.48 and evaluator.stats[1] >= 0.83
+    # The zoo's stated bar: COCO mAP@[.5:.95] >= 0.50 and mAP@.5 >= 0.85, pycocotools as referee.
+    assert evaluator.stats[0] >= 0.50 and evaluator.stats[1] >= 0.85
 
 
 @pytest.mark.slow

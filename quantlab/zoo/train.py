@@ -198,7 +198,7 @@ def export_calibration_data(name: str) -> None:
     print(f"calibration data of {name} written to {root}")
 
 
-DEFAULT_EPOCHS = {"shapes-det": 40, "digits-cnn": 60, "digits-vit": 150}
+DEFAULT_EPOCHS = {"shapes-det": 48, "digits-cnn": 60, "digits-vit": 150}
 
 
 def main(argv: list[str] | None = None) -> None:
