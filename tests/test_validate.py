@@ -207,3 +207,26 @@ def test_load_factory_needs_module_colon_function():
 
     with pytest.raises(ConfigError, match="module:factory"):
         load_factory("just_a_module")
+
+
+class ConvSigmoid(torch.nn.Module):
+    """A head whose graph output comes from a node that is not quantized (Sigmoid)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return torch.sigmoid(self.conv(x))
+
+
+def test_local_mode_scores_end_to_end_outputs_of_unquantized_nodes(tmp_path):
+    torch.manual_seed(0)
+    x = np.random.default_rng(2).standard_normal((6, 3, 8, 8)).astype(np.float32)
+    model = graph.export_torch(ConvSigmoid().eval(), x[:2], tmp_path / "m.onnx")
+    result = validate(model, _quantize(model, x), _source(model, x, batch_size=4),
+                      tmp_path / "out", mode="local", progress=False)
+    pair = next(p for p in result.summary["pairs"] if p["test"] == ENGINE)
+    (output,) = pair["outputs"].values()
+    # End-to-end outputs are compared from the engine's own run: 8-bit error, not zero.
+    assert 20 < output["sqnr_db"] < math.inf
