@@ -112,14 +112,14 @@ def run_model(
         "metrics_fp32": _evaluate(entry, fp32, eval_set, "fp32", progress),
         "methods": {},
     }
-    results = {}
+    results, int8 = {}, {}
     for method in methods:
         scales = calibrate.calibrate(stats, method)
         results[method] = pipeline.CalibrationResult(
             model, qdq.quantize_model(model, scales.amax), stats, scales, source
         )
-        int8 = OnnxRuntimeBackend(results[method].qdq_model, name=f"onnxruntime int8 {method}")
-        metrics = _evaluate(entry, int8, eval_set, f"int8 ({method})", progress)
+        int8[method] = OnnxRuntimeBackend(results[method].qdq_model, name=f"int8 {method}")
+        metrics = _evaluate(entry, int8[method], eval_set, f"int8 ({method})", progress)
         record["methods"][method] = metrics
         _log(f"[{name}] INT8 ({method}): {tasks.METRIC_LABELS[metric]} {metrics[metric]:.4f}")
     # The best method's artifacts are written; ties go to the earlier (default) method.
@@ -134,7 +134,7 @@ def run_model(
     batch = {entry.input_name: eval_set.inputs[:LATENCY_BATCH]}
     record["fp32_latency_ms"] = median_latency_ms(fp32, batch)
     record["int8_latency_ms"] = median_latency_ms(
-        OnnxRuntimeBackend(results[best].qdq_model), batch
+        int8[best], batch
     )
     record["delta"] = record["int8"] - record["fp32"]
     record["speedup"] = record["fp32_latency_ms"] / record["int8_latency_ms"]

@@ -41,6 +41,11 @@ from quantlab.report import Section, figure_html, table_html, write_report
 
 MODES = ("global", "local")
 TORCH, FP32, ENGINE = "torch", "onnx_fp32", "engine_int8"
+STAGE_DESCRIPTIONS = {
+    TORCH: "PyTorch module (forward hooks)",
+    FP32: "FP32 ONNX model in ONNX Runtime",
+    ENGINE: "INT8 Q/DQ model in ONNX Runtime (TensorRT is not installed here)",
+}
 WORST_LAYERS = 10
 # Where infinite SQNR (bit-identical tensors) is drawn on plots, above every finite value.
 _PLOT_INF_MARGIN_DB = 10.0
@@ -400,14 +405,8 @@ def validate(
         "samples": data.num_samples,
         "data": data.description,
         "mode": mode,
-        "stages": {
-            TORCH: "PyTorch module (forward hooks)",
-            FP32: "FP32 ONNX model in ONNX Runtime",
-            ENGINE: "INT8 Q/DQ model in ONNX Runtime (TensorRT is not installed here)",
-        } if torch_backend else {
-            FP32: "FP32 ONNX model in ONNX Runtime",
-            ENGINE: "INT8 Q/DQ model in ONNX Runtime (TensorRT is not installed here)",
-        },
+        "stages": {name: STAGE_DESCRIPTIONS[name] for name in (TORCH, FP32, ENGINE)
+                   if name != TORCH or torch_backend},
         "task": task.kind if task else None,
         "metrics": metrics,
         "divergence_rule": {"threshold_db": threshold_db, "min_drop_db": min_drop_db},
