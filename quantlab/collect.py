@@ -46,6 +46,10 @@ OVERSAMPLE = 8
 MIN_EXPONENT = -100
 # Size assumed for a symbolic non-batch dimension when planning tensor groups.
 UNKNOWN_DIM = 256
+# Exposed activations per ONNX Runtime run: batches run in slices of this size. On
+# shapes-det, 8-sample runs (41 MB) are as fast as 32-sample runs (164 MB) and cut
+# the peak RSS from ~640 to ~410 MiB; the statistics do not depend on the split.
+RUN_BYTES = 48 << 20
 STATS_FORMAT = "quantlab.statistics"
 STATS_VERSION = 1
 
@@ -294,8 +298,9 @@ def collect(
 
     inputs = [spec.name for spec in graph.input_specs(model)]
     stats = {name: TensorStats.empty(num_bins * OVERSAMPLE) for name in names}
+    per_sample = sample_bytes(model, names)
     num_samples = 0
-    # Tensors of a batch are counted in parallel (the kernel releases the GIL); each
+    # Tensors of a run are counted in parallel (the kernel releases the GIL); each
     # TensorStats is updated by one thread at a time, so no locking is needed.
     with (ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool,
           tqdm(total=batches.num_samples * len(groups), unit="sample", desc="collect",
@@ -304,20 +309,13 @@ def collect(
             # A fresh backend per group: the previous group's session (and its memory
             # arena) is released instead of cached, so peak memory is one group's.
             backend = OnnxRuntimeBackend(model)
+            run_size = max(1, RUN_BYTES // max(1, sum(per_sample[name] for name in group)))
             for batch_index, batch in enumerate(batches):
                 _check_inputs(batch, inputs, batch_index)
-                values = backend.run(batch, tensors=group)
-                arrays = [values.pop(name) for name in group]
-                folded = list(pool.map(_fold, [stats[name] for name in group], arrays, group))
-                del arrays  # the batch's activations are freed before the next batch runs
-                for name, finite in zip(group, folded, strict=True):
-                    if not finite:
-                        raise DataError(
-                            f"batch {batch_index}: tensor '{name}' contains NaN or Inf (the first "
-                            "such tensor in topological order). No statistics were written; fix "
-                            "the input data of this batch or the layer producing the tensor."
-                        )
                 size = len(batch[inputs[0]])
+                for start in range(0, size, run_size):
+                    part = {name: array[start:start + run_size] for name, array in batch.items()}
+                    _fold_run(pool, stats, backend.run(part, tensors=group), batch_index)
                 if group_index == 0:
                     num_samples += size
                 bar.update(size)
@@ -331,6 +329,22 @@ def collect(
             stacklevel=2,
         )
     return Statistics(stats, num_samples, num_bins)
+
+
+def _fold_run(pool: ThreadPoolExecutor, stats: dict[str, TensorStats],
+              values: dict[str, np.ndarray], batch_index: int) -> None:
+    """Fold one run's exposed tensors into their statistics; raise on the first NaN/Inf."""
+    names = list(values)
+    # Popped, so the run's activations are freed before the next run allocates its own.
+    arrays = [values.pop(name) for name in names]
+    folded = list(pool.map(_fold, [stats[name] for name in names], arrays, names))
+    for name, finite in zip(names, folded, strict=True):
+        if not finite:
+            raise DataError(
+                f"batch {batch_index}: tensor '{name}' contains NaN or Inf (the first such "
+                "tensor in topological order). No statistics were written; fix the input data "
+                "of this batch or the layer producing the tensor."
+            )
 
 
 def _check_inputs(batch: Mapping[str, np.ndarray], inputs: Sequence[str], index: int) -> None:
@@ -355,19 +369,24 @@ def _fold(stats: TensorStats, array: np.ndarray, name: str) -> bool:
     return stats.update(np.ascontiguousarray(array))
 
 
-def plan_groups(model: onnx.ModelProto, names: Sequence[str], batch_size: int,
-                budget: int) -> list[list[str]]:
-    """Split `names` (in order) into groups whose float32 activations for one batch fit `budget`."""
+def sample_bytes(model: onnx.ModelProto, names: Sequence[str]) -> dict[str, int]:
+    """float32 bytes of one sample of each tensor (a symbolic non-batch dim counts UNKNOWN_DIM)."""
     shapes = {
         v.name: [d.dim_value if d.HasField("dim_value") else None
                  for d in v.type.tensor_type.shape.dim]
         for v in list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
     }
+    return {name: 4 * int(np.prod([d or UNKNOWN_DIM for d in (shapes.get(name) or [None])[1:]]))
+            for name in names}
+
+
+def plan_groups(model: onnx.ModelProto, names: Sequence[str], batch_size: int,
+                budget: int) -> list[list[str]]:
+    """Split `names` (in order) into groups whose float32 activations for one batch fit `budget`."""
     groups: list[list[str]] = [[]]
     used = 0
-    for name in names:
-        dims = shapes.get(name) or [None]
-        size = 4 * batch_size * int(np.prod([d or UNKNOWN_DIM for d in dims[1:]]))
+    for name, size in sample_bytes(model, names).items():
+        size *= batch_size
         if groups[-1] and used + size > budget:
             groups.append([])
             used = 0

@@ -8,6 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from quantlab import collect as collect_module
 from quantlab import graph
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.collect import OVERSAMPLE, Statistics, TensorStats, _fold, collect, plan_groups
@@ -119,10 +120,23 @@ def test_two_halves_merged_equal_one_pass_exactly():
     assert_identical(merged, whole)
 
 
-def test_groups_give_identical_statistics():
+def test_groups_and_runs_give_identical_statistics(monkeypatch):
     model = small_model()
     arrays = data(4, scale=3.0)
-    assert_identical(run(model, arrays, group_size=1), run(model, arrays))
+    whole = run(model, arrays)
+    assert_identical(run(model, arrays, group_size=1), whole)
+    # Batches of 4 run one sample at a time when a sample's activations fill RUN_BYTES.
+    runs = []
+    run_batch = OnnxRuntimeBackend.run
+
+    def spy(self, batch, tensors=None):
+        runs.append(len(batch["x"]))
+        return run_batch(self, batch, tensors)
+
+    monkeypatch.setattr(OnnxRuntimeBackend, "run", spy)
+    monkeypatch.setattr(collect_module, "RUN_BYTES", 4 * 32 * len(TENSORS))
+    assert_identical(run(model, arrays), whole)
+    assert runs == [1] * len(arrays)
     assert plan_groups(model, TENSORS, batch_size=4, budget=1) == [[t] for t in TENSORS]
     assert plan_groups(model, TENSORS, batch_size=4, budget=10**9) == [TENSORS]
 
