@@ -4,8 +4,9 @@ import math
 
 import numpy as np
 import pytest
+from helpers import zoo_params
 
-from quantlab import graph
+from quantlab import graph, qdq, zoo
 from quantlab.calibrate import (
     KL_TIE_TOLERANCE,
     SAFE_AMAX,
@@ -140,6 +141,22 @@ def test_entropy_matches_reference_on_resnet18_histograms(resnet_stats):
     for name in names[::4]:
         hist, _ = resnet_stats.tensors[name].histogram(512)
         assert entropy_threshold_bin(hist) == reference_entropy_bin(hist), name
+
+
+@pytest.mark.parametrize("name", zoo_params())
+def test_entropy_matches_reference_on_zoo_histograms(name, tmp_path):
+    # The histograms calibration really meets: every calibrated activation of each zoo
+    # model on 32 of its calibration samples (512 bins keep the reference fast).
+    entry = zoo.get(name)
+    samples = entry.calibration_set()[:32]
+    model = graph.export_torch(entry.build(), samples[:2], tmp_path / "model.onnx",
+                               output_names=entry.output_names)
+    source = open_data(samples, graph.input_specs(model), batch_size=16)
+    stats = collect(model, source, qdq.activation_tensors_to_calibrate(model), num_bins=512,
+                    progress=False)
+    for tensor, tensor_stats in stats.tensors.items():
+        hist, _ = tensor_stats.histogram(512)
+        assert entropy_threshold_bin(hist) == reference_entropy_bin(hist), tensor
 
 
 def test_calibrate_methods_on_resnet18(resnet_stats):
