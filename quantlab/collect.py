@@ -335,9 +335,7 @@ def _fold_run(pool: ThreadPoolExecutor, stats: dict[str, TensorStats],
               values: dict[str, np.ndarray], batch_index: int) -> None:
     """Fold one run's exposed tensors into their statistics; raise on the first NaN/Inf."""
     names = list(values)
-    # Popped, so the run's activations are freed before the next run allocates its own.
-    arrays = [values.pop(name) for name in names]
-    folded = list(pool.map(_fold, [stats[name] for name in names], arrays, names))
+    folded = list(pool.map(_fold, [stats[name] for name in names], values.values(), names))
     for name, finite in zip(names, folded, strict=True):
         if not finite:
             raise DataError(

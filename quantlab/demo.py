@@ -133,9 +133,7 @@ def run_model(
     )
     batch = {entry.input_name: eval_set.inputs[:LATENCY_BATCH]}
     record["fp32_latency_ms"] = median_latency_ms(fp32, batch)
-    record["int8_latency_ms"] = median_latency_ms(
-        int8[best], batch
-    )
+    record["int8_latency_ms"] = median_latency_ms(int8[best], batch)
     record["delta"] = record["int8"] - record["fp32"]
     record["speedup"] = record["fp32_latency_ms"] / record["int8_latency_ms"]
     ops = optimized_op_types(results[best].qdq_model)
