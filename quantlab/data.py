@@ -1,8 +1,11 @@
 """Batch sources: image folders, COCO annotation files, .npy/.npz arrays, Python iterables.
 
-A batch is ``dict[input_name, float32 array]`` with the samples on axis 0. Every
-source validates what it reads against the model's inputs where the data
-enters, so a mistake is reported with the file name and the fix.
+A batch is ``dict[input_name, array]`` in the model's own layout and dtype: the
+samples sit on each input's sample axis (``TensorSpec.batch_axis``, axis 0 for
+most inputs, 1 for recurrent state ``[layers, N, hidden]``), and integer or
+boolean inputs (token ids, masks) keep their type. Every source validates what it
+reads against the model's inputs where the data enters, so a mistake is
+reported with the file name and the fix.
 """
 
 from __future__ import annotations
@@ -20,20 +23,33 @@ from quantlab.errors import ConfigError, DataError
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff")
 
 
+RESIZE_MODES = ("squash", "letterbox", "center-crop")
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos")
+
+
 @dataclass(frozen=True)
 class Preprocess:
     """How images become input tensors: resize, scale, mean/std, channel order, layout.
 
-    ``x = (pixels * scale - mean) / std`` per channel, after resizing to
-    ``size`` (H, W). ``size=None`` takes the model input's static H and W.
+    ``x = (pixels * scale - mean) / std`` per channel, after resizing to ``size``
+    (H, W); ``size=None`` takes the model input's static H and W. Resize modes:
+    ``squash`` stretches to H x W; ``letterbox`` scales to fit inside H x W keeping
+    the aspect ratio and pads, centred, with `pad_value` (in pixel units, YOLO's
+    114 by default); ``center-crop`` scales the short side to `resize_short`
+    (default max(H, W)) and crops the centre H x W. `mean`/`std` default to
+    0 and 1 for every channel.
     """
 
     size: tuple[int, int] | None = None
     scale: float = 1.0 / 255.0
-    mean: tuple[float, ...] = (0.0, 0.0, 0.0)
-    std: tuple[float, ...] = (1.0, 1.0, 1.0)
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
     channel_order: str = "RGB"
     layout: str = "NCHW"
+    resize_mode: str = "squash"
+    resize_short: int | None = None
+    pad_value: float = 114.0
+    interpolation: str = "bilinear"
 
     def __post_init__(self):
         if self.channel_order not in ("RGB", "BGR", "L"):
@@ -42,19 +58,58 @@ class Preprocess:
             )
         if self.layout not in ("NCHW", "NHWC"):
             raise ConfigError(f"layout '{self.layout}' is not one of NCHW, NHWC.")
-        if any(s == 0 for s in self.std):
+        if self.resize_mode not in RESIZE_MODES:
+            raise ConfigError(
+                f"resize mode '{self.resize_mode}' is not one of {', '.join(RESIZE_MODES)}.")
+        if self.interpolation not in INTERPOLATIONS:
+            raise ConfigError(
+                f"interpolation '{self.interpolation}' is not one of {', '.join(INTERPOLATIONS)}.")
+        if self.size is not None and (len(self.size) != 2 or min(self.size) < 1):
+            raise ConfigError(f"--resize needs two sizes H W of at least 1 pixel, got {self.size}.")
+        if self.resize_short is not None and self.resize_short < 1:
+            raise ConfigError(f"--resize-short must be at least 1 pixel, got {self.resize_short}.")
+        if not np.isfinite(self.scale):
+            raise ConfigError(f"--scale must be a finite number, got {self.scale}.")
+        channels = self.channels
+        for label, values in (("mean", self.mean), ("std", self.std)):
+            if values is None:
+                continue
+            if len(values) != channels:
+                raise ConfigError(
+                    f"--{label} has {len(values)} value(s) {tuple(values)} but channel order "
+                    f"{self.channel_order} has {channels} channel(s); give one value per channel."
+                )
+            if not np.isfinite(values).all():
+                raise ConfigError(f"--{label} {tuple(values)} must be finite numbers.")
+        if self.std is not None and any(s == 0 for s in self.std):
             raise ConfigError(f"std {self.std} contains a zero; every std must be non-zero.")
 
+    @property
+    def channels(self) -> int:
+        """Channels of the preprocessed image: 1 for L, else 3."""
+        return 1 if self.channel_order == "L" else 3
+
+    def to_dict(self) -> dict:
+        """Plain values for JSON (recorded in the experiment folder)."""
+        return {field: getattr(self, field) for field in self.__dataclass_fields__}
+
+    @classmethod
+    def from_dict(cls, values: Mapping) -> Preprocess:
+        """The inverse of :meth:`to_dict`."""
+        known = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
+        for key in ("size", "mean", "std"):
+            if known.get(key) is not None:
+                known[key] = tuple(known[key])
+        return cls(**known)
+
     def apply(self, path: Path, size: tuple[int, int]) -> np.ndarray:
-        """Decode one image file into a float32 CHW or HWC array."""
+        """Decode one image file into a float32 CHW or HWC array of height/width `size`."""
         from PIL import Image, UnidentifiedImageError
 
         try:
             with Image.open(path) as image:
                 image = image.convert("L" if self.channel_order == "L" else "RGB")
-                if image.size != (size[1], size[0]):
-                    image = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
-                pixels = np.asarray(image, dtype=np.float32)
+                pixels = self._resize(image, size)
         except (UnidentifiedImageError, OSError, SyntaxError) as exc:
             raise DataError(
                 f"image {path} cannot be decoded ({exc}). Remove or replace the file; "
@@ -65,14 +120,42 @@ class Preprocess:
         if self.channel_order == "BGR":
             pixels = pixels[:, :, ::-1]
         channels = pixels.shape[2]
-        mean = np.resize(np.asarray(self.mean, np.float32), channels)
-        std = np.resize(np.asarray(self.std, np.float32), channels)
-        pixels = (pixels * self.scale - mean) / std
+        mean = np.asarray(self.mean if self.mean is not None else [0.0] * channels, np.float32)
+        std = np.asarray(self.std if self.std is not None else [1.0] * channels, np.float32)
+        pixels = (pixels * np.float32(self.scale) - mean) / std
         return np.ascontiguousarray(pixels.transpose(2, 0, 1) if self.layout == "NCHW" else pixels)
+
+    def _resize(self, image, size: tuple[int, int]) -> np.ndarray:
+        """The image as float32 pixels of height/width `size`, by `resize_mode`."""
+        from PIL import Image
+
+        height, width = size
+        method = getattr(Image.Resampling, self.interpolation.upper())
+        if self.resize_mode == "squash":
+            if image.size != (width, height):
+                image = image.resize((width, height), method)
+            return np.asarray(image, dtype=np.float32)
+        if self.resize_mode == "letterbox":
+            ratio = min(height / image.height, width / image.width)
+            inner = (max(1, round(image.width * ratio)), max(1, round(image.height * ratio)))
+            canvas = Image.new(image.mode, (width, height), (round(self.pad_value),) *
+                               len(image.getbands()))
+            canvas.paste(image.resize(inner, method),
+                         ((width - inner[0]) // 2, (height - inner[1]) // 2))
+            return np.asarray(canvas, dtype=np.float32)
+        short = self.resize_short or max(height, width)
+        ratio = short / min(image.width, image.height)
+        scaled = (max(width, round(image.width * ratio)), max(height, round(image.height * ratio)))
+        image = image.resize(scaled, method)
+        left, top = (scaled[0] - width) // 2, (scaled[1] - height) // 2
+        return np.asarray(image.crop((left, top, left + width, top + height)), dtype=np.float32)
 
 
 class BatchSource:
-    """An iterable of batches with a known number of samples; iterate it as often as needed."""
+    """An iterable of batches with a known number of samples; iterate it as often as needed.
+
+    `axes` maps input name -> sample axis for inputs whose samples are not on axis 0.
+    """
 
     def __init__(
         self,
@@ -80,14 +163,18 @@ class BatchSource:
         num_samples: int,
         batch_size: int,
         load: Callable[[int, int], dict[str, np.ndarray]],
+        axes: Mapping[str, int] | None = None,
     ):
         if num_samples == 0:
             raise DataError(f"{description} holds no samples; point --data at a non-empty source.")
+        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool):
+            raise ConfigError(f"batch size must be a whole number, got {batch_size!r}.")
         if batch_size < 1:
             raise ConfigError(f"batch size must be at least 1, got {batch_size}.")
         self.description = description
         self.num_samples = num_samples
-        self.batch_size = batch_size
+        self.batch_size = int(batch_size)
+        self.axes = dict(axes or {})
         self._load = load
 
     def __len__(self) -> int:
@@ -97,10 +184,46 @@ class BatchSource:
         for start in range(0, self.num_samples, self.batch_size):
             yield self._load(start, min(start + self.batch_size, self.num_samples))
 
+    def length(self, batch: Mapping[str, np.ndarray]) -> int:
+        """Number of samples in `batch`."""
+        return batch_length(batch, self.axes)
+
+    def slice(self, batch: Mapping[str, np.ndarray], start: int, stop: int) -> dict:
+        """Samples `start:stop` of `batch` (views, no copy)."""
+        return slice_batch(batch, self.axes, start, stop)
+
     def __repr__(self) -> str:
         return (
             f"BatchSource({self.description}, {self.num_samples} samples, batch {self.batch_size})"
         )
+
+
+def batch_length(batch: Mapping[str, np.ndarray], axes: Mapping[str, int]) -> int:
+    """Number of samples in `batch`, read on the first input that has a sample axis."""
+    name, array = next((n, a) for n, a in batch.items() if axes.get(n, 0) is not None)
+    return np.shape(array)[axes.get(name, 0)]
+
+
+def slice_batch(batch: Mapping[str, np.ndarray], axes: Mapping[str, int], start: int,
+                stop: int) -> dict[str, np.ndarray]:
+    """Samples `start:stop` of every input of `batch`, each on its own sample axis.
+
+    An input without a sample axis (axis None) is shared by every sample and kept whole.
+    """
+    result = {}
+    for name, array in batch.items():
+        if name in axes and axes[name] is None:
+            result[name] = array
+            continue
+        index = [slice(None)] * np.ndim(array)
+        index[axes.get(name, 0)] = slice(start, stop)
+        result[name] = array[tuple(index)]
+    return result
+
+
+def sample_axes(inputs: Sequence) -> dict[str, int]:
+    """{input name: sample axis} for the inputs whose samples are not on axis 0 (None: none)."""
+    return {spec.name: spec.batch_axis for spec in inputs if spec.batch_axis != 0}
 
 
 def open_data(
@@ -113,10 +236,15 @@ def open_data(
     """Open a data source for a model whose graph inputs are `inputs` (``graph.TensorSpec``).
 
     `source` is a folder of images, a COCO annotation ``.json`` (images next to it
-    or in ``images/``), a ``.npy`` of preprocessed samples (single-input model,
-    axis 0 = samples), an ``.npz`` keyed by input name, an in-memory array or
-    dict of arrays, or an iterable of batches.
+    or in ``images/``), a ``.npy`` of preprocessed samples (single-input model),
+    an ``.npz`` keyed by input name, an in-memory array or dict of arrays, or an
+    iterable of batches. Arrays hold the samples on each input's sample axis.
+    A model that fixes the number of samples per run (``[1, 3, H, W]``) gets
+    batches of exactly that size.
     """
+    fixed = {spec.batch_size for spec in inputs if spec.batch_axis is not None} - {None}
+    if fixed:
+        batch_size = min(fixed)
     if isinstance(source, np.ndarray):
         return _array_source(
             {_single_input(inputs, "array").name: source}, "array", inputs, batch_size, max_samples
@@ -159,11 +287,34 @@ def open_data(
     )
 
 
+def scalar_arrays(source: object) -> dict[str, np.ndarray]:
+    """The 0-d arrays of an ``.npz`` file or a dict (``sr``): values shared by every sample."""
+    if isinstance(source, Mapping):
+        return {k: np.asarray(v) for k, v in source.items() if np.ndim(v) == 0}
+    if isinstance(source, (str, os.PathLike)) and Path(source).suffix.lower() == ".npz" \
+            and Path(source).is_file():
+        with _load_numpy(Path(source)) as archive:
+            return {k: archive[k] for k in archive.files if archive[k].ndim == 0}
+    return {}
+
+
 def _load_numpy(path: Path, **kwargs):
     try:
-        return np.load(path, allow_pickle=False, **kwargs)
+        loaded = np.load(path, allow_pickle=False, **kwargs)
     except (ValueError, OSError) as exc:
+        if "pickle" in str(exc) or "Python objects" in str(exc):
+            # NumPy's advice here is to load with allow_pickle; quantlab never unpickles data.
+            raise DataError(
+                f"{path} is not a NumPy array file of numbers: it is another kind of file, or "
+                "it holds Python objects, which quantlab does not load (unpickling runs code). "
+                "Save plain numeric arrays with numpy.save / numpy.savez."
+            ) from None
         raise DataError(f"{path} is not a readable NumPy file ({exc}).") from None
+    if isinstance(loaded, np.ndarray) and loaded.dtype.hasobject:
+        raise DataError(
+            f"{path} holds Python objects, which quantlab does not load; save numeric arrays."
+        )
+    return loaded
 
 
 def coco_image_files(path: Path) -> list[Path]:
@@ -195,16 +346,43 @@ def _single_input(inputs: Sequence, where: str):
     if len(inputs) != 1:
         names = [spec.name for spec in inputs]
         raise DataError(
-            f"{where} holds one array but the model has {len(inputs)} inputs {names}; "
-            "use an .npz keyed by input name."
+            f"{where} gives one input but the model has {len(inputs)} inputs {names}; "
+            "use an .npz keyed by input name (give a value shared by every sample as a 0-d "
+            "array in the .npz, or as --input NAME=VALUE)."
         )
     return inputs[0]
 
 
 def _limit(count: int, max_samples: int | None) -> int:
+    if max_samples is not None and (not isinstance(max_samples, (int, np.integer))
+                                    or isinstance(max_samples, bool)):
+        raise ConfigError(f"max samples must be a whole number, got {max_samples!r}.")
     if max_samples is not None and max_samples < 1:
         raise ConfigError(f"max samples must be at least 1, got {max_samples}.")
     return count if max_samples is None else min(count, max_samples)
+
+
+def check_dtype(dtype: np.dtype, spec, where: str) -> None:
+    """Raise DataError unless data of `dtype` can feed input `spec` without changing values.
+
+    Float data feeds float inputs (any precision); integer and boolean data feed
+    integer/boolean inputs unchanged. Integer data for a float input is refused:
+    raw pixels or counts almost always mean the normalization was forgotten.
+    """
+    dtype = np.dtype(dtype)
+    wanted = np.dtype(spec.dtype)
+    if wanted.kind == "f" and dtype.kind == "f":
+        return
+    if wanted.kind in "iub" and dtype.kind in "iub":
+        return
+    if wanted.kind == "f" and dtype.kind in "iub":
+        advice = ("normalize it as the model expects and save it as float32 "
+                  "(raw pixels or counts usually mean the preprocessing is missing)")
+    else:
+        advice = f"save it as {wanted}"
+    raise DataError(
+        f"{where}: input '{spec.name}' is {wanted} but the data is {dtype}; {advice}."
+    )
 
 
 def _array_source(arrays, description, inputs, batch_size, max_samples) -> BatchSource:
@@ -213,19 +391,42 @@ def _array_source(arrays, description, inputs, batch_size, max_samples) -> Batch
         raise DataError(
             f"{description} has no array for model input(s) {missing}; it has {sorted(arrays)}."
         )
-    counts = {
-        spec.name: len(arrays[spec.name]) if np.ndim(arrays[spec.name]) else 0 for spec in inputs
-    }
-    if len(set(counts.values())) > 1:
-        raise DataError(f"{description}: inputs have different sample counts {counts}.")
+    axes = sample_axes(inputs)
+    counts = {}
     for spec in inputs:
-        check_sample_shape(arrays[spec.name].shape[1:], spec, description)
+        array = arrays[spec.name]
+        check_dtype(array.dtype, spec, description)
+        if spec.batch_axis is None:
+            check_sample_shape(np.shape(array), spec, description)
+            continue
+        axis = spec.batch_axis
+        if np.ndim(array) <= axis:
+            check_sample_shape(np.shape(array), spec, description)
+        counts[spec.name] = np.shape(array)[axis]
+        check_sample_shape(np.delete(np.shape(array), axis), spec, description)
+    if len(set(counts.values())) > 1:
+        raise DataError(
+            f"{description}: inputs have different sample counts {counts} (each counted on "
+            f"its sample axis {({s.name: s.batch_axis for s in inputs})}). Give every input "
+            "the same samples, or set an input's sample axis with --batch-axis NAME=AXIS."
+        )
+    if not counts:
+        raise DataError(
+            f"{description}: no model input has a sample axis {[s.name for s in inputs]}; "
+            "there is nothing to iterate over. Set one with --batch-axis NAME=AXIS.")
     num = _limit(next(iter(counts.values())), max_samples)
+    fixed = {spec.batch_size for spec in inputs if spec.batch_axis is not None} - {None}
+    if fixed and num % min(fixed):
+        raise DataError(
+            f"{description}: the model takes exactly {min(fixed)} samples per run and {num} "
+            f"is not a multiple of it; pass --max-samples {num - num % min(fixed)}."
+        )
 
     def load(start: int, stop: int) -> dict[str, np.ndarray]:
-        return {s.name: np.asarray(arrays[s.name][start:stop], dtype=np.float32) for s in inputs}
+        part = slice_batch({s.name: arrays[s.name] for s in inputs}, axes, start, stop)
+        return {s.name: np.asarray(part[s.name], dtype=s.dtype) for s in inputs}
 
-    return BatchSource(description, num, batch_size, load)
+    return BatchSource(description, num, batch_size, load, axes)
 
 
 def _image_source(files, description, inputs, batch_size, max_samples, preprocess) -> BatchSource:
@@ -236,6 +437,7 @@ def _image_source(files, description, inputs, batch_size, max_samples, preproces
             f"images from {description} make 4-D batches, but model input '{spec.name}' has "
             f"shape {spec.shape}; use a .npy/.npz of preprocessed samples instead."
         )
+    check_dtype(np.float32, spec, description)
     height_axis = 2 if preprocess.layout == "NCHW" else 1
     size = preprocess.size or tuple(spec.shape[height_axis : height_axis + 2])
     if None in size:
@@ -247,45 +449,79 @@ def _image_source(files, description, inputs, batch_size, max_samples, preproces
     check_sample_shape(first.shape, spec, f"{description} (after preprocessing)")
 
     def load(start: int, stop: int) -> dict[str, np.ndarray]:
-        return {spec.name: np.stack([preprocess.apply(f, size) for f in files[start:stop]])}
+        images = np.stack([preprocess.apply(f, size) for f in files[start:stop]])
+        return {spec.name: images.astype(spec.dtype, copy=False)}
 
     return BatchSource(description, len(files), batch_size, load)
 
 
 def _iterable_source(batches: Iterable, inputs, batch_size, max_samples) -> BatchSource:
     """Materialize a Python iterable of batches (arrays or dicts) into an array source."""
+    if not isinstance(batches, Iterable):
+        raise DataError(
+            f"data of type {type(batches).__name__} is not a path, an array, a dict of arrays "
+            "or an iterable of batches."
+        )
+    axes = sample_axes(inputs)
     collected: dict[str, list[np.ndarray]] = {}
-    for batch in batches:
-        if isinstance(batch, np.ndarray):
+    for index, batch in enumerate(batches):
+        if not isinstance(batch, Mapping):
             batch = {_single_input(inputs, "the batch iterable").name: batch}
         for name, value in batch.items():
-            collected.setdefault(name, []).append(np.asarray(value, dtype=np.float32))
+            array = np.asarray(value)  # also takes torch CPU tensors
+            parts = collected.setdefault(name, [])
+            axis = axes.get(name, 0)
+            if parts and np.delete(parts[0].shape, axis).tolist() != np.delete(
+                    array.shape, axis).tolist():
+                raise DataError(
+                    f"batch iterable: batch {index} gives input '{name}' shape {array.shape} but "
+                    f"batch 0 gave {parts[0].shape}; every batch must have the same sample shape."
+                )
+            parts.append(array)
     if not collected:
         raise DataError("the batch iterable yielded no batches.")
-    arrays = {name: np.concatenate(parts) for name, parts in collected.items()}
+    arrays = {name: np.concatenate(parts, axis=axes.get(name, 0))
+              for name, parts in collected.items()}
     return _array_source(arrays, "batch iterable", inputs, batch_size, max_samples)
 
 
 def check_sample_shape(shape: Sequence[int], spec, where: str) -> None:
-    """Raise DataError unless a per-sample `shape` fits model input `spec` (batch axis dropped)."""
-    expected = spec.shape[1:]
+    """Raise DataError unless a per-sample `shape` fits model input `spec` (sample axis dropped)."""
+    expected = spec.sample_shape
+    shape = tuple(int(d) for d in shape)
     fits = len(shape) == len(expected) and all(
         e is None or e == s for e, s in zip(expected, shape, strict=True)
     )
     if not fits:
-        wanted = "x".join("?" if e is None else str(e) for e in expected)
+        dims = ["?" if e is None else str(e) for e in expected]
+        if spec.batch_axis is not None:
+            dims.insert(spec.batch_axis, "N")
+        axis = spec.batch_axis if spec.batch_axis is not None else "none"
         raise DataError(
-            f"{where}: samples have shape {tuple(shape)} but model input '{spec.name}' expects "
-            f"(N, {wanted.replace('x', ', ')}). Check the preprocessing (resize, layout, "
-            "channels) or the array's axes; axis 0 must be the sample axis."
+            f"{where}: samples have shape {shape} but model input '{spec.name}' expects "
+            f"({', '.join(dims)}), N = samples on axis {axis}. Check the preprocessing (resize, "
+            "layout, channels) or the array's axes (set an input's sample axis with "
+            "--batch-axis NAME=AXIS)."
         )
 
 
 def check_batch(batch: Mapping[str, np.ndarray], inputs: Sequence) -> None:
-    """Raise DataError unless `batch` has an array of fitting shape for every model input."""
+    """Raise DataError unless `batch` has an array of fitting shape and type for every input."""
     for spec in inputs:
         if spec.name not in batch:
             raise DataError(
                 f"batch has no array for model input '{spec.name}'; it has {sorted(batch)}."
             )
-        check_sample_shape(np.shape(batch[spec.name])[1:], spec, "batch")
+        shape = np.shape(batch[spec.name])
+        check_dtype(np.asarray(batch[spec.name]).dtype, spec, "batch")
+        if spec.batch_axis is None:
+            check_sample_shape(shape, spec, "batch")
+            continue
+        if len(shape) <= spec.batch_axis:
+            check_sample_shape(shape, spec, "batch")
+        check_sample_shape(np.delete(shape, spec.batch_axis), spec, "batch")
+        if spec.batch_size is not None and shape[spec.batch_axis] != spec.batch_size:
+            raise DataError(
+                f"batch has {shape[spec.batch_axis]} samples for input '{spec.name}', but the "
+                f"model takes exactly {spec.batch_size} per run (its batch dimension is fixed)."
+            )

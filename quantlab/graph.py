@@ -7,9 +7,10 @@ node, so statistics, scales, plans and comparisons can all be keyed by names.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, shape_inference
 
-from quantlab.errors import ModelError
+from quantlab.errors import ConfigError, ModelError
 from quantlab.experiment import atomic_write
 
 MIN_OPSET = 17
@@ -25,15 +26,41 @@ EXPORT_OPSET = 18
 # Metadata key the torch.export-based ONNX exporter writes on every node: the
 # list of torch module paths (outermost first) the node was traced inside.
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+# Model metadata key holding {input name: sample axis} for inputs whose samples are not
+# on axis 0 (recurrent state [layers, N, hidden]); written by `set_batch_axes`.
+BATCH_AXES_KEY = "quantlab.batch_axes"
+# Model metadata key listing the graph inputs frozen to constants by `freeze_inputs`.
+FROZEN_INPUTS_KEY = "quantlab.frozen_inputs"
+# ONNX ops that hold subgraphs; their bodies are not quantized (see qdq.py).
+CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan"})
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Name, shape (None for a dynamic dimension) and numpy dtype of a graph input/output."""
+    """Name, shape (None for a dynamic dimension) and numpy dtype of a graph input/output.
+
+    `batch_axis` is the axis that holds the samples (None for an input without
+    one, such as a scalar). `batch_size` is that axis's fixed size, None if dynamic.
+    """
 
     name: str
     shape: tuple[int | None, ...]
     dtype: np.dtype
+    batch_axis: int | None = 0
+
+    @property
+    def batch_size(self) -> int | None:
+        """The fixed number of samples the model takes on this input (None: any)."""
+        if self.batch_axis is None or self.batch_axis >= len(self.shape):
+            return None
+        return self.shape[self.batch_axis]
+
+    @property
+    def sample_shape(self) -> tuple[int | None, ...]:
+        """The shape of one sample: `shape` without the batch axis."""
+        if self.batch_axis is None:
+            return self.shape
+        return self.shape[: self.batch_axis] + self.shape[self.batch_axis + 1 :]
 
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
@@ -72,9 +99,20 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
 
 
 def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy with opset >= 17, unique node names and inferred shapes."""
+    """Return a copy with weights as initializers, opset >= 17, unique node names, inferred shapes.
+
+    Constant nodes that hold tensors (every Paddle export stores its weights that
+    way) become initializers, so every later step sees weights in one place.
+    Declared shapes of intermediate tensors and outputs are dropped and inferred
+    again: exporters sometimes declare shapes that do not match what runs.
+    """
+    model = _fold_constant_nodes(model)
     model = _upgrade_opset(model)
     model = _name_nodes(model)
+    del model.graph.value_info[:]
+    for output in model.graph.output:
+        if output.type.HasField("tensor_type"):
+            output.type.tensor_type.ClearField("shape")
     try:
         model = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception as exc:  # onnx raises InferenceError for inconsistent graphs
@@ -82,12 +120,52 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def _fold_constant_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy whose top-level tensor-valued Constant nodes are initializers of the same name."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    kept = []
+    for node in copy.graph.node:
+        value = _constant_value(node)
+        if value is None:
+            kept.append(node)
+        else:
+            value.name = node.output[0]
+            copy.graph.initializer.append(value)
+    if len(kept) != len(copy.graph.node):
+        del copy.graph.node[:]
+        copy.graph.node.extend(kept)
+    return copy
+
+
+def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """The tensor of a Constant node (any of its value attributes), None for other nodes."""
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.output) != 1:
+        return None
+    (attribute,) = node.attribute
+    if attribute.name == "value":
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(attribute.t)
+        return tensor
+    if attribute.name == "sparse_value":
+        return None
+    value = helper.get_attribute_value(attribute)
+    dtype = {"value_float": np.float32, "value_floats": np.float32, "value_int": np.int64,
+             "value_ints": np.int64}.get(attribute.name)
+    if dtype is None:  # value_string(s): not a numeric weight
+        return None
+    return numpy_helper.from_array(np.asarray(value, dtype=dtype))
+
+
 def _upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:
     opset = opset_version(model)
     if opset >= MIN_OPSET:
         return model
     try:
-        return onnx.version_converter.convert_version(model, MIN_OPSET)
+        upgraded = onnx.version_converter.convert_version(model, MIN_OPSET)
+        # Opset 17 needs IR version >= 8; the converter keeps the old one.
+        upgraded.ir_version = max(upgraded.ir_version, 8)
+        return upgraded
     except Exception as exc:  # the converter raises RuntimeError / ConvertError
         raise ModelError(
             f"the model uses ONNX opset {opset} and could not be converted to opset "
@@ -152,9 +230,154 @@ def export_torch(
 
 
 def input_specs(model: onnx.ModelProto) -> list[TensorSpec]:
-    """Graph inputs that are not initializers, with shapes and dtypes."""
+    """Graph inputs that are not initializers, with shapes, dtypes and sample axes.
+
+    The sample axis is the one recorded by :func:`set_batch_axes`; otherwise axis 0,
+    except for an input whose axis 0 is static while another axis carries the same
+    symbolic dimension as the other inputs' axis 0 (recurrent state laid out
+    ``[layers, N, hidden]``); a 0-d input has none.
+    """
     initializers = {init.name for init in model.graph.initializer}
-    return [_spec(v) for v in model.graph.input if v.name not in initializers]
+    values = [v for v in model.graph.input if v.name not in initializers]
+    recorded = batch_axes(model)
+    symbols = [_dim_params(v) for v in values]
+    batch_symbols = {dims[0] for dims in symbols if dims and dims[0]}
+    specs = []
+    for value, dims in zip(values, symbols, strict=True):
+        spec = _spec(value)
+        if value.name in recorded:
+            axis = recorded[value.name]
+        elif not spec.shape:
+            axis = None
+        elif not dims[0] and spec.shape[0] is not None and batch_symbols & set(dims[1:]):
+            axis = next(i for i, d in enumerate(dims) if d in batch_symbols)
+        else:
+            axis = 0
+        specs.append(TensorSpec(spec.name, spec.shape, spec.dtype, axis))
+    return specs
+
+
+def _dim_params(value: onnx.ValueInfoProto) -> list[str]:
+    return [d.dim_param if d.HasField("dim_param") else ""
+            for d in value.type.tensor_type.shape.dim]
+
+
+def batch_axes(model: onnx.ModelProto) -> dict[str, int | None]:
+    """The sample axes recorded in the model's metadata by :func:`set_batch_axes`."""
+    for prop in model.metadata_props:
+        if prop.key == BATCH_AXES_KEY:
+            return json.loads(prop.value)
+    return {}
+
+
+def set_batch_axes(model: onnx.ModelProto, axes: Mapping[str, int | None]) -> onnx.ModelProto:
+    """Record the sample axis of some inputs (``{"state": 1}``) in the model, in place.
+
+    The record travels with the model file, so every later command feeds the
+    same layout. Raises ConfigError for an unknown input or an axis out of range.
+    """
+    specs = {spec.name: spec for spec in input_specs(model)}
+    merged = batch_axes(model)
+    for name, axis in axes.items():
+        if name not in specs:
+            raise ConfigError(
+                f"--batch-axis names input '{name}', which the model does not have; its inputs "
+                f"are {sorted(specs)}."
+            )
+        rank = len(specs[name].shape)
+        if axis is not None and not -rank <= axis < rank:
+            raise ConfigError(
+                f"--batch-axis {name}={axis}: input '{name}' has rank {rank}; the axis must be "
+                f"in 0..{rank - 1}."
+            )
+        merged[name] = None if axis is None else axis % rank
+    _set_metadata(model, BATCH_AXES_KEY, json.dumps(merged, sort_keys=True))
+    return model
+
+
+def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
+    kept = [p for p in model.metadata_props if p.key != key]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key=key, value=value)
+
+
+def freeze_inputs(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """Replace graph inputs by constants (``sr=16000``) and fold what they decide.
+
+    The inputs become initializers of the given value (cast to the input's type);
+    ONNX Script's optimizer then folds the constants and inlines every `If` whose
+    condition became constant, so a network hidden in a branch becomes the
+    graph. The names of frozen inputs are recorded in the model's metadata.
+    """
+    if not values:
+        return model
+    specs = {spec.name: spec for spec in input_specs(model)}
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for name, value in values.items():
+        if name not in specs:
+            raise ConfigError(
+                f"--input {name}=...: the model has no input '{name}'; its inputs are "
+                f"{sorted(specs)}."
+            )
+        spec = specs[name]
+        array = np.asarray(value)
+        if array.shape != spec.shape and (len(array.shape) != len(spec.shape) or any(
+                d is not None and d != a for d, a in zip(spec.shape, array.shape, strict=True))):
+            raise ConfigError(
+                f"--input {name}: the value has shape {array.shape} but input '{name}' has "
+                f"shape {spec.shape}. Give a value of that shape (a scalar for a 0-d input)."
+            )
+        cast = array.astype(spec.dtype)
+        if np.issubdtype(spec.dtype, np.integer) and not np.array_equal(cast, array):
+            raise ConfigError(
+                f"--input {name}: input '{name}' is {spec.dtype}, and {value!r} is not an "
+                "integer value."
+            )
+        copy.graph.initializer.append(numpy_helper.from_array(cast, name))
+        kept = [v for v in copy.graph.input if v.name != name]
+        del copy.graph.input[:]
+        copy.graph.input.extend(kept)
+    from onnxscript import optimizer
+
+    try:
+        folded = optimizer.optimize(copy, onnx_shape_inference=False)
+    except Exception as exc:  # the optimizer raises many types on graphs it cannot fold
+        warnings.warn(
+            f"could not fold the model after freezing {sorted(values)} ({exc}); the frozen "
+            "inputs are constants but control flow they decide was not inlined.", stacklevel=2)
+        folded = copy
+    frozen = {**json.loads(_metadata(folded, FROZEN_INPUTS_KEY) or "{}"),
+              **{name: np.asarray(v).tolist() for name, v in values.items()}}
+    _set_metadata(folded, FROZEN_INPUTS_KEY, json.dumps(frozen, sort_keys=True))
+    return normalize(folded)
+
+
+def _metadata(model: onnx.ModelProto, key: str) -> str | None:
+    return next((p.value for p in model.metadata_props if p.key == key), None)
+
+
+def frozen_inputs(model: onnx.ModelProto) -> dict[str, object]:
+    """The inputs :func:`freeze_inputs` turned into constants, with their values."""
+    return json.loads(_metadata(model, FROZEN_INPUTS_KEY) or "{}")
+
+
+def control_flow_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Top-level If/Loop/Scan nodes, whose bodies quantlab leaves in float."""
+    return [node for node in model.graph.node if node.op_type in CONTROL_FLOW_OPS]
+
+
+def fixed_batch_size(model: onnx.ModelProto) -> int | None:
+    """The number of samples per run the model's inputs fix (1 for most exports), or None."""
+    sizes = {spec.batch_size for spec in input_specs(model) if spec.batch_axis is not None}
+    sizes.discard(None)
+    if len(sizes) > 1:
+        raise ModelError(
+            f"the model's inputs fix different numbers of samples per run {sorted(sizes)}; "
+            "pass --batch-axis NAME=AXIS for the inputs whose samples are not on axis 0."
+        )
+    return sizes.pop() if sizes else None
 
 
 def output_specs(model: onnx.ModelProto) -> list[TensorSpec]:
@@ -216,8 +439,12 @@ def node_module_path(node: onnx.NodeProto) -> str | None:
     """The torch module path a node was exported from (``backbone.0.conv``), if recorded."""
     for prop in node.metadata_props:
         if prop.key == NAME_SCOPES_KEY:
-            scopes = ast.literal_eval(prop.value)
+            try:
+                scopes = ast.literal_eval(prop.value)
+                modules = [s for s in scopes[:-1] if s and isinstance(s, str)]
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                # Metadata is the exporter's; a malformed value maps no module.
+                return None
             # The last scope is the aten op itself, the ones before are module paths.
-            modules = [s for s in scopes[:-1] if s]
             return modules[-1] if modules else ""
     return None
