@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from quantlab import calibrate, collect, pipeline, qdq, tasks, zoo
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
 from quantlab.data import open_data
 from quantlab.errors import OutputExistsError
-from quantlab.experiment import prepare_output, read_json, write_json
+from quantlab.experiment import check_output, output_folder, read_json, write_json
 from quantlab.graph import input_specs
 from quantlab.report import Section, figure_html, table_html, write_report
 
@@ -52,16 +53,21 @@ def _log(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
-def _prepare_demo_folder(out: Path, force: bool) -> Path:
-    """The demo regenerates its own earlier output; any other non-empty folder needs force."""
+def _demo_folder(out: Path, force: bool) -> AbstractContextManager[Path]:
+    """The staging folder of the demo's output (see experiment.output_folder): the demo
+    regenerates its own earlier output; any other non-empty folder needs force."""
     summary = out / "summary.json"
-    is_old_demo = summary.is_file() and read_json(summary).get("generator") == DEMO_MARKER
     try:
-        return prepare_output(out, force=force or is_old_demo)
+        is_old_demo = read_json(summary).get("generator") == DEMO_MARKER
+    except (OSError, ValueError, AttributeError):
+        is_old_demo = False
+    try:
+        check_output(out, force=force or is_old_demo)
     except OutputExistsError as exc:
         raise OutputExistsError(
             f"{exc} (quantlab demo only replaces its own earlier output)"
         ) from None
+    return output_folder(out, force=force or is_old_demo)
 
 
 def median_latency_ms(backend: OnnxRuntimeBackend, batch: dict[str, np.ndarray]) -> float:
@@ -276,23 +282,24 @@ def run_demo(
     progress: bool = True,
 ) -> dict:
     """Run the demo for `models` (default: every zoo model) and write report and summary."""
-    out = _prepare_demo_folder(Path(out), force)
+    out = Path(out)
     names = list(models or zoo.names())
-    started = time.perf_counter()
-    records = [run_model(name, out, methods, eval_limit, progress) for name in names]
-    summary = {
-        "generator": DEMO_MARKER,
-        "methods": list(methods),
-        "seconds": round(time.perf_counter() - started, 1),
-        "models": records,
-    }
-    write_json(out / "summary.json", summary)
-    write_report(
-        out / "report.html",
-        "quantlab demo: INT8 accuracy of the reference models",
-        _sections(records),
-        subtitle=f"Every zoo model exported, calibrated ({', '.join(methods)}), quantized to "
-        "Q/DQ INT8 and evaluated in ONNX Runtime.",
-    )
+    with _demo_folder(out, force) as staging:
+        started = time.perf_counter()
+        records = [run_model(name, staging, methods, eval_limit, progress) for name in names]
+        summary = {
+            "generator": DEMO_MARKER,
+            "methods": list(methods),
+            "seconds": round(time.perf_counter() - started, 1),
+            "models": records,
+        }
+        write_json(staging / "summary.json", summary)
+        write_report(
+            staging / "report.html",
+            "quantlab demo: INT8 accuracy of the reference models",
+            _sections(records),
+            subtitle=f"Every zoo model exported, calibrated ({', '.join(methods)}), quantized "
+            "to Q/DQ INT8 and evaluated in ONNX Runtime.",
+        )
     _log(f"wrote {out / 'report.html'} and {out / 'summary.json'} in {summary['seconds']:.0f} s")
     return summary

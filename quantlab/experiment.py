@@ -1,21 +1,63 @@
-"""An experiment is a folder of plain, re-loadable files; writes are atomic.
+"""An experiment is a folder of plain, re-loadable files, written all or nothing.
 
-Nothing that exists is overwritten unless the user asks (``force``).
+A run writes into a staging folder next to its output folder and moves its
+files into place only once all of them are complete (:func:`output_folder`);
+a lock file next to the output folder keeps two runs from writing into it at
+once. Nothing that exists is overwritten unless the user asks (``force``), and
+then only after the new results are complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
+import re
 import shutil
+import socket
 import tempfile
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from quantlab.errors import OutputExistsError
+from quantlab.errors import ConfigError, OutputExistsError
+
+# Names of the staging folder, of the old results set aside during a swap and of the
+# lock, all next to the output folder OUT: ".OUT.quantlab-tmp-XXXX", ".OUT.quantlab-old-XXXX",
+# ".OUT.quantlab-lock". Temporary files of atomic_write are ".NAME.XXXX.tmp".
+STAGING_TAG = ".quantlab-tmp-"
+RETIRED_TAG = ".quantlab-old-"
+LOCK_SUFFIX = ".quantlab-lock"
+# A lock file that cannot be parsed (its writer died between creating and filling it)
+# is stale once it is this old; a parsable one is stale when its process is gone.
+UNREADABLE_LOCK_AGE_S = 30.0
+# JSON has no Infinity/NaN; write_json stores non-finite floats as these strings
+# (the spelling of JavaScript and of Python's json module) and read_json maps them back.
+# atomic_write's temporary files: mkstemp's ".NAME." + 8 random characters + ".tmp".
+_TEMP_FILE = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+NON_FINITE = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux allows (thread-safe)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def is_leftover(name: str) -> bool:
+    """Whether `name` is a temporary file or folder a killed quantlab run left behind."""
+    return bool(_TEMP_FILE.fullmatch(name)) or (
+        name.startswith(".") and (STAGING_TAG in name or RETIRED_TAG in name)
+    )
 
 
 def existing_results(
@@ -23,8 +65,9 @@ def existing_results(
 ) -> list[Path]:
     """The files of `produces` already in `folder` (everything in it when `produces` is empty).
 
-    Raises OutputExistsError if there are any and `force` is false. Nothing is
-    changed on disk, so a command can check before it starts its long work.
+    Raises OutputExistsError if there are any and `force` is false. Leftovers of
+    killed runs (see :func:`is_leftover`) are not results. Nothing is changed on
+    disk, so a command can check before it starts its long work.
     """
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
@@ -33,7 +76,9 @@ def existing_results(
     if names:
         existing = [folder / n for n in names if (folder / n).exists()]
     else:
-        existing = list(folder.iterdir()) if folder.exists() else []
+        existing = (
+            [p for p in folder.iterdir() if not is_leftover(p.name)] if folder.exists() else []
+        )
     if existing and not force:
         shown = ", ".join(p.name for p in existing[:5])
         raise OutputExistsError(
@@ -43,30 +88,293 @@ def existing_results(
     return existing
 
 
+def check_writable(folder: str | os.PathLike) -> None:
+    """ConfigError unless `folder` exists as a writable folder or can be created as one.
+
+    Cheap and leaves nothing behind, so a command can check before its long work
+    (missing parents are not created: the nearest existing one is tried instead).
+    """
+    folder = Path(folder)
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(
+            f"cannot write {folder}: {probe} is a file, not a folder. Choose another --out folder."
+        )
+    try:
+        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".quantlab-probe-", suffix=".tmp")
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write {folder}: {exc.strerror} ({probe}). Choose another --out folder."
+        ) from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def check_output(
+    folder: str | os.PathLike, force: bool = False, produces: Iterable[str] = ()
+) -> None:
+    """Every check :func:`output_folder` makes, without changing anything on disk.
+
+    For a command to run before its long work: OutputExistsError if `folder`
+    holds results (see :func:`existing_results`) or another live run is writing
+    it, ConfigError if it cannot be created or written.
+    """
+    existing_results(folder, force, produces)
+    check_writable(folder)
+    owner = _lock_owner(lock_path(folder))
+    if owner is not None:
+        raise _locked_error(folder, owner)
+
+
+def _locked_error(folder: str | os.PathLike, owner: dict) -> OutputExistsError:
+    return OutputExistsError(
+        f"output folder {folder} is being written by another quantlab run (pid "
+        f"{owner.get('pid')} on {owner.get('host')}, since {owner.get('started')}). Wait for "
+        f"it to finish or choose another --out folder; if no such run is alive, delete "
+        f"{lock_path(folder)}."
+    )
+
+
+def lock_path(folder: str | os.PathLike) -> Path:
+    """The lock file of output folder `folder`: ``.NAME.quantlab-lock`` next to it."""
+    folder = Path(folder)
+    return folder.parent / f".{folder.name}{LOCK_SUFFIX}"
+
+
+def _lock_owner(path: Path) -> dict | None:
+    """The live run holding lock file `path`, or None when the lock is stale or gone."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    try:
+        owner = json.loads(text)
+        pid, host = int(owner["pid"]), str(owner["host"])
+    except (ValueError, KeyError, TypeError):
+        return None if age > UNREADABLE_LOCK_AGE_S else {"pid": "?", "host": "?"}
+    if host != socket.gethostname():
+        return owner  # another machine's process cannot be checked: assume it runs
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # it exists, under another user
+    return owner
+
+
+def _break_stale_lock(path: Path) -> None:
+    """Remove a stale lock; a lock that another run re-took meanwhile is put back."""
+    aside = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    if _lock_owner(aside) is None:
+        aside.unlink()
+    else:  # it was fresh: restore it unless yet another run took the name
+        with contextlib.suppress(OSError):
+            os.link(aside, path)
+        aside.unlink()
+
+
+@contextlib.contextmanager
+def output_lock(folder: str | os.PathLike) -> Iterator[Path]:
+    """Hold the advisory lock of output folder `folder` (OutputExistsError if a live run has it).
+
+    The lock is a file created with O_CREAT|O_EXCL next to the folder, holding the
+    owner's pid and host; a lock whose process is gone is stale and taken over.
+    """
+    path = lock_path(folder)
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                         "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            break
+        except FileExistsError:
+            owner = _lock_owner(path)
+            if owner is not None:
+                raise _locked_error(folder, owner) from None
+            _break_stale_lock(path)
+    else:
+        raise OutputExistsError(
+            f"output folder {folder} is being locked by other quantlab runs right now; "
+            "choose another --out folder or try again."
+        )
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(record)
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def remove_leftovers(folder: str | os.PathLike) -> list[Path]:
+    """Delete what killed runs left in and next to output folder `folder`; return it.
+
+    Temporary files (``.*.tmp``) inside it, and staging or set-aside folders of it
+    next to it. Call only while holding the folder's lock (:func:`output_lock`).
+    """
+    folder = Path(folder)
+    found = [p for p in folder.iterdir() if is_leftover(p.name)] if folder.is_dir() else []
+    if folder.parent.is_dir():
+        found += [p for p in folder.parent.glob(f".{glob_escape(folder.name)}.quantlab-*-*")
+                  if is_leftover(p.name)]
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    return found
+
+
+def glob_escape(name: str) -> str:
+    """`name` with glob's special characters escaped."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def _make_folder(folder: Path) -> list[Path]:
+    """mkdir -p `folder`; the folders it created, outermost first."""
+    created = []
+    for path in reversed([folder, *folder.parents]):
+        if not path.exists():
+            path.mkdir()
+            created.append(path)
+    return created
+
+
+def _with_user_path(exc: OSError, staging: Path, out: Path) -> OSError:
+    """A copy of `exc` naming the path under `out` that the staging path it names stands for."""
+    name = str(exc.filename) if exc.filename is not None else str(out)
+    if name.startswith(str(staging)):
+        name = str(out) + name[len(str(staging)):]
+    return OSError(exc.errno, exc.strerror, name)
+
+
+def _move_in(staging: Path, out: Path, retire: list[Path]) -> None:
+    """Replace `retire` (entries of `out`) and put every entry of `staging` into `out`.
+
+    Old entries are renamed aside first, then the new ones renamed in, then the
+    old ones deleted; a failure puts the old entries back.
+    """
+    if not out.exists():
+        os.rename(staging, out)
+        return
+    new = sorted(staging.iterdir())
+    retire = list(dict.fromkeys([*retire, *(out / p.name for p in new if (out / p.name).exists())]))
+    aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}{RETIRED_TAG}"))
+    moved_aside: list[Path] = []
+    moved_in: list[Path] = []
+    try:
+        for path in retire:
+            os.rename(path, aside / path.name)
+            moved_aside.append(path)
+        for path in new:
+            os.rename(path, out / path.name)
+            moved_in.append(out / path.name)
+    except BaseException:
+        for path in moved_in:
+            with contextlib.suppress(OSError):
+                os.rename(path, staging / path.name)
+        for path in moved_aside:
+            with contextlib.suppress(OSError):
+                os.rename(aside / path.name, path)
+        shutil.rmtree(aside, ignore_errors=True)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def output_folder(
+    out: str | os.PathLike, force: bool = False, produces: Iterable[str] = ()
+) -> Iterator[Path]:
+    """Write a run's results all or nothing: ``with output_folder(out) as staging: ...``.
+
+    Refuses (OutputExistsError) when `out` holds any of `produces` (anything, when
+    `produces` is empty) unless `force`, or when another run holds its lock.
+    The body writes its files into `staging`, an empty folder next to `out`; when
+    the body completes, they replace the old results in `out` (all of `produces`
+    that exist, or everything when `produces` is empty; other files are kept), and
+    `out` is created if needed. When the body raises (or is interrupted), nothing
+    in `out` changes and nothing is left behind: no staging folder, no new `out`
+    or parent folders, no lock. Leftovers of killed runs are removed first.
+    Files and folders get the user's umask. OSError names the path under `out`.
+    """
+    out = Path(out)
+    existing_results(out, force, produces)
+    check_writable(out)
+    created = _make_folder(out.parent)
+    try:
+        with output_lock(out):
+            remove_leftovers(out)
+            retire = existing_results(out, force, produces)  # again, under the lock
+            staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}{STAGING_TAG}"))
+            try:
+                os.chmod(staging, 0o777 & ~_umask())
+                yield staging
+                _move_in(staging, out, retire)
+            except OSError as exc:
+                if exc.errno is None:
+                    raise
+                raise _with_user_path(exc, staging, out) from exc
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        for folder in reversed(created):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
 def prepare_output(
     folder: str | os.PathLike, force: bool = False, produces: Iterable[str] = ()
 ) -> Path:
-    """Create `folder` for new results: refuse if it holds any of `produces` (or anything, when
-    `produces` is empty) unless `force`, in which case those are removed first."""
-    for path in existing_results(folder, force, produces):
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+    """Create `folder` for new results written file by file: refuse if it holds any of
+    `produces` (or anything, when `produces` is empty) unless `force`, in which case
+    those are removed first.
+
+    Prefer :func:`output_folder`, which keeps the old results until the new ones are
+    complete and leaves nothing behind on failure. This removes leftovers of killed
+    runs and does not count them as results.
+    """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    existing = existing_results(folder, force, produces)
+    check_writable(folder)
+    with output_lock(folder):
+        remove_leftovers(folder)
+        for path in existing:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+        _make_folder(folder)
     return folder
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
-    """Call ``write(tmp_path)`` then move the temporary file onto `path` in one rename."""
+    """Call ``write(tmp_path)`` then move the temporary file onto `path` in one rename.
+
+    The file gets the mode the user's umask gives new files (mkstemp's is 0600).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+    except OSError as exc:
+        if exc.errno is not None and exc.filename in (None, tmp):  # name the file, not its temp
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -88,15 +396,40 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def write_json(path: str | os.PathLike, data: Any) -> Path:
-    """Atomically write `data` as indented JSON (NumPy scalars and arrays allowed).
+def _finite_json(value: Any) -> Any:
+    """`value` with every non-finite float replaced by its NON_FINITE string."""
+    if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: _finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(item) for item in value]
+    if isinstance(value, np.ndarray):
+        return _finite_json(value.tolist())
+    return value
 
-    Non-finite floats (an SQNR of identical tensors is +inf) are kept as the
-    tokens ``Infinity``/``NaN``, which Python's json and pandas read back.
+
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    """Atomically write `data` as indented, standard JSON (NumPy scalars and arrays allowed).
+
+    JSON has no Infinity or NaN (an SQNR of identical tensors is +inf): non-finite
+    floats are written as the strings ``"Infinity"``, ``"-Infinity"`` and ``"NaN"``,
+    which :func:`read_json` turns back into floats.
     """
-    return write_text(path, json.dumps(data, indent=2, default=_jsonable) + "\n")
+    text = json.dumps(_finite_json(data), indent=2, default=_jsonable, allow_nan=False)
+    return write_text(path, text + "\n")
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, str):
+        return NON_FINITE.get(value, value)
+    if isinstance(value, dict):
+        return {key: _from_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_from_json(item) for item in value]
+    return value
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    """Read a JSON file written by :func:`write_json`."""
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    """Read a JSON file written by :func:`write_json` (``"Infinity"``/``"NaN"`` -> floats)."""
+    return _from_json(json.loads(Path(path).read_text(encoding="utf-8")))

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 
 from quantlab import cache, calibrate, collect, graph, qdq
-from quantlab.data import BatchSource, Preprocess, open_data
-from quantlab.experiment import existing_results, prepare_output, write_json
+from quantlab.data import BatchSource, Preprocess, open_data, scalar_arrays
+from quantlab.errors import ModelError
+from quantlab.experiment import check_output, output_folder, write_json
 
 # Files a calibration run writes; a folder holding any of them is refused unless forced.
 CALIBRATION_FILES = (
@@ -51,6 +53,7 @@ class CalibrationResult:
     scales: calibrate.Scales
     data: BatchSource
     folder: Path | None = None
+    preprocess: Preprocess | None = None
 
 
 def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
@@ -65,6 +68,42 @@ def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto
     if str(model) in zoo.names():
         return export_zoo_model(str(model))
     return graph.load_model(model)
+
+
+def prepare_model(
+    model: str | os.PathLike | onnx.ModelProto,
+    data: object = None,
+    constants: Mapping[str, object] | None = None,
+    batch_axes: Mapping[str, int | None] | None = None,
+) -> onnx.ModelProto:
+    """The normalized model, fed as the data and options say, with warnings for float-only parts.
+
+    Inputs given a constant value (`constants`, or a 0-d array in the ``.npz`` /
+    dict `data` for a model input) are frozen into the model and the control
+    flow they decide is inlined (:func:`graph.freeze_inputs`); `batch_axes` is
+    recorded in the model (:func:`graph.set_batch_axes`), so the written
+    ``model.onnx`` carries both to every later command.
+    """
+    model = resolve_model(model)
+    names = {spec.name for spec in graph.input_specs(model)}
+    values = {k: v for k, v in scalar_arrays(data).items() if k in names}
+    values.update(constants or {})
+    model = graph.freeze_inputs(model, values)
+    if batch_axes:
+        graph.set_batch_axes(model, batch_axes)
+    left = qdq.float_only_nodes(model)
+    if left["control_flow"]:
+        warnings.warn(
+            f"{len(left['control_flow'])} control-flow node(s) hold linear ops that stay in "
+            f"float, because quantlab does not quantize inside If/Loop/Scan bodies: "
+            f"{left['control_flow'][:5]}. If an input decides the branch (a sample rate, a "
+            "mode flag), freeze it with --input NAME=VALUE so the branch is inlined and "
+            "quantized.", stacklevel=2)
+    if left["custom_domain"]:
+        warnings.warn(
+            f"{len(left['custom_domain'])} node(s) of a custom op domain stay in float (their "
+            f"math is unknown to quantlab): {left['custom_domain'][:5]}.", stacklevel=2)
+    return model
 
 
 def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.ModelProto:
@@ -90,8 +129,14 @@ def run_calibration(
     force: bool = False,
     progress: bool = True,
     trt_version: str = cache.DEFAULT_TRT_VERSION,
+    constants: Mapping[str, object] | None = None,
+    batch_axes: Mapping[str, int | None] | None = None,
 ) -> CalibrationResult:
     """Calibrate `model` on `data` and write the experiment folder `out`.
+
+    `constants` freezes inputs shared by every sample (``{"sr": 16000}``; 0-d
+    arrays of an ``.npz`` are taken the same way) and `batch_axes` sets the sample
+    axis of inputs whose samples are not on axis 0 (see :func:`prepare_model`).
 
     Writes ``model.onnx`` (normalized FP32), ``stats.npz``, ``scales.json``,
     ``calibration.cache`` (TensorRT format), ``model.int8.onnx`` (Q/DQ) and
@@ -101,20 +146,24 @@ def run_calibration(
     """
     method_params = dict(method_params or {})
     calibrate.check_method(method, method_params)
-    model = resolve_model(model)
+    model = prepare_model(model, data, constants, batch_axes)
     inputs = graph.input_specs(model)
     source = (
         data
         if isinstance(data, BatchSource)
         else open_data(data, inputs, batch_size, max_samples, preprocess)
     )
-    # Refuse an occupied folder before the long work, create it only after it succeeded:
-    # a failed run leaves no partial output.
-    existing_results(out, force=force, produces=CALIBRATION_FILES)
-    stats = collect.collect(model, source, qdq.activation_tensors_to_calibrate(model),
-                            progress=progress)
+    # Every check that could fail after the long work runs before it: an occupied, locked or
+    # unwritable folder, the cache's version and tensor names. The folder is written all or
+    # nothing (experiment.output_folder): a failed run leaves no partial output.
+    check_output(out, force=force, produces=CALIBRATION_FILES)
+    cache.trt_version_number(trt_version)
+    tensors = qdq.activation_tensors_to_calibrate(model)
+    check_cache_names(tensors)
+    stats = collect.collect(model, source, tensors, progress=progress)
     scales = calibrate.calibrate(stats, method, **method_params)
-    result = CalibrationResult(model, qdq.quantize_model(model, scales.amax), stats, scales, source)
+    result = CalibrationResult(model, qdq.quantize_model(model, scales.amax), stats, scales, source,
+                               preprocess=preprocess)
     write_results(result, out, force=force, trt_version=trt_version)
     return result
 
@@ -125,29 +174,54 @@ def write_results(
     force: bool = False,
     trt_version: str = cache.DEFAULT_TRT_VERSION,
 ) -> Path:
-    """Write a calibration's files into `out` (refused if it holds results, unless `force`)."""
-    folder = prepare_output(out, force=force, produces=CALIBRATION_FILES)
+    """Write a calibration's files into `out` (refused if it holds results, unless `force`).
+
+    All or nothing: the files are written into a staging folder next to `out` and
+    replace the old ones only once all are complete (:func:`experiment.output_folder`).
+    """
     scales = result.scales
-    graph.save_model(result.model, folder / "model.onnx")
-    result.stats.save(folder / "stats.npz")
-    scales.save(folder / "scales.json")
-    cache.write_calibration_cache(
-        folder / "calibration.cache",
-        scales.scale,
-        algorithm=CACHE_ALGORITHM[scales.method],
-        trt_version=trt_version,
-    )
-    graph.save_model(result.qdq_model, folder / "model.int8.onnx")
-    write_json(
-        folder / "calibration.json",
-        {
-            "data": result.data.description,
-            "num_samples": result.data.num_samples,
-            "batch_size": result.data.batch_size,
-            "method": scales.method,
-            "params": scales.params,
-            "tensors": len(scales.amax),
-        },
-    )
-    result.folder = folder
-    return folder
+    with output_folder(out, force=force, produces=CALIBRATION_FILES) as folder:
+        graph.save_model(result.model, folder / "model.onnx")
+        result.stats.save(folder / "stats.npz")
+        scales.save(folder / "scales.json")
+        cache.write_calibration_cache(
+            folder / "calibration.cache",
+            scales.scale,
+            algorithm=CACHE_ALGORITHM[scales.method],
+            trt_version=trt_version,
+        )
+        graph.save_model(result.qdq_model, folder / "model.int8.onnx")
+        write_json(
+            folder / "calibration.json",
+            {
+                "data": result.data.description,
+                "num_samples": result.data.num_samples,
+                "batch_size": result.data.batch_size,
+                "method": scales.method,
+                "params": scales.params,
+                "tensors": len(scales.amax),
+                "trt_version": trt_version,
+                # How the data fed the model, so `validate --from` feeds it the same way.
+                "preprocess": result.preprocess.to_dict() if result.preprocess else None,
+                "frozen_inputs": graph.frozen_inputs(result.model),
+                "sample_axes": {spec.name: spec.batch_axis
+                                for spec in graph.input_specs(result.model)},
+            },
+        )
+    result.folder = Path(out)
+    return result.folder
+
+
+# Characters str.splitlines() breaks at: a cache line (and its reader) cannot hold them.
+_LINE_BREAKS = frozenset("\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029")
+
+
+def check_cache_names(names: Iterable[str]) -> None:
+    """ModelError unless every tensor name fits on one calibration cache line (cheap)."""
+    for name in names:
+        if not name or _LINE_BREAKS.intersection(name):
+            raise ModelError(
+                f"tensor name {name!r} cannot be written to a TensorRT calibration cache: a "
+                "cache line holds one non-empty, single-line name. Rename the tensor in the "
+                "model (its producer's output) and calibrate again."
+            )
