@@ -93,9 +93,28 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     return normalize(model)
 
 
-def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
-    """Write `model` atomically (temporary file in the same folder, then one rename)."""
-    return atomic_write(path, lambda tmp: onnx.save(model, tmp))
+# Protobuf cannot serialize a message of 2 GiB or more: larger models are written with
+# their tensors in a side file ``<name>.data`` (ONNX external data) next to the model.
+EXTERNAL_DATA_BYTES = 2**31 - (64 << 20)
+
+
+def save_model(model: onnx.ModelProto, path: str | os.PathLike,
+               external_data_bytes: int = EXTERNAL_DATA_BYTES) -> Path:
+    """Write `model` atomically (temporary file in the same folder, then one rename).
+
+    A model of `external_data_bytes` or more is written with its tensors in
+    ``<file name>.data`` beside it (written first, so the model never names a
+    missing file); load it with its folder.
+    """
+    path = Path(path)
+    if model.ByteSize() < external_data_bytes:
+        return atomic_write(path, lambda tmp: onnx.save(model, tmp))
+    # onnx.save moves the tensors of the proto it is given into the side file: use a copy.
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return atomic_write(path, lambda tmp: onnx.save(
+        copy, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
+        location=f"{path.name}.data", size_threshold=1024))
 
 
 def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -240,17 +259,23 @@ def input_specs(model: onnx.ModelProto) -> list[TensorSpec]:
     initializers = {init.name for init in model.graph.initializer}
     values = [v for v in model.graph.input if v.name not in initializers]
     recorded = batch_axes(model)
+    plain = [_spec(v) for v in values]
     symbols = [_dim_params(v) for v in values]
     batch_symbols = {dims[0] for dims in symbols if dims and dims[0]}
+    dynamic_first = any(spec.shape and spec.shape[0] is None for spec in plain)
     specs = []
-    for value, dims in zip(values, symbols, strict=True):
-        spec = _spec(value)
-        if value.name in recorded:
-            axis = recorded[value.name]
+    for spec, dims in zip(plain, symbols, strict=True):
+        dynamic = [i for i, d in enumerate(spec.shape) if d is None]
+        if spec.name in recorded:
+            axis = recorded[spec.name]
         elif not spec.shape:
             axis = None
-        elif not dims[0] and spec.shape[0] is not None and batch_symbols & set(dims[1:]):
+        elif spec.shape[0] is not None and batch_symbols & set(dims[1:]):
             axis = next(i for i, d in enumerate(dims) if d in batch_symbols)
+        elif spec.shape[0] is not None and dynamic_first and len(dynamic) == 1:
+            # Axis 0 is fixed while the other inputs' sample axis is dynamic: the one
+            # dynamic axis holds the samples (silero-vad's state [2, N, 128]).
+            axis = dynamic[0]
         else:
             axis = 0
         specs.append(TensorSpec(spec.name, spec.shape, spec.dtype, axis))
@@ -310,6 +335,15 @@ def freeze_inputs(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> o
     condition became constant, so a network hidden in a branch becomes the
     graph. The names of frozen inputs are recorded in the model's metadata.
     """
+    already = frozen_inputs(model)
+    for name, value in list(values.items()):
+        if name in already:
+            if not np.array_equal(np.asarray(already[name]), np.asarray(value)):
+                raise ConfigError(
+                    f"--input {name}={value}: this model was made with input '{name}' frozen "
+                    f"to {already[name]}; use the original model to run with another value."
+                )
+            values = {k: v for k, v in values.items() if k != name}
     if not values:
         return model
     specs = {spec.name: spec for spec in input_specs(model)}
@@ -361,6 +395,27 @@ def _metadata(model: onnx.ModelProto, key: str) -> str | None:
 def frozen_inputs(model: onnx.ModelProto) -> dict[str, object]:
     """The inputs :func:`freeze_inputs` turned into constants, with their values."""
     return json.loads(_metadata(model, FROZEN_INPUTS_KEY) or "{}")
+
+
+def outer_scope_names(model: onnx.ModelProto) -> set[str]:
+    """Names read inside If/Loop/Scan bodies (at any depth), which may be outer tensors."""
+    names: set[str] = set()
+
+    def visit(g: onnx.GraphProto, nested: bool) -> None:
+        for node in g.node:
+            if nested:
+                names.update(node.input)
+            for body in subgraphs(node):
+                visit(body, True)
+
+    visit(model.graph, False)
+    return names
+
+
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The bodies a node holds (If branches, Loop/Scan bodies); empty for other nodes."""
+    return [body for a in node.attribute
+            for body in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
 
 
 def control_flow_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
@@ -448,3 +503,143 @@ def node_module_path(node: onnx.NodeProto) -> str | None:
             # The last scope is the aten op itself, the ones before are module paths.
             return modules[-1] if modules else ""
     return None
+
+
+class Graph:
+    """The index of one normalized model, built once at the boundary and passed inward.
+
+    Holds the model and what every step asks of it: producers, consumers,
+    non-constant tensors in topological order, float tensors, constants, input and
+    output specs, and declared shapes (None for a symbolic dimension). Treat it as
+    read-only: a changed model needs a new index.
+    """
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.producers = producers(model)
+        self.consumers = consumers(model)
+        self.constants = constant_tensors(model)
+        self.initializers = {init.name for init in model.graph.initializer}
+        self.inputs = input_specs(model)
+        self.outputs = [output.name for output in model.graph.output]
+        self.order = topological_tensors(model)
+        self.position = {name: i for i, name in enumerate(self.order)}
+        self.floats = float_tensors(model)
+        self.values = {v.name: v for v in [*model.graph.value_info, *model.graph.output,
+                                            *model.graph.input]}
+        self.shapes = {name: _spec(value).shape for name, value in self.values.items()
+                       if value.type.tensor_type.HasField("shape")}
+
+    @property
+    def input_names(self) -> list[str]:
+        """Names of the graph inputs (initializers excluded)."""
+        return [spec.name for spec in self.inputs]
+
+    def dtype(self, name: str) -> np.dtype | None:
+        """The numpy dtype of tensor `name`, None when not inferred."""
+        value = self.values.get(name)
+        if value is None or not value.type.tensor_type.elem_type:
+            return None
+        return np.dtype(helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type))
+
+    def tensor_info(self):
+        """Per non-constant tensor: producing node, its op type and torch module path ('' if none).
+
+        A pandas DataFrame indexed by tensor name (columns tensor, node, op_type,
+        torch_module), the descriptive columns of every comparison table.
+        """
+        import pandas as pd
+
+        rows = []
+        for name in self.order:
+            node = self.producers.get(name)
+            rows.append({
+                "tensor": name,
+                "node": node.name if node is not None else "(graph input)",
+                "op_type": node.op_type if node is not None else "",
+                "torch_module": (node_module_path(node) or "") if node is not None else "",
+            })
+        return pd.DataFrame(rows, columns=["tensor", "node", "op_type", "torch_module"]).set_index(
+            "tensor", drop=False)
+
+    def common_tensors(self, other: Graph) -> list[str]:
+        """Float tensors of this graph (topological order) that `other` also computes, by name.
+
+        Raises ModelError when the graph outputs of the two models differ by name,
+        since then not even the end-to-end results can be compared.
+        """
+        if self.outputs != other.outputs:
+            raise ModelError(
+                f"the models' outputs do not match by name: the reference has {self.outputs}, "
+                f"the test model has {other.outputs} (missing from the test model: "
+                f"{sorted(set(self.outputs) - set(other.outputs))}). Both must come from the "
+                "same ONNX export; quantize the FP32 model you pass as reference."
+            )
+        present = set(other.order) | set(other.outputs)
+        return [t for t in self.order if t in present and t in self.floats]
+
+    def upstream(self, compared: Sequence[str]) -> dict[str, list[str]]:
+        """For each compared tensor, the nearest compared tensors (or graph inputs) feeding it.
+
+        Walks back through tensors that are not compared (e.g. unmapped in torch) so a
+        tensor's error can be judged against the error already present at its inputs.
+        """
+        keep = set(compared) | set(self.input_names)
+        memo: dict[str, frozenset[str]] = {}
+
+        def nearest(tensor: str) -> frozenset[str]:
+            # Iterative over the producing chain so deep graphs cannot exhaust the recursion limit.
+            stack = [tensor]
+            while stack:
+                name = stack[-1]
+                if name in memo:
+                    stack.pop()
+                    continue
+                node = self.producers.get(name)
+                parents = [i for i in node.input if i and i not in self.constants] if node else []
+                pending = [p for p in parents if p not in keep and p not in memo]
+                if pending:
+                    stack.extend(pending)
+                    continue
+                found: set[str] = set()
+                for parent in parents:
+                    found |= {parent} if parent in keep else memo[parent]
+                memo[name] = frozenset(found)
+                stack.pop()
+            return memo[tensor]
+
+        return {t: sorted(nearest(t)) for t in compared}
+
+    def sample_bytes(self, input_shapes: Mapping[str, Sequence[int]],
+                     unknown_dim: int = 256) -> dict[str, int]:
+        """Bytes of every non-constant tensor for the inputs of shape `input_shapes`.
+
+        Shapes are inferred again on the model with those concrete input shapes
+        (ONNX shape inference with data propagation), so the sizes are the real
+        ones rather than guesses; a dimension still unknown (a data-dependent
+        count such as NMS's) counts `unknown_dim`.
+        """
+        copy = onnx.ModelProto()
+        copy.CopyFrom(self.model)
+        del copy.graph.value_info[:]
+        for value in copy.graph.input:
+            if value.name in input_shapes:
+                shape = value.type.tensor_type.shape
+                shape.ClearField("dim")
+                for size in input_shapes[value.name]:
+                    shape.dim.add().dim_value = int(size)
+        try:
+            copy = shape_inference.infer_shapes(copy, strict_mode=False, data_prop=True)
+        except Exception:  # onnx raises InferenceError; the declared shapes are then used
+            copy = self.model
+        values = [*copy.graph.value_info, *copy.graph.output, *copy.graph.input]
+        sizes = {}
+        for value in values:
+            tensor_type = value.type.tensor_type
+            if not tensor_type.elem_type or value.name not in self.position:
+                continue
+            itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)).itemsize
+            dims = [d.dim_value if d.HasField("dim_value") else unknown_dim
+                    for d in tensor_type.shape.dim]
+            sizes[value.name] = itemsize * int(np.prod(dims, dtype=np.int64))
+        return {name: sizes.get(name, 4 * unknown_dim) for name in self.order}

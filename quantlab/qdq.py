@@ -32,6 +32,7 @@ PASS_THROUGH_OPS = frozenset(
 )
 # The residual Add fuses into the Conv that produces its other input (TensorRT guide).
 _BACKBONE_OPS = ("Conv", "ConvTranspose")
+_ONNX_DOMAINS = ("", "ai.onnx")
 _QMAX = 127.0
 # The smallest amax whose scale (amax / 127) is still a normal float32.
 _MIN_AMAX = float(np.finfo(np.float32).tiny) * _QMAX
@@ -117,6 +118,28 @@ def quantize_model(
     return _build(model, placement, scales, per_channel)
 
 
+def float_only_nodes(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """Nodes quantlab leaves in float although they could be quantized, by reason.
+
+    ``control_flow``: If/Loop/Scan nodes whose bodies hold linear ops (bodies are
+    not quantized; freeze the inputs that decide an `If` to inline it);
+    ``custom_domain``: nodes of a non-ONNX domain (quantlab cannot know their math).
+    """
+    def linear_ops(g: onnx.GraphProto) -> int:
+        return sum((node.op_type in LINEAR_OPS) + sum(map(linear_ops, graph.subgraphs(node)))
+                   for node in g.node)
+
+    result: dict[str, list[str]] = {"control_flow": [], "custom_domain": []}
+    for node in model.graph.node:
+        if node.domain not in _ONNX_DOMAINS:
+            result["custom_domain"].append(f"{node.name} ({node.domain}:{node.op_type})")
+        elif node.op_type in graph.CONTROL_FLOW_OPS:
+            count = sum(map(linear_ops, graph.subgraphs(node)))
+            if count:
+                result["control_flow"].append(f"{node.name} ({node.op_type}, {count} linear ops)")
+    return result
+
+
 def _precisions(model: onnx.ModelProto, plan: Mapping[str, str] | None) -> dict[str, str]:
     result = {node.name: "int8" for node in model.graph.node}
     for name, precision in (plan or {}).items():
@@ -147,10 +170,12 @@ def _place(model: onnx.ModelProto, plan: Mapping[str, str] | None) -> _Placement
         placement.source.setdefault(tensor, source)
         placement.readers.setdefault(tensor, []).append((node.name, index))
 
+    floats = graph.float_tensors(model) | {
+        init.name for init in model.graph.initializer if init.data_type == onnx.TensorProto.FLOAT}
     for node in model.graph.node:
-        if precision[node.name] != "int8":
+        if precision[node.name] != "int8" or node.domain not in _ONNX_DOMAINS:
             continue
-        if node.op_type in LINEAR_OPS:
+        if node.op_type in LINEAR_OPS and all(name in floats for name in node.input[:2]):
             # Data and weight inputs only: a Conv/Gemm bias stays float (see docs/qdq.md).
             for index, name in enumerate(node.input[:2]):
                 if name in initializers:
@@ -401,6 +426,7 @@ def _build(model, placement: _Placement, scales, per_channel: bool) -> onnx.Mode
     # Weight initializers that only fed quantized inputs are now unused.
     still_read = {name for node in g.node for name in node.input}
     still_read.update(v.name for v in g.input)
+    still_read.update(graph.outer_scope_names(result))
     kept = [init for init in g.initializer if init.name in still_read]
     del g.initializer[:]
     g.initializer.extend(kept)

@@ -63,11 +63,9 @@ class OnnxRuntimeBackend:
             return self._sessions[tensors]
         model = with_outputs(self.model, tensors) if tensors != tuple(self.outputs) else self.model
         try:
-            session = ort.InferenceSession(
-                model.SerializeToString(), self.session_options(), providers=self.providers
-            )
+            session = _create_session(model, self.session_options(), self.providers)
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NotImplemented types
-            raise ModelError(f"ONNX Runtime cannot load the model: {exc}") from None
+            raise ModelError(load_error_message(model, exc)) from None
         if len(self._sessions) >= _DEFAULT_SESSIONS_CACHED:
             self._sessions.pop(next(iter(self._sessions)))
         self._sessions[tensors] = session
@@ -93,8 +91,53 @@ class OnnxRuntimeBackend:
         }
         # OrtValues, not session.run: their .numpy() views ONNX Runtime's own buffers
         # (kept alive by the array) instead of copying every exposed activation.
-        values = session.run_with_ort_values(list(wanted), feeds)
+        try:
+            values = session.run_with_ort_values(list(wanted), feeds)
+        except Exception as exc:  # ORT raises InvalidArgument/Fail/RuntimeException at run time
+            shapes = {name: tuple(np.shape(batch[name])) for name in feeds}
+            raise DataError(
+                f"ONNX Runtime failed to run '{self.name}' on inputs of shapes {shapes}: "
+                f"{_first_line(exc)}. Check that the data matches the model's inputs "
+                f"{[(s.name, s.shape) for s in self.inputs]} (sample axis, fixed batch size, "
+                "dtype) and that the model runs on such inputs in plain ONNX Runtime."
+            ) from None
         return {name: value.numpy() for name, value in zip(wanted, values, strict=True)}
+
+
+# ONNX Runtime reads models of 2 GB or more (protobuf's limit) only from a file with
+# external data; smaller ones are handed over in memory.
+_IN_MEMORY_LIMIT = 2**31 - (64 << 20)
+
+
+def _create_session(model: onnx.ModelProto, options: ort.SessionOptions,
+                    providers: Sequence[str]) -> ort.InferenceSession:
+    if model.ByteSize() < _IN_MEMORY_LIMIT:
+        return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "model.onnx"
+        onnx.save(model, path, save_as_external_data=True, location="model.onnx.data")
+        return ort.InferenceSession(str(path), options, providers=providers)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_error_message(model: onnx.ModelProto, exc: Exception) -> str:
+    """A one-paragraph explanation of why ONNX Runtime cannot load `model`."""
+    unknown = [node for node in model.graph.node
+               if node.domain not in ("", "ai.onnx", "ai.onnx.ml", "com.microsoft")]
+    if unknown:
+        ops = sorted({f"{n.domain}:{n.op_type}" for n in unknown})
+        return (
+            f"ONNX Runtime cannot load the model: it has {len(unknown)} node(s) of op(s) "
+            f"{', '.join(ops)} from a custom domain (first: node '{unknown[0].name}'), which "
+            "ONNX Runtime does not implement. Replace them with standard ONNX ops in the "
+            "export, or run with the custom-op library registered. "
+            f"({_first_line(exc)})"
+        )
+    return f"ONNX Runtime cannot load the model: {_first_line(exc)}"
 
 
 def with_outputs(model: onnx.ModelProto, tensors: Sequence[str]) -> onnx.ModelProto:
