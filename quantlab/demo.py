@@ -88,7 +88,8 @@ def _evaluate(entry, backend: OnnxRuntimeBackend, eval_set, label: str, progress
         if progress
         else None
     )
-    return tasks.evaluate(entry, backend.run, eval_set, progress=bar)
+    return tasks.evaluate(tasks.Task.from_zoo(entry, eval_set), backend.run,
+                          list(tasks.zoo_batches(entry, eval_set)), progress=bar)
 
 
 def run_model(

@@ -1,18 +1,23 @@
-"""End-to-end task metrics: top-k accuracy for classification, COCO mAP for detection.
+"""End-to-end task scoring: top-k accuracy for classification, COCO mAP for detection.
 
-COCO mAP is computed by pycocotools (the reference implementation); this
-module only adapts predictions to it.
+A :class:`Task` says how a stage is scored (post-processing and ground truth);
+a :class:`TaskScore` folds one batch of raw outputs after another into hit
+counts or detections, so raw outputs never accumulate; :func:`evaluate` runs
+any backend's ``run`` over batches and scores it. COCO mAP is computed by
+pycocotools (the reference implementation) in :func:`coco_map`, the one place
+quantlab calls it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from quantlab.errors import DataError
+from quantlab.errors import ConfigError, DataError
 
 # The figure each task is judged by in summaries and reports.
 PRIMARY_METRIC = {"classification": "top1", "detection": "map"}
@@ -95,27 +100,138 @@ def coco_map(coco_gt: Mapping, detections: Sequence[Mapping]) -> dict:
     }
 
 
+TASK_KINDS = ("classification", "detection")
+
+
+@dataclass
+class Task:
+    """How to score a stage end to end: classification (labels) or detection (COCO GT).
+
+    `postprocess(outputs, image_ids)` turns one batch of raw outputs (by ONNX output
+    name) into logits (N, classes) or a list of COCO detection dicts. Sample i of
+    the data is ``labels[i]`` or the image ``image_ids[i]`` (default: the order of
+    ``coco["images"]``).
+    """
+
+    kind: str
+    postprocess: Callable[[dict[str, np.ndarray], list[int]], object]
+    labels: np.ndarray | None = None
+    coco: dict | None = None
+    image_ids: Sequence[int] | None = None
+
+    def __post_init__(self):
+        if self.kind not in TASK_KINDS:
+            raise ConfigError(
+                f"task kind '{self.kind}' is not one of {', '.join(TASK_KINDS)}.")
+        if self.kind == "classification" and self.labels is None:
+            raise ConfigError("a classification task needs `labels` (one per sample).")
+        if self.kind == "detection" and self.coco is None:
+            raise ConfigError("a detection task needs `coco` ground truth (a COCO dict).")
+
+    @classmethod
+    def from_zoo(cls, zoo_model, eval_set) -> Task:
+        """The task of a zoo model scored on one of its evaluation sets."""
+        return cls(zoo_model.task, zoo_model.postprocess, eval_set.labels, eval_set.coco,
+                   list(eval_set.image_ids))
+
+    @property
+    def primary_metric(self) -> str:
+        """The metric the task is judged by (``top1`` or ``map``)."""
+        return PRIMARY_METRIC[self.kind]
+
+    def ids(self) -> list[int]:
+        """Image id of every sample, in data order (0..N-1 for classification)."""
+        if self.image_ids is not None:
+            return list(self.image_ids)
+        if self.coco is not None:
+            return [image["id"] for image in self.coco["images"]]
+        return list(range(len(self.labels)))
+
+    def check_samples(self, num_samples: int) -> None:
+        """Raise DataError unless the ground truth covers `num_samples` samples."""
+        have = len(self.labels) if self.kind == "classification" else len(self.ids())
+        if have < num_samples:
+            raise DataError(
+                f"the data has {num_samples} samples but the {self.kind} ground truth covers "
+                f"only {have}; pass as many labels/images as samples (or --max-samples {have})."
+            )
+
+    def score(self) -> TaskScore:
+        """A fresh streaming score of this task."""
+        return TaskScore(self)
+
+
+class TaskScore:
+    """Streaming task score of one stage: top-k hit counts, or the detections so far.
+
+    ``update(outputs, start, stop)`` folds the raw outputs of samples
+    ``start:stop``; ``result()`` scores the samples seen so far.
+    """
+
+    def __init__(self, task: Task):
+        self.task = task
+        self.hits: dict[str, float] = {}
+        self.count = 0
+        self.detections: list = []
+        self.seen_ids: list[int] = []
+
+    def update(self, outputs: Mapping[str, np.ndarray], start: int, stop: int) -> None:
+        """Fold the raw outputs (by output name) of samples `start:stop`."""
+        ids = self.task.ids()[start:stop]
+        predicted = self.task.postprocess(dict(outputs), ids)
+        if self.task.kind == "classification":
+            batch = topk_accuracy(predicted, np.asarray(self.task.labels)[start:stop])
+            for key, value in batch.items():
+                self.hits[key] = self.hits.get(key, 0.0) + value * (stop - start)
+        else:
+            self.detections.extend(predicted)
+        self.seen_ids.extend(ids)
+        self.count += stop - start
+
+    def result(self) -> dict:
+        """The metrics of the samples seen (classification: top-k; detection: COCO mAP)."""
+        if self.task.kind == "classification":
+            return {key: value / self.count for key, value in self.hits.items()}
+        ids = set(self.seen_ids)
+        coco = self.task.coco
+        # Scored against the images actually evaluated (--max-samples may cut the set).
+        ground_truth = {
+            "images": [i for i in coco["images"] if i["id"] in ids],
+            "annotations": [a for a in coco["annotations"] if a["image_id"] in ids],
+            "categories": coco["categories"],
+        }
+        return coco_map(ground_truth, self.detections)
+
+
+def batch_length(batch: Mapping[str, np.ndarray], batches=None) -> int:
+    """Samples in `batch`: by the source's sample axes when it knows them, else axis 0."""
+    if hasattr(batches, "length"):
+        return batches.length(batch)
+    return len(next(iter(batch.values())))
+
+
 def evaluate(
-    zoo_model,
-    run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
-    eval_set,
-    batch_size: int = 32,
+    task: Task,
+    run: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]],
+    batches: Iterable[Mapping[str, np.ndarray]],
     progress: Callable | None = None,
 ) -> dict:
-    """Run `run` over `eval_set` batch by batch and score it with the zoo model's task metric.
+    """Run `run` (a backend's ``run``) over `batches` and score `task` on its outputs.
 
-    Post-processing runs per batch, so only predictions (not raw outputs) are kept.
+    `batches` is a :class:`quantlab.data.BatchSource` or any iterable of batch
+    dicts, in data order. Post-processing runs per batch, so only predictions
+    (not raw outputs) are kept.
     """
-    predictions: list = []
-    starts = range(0, len(eval_set.inputs), batch_size)
-    for start in progress(starts) if progress else starts:
-        stop = start + batch_size
-        outputs = run({zoo_model.input_name: eval_set.inputs[start:stop]})
-        predicted = zoo_model.postprocess(outputs, list(eval_set.image_ids[start:stop]))
-        if zoo_model.task == "classification":
-            predictions.append(predicted)
-        else:
-            predictions.extend(predicted)
-    if zoo_model.task == "classification":
-        return topk_accuracy(np.concatenate(predictions), eval_set.labels)
-    return coco_map(eval_set.coco, predictions)
+    score = task.score()
+    start = 0
+    for batch in progress(batches) if progress else batches:
+        stop = start + batch_length(batch, batches)
+        score.update(run(dict(batch)), start, stop)
+        start = stop
+    return score.result()
+
+
+def zoo_batches(zoo_model, eval_set, batch_size: int = 32):
+    """The batches of a zoo evaluation set, ``{input name: samples}``, in order."""
+    for start in range(0, len(eval_set.inputs), batch_size):
+        yield {zoo_model.input_name: eval_set.inputs[start:start + batch_size]}

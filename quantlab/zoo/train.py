@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from quantlab import zoo
+from quantlab import tasks, zoo
 from quantlab.zoo import digits, shapes, shapes_det
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -81,24 +81,6 @@ def predict(model: nn.Module, inputs: np.ndarray, batch_size: int = 64) -> tuple
     return tuple(np.concatenate([c[k].numpy() for c in chunks]) for k in range(len(chunks[0])))
 
 
-def coco_map(gt: dict, detections: list[dict]) -> tuple[float, float]:
-    """(mAP@[.5:.95], mAP@.5) of ``detections`` against ``gt`` with pycocotools."""
-    from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        coco_gt = COCO()
-        coco_gt.dataset = gt
-        coco_gt.createIndex()
-        if not detections:
-            return 0.0, 0.0
-        evaluator = COCOeval(coco_gt, coco_gt.loadRes(detections), "bbox")
-        evaluator.evaluate()
-        evaluator.accumulate()
-        evaluator.summarize()
-    return float(evaluator.stats[0]), float(evaluator.stats[1])
-
-
 def held_out_metric(name: str, model: nn.Module, limit: int | None = None) -> str:
     """The zoo's held-out metric of ``model`` (mAP for detection, top-1 for classification)."""
     entry = zoo.get(name)
@@ -106,7 +88,8 @@ def held_out_metric(name: str, model: nn.Module, limit: int | None = None) -> st
     outputs = dict(zip(entry.output_names, predict(model, data.inputs), strict=True))
     result = entry.postprocess(outputs, data.image_ids)
     if entry.task == "detection":
-        map_all, map_50 = coco_map(data.coco, result)
+        metrics = tasks.coco_map(data.coco, result)
+        map_all, map_50 = metrics["map"], metrics["map50"]
         return f"mAP@[.5:.95] {map_all:.4f}  mAP@.5 {map_50:.4f}"
     return f"top-1 {float((result.argmax(1) == data.labels).mean()):.4f}"
 
