@@ -114,7 +114,7 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike,
     copy.CopyFrom(model)
     return atomic_write(path, lambda tmp: onnx.save(
         copy, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-        location=f"{path.name}.data", size_threshold=1024))
+        location=f"{path.name}.data", size_threshold=0))
 
 
 def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
