@@ -8,23 +8,34 @@ Runtime's, MXNet's and TVM's.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from quantlab.collect import Statistics
+if TYPE_CHECKING:  # collect imports numba and onnxruntime: not needed to parse options
+    from quantlab.collect import Statistics, TensorStats
 from quantlab.errors import ConfigError, DataError
 from quantlab.experiment import read_json, write_json
 
 METHODS = ("entropy", "max", "percentile", "mse")
+# The method `quantlab calibrate` uses unless told otherwise: chosen by measurement on
+# the real-model suite and the zoo (benchmarks/default_method.py, docs/calibration.md).
+DEFAULT_METHOD = "percentile"
 # amax given to a tensor that was zero on all calibration data: any positive
 # value represents 0 exactly; 1.0 keeps a usable range if deployment data differs.
 SAFE_AMAX = 1.0
+# A tensor's INT8 range is set by a few extreme values when its amax is over
+# OUTLIER_RATIO times its 99.99th percentile, or when more than FIRST_BIN_MASS of its
+# |x| falls in the first of the histogram's bins (one value of 1e6 among values of ~1
+# puts them all there and wrecks every method: reliability report, case 7.3).
+OUTLIER_RATIO = 10.0
+FIRST_BIN_MASS = 0.99
 # KL values closer than this (nats) are ties: the summation order of the
 # vectorized search and of a loop differ by ~1e-15, far below real differences.
 KL_TIE_TOLERANCE = 1e-12
@@ -72,7 +83,15 @@ class Scales:
                 "the scales.json written by `quantlab calibrate`."
             )
         try:
-            amax = {str(name): float(entry["amax"]) for name, entry in data["tensors"].items()}
+            amax = {str(name): entry["amax"] for name, entry in data["tensors"].items()}
+            for name, value in amax.items():
+                if not (_is_real(value) and math.isfinite(value) and value > 0):
+                    raise DataError(
+                        f"{path}: tensor '{name}' has amax {value!r}; every amax must be a finite "
+                        "positive number. The file is damaged or was edited; calibrate again to "
+                        "rewrite it."
+                    )
+            amax = {name: float(value) for name, value in amax.items()}
             return cls(amax, str(data["method"]), dict(data["params"]), int(data["num_samples"]))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DataError(
@@ -88,18 +107,27 @@ def calibrate(stats: Statistics, method: str = "entropy", **params: Any) -> Scal
     """
     params = check_method(method, params, stats.num_bins)
     amax: dict[str, float] = {}
-    zero = []
+    empty, outliers = [], []
     for name, tensor in stats.tensors.items():
-        if tensor.amax == 0.0:
-            zero.append(name)
+        if tensor.count == 0:
+            empty.append(name)
             amax[name] = SAFE_AMAX
             continue
-        if method == "max":
-            amax[name] = tensor.amax
+        if not (math.isfinite(tensor.min) and math.isfinite(tensor.max)):
+            raise DataError(
+                f"the statistics of tensor '{name}' have a non-finite range (min {tensor.min}, "
+                f"max {tensor.max}); quantlab.collect never records NaN or Inf, so they are "
+                "damaged or were not made by it. Collect the statistics again."
+            )
+        if tensor.amax == 0.0:
+            # All zeros: collect.collect has warned; any positive amax represents 0 exactly.
+            amax[name] = SAFE_AMAX
             continue
         hist, top = tensor.histogram(stats.num_bins)
         width = top / stats.num_bins
-        if method == "entropy":
+        if method == "max":
+            amax[name] = tensor.amax
+        elif method == "entropy":
             # TensorRT puts the threshold in the middle of the bin after the kept
             # ones: (i + 0.5) * width (GTC 2017; TensorRT-written caches show
             # amax = 2048.5/2048 * max for unclipped tensors, e.g. 3c010a14 for max 1).
@@ -109,13 +137,55 @@ def calibrate(stats: Statistics, method: str = "entropy", **params: Any) -> Scal
             amax[name] = percentile_threshold_bin(hist, params["percentile"]) * width
         else:
             amax[name] = mse_threshold_bin(hist, params["start_bin"]) * width
-    if zero:
+        note = _outlier_note(name, tensor, hist, width, amax[name])
+        if note:
+            outliers.append(note)
+    if empty:
         warnings.warn(
-            f"{len(zero)} tensor(s) were all zeros in calibration ({zero[:5]}); they get amax "
-            f"{SAFE_AMAX}, which represents 0 exactly.",
+            f"{len(empty)} tensor(s) held no values in calibration ({empty[:5]}); they get amax "
+            f"{SAFE_AMAX}. Check that the calibration data exercises them.",
             stacklevel=2,
         )
+    if outliers:
+        warnings.warn(_outlier_message(outliers, method), stacklevel=2)
     return Scales(amax, method, params, stats.num_samples)
+
+
+def _outlier_note(name: str, tensor: TensorStats, hist: np.ndarray, width: float,
+                  amax: float) -> tuple[str, bool] | None:
+    """(description, all-in-first-bin) of a tensor whose INT8 range a few extreme values set.
+
+    That is the case when the chosen amax is over OUTLIER_RATIO times the 99.99th
+    percentile (the method did not clip them), or when more than FIRST_BIN_MASS of
+    |x| lies in the first histogram bin: with a linear histogram over [0, max |x|]
+    (TensorRT's) no method can then resolve the other values.
+    """
+    total = hist.sum()
+    if total <= 0:
+        return None
+    p9999 = percentile_threshold_bin(hist, 99.99) * width  # upper edge of its bin
+    first_bin = hist[0] / total > FIRST_BIN_MASS
+    if not first_bin and amax <= OUTLIER_RATIO * p9999:
+        return None
+    sample = getattr(tensor, "max_sample", None)
+    where = f" in sample {sample}" if sample is not None and sample >= 0 else ""
+    return (f"'{name}' amax {amax:.4g} (max |x| {tensor.amax:.4g}{where}) vs 99.99th "
+            f"percentile <= {p9999:.3g}", first_bin)
+
+
+def _outlier_message(notes: list[tuple[str, bool]], method: str) -> str:
+    shown = "; ".join(text for text, _ in notes[:5])
+    more = f"; and {len(notes) - 5} more" if len(notes) > 5 else ""
+    if any(first_bin for _, first_bin in notes):
+        advice = ("Nearly all their values fall in the first histogram bin, so every method "
+                  "sets the range near the extreme value. Remove or fix the sample(s) holding it "
+                  "and calibrate again.")
+    else:
+        others = " or ".join(m for m in ("percentile", "mse") if m != method)
+        advice = (f"Remove or fix the sample(s) holding them and calibrate again, or use --method "
+                  f"{others}, which clips them.")
+    return (f"a few extreme values set the INT8 range of {len(notes)} tensor(s) ({method}), "
+            f"which rounds most of their values to 0: {shown}{more}. {advice}")
 
 
 def check_method(method: str, params: Mapping[str, Any], num_bins: int = 2048) -> dict[str, Any]:
@@ -134,11 +204,28 @@ def check_method(method: str, params: Mapping[str, Any], num_bins: int = 2048) -
             f"{sorted(defaults) or 'none'}."
         )
     merged = {**defaults, **params}
+    for name, value in merged.items():
+        if name == "percentile":
+            if not _is_real(value):
+                raise ConfigError(f"percentile must be a number, got {value!r}.")
+            merged[name] = float(value)
+        elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise ConfigError(f"{name} must be an integer number of bins, got {value!r}.")
+        else:
+            merged[name] = int(value)
     if method == "percentile" and not 0.0 < merged["percentile"] <= 100.0:
         raise ConfigError(f"percentile must be in (0, 100], got {merged['percentile']}.")
     if method in ("entropy", "mse") and not 1 <= merged["start_bin"] <= num_bins:
         raise ConfigError(f"start_bin must be in [1, {num_bins}], got {merged['start_bin']}.")
+    if method == "entropy" and not 1 <= merged["num_levels"] <= num_bins:
+        raise ConfigError(f"num_levels must be in [1, {num_bins}], got {merged['num_levels']}.")
     return merged
+
+
+def _is_real(value: Any) -> bool:
+    """A real number (bool and strings are not)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_))
 
 
 def entropy_threshold_bin(hist: np.ndarray, start_bin: int = 128, num_levels: int = 128) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 import warnings
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
             name,
             help=module.HELP,
             description=module.__doc__,
+            epilog=getattr(module, "EPILOG", None),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(sub)
@@ -69,6 +71,28 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"quantlab {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        # Disk full, read-only, not a folder: errors of the machine, not bugs; the output
+        # folder is left as it was (experiment.output_folder).
+        print(f"quantlab {args.command}: error: {describe_os_error(exc)}", file=sys.stderr)
+        return 1
+
+
+# errno values that mean the path could not be written (others: it could not be read).
+_WRITE_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("EROFS", "ENOSPC", "EDQUOT", "EFBIG", "EACCES", "EPERM",
+                                      "ENOTDIR", "EISDIR", "EEXIST", "ENOTEMPTY", "EXDEV")
+    if hasattr(errno, name)
+)
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for `exc`: ``cannot write PATH: reason`` (``cannot read`` for read errors)."""
+    reason = exc.strerror or str(exc)
+    if exc.filename is None:
+        return f"cannot write the output: {reason}"
+    verb = "write" if exc.errno in _WRITE_ERRNOS else "read"
+    return f"cannot {verb} {exc.filename}: {reason}"
 
 
 if __name__ == "__main__":

@@ -231,12 +231,76 @@ def test_max_and_entropy_amax_values():
     assert amax == pytest.approx(float(np.abs(values).max()) * 2048.5 / 2048, rel=1e-12)
 
 
-def test_all_zero_tensor_gets_safe_amax_with_warning():
+def test_all_zero_tensor_gets_safe_amax_and_warns_once_at_collection(recwarn):
+    # collect() warns about all-zero tensors; calibrate() does not repeat it (it runs once
+    # per method: the demo would warn five times). tests/test_cli.py checks one line in a run.
     stats = Statistics({"zero": _stats_of(np.zeros(100))}, 1)
     for method in ("entropy", "max", "percentile", "mse"):
-        with pytest.warns(UserWarning, match="zero"):
-            scales = calibrate(stats, method)
-        assert scales.amax["zero"] == SAFE_AMAX
+        assert calibrate(stats, method).amax["zero"] == SAFE_AMAX
+    assert not recwarn.list
+
+
+def test_tensor_without_values_gets_safe_amax_with_warning():
+    stats = Statistics({"x": _stats_of([1.0, 2.0]), "empty": TensorStats.empty(2048 * OVERSAMPLE)},
+                       1)
+    with pytest.warns(UserWarning, match=r"held no values.*'empty'"):
+        assert calibrate(stats, "entropy").amax["empty"] == SAFE_AMAX
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_statistics_are_refused_naming_the_tensor(bad, recwarn):
+    tensor = _stats_of([1.0, 2.0])
+    tensor.max = bad
+    stats = Statistics({"x": _stats_of([1.0]), "conv/out:0": tensor}, 1)
+    for method in ("entropy", "max", "percentile", "mse"):
+        with pytest.raises(DataError, match=r"'conv/out:0'.*non-finite.*Collect the statistics"):
+            calibrate(stats, method)
+    assert not [w for w in recwarn.list if "zeros" in str(w.message)]
+
+
+def _one_outlier(rng, size=12_800, value=1e6):
+    """|x| of ordinary activations with one extreme value (the reliability report's case 7.3)."""
+    values = rng.standard_normal(size).astype(np.float32)
+    values[4321] = value
+    return values
+
+
+def test_one_outlier_warns_naming_tensor_amax_percentile_and_sample():
+    tensor = _stats_of(_one_outlier(np.random.default_rng(0)))
+    tensor.max_sample = 17  # collect records the sample holding max |x| when it can
+    stats = Statistics({"ok": _stats_of(np.random.default_rng(1).standard_normal(5000)),
+                        "input": tensor}, 200)
+    for method in ("entropy", "max", "percentile", "mse"):
+        with pytest.warns(UserWarning) as record:
+            amax = calibrate(stats, method).amax["input"]
+        assert len(record) == 1  # one warning per call, listing the tensors
+        message = str(record[0].message)
+        assert f"'input' amax {amax:.4g}" in message
+        assert "max |x| 1e+06 in sample 17" in message
+        assert "99.99th percentile <= 488" in message  # 1e6 / 2048: the first bin
+        assert "'ok'" not in message
+        assert "Remove or fix the sample" in message
+
+
+def test_extreme_value_a_method_clips_does_not_warn_for_it(recwarn):
+    # max |x| 50 among 100,000 standard normal values: percentile (99.99) clips it near 3.9,
+    # max keeps it and gets the warning with the advice to clip.
+    values = np.random.default_rng(2).standard_normal(100_000)
+    values[7] = 50.0
+    stats = Statistics({"x": _stats_of(values)}, 100)
+    calibrate(stats, "percentile")
+    assert not recwarn.list
+    with pytest.warns(UserWarning, match=r"'x' amax 50 .*--method percentile or mse"):
+        calibrate(stats, "max")
+
+
+def test_zoo_like_data_does_not_warn(recwarn):
+    rng = np.random.default_rng(3)
+    relu = np.maximum(rng.standard_normal(50_000), 0.0)  # half exact zeros, as after a ReLU
+    stats = Statistics({"relu": _stats_of(relu), "x": _stats_of(rng.uniform(-3, 2, 50_000))}, 1)
+    for method in ("entropy", "max", "percentile", "mse"):
+        calibrate(stats, method)
+    assert not recwarn.list
 
 
 def test_bad_method_and_parameters():
@@ -250,6 +314,31 @@ def test_bad_method_and_parameters():
     with pytest.raises(ConfigError, match="start_bin"):
         check_method("mse", {"start_bin": 4096})
     assert check_method("percentile", {}) == {"percentile": 99.99}
+
+
+@pytest.mark.parametrize(("method", "params", "match"), [
+    ("entropy", {"num_levels": 0}, r"num_levels must be in \[1, 2048\], got 0"),
+    ("entropy", {"num_levels": 4096}, "num_levels must be in"),
+    ("entropy", {"num_levels": 2.5}, "num_levels must be an integer"),
+    ("entropy", {"start_bin": True}, "start_bin must be an integer"),
+    ("mse", {"start_bin": "128"}, "start_bin must be an integer"),
+    ("entropy", {"start_bin": 0}, r"start_bin must be in \[1, 2048\]"),
+    ("percentile", {"percentile": "99"}, "percentile must be a number, got '99'"),
+    ("percentile", {"percentile": None}, "percentile must be a number"),
+    ("percentile", {"percentile": float("nan")}, "percentile must be in"),
+])
+def test_check_method_refuses_bad_types_and_ranges_before_any_work(method, params, match):
+    with pytest.raises(ConfigError, match=match):
+        check_method(method, params)
+
+
+def test_check_method_accepts_numpy_numbers_and_extreme_legal_values():
+    assert check_method("percentile", {"percentile": np.float32(99.5)}) == {"percentile": 99.5}
+    assert check_method("entropy", {"num_levels": np.int64(1), "start_bin": 1}) == {
+        "num_levels": 1, "start_bin": 1}
+    stats = Statistics({"x": _stats_of(np.random.default_rng(4).standard_normal(1000))}, 1)
+    for levels in (1, 2048):
+        assert math.isfinite(calibrate(stats, "entropy", num_levels=levels, start_bin=1).amax["x"])
 
 
 def test_scales_round_trip(tmp_path):
@@ -268,4 +357,17 @@ def test_scales_load_errors(tmp_path):
     (tmp_path / "broken.json").write_text('{"format": "quantlab.scales", "tensors": {"a": {}}}')
     with pytest.raises(DataError, match="broken.json"):
         Scales.load(tmp_path / "broken.json")
+
+
+
+@pytest.mark.parametrize("amax", ['"NaN"', '"Infinity"', "NaN", "Infinity", '"1.5"', "0", "-1",
+                                  "true", "null"])
+def test_scales_load_refuses_non_finite_or_non_numeric_amax(tmp_path, amax):
+    path = tmp_path / "scales.json"
+    path.write_text('{"format": "quantlab.scales", "method": "max", "params": {}, '
+                    '"num_samples": 1, "tensors": {"ok": {"amax": 1.0}, "conv_out": {"amax": '
+                    + amax + "}}}")
+    with pytest.raises(DataError, match=r"scales.json: tensor 'conv_out' has amax .*finite"):
+        Scales.load(path)
+
 
