@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+# Real models from PyPI wheels and their generated data (tests/test_realmodels.py).
+from conftest_realmodels import onet_exports, real_data, real_models  # noqa: F401
+
 from quantlab import graph
 
 

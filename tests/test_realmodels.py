@@ -1,0 +1,283 @@
+"""Acceptance tests of issue 8 on four real trained models (from their PyPI wheels).
+
+Each test runs the CLI exactly as a user would (``quantlab calibrate`` / ``quantlab
+validate``, in-process through ``quantlab.cli.main``) and checks outcomes: scales written,
+the INT8 model runs in ONNX Runtime, its output SQNR vs FP32 (computed here with numpy in
+float64) stays above a measured floor, and ``summary.json`` reports the same SQNR.
+
+Models, data and preprocessing: ``tests/realmodels.py``. Fixtures: ``conftest_realmodels.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from quantlab.cli import main
+
+IMAGENET = ["--mean", "0.485", "0.456", "0.406", "--std", "0.229", "0.224", "0.225"]
+BGR_IMAGENET = ["--channel-order", "BGR", *IMAGENET]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model + data combination, as a user would pass it to the CLI."""
+
+    model: str  # realmodels name, or "onet:<export kind>"
+    calib: str  # key of the generated data
+    val: str
+    reference: str  # key of the .npy/.npz holding exactly what the model is fed on `val`
+    options: tuple[str, ...] = ()  # preprocessing options (calibrate and validate)
+    # Floors of the INT8 output SQNR (dB) vs FP32, per method; see FLOORS_WHY.
+    floors: dict[str, float] = field(default_factory=dict)
+    marks: tuple = ()
+
+
+# Why these floors: each is the SQNR measured on this seeded data (quantlab at the commit of
+# this file, ORT 1.32, 2-core AVX2 x86) minus a margin of ~3 dB for ORT/CPU and kernel
+# differences. A broken pipeline (wrong preprocessing, wrong scales, unquantized or
+# mis-fed inputs, a dropped Q/DQ pair) moves these by far more than 3 dB: with the wrong
+# preprocessing orientation fell from 38.5 to 12.8 dB in the field report. The floor is the
+# worst output of the model. The layout detector is INT8-hostile by nature (the field
+# report measured 0-5 dB with every calibrator and with ORT's own quantize_static), so its
+# floors only assert "finite and no worse than measured".
+CASES = {
+    "layout-npy": Case("layout", "calib_npy", "val_npy", "val_npy",
+                       floors={"entropy": -5.0, "percentile": 1.0},
+                       marks=(pytest.mark.slow,)),
+    "orientation-npy": Case("orientation", "calib_npy", "val_npy", "val_npy",
+                            floors={"entropy": 25.0, "percentile": 25.0}),
+    "orientation-images": Case("orientation", "calib", "val", "val_npy",
+                               options=tuple(BGR_IMAGENET),
+                               floors={"entropy": 25.0, "percentile": 25.0}),
+    "vad-npz": Case("vad", "calib_npz", "val_npz", "val_npz",
+                    floors={"entropy": 5.0, "percentile": 5.0}),
+    "onet-legacy-static": Case("onet:legacy_static", "calib_npy", "val_npy", "val_npy",
+                               floors={"entropy": 18.0, "percentile": 18.0}),
+    "onet-legacy-dynamic": Case("onet:legacy_dynamic", "calib_npy", "val_npy", "val_npy",
+                                floors={"entropy": 18.0, "percentile": 18.0}),
+}
+# "default" runs `quantlab calibrate` without --method, as a user would; its floor is the one
+# of quantlab.calibrate.DEFAULT_METHOD. The other two are named explicitly.
+METHODS = ("default", "entropy", "percentile")
+
+
+def _method(method: str) -> str:
+    from quantlab.calibrate import DEFAULT_METHOD
+
+    return DEFAULT_METHOD if method == "default" else method
+
+
+def _params():
+    return [pytest.param(name, method, id=f"{name}-{method}", marks=CASES[name].marks)
+            for name in CASES for method in METHODS]
+
+
+def run_cli(args: list[str]) -> str:
+    """Run ``quantlab ARGS`` in-process; return stdout, fail with stderr on a non-zero exit."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exc:  # argparse
+            code = exc.code
+    if code != 0:
+        raise AssertionError(
+            f"`quantlab {' '.join(map(str, args))}` exited {code}:\n{err.getvalue()[-3000:]}")
+    return out.getvalue()
+
+
+def sqnr_db(reference: np.ndarray, test: np.ndarray) -> float:
+    """10 log10(sum ref^2 / sum (ref - test)^2) in float64 over all samples."""
+    ref = np.asarray(reference, np.float64)
+    err = ref - np.asarray(test, np.float64)
+    noise = float(np.sum(err * err))
+    return math.inf if noise == 0 else 10 * math.log10(float(np.sum(ref * ref)) / noise)
+
+
+def session(path: Path, qdq_int8: bool = True) -> ort.InferenceSession:
+    """An ORT session; ``qdq_int8`` sets the option quantlab's backend runs Q/DQ models with."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if qdq_int8:
+        options.add_session_config_entry("session.qdqisint8allowed", "1")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def load_feeds(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a .npy (single input, name filled in later) or .npz file."""
+    if path.suffix == ".npz":
+        with np.load(path) as archive:
+            return {key: archive[key] for key in archive.files}
+    return {"": np.load(path)}
+
+
+def run_model(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run a session on every sample: whole batch if the model takes it, else one by one.
+
+    Feeds are matched to the session's inputs by name (a single unnamed array goes to the
+    single input); inputs the model no longer has (e.g. frozen by quantlab) are left out.
+    """
+    inputs = sess.get_inputs()
+    if "" in feeds:
+        assert len(inputs) == 1, [i.name for i in inputs]
+        feeds = {inputs[0].name: feeds[""]}
+    missing = [i.name for i in inputs if i.name not in feeds]
+    assert not missing, f"no data for model inputs {missing}"
+    feeds = {i.name: feeds[i.name] for i in inputs}
+    names = [o.name for o in sess.get_outputs()]
+    batch_dim = inputs[0].shape[0] if inputs[0].shape else None
+    if len(inputs) == 1 and batch_dim == 1:  # fixed batch 1: sample by sample
+        (name, array), = feeds.items()
+        parts = [sess.run(None, {name: array[i:i + 1]}) for i in range(len(array))]
+        return {n: np.concatenate([p[k] for p in parts]) for k, n in enumerate(names)}
+    return dict(zip(names, sess.run(None, feeds), strict=True))
+
+
+# ------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="session")
+def case_files(real_models, real_data, onet_exports):
+    """``name -> (model path, data paths)`` for a case."""
+
+    def get(name: str):
+        case = CASES[name]
+        base, _, kind = case.model.partition(":")
+        model = onet_exports[kind] if base == "onet" else real_models[base]
+        return model, real_data(base)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def calibrated(case_files, tmp_path_factory):
+    """``(case, method) -> output folder`` of ``quantlab calibrate``, run once per session."""
+    root = tmp_path_factory.mktemp("calibrated")
+    done: dict[tuple[str, str], Path | AssertionError] = {}
+
+    def get(name: str, method: str) -> Path:
+        key = (name, method)
+        if key not in done:
+            case = CASES[name]
+            model, data = case_files(name)
+            out = root / f"{name}-{method}"
+            args = ["calibrate", model, "--data", data[case.calib], "--out", out,
+                    "--no-progress", *case.options]
+            if method != "default":
+                args += ["--method", method]
+            try:
+                run_cli(args)
+                done[key] = out
+            except AssertionError as exc:
+                done[key] = exc
+        if isinstance(done[key], AssertionError):
+            raise AssertionError(f"calibration failed (see the first test of this case): "
+                                 f"{done[key]}")
+        return done[key]
+
+    return get
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("name, method", _params())
+def test_calibrate_writes_scales_and_int8_model_keeps_outputs(name, method, calibrated,
+                                                              case_files):
+    case = CASES[name]
+    out = calibrated(name, method)
+    scales = json.loads((out / "scales.json").read_text())
+    tensors = scales.get("tensors", scales)
+    assert isinstance(tensors, dict) and tensors, f"scales.json covers no tensor: {scales}"
+    onnx.checker.check_model(onnx.load(out / "model.int8.onnx"), full_check=True)
+
+    model_path, data = case_files(name)
+    feeds = load_feeds(data[case.reference])
+    original = run_model(session(model_path, qdq_int8=False), feeds)
+    fp32 = run_model(session(out / "model.onnx"), feeds)
+    # quantlab's normalized FP32 model computes what the published model computes.
+    for output, value in original.items():
+        assert output in fp32, f"model.onnx lost output {output}"
+        assert sqnr_db(value, fp32[output]) > 80, output
+    # The INT8 model runs in ONNX Runtime, with quantlab's session option and without.
+    int8 = run_model(session(out / "model.int8.onnx"), feeds)
+    plain = run_model(session(out / "model.int8.onnx", qdq_int8=False), feeds)
+    floor = case.floors[_method(method)]
+    measured = {o: sqnr_db(fp32[o], int8[o]) for o in fp32}
+    print(f"{name} {method}: INT8 output SQNR " +
+          ", ".join(f"{o} {v:.2f} dB" for o, v in measured.items()))
+    for output, value in measured.items():
+        assert np.isfinite(int8[output]).all() and np.isfinite(plain[output]).all(), output
+        assert math.isfinite(value), f"{output}: SQNR {value}"
+        assert value > floor, f"{output}: INT8 SQNR {value:.2f} dB <= floor {floor} dB"
+
+
+@pytest.mark.parametrize("mode", ["global", "local"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=CASES[n].marks) for n in CASES])
+def test_validate_summary_matches_numpy_sqnr(name, mode, calibrated, case_files, tmp_path):
+    case = CASES[name]
+    out = calibrated(name, "default")
+    _, data = case_files(name)
+    validation = tmp_path / "validate"
+    args = ["validate", "--onnx", out / "model.onnx", "--engine", out / "model.int8.onnx",
+            "--data", data[case.val], "--out", validation, "--mode", mode, "--no-progress",
+            *case.options]
+    run_cli(args)
+    summary = json.loads((validation / "summary.json").read_text())
+    pair = next(p for p in summary["pairs"]
+                if (p["reference"], p["test"]) == ("onnx_fp32", "engine_int8"))
+    assert pair["tensors_compared"] > 0
+
+    feeds = load_feeds(data[case.reference])
+    assert summary["samples"] == len(next(iter(feeds.values())))  # first array: the samples
+    fp32 = run_model(session(out / "model.onnx"), feeds)
+    int8 = run_model(session(out / "model.int8.onnx"), feeds)
+    assert set(pair["outputs"]) == set(fp32)
+    for output, metrics in pair["outputs"].items():
+        expected = sqnr_db(fp32[output], int8[output])
+        assert metrics["sqnr_db"] == pytest.approx(expected, abs=0.05), output
+
+
+def _torch_validate(kind, onet_exports, real_data, tmp_path) -> dict:
+    data = real_data("onet")
+    calib = tmp_path / "calibrate"
+    run_cli(["calibrate", onet_exports[kind], "--data", data["calib_npy"], "--out", calib,
+             "--no-progress"])
+    validation = tmp_path / "validate"
+    run_cli(["validate", "--onnx", calib / "model.onnx", "--engine", calib / "model.int8.onnx",
+             "--data", data["val_npy"], "--torch", "tests.realmodels:onet", "--out", validation,
+             "--no-progress"])
+    summary = json.loads((validation / "summary.json").read_text())
+    return next(p for p in summary["pairs"] if (p["reference"], p["test"]) == ("torch",
+                                                                               "onnx_fp32"))
+
+
+def test_validate_torch_maps_most_tensors_of_dynamo_export(onet_exports, real_data, tmp_path):
+    pair = _torch_validate("quantlab", onet_exports, real_data, tmp_path)
+    compared, missing = pair["tensors_compared"], len(pair["tensors_not_compared"])
+    assert compared >= 15 and missing <= 4, pair  # 17 of 19 when written (permute, view)
+    for output, metrics in pair["outputs"].items():  # same network, same numbers
+        assert metrics["sqnr_db"] > 80, output
+
+
+def test_validate_torch_on_legacy_export_maps_or_lists_tensors(onet_exports, real_data,
+                                                               tmp_path):
+    pair = _torch_validate("legacy_dynamic", onet_exports, real_data, tmp_path)
+    # Either the legacy export's tensors are mapped to torch modules, or the summary says
+    # which are not compared (never silently only the outputs).
+    if pair["tensors_compared"] <= 3:
+        assert pair["tensors_not_compared"], pair
+    # ONet has 19 float tensors after its input: each is compared or listed as not compared.
+    assert pair["tensors_compared"] + len(pair["tensors_not_compared"]) >= 19, pair
+    for output, metrics in pair["outputs"].items():
+        assert metrics["sqnr_db"] > 80, output
