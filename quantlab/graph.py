@@ -491,7 +491,18 @@ def consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
 
 
 def node_module_path(node: onnx.NodeProto) -> str | None:
-    """The torch module path a node was exported from (``backbone.0.conv``), if recorded."""
+    """The torch module path a node was exported from (``backbone.0.conv``), if recorded.
+
+    The torch.export-based exporter records it in metadata; the TorchScript-based
+    one (``dynamo=False``) writes it into the node name, ``/layer1/layer1.0/conv1/Conv``,
+    each scope either a child's attribute name or its full dotted path.
+    """
+    if node.name.startswith("/") and not any(p.key == NAME_SCOPES_KEY
+                                             for p in node.metadata_props):
+        path = ""
+        for scope in node.name.split("/")[1:-1]:
+            path = scope if not path or scope.startswith(f"{path}.") else f"{path}.{scope}"
+        return path
     for prop in node.metadata_props:
         if prop.key == NAME_SCOPES_KEY:
             try:

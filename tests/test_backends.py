@@ -160,3 +160,40 @@ def test_tensorrt_backend_reports_missing_package(tmp_path):
     message = r"not installed; install quantlab\[tensorrt\] on a machine with an NVIDIA GPU"
     with pytest.raises(BackendUnavailableError, match=message):
         TensorRTBackend(tmp_path / "model.onnx")
+
+
+@pytest.mark.parametrize("opset", [11, 13])
+def test_torchscript_export_maps_module_outputs_from_node_names(tiny_model, tmp_path, opset):
+    # torch.onnx.export(dynamo=False), the most common export, writes no name-scope metadata:
+    # the module path is in the node names (/conv1/Conv). It must map as much as dynamo's.
+    model, _, module = tiny_model
+    path = tmp_path / "legacy.onnx"
+    with torch.no_grad():
+        torch.onnx.export(module, torch.zeros(1, 3, 16, 16), path, dynamo=False,
+                          opset_version=opset, input_names=["input"], output_names=["logits"])
+    legacy = graph.load_model(path)
+    assert not [p for n in legacy.graph.node for p in n.metadata_props]
+    sample = {"input": np.zeros((1, 3, 16, 16), np.float32)}
+    mapped = TorchBackend(module, legacy, sample=sample).mapping
+    dynamo = TorchBackend(module, model, sample=sample).mapping
+    assert len(mapped) >= len(dynamo) >= 3
+    x = {"input": np.random.default_rng(0).standard_normal((1, 3, 16, 16)).astype(np.float32)}
+    ours = TorchBackend(module, legacy, sample=sample).run(x, list(mapped))
+    onnx_values = OnnxRuntimeBackend(legacy).run(x, list(mapped))
+    for name in mapped:
+        # float32 kernels of torch vs ONNX Runtime: relative error well below 1e-4.
+        reference = onnx_values[name].astype(np.float64)
+        error = np.linalg.norm(ours[name] - reference) / max(np.linalg.norm(reference), 1e-12)
+        assert error < 1e-4, (name, error)
+
+
+def test_node_module_path_reads_torchscript_scopes_and_ignores_bad_metadata():
+    from onnx import helper
+
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="/layer1/layer1.0/conv1/Conv")
+    assert graph.node_module_path(node) == "layer1.0.conv1"
+    assert graph.node_module_path(helper.make_node("Relu", ["x"], ["y"], name="/Relu")) == ""
+    assert graph.node_module_path(helper.make_node("Relu", ["x"], ["y"], name="relu_3")) is None
+    bad = helper.make_node("Relu", ["x"], ["y"], name="n")
+    bad.metadata_props.add(key=graph.NAME_SCOPES_KEY, value="__import__('os').system('id')")
+    assert graph.node_module_path(bad) is None
