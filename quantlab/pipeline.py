@@ -121,7 +121,7 @@ def run_calibration(
     model: str | os.PathLike | onnx.ModelProto,
     data: str | os.PathLike | BatchSource | object,
     out: str | os.PathLike,
-    method: str = "entropy",
+    method: str = calibrate.DEFAULT_METHOD,
     method_params: Mapping[str, float] | None = None,
     batch_size: int = 32,
     max_samples: int | None = None,
