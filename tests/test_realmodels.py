@@ -61,6 +61,9 @@ CASES = {
                                floors={"entropy": 25.0, "percentile": 25.0}),
     "vad-npz": Case("vad", "calib_npz", "val_npz", "val_npz",
                     floors={"entropy": 5.0, "percentile": 5.0}),
+    "vad-input-flag": Case("vad", "calib_nosr_npz", "val_nosr_npz", "val_npz",
+                           options=("--input", "sr=16000"),
+                           floors={"entropy": 5.0, "percentile": 5.0}),
     "onet-legacy-static": Case("onet:legacy_static", "calib_npy", "val_npy", "val_npy",
                                floors={"entropy": 18.0, "percentile": 18.0}),
     "onet-legacy-dynamic": Case("onet:legacy_dynamic", "calib_npy", "val_npy", "val_npy",
@@ -281,3 +284,25 @@ def test_validate_torch_on_legacy_export_maps_or_lists_tensors(onet_exports, rea
     assert pair["tensors_compared"] + len(pair["tensors_not_compared"]) >= 19, pair
     for output, metrics in pair["outputs"].items():
         assert metrics["sqnr_db"] > 80, output
+
+
+def test_validate_from_calibration_folder_reads_images_as_calibration_did(calibrated,
+                                                                          case_files, tmp_path):
+    """`validate --from DIR` takes the models and the image preprocessing (BGR, ImageNet
+    mean/std) that `calibrate` recorded: no preprocessing flag is repeated, and the SQNR it
+    reports is the one of the exactly-preprocessed .npy."""
+    name = "orientation-images"
+    out = calibrated(name, "default")
+    _, data = case_files(name)
+    validation = tmp_path / "validate"
+    run_cli(["validate", "--from", out, "--data", data["val"], "--out", validation,
+             "--no-progress"])
+    summary = json.loads((validation / "summary.json").read_text())
+    pair = next(p for p in summary["pairs"]
+                if (p["reference"], p["test"]) == ("onnx_fp32", "engine_int8"))
+    feeds = load_feeds(data["val_npy"])
+    fp32 = run_model(session(out / "model.onnx"), feeds)
+    int8 = run_model(session(out / "model.int8.onnx"), feeds)
+    for output, metrics in pair["outputs"].items():
+        assert metrics["sqnr_db"] == pytest.approx(sqnr_db(fp32[output], int8[output]),
+                                                   abs=0.05), output
