@@ -10,23 +10,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import onnx
 import pandas as pd
 
-from quantlab import graph
 from quantlab.errors import ModelError
 
 METRICS = ("cosine", "sqnr_db", "rel_l2", "max_abs", "frac_outside")
 TABLE_COLUMNS = ("tensor", "node", "op_type", "torch_module", *METRICS)
+# Elements converted to float64 at a time: the sums are exact to float64 rounding
+# without ever holding a float64 copy of a whole activation (8 MiB per operand).
+CHUNK_ELEMENTS = 1 << 20
 
 
 class TensorError:
     """Streaming error statistics of one tensor pair (reference vs test).
 
-    `update` accumulates float64 sums; the properties decide the metrics. An
+    `update` accumulates float64 sums chunk by chunk; the properties decide the metrics. An
     element is *outside* the tolerance when ``|test - ref| > atol + rtol * |ref|``
     (the ``numpy.isclose`` rule).
     """
@@ -42,19 +43,22 @@ class TensorError:
         self.outside = 0
 
     def update(self, ref: np.ndarray, test: np.ndarray) -> None:
-        """Add one batch of a tensor (arrays of equal shape)."""
-        ref = np.asarray(ref, dtype=np.float64).ravel()
-        test = np.asarray(test, dtype=np.float64).ravel()
-        err = test - ref
+        """Add one batch of a tensor (arrays of equal shape), CHUNK_ELEMENTS at a time."""
+        ref = np.asarray(ref).reshape(-1)
+        test = np.asarray(test).reshape(-1)
         self.count += ref.size
-        self.sum_ref2 += float(ref @ ref)
-        self.sum_test2 += float(test @ test)
-        self.sum_dot += float(ref @ test)
-        self.sum_err2 += float(err @ err)
-        if err.size:
-            abs_err = np.abs(err)
-            self.max_abs = max(self.max_abs, float(abs_err.max()))
-            self.outside += int(np.count_nonzero(abs_err > self.atol + self.rtol * np.abs(ref)))
+        for start in range(0, ref.size, CHUNK_ELEMENTS):
+            r = ref[start:start + CHUNK_ELEMENTS].astype(np.float64)
+            t = test[start:start + CHUNK_ELEMENTS].astype(np.float64)
+            self.sum_ref2 += float(r @ r)
+            self.sum_test2 += float(t @ t)
+            self.sum_dot += float(r @ t)
+            t -= r  # the error, in place
+            self.sum_err2 += float(t @ t)
+            np.abs(t, out=t)
+            self.max_abs = max(self.max_abs, float(t.max()))
+            np.abs(r, out=r)
+            self.outside += int(np.count_nonzero(t > self.atol + self.rtol * r))
 
     @property
     def cosine(self) -> float:
@@ -104,16 +108,22 @@ class Comparison:
         self.reference, self.test = reference, test
         self.errors = {name: TensorError(atol, rtol) for name in self.tensors}
 
-    def update(self, reference: Mapping[str, np.ndarray], test: Mapping[str, np.ndarray]) -> None:
-        """Add one batch: both dicts must hold every compared tensor, with equal shapes."""
+    def update(self, reference: Mapping[str, np.ndarray], test: Mapping[str, np.ndarray],
+               tensors: Sequence[str] | None = None) -> None:
+        """Add one batch of `tensors` (default: every compared tensor), present in both dicts.
+
+        A run streamed in segments updates each tensor once per batch, with the
+        segment that produced it.
+        """
+        names = self.tensors if tensors is None else [t for t in tensors if t in self.errors]
         for side, values in ((self.reference, reference), (self.test, test)):
-            missing = [t for t in self.tensors if t not in values]
+            missing = [t for t in names if t not in values]
             if missing:
                 raise ModelError(
                     f"the '{side}' run has no tensor(s) {missing[:5]} to compare; compare only "
-                    "tensors both models produce (see quantlab.compare.common_tensors)."
+                    "tensors both models produce (see quantlab.graph.Graph.common_tensors)."
                 )
-        for name in self.tensors:
+        for name in names:
             ref, out = reference[name], test[name]
             if np.shape(ref) != np.shape(out):
                 raise ModelError(
@@ -138,79 +148,14 @@ class Comparison:
         return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
 
 
-def tensor_info(model: onnx.ModelProto) -> pd.DataFrame:
-    """Per non-constant tensor: producing node, its op type and torch module path ('' if none)."""
-    producers = graph.producers(model)
-    rows = []
-    for name in graph.topological_tensors(model):
-        node = producers.get(name)
-        rows.append({
-            "tensor": name,
-            "node": node.name if node is not None else "(graph input)",
-            "op_type": node.op_type if node is not None else "",
-            "torch_module": (graph.node_module_path(node) or "") if node is not None else "",
-        })
-    return pd.DataFrame(rows, columns=["tensor", "node", "op_type", "torch_module"]).set_index(
-        "tensor", drop=False)
-
-
-def common_tensors(reference: onnx.ModelProto, test: onnx.ModelProto,
-                   candidates: Sequence[str] | None = None) -> list[str]:
-    """Float tensors of `reference` (topological order) that `test` also has, by name.
-
-    Raises ModelError when the graph outputs of the two models differ by name,
-    since then not even the end-to-end results can be compared.
-    """
-    ref_outputs = [o.name for o in reference.graph.output]
-    test_outputs = [o.name for o in test.graph.output]
-    if ref_outputs != test_outputs:
-        raise ModelError(
-            f"the models' outputs do not match by name: the reference has {ref_outputs}, the "
-            f"test model has {test_outputs} (missing from the test model: "
-            f"{sorted(set(ref_outputs) - set(test_outputs))}). Both must come from the same "
-            "ONNX export; quantize the FP32 model you pass as reference."
-        )
-    present = set(graph.topological_tensors(test)) | set(test_outputs)
-    floats = graph.float_tensors(reference)
-    ordered = graph.topological_tensors(reference)
-    allowed = set(candidates) if candidates is not None else set(ordered)
-    return [t for t in ordered if t in present and t in floats and t in allowed]
-
-
-def upstream_tensors(model: onnx.ModelProto, compared: Sequence[str]) -> dict[str, list[str]]:
-    """For each compared tensor, the nearest compared tensors (or graph inputs) feeding it.
-
-    Walks back through tensors that are not compared (e.g. unmapped in torch) so a
-    tensor's error can be judged against the error already present at its inputs.
-    """
-    producers = graph.producers(model)
-    constants = graph.constant_tensors(model)
-    inputs = {spec.name for spec in graph.input_specs(model)}
-    keep = set(compared) | inputs
-    memo: dict[str, frozenset[str]] = {}
-
-    def nearest(tensor: str) -> frozenset[str]:
-        # Iterative over the producing chain so deep graphs cannot exhaust the recursion limit.
-        stack = [tensor]
-        while stack:
-            name = stack[-1]
-            if name in memo:
-                stack.pop()
-                continue
-            node = producers.get(name)
-            parents = [i for i in node.input if i and i not in constants] if node else []
-            pending = [p for p in parents if p not in keep and p not in memo]
-            if pending:
-                stack.extend(pending)
-                continue
-            found: set[str] = set()
-            for parent in parents:
-                found |= {parent} if parent in keep else memo[parent]
-            memo[name] = frozenset(found)
-            stack.pop()
-        return memo[tensor]
-
-    return {t: sorted(nearest(t)) for t in compared}
+def first_nonfinite(values: Mapping[str, np.ndarray], order: Sequence[str]) -> str | None:
+    """The first tensor of `order` in `values` that holds NaN or Inf (float tensors only)."""
+    for name in order:
+        value = values.get(name)
+        if value is not None and np.issubdtype(np.asarray(value).dtype, np.floating) and \
+                not np.isfinite(value).all():
+            return name
+    return None
 
 
 @dataclass(frozen=True)
@@ -260,3 +205,23 @@ def first_divergence(table: pd.DataFrame, order: Sequence[str],
 def _divergence(row: pd.Series, before: float, reason: str) -> Divergence:
     return Divergence(row["tensor"], row["node"], row["op_type"], row["torch_module"],
                       float(row["sqnr_db"]), float(before), reason)
+
+
+@dataclass
+class PairResult:
+    """The comparison of one stage pair: per-tensor table, first divergence, output errors.
+
+    `mode` is ``global`` (both stages end to end) or ``local`` (each test layer fed
+    the reference's inputs); `outputs` maps each model output to its metrics (from
+    the end-to-end runs); `not_compared` lists float tensors left out, and
+    `warnings` says why a reader should not trust the pair as complete.
+    """
+
+    reference: str
+    test: str
+    mode: str
+    table: pd.DataFrame
+    divergence: Divergence | None
+    outputs: dict[str, dict[str, float]]
+    not_compared: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)

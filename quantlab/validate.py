@@ -1,43 +1,55 @@
-"""Three-stage validation: PyTorch vs ONNX Runtime FP32 vs the INT8 engine, layer by layer.
+"""Validation: run the stages over the data, compare adjacent stages per tensor, score the task.
 
-Stages, in order: ``torch`` (the original module, optional), ``onnx_fp32`` (the
-FP32 ONNX graph in ONNX Runtime) and ``engine_int8`` (the Q/DQ graph in ONNX
-Runtime, the engine quantlab can run here). Each adjacent pair is compared per
-tensor; every stage is scored on the task end to end. The evaluation set is
-streamed batch by batch: only one batch of activations and the running sums of
-:mod:`quantlab.compare` are ever in memory.
+Stages are backends (:class:`quantlab.backends.Backend`) handed in and named by
+their ``name``: optionally the original torch module, the FP32 ONNX model (the
+reference, whose graph index drives everything) and the engine (the INT8 Q/DQ
+model). Adjacent stages are compared per tensor (:mod:`quantlab.compare`) and
+every stage is scored on the task end to end (:mod:`quantlab.tasks`) — like
+Polygraphy's ``Comparator.run(runners)`` followed by ``compare_accuracy``.
 
-Modes for the FP32-vs-INT8 pair:
+Modes for the FP32-vs-engine pair:
 
 * ``global``: both graphs run end to end; a tensor's error includes the error of
-  every layer before it.
-* ``local``: every compute node of the Q/DQ graph that reads a dequantized input
-  is run alone — with the Q/DQ pairs and weight DQ in front of it — on the FP32
-  run's input tensors, so its row is the error that node's quantization adds.
+  every layer before it. The engine runs twice: once with the compared tensors
+  exposed (ONNX Runtime then keeps the Q/DQ graph in float: fake quantization)
+  and once unexposed, with its integer kernels, for the outputs and task metrics.
+* ``local``: every quantized node of the engine runs alone, fed the FP32 run's
+  input tensors (:mod:`quantlab.sensitivity`), so its row is the error that
+  node's quantization adds; outputs and task metrics come from the unexposed run.
 
-The torch-vs-FP32 pair is always global (nothing is quantized there).
+Memory is bounded by `memory_budget` whatever the data size and the model's
+activation size: the data streams through in slices of samples, each slice
+runs through the graphs in segments (:mod:`quantlab.segments`) sized so their
+exposed tensors fit, and every tensor is folded into the running sums of its
+comparison and dropped as soon as its segment is done.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pandas as pd
-from onnx import helper
 
-from quantlab import compare, graph, tasks
-from quantlab.backends.onnxruntime import OnnxRuntimeBackend, check_finite
+from quantlab import compare, graph, segments
+from quantlab.backends import Backend
+from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+from quantlab.compare import PairResult
 from quantlab.data import BatchSource
-from quantlab.errors import ConfigError, DataError, ModelError
-from quantlab.experiment import atomic_write, prepare_output, write_json
-from quantlab.qdq import PASS_THROUGH_OPS
-from quantlab.report import Section, figure_html, table_html, write_report
+from quantlab.errors import ConfigError, DataError
+from quantlab.experiment import atomic_write, check_output, output_folder, write_json
+from quantlab.report import write_report
+from quantlab.report.validation import validation_section
+from quantlab.sensitivity import LocalErrorModel, local_error_model
+from quantlab.tasks import Task, TaskScore
+
+__all__ = ["ENGINE", "FP32", "MODES", "TORCH", "Task", "ValidationResult", "layers_file",
+           "validate"]
 
 MODES = ("global", "local")
 TORCH, FP32, ENGINE = "torch", "onnx_fp32", "engine_int8"
@@ -46,9 +58,24 @@ STAGE_DESCRIPTIONS = {
     FP32: "FP32 ONNX model in ONNX Runtime",
     ENGINE: "INT8 Q/DQ model in ONNX Runtime (TensorRT is not installed here)",
 }
-WORST_LAYERS = 10
-# Where infinite SQNR (bit-identical tensors) is drawn on plots, above every finite value.
-_PLOT_INF_MARGIN_DB = 10.0
+# Default memory budget of a validation run (DESIGN.md: every pass over the data
+# runs under 2 GB). Half of it is planned for exposed tensors; the other half
+# leaves room for ONNX Runtime's working memory, the weights and Python.
+MEMORY_BUDGET = 2 << 30
+EXPOSED_SHARE = 0.5
+# Below this share of float tensors compared, the torch pair is flagged as partial.
+TORCH_MAPPED_WARNING = 0.5
+NOTES = {
+    "global": (
+        "Global mode runs the INT8 model twice per sample: once with every compared tensor "
+        "exposed as a graph output — ONNX Runtime then keeps the Q/DQ graph in float, so the "
+        "layer rows measure fake quantization — and once unexposed, with its integer kernels, "
+        "for the end-to-end outputs and the task metrics."),
+    "local": (
+        "Local mode feeds each quantized node of the INT8 model the FP32 run's inputs, so a "
+        "layer row is the error that node's own quantization adds; the end-to-end outputs and "
+        "the task metrics come from an unexposed run of the INT8 model (integer kernels)."),
+}
 
 
 def layers_file(reference: str, test: str, mode: str = "global") -> str:
@@ -58,221 +85,44 @@ def layers_file(reference: str, test: str, mode: str = "global") -> str:
 
 
 @dataclass
-class Task:
-    """How to score a stage end to end: classification (labels) or detection (COCO GT).
-
-    `postprocess(outputs, image_ids)` turns one batch of raw outputs (by ONNX output
-    name) into logits (N, classes) or a list of COCO detection dicts.
-    """
-
-    kind: str
-    postprocess: Callable[[dict[str, np.ndarray], list[int]], object]
-    labels: np.ndarray | None = None
-    coco: dict | None = None
-    image_ids: Sequence[int] | None = None
-
-    def __post_init__(self):
-        if self.kind == "classification" and self.labels is None:
-            raise ConfigError("a classification task needs `labels` (one per sample).")
-        if self.kind == "detection" and self.coco is None:
-            raise ConfigError("a detection task needs `coco` ground truth (a COCO dict).")
-        if self.kind not in ("classification", "detection"):
-            raise ConfigError(
-                f"task kind '{self.kind}' is not one of classification, detection.")
-
-    @classmethod
-    def from_zoo(cls, zoo_model, eval_set) -> Task:
-        """The task of a zoo model scored on one of its evaluation sets."""
-        return cls(zoo_model.task, zoo_model.postprocess, eval_set.labels, eval_set.coco,
-                   list(eval_set.image_ids))
-
-    def check_samples(self, num_samples: int) -> None:
-        """Raise DataError unless the ground truth covers `num_samples` samples."""
-        have = len(self.labels) if self.kind == "classification" else len(self.ids(num_samples))
-        if have < num_samples:
-            raise DataError(
-                f"the data has {num_samples} samples but the {self.kind} ground truth covers "
-                f"only {have}; pass as many labels/images as samples (or --max-samples {have})."
-            )
-
-    def ids(self, num_samples: int) -> list[int]:
-        """Image ids of the first `num_samples` samples (0..N-1 when none were given)."""
-        if self.image_ids is not None:
-            return list(self.image_ids)
-        return [image["id"] for image in self.coco["images"]] if self.coco else list(
-            range(num_samples))
-
-
-class _TaskScore:
-    """Streaming task score of one stage: top-k hit counts, or the detections list."""
-
-    def __init__(self, task: Task):
-        self.task = task
-        self.hits: dict[str, float] = {}
-        self.count = 0
-        self.detections: list = []
-
-    def update(self, outputs: dict[str, np.ndarray], start: int, stop: int) -> None:
-        ids = self.task.ids(stop)[start:stop]
-        predicted = self.task.postprocess(outputs, ids)
-        if self.task.kind == "classification":
-            batch = tasks.topk_accuracy(predicted, self.task.labels[start:stop])
-            for key, value in batch.items():
-                self.hits[key] = self.hits.get(key, 0.0) + value * (stop - start)
-            self.count += stop - start
-        else:
-            self.detections.extend(predicted)
-
-    def result(self, num_samples: int) -> dict:
-        if self.task.kind == "classification":
-            return {key: value / self.count for key, value in self.hits.items()}
-        ids = set(self.task.ids(num_samples)[:num_samples])
-        coco = self.task.coco
-        # Score against the images actually evaluated (--max-samples may cut the set).
-        ground_truth = {
-            "images": [i for i in coco["images"] if i["id"] in ids],
-            "annotations": [a for a in coco["annotations"] if a["image_id"] in ids],
-            "categories": coco["categories"],
-        }
-        return tasks.coco_map(ground_truth, self.detections)
-
-
-@dataclass
-class LocalErrorModel:
-    """One ONNX graph holding, side by side, each quantized compute node with its input Q/DQ.
-
-    ``model`` reads FP32 tensors (``feeds``) and writes ``outputs``: local output
-    name -> the FP32 tensor it is compared with. ``quantized_inputs`` lists, per
-    compared tensor, the FP32 tensors whose quantization the node sees.
-    """
-
-    model: onnx.ModelProto
-    feeds: list[str]
-    outputs: dict[str, str]
-    quantized_inputs: dict[str, list[str]] = field(default_factory=dict)
-
-
-def local_error_model(qdq_model: onnx.ModelProto, reference: onnx.ModelProto) -> LocalErrorModel:
-    """Cut every quantized compute node of `qdq_model` out with its Q/DQ inputs.
-
-    A node is quantized when one of its inputs comes from a DequantizeLinear,
-    directly or through ops that commute with quantization (MaxPool, Reshape, ...).
-    Its other non-constant inputs, and the inputs of its Quantize nodes, are fed
-    from the FP32 run of `reference` under the same names.
-    """
-    producers = graph.producers(qdq_model)
-    constants = graph.constant_tensors(qdq_model)
-    initializer_names = {init.name for init in qdq_model.graph.initializer}
-    known = set(graph.topological_tensors(reference))
-    floats = graph.float_tensors(reference)
-    values = {v.name: v for v in list(qdq_model.graph.value_info) + list(qdq_model.graph.input)}
-
-    def chain(tensor: str) -> tuple[list[onnx.NodeProto], list[str], list[str]] | None:
-        """Nodes from the FP32 feeds to `tensor`, the feeds, the quantized FP32 tensors."""
-        node = producers.get(tensor)
-        if tensor in initializer_names or node is None:
-            return [], [], []
-        if node.op_type == "Constant":
-            return [node], [], []
-        if node.op_type == "DequantizeLinear":
-            source = node.input[0]
-            if source in constants:
-                return [*_constant_nodes(node, producers), node], [], []
-            quantize = producers.get(source)
-            if quantize is None or quantize.op_type != "QuantizeLinear":
-                return None
-            fed = quantize.input[0]
-            nodes = [*_constant_nodes(quantize, producers), *_constant_nodes(node, producers)]
-            return [*nodes, quantize, node], [fed], [fed]
-        if node.op_type in PASS_THROUGH_OPS:
-            upstream = chain(node.input[0])
-            if upstream is not None and upstream[2]:
-                return ([*upstream[0], *_constant_nodes(node, producers), node], upstream[1],
-                        upstream[2])
-        return [], [tensor], []
-
-    combined: list[onnx.NodeProto] = []
-    feeds: dict[str, None] = {}
-    outputs: dict[str, str] = {}
-    quantized_inputs: dict[str, list[str]] = {}
-    for node in qdq_model.graph.node:
-        if node.op_type in ("QuantizeLinear", "DequantizeLinear", "Constant") or \
-                node.op_type in PASS_THROUGH_OPS:
-            continue
-        parts = [chain(i) for i in node.input if i]
-        if any(p is None for p in parts) or not any(p[2] for p in parts):
-            continue
-        needed = [t for p in parts for t in p[1]]
-        compared = [o for o in node.output if o in known and o in floats]
-        if not compared or any(t not in known for t in needed):
-            continue
-        suffix = f"::local::{node.name}"
-        renamed = {out: out + suffix for p in parts for n in p[0] for out in n.output}
-        renamed.update({out: out + suffix for out in node.output})
-        for sub in [n for p in parts for n in p[0]] + [node]:
-            copy = onnx.NodeProto()
-            copy.CopyFrom(sub)
-            copy.name = sub.name + suffix
-            del copy.input[:], copy.output[:]
-            copy.input.extend(renamed.get(i, i) for i in sub.input)
-            copy.output.extend(renamed[o] for o in sub.output)
-            combined.append(copy)
-        feeds.update(dict.fromkeys(needed))
-        for out in compared:
-            outputs[renamed[out]] = out
-            quantized_inputs[out] = sorted({t for p in parts for t in p[2]})
-    if not outputs:
-        raise ModelError(
-            "the INT8 model has no compute node reading a QuantizeLinear/DequantizeLinear pair "
-            "on a tensor of the FP32 model; local mode needs a Q/DQ model made from the FP32 "
-            "model passed as reference (same tensor names). Use --mode global otherwise."
-        )
-    used = {i for n in combined for i in n.input}
-    model = helper.make_model(
-        helper.make_graph(
-            combined, "local_errors",
-            [values[f] for f in feeds],
-            [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in outputs],
-            [init for init in qdq_model.graph.initializer if init.name in used],
-        ),
-        opset_imports=qdq_model.opset_import,
-    )
-    model.ir_version = qdq_model.ir_version
-    return LocalErrorModel(model, list(feeds), outputs, quantized_inputs)
-
-
-def _constant_nodes(node: onnx.NodeProto, producers) -> list[onnx.NodeProto]:
-    """Constant nodes feeding `node` (scales written as Constant instead of initializers)."""
-    return [producers[i] for i in node.input
-            if i in producers and producers[i].op_type == "Constant"]
-
-
-@dataclass
 class ValidationResult:
-    """What `validate` wrote: the per-pair tables, summary, report path, stage metrics."""
+    """What `validate` wrote: the pair results, task metrics per stage, summary and report."""
 
     folder: Path
-    tables: dict[tuple[str, str], pd.DataFrame]
-    divergences: dict[tuple[str, str], compare.Divergence | None]
+    pairs: list[PairResult]
     metrics: dict[str, dict]
     summary: dict
     report: Path
 
+    @property
+    def tables(self) -> dict[tuple[str, str], pd.DataFrame]:
+        """Per-tensor table of each pair, keyed by (reference, test) stage names."""
+        return {(p.reference, p.test): p.table for p in self.pairs}
+
+    @property
+    def divergences(self) -> dict[tuple[str, str], compare.Divergence | None]:
+        """First divergence of each pair, keyed by (reference, test) stage names."""
+        return {(p.reference, p.test): p.divergence for p in self.pairs}
+
 
 @dataclass
 class _Pair:
+    """A pair being streamed: its per-tensor and per-output comparisons."""
+
     reference: str
     test: str
     mode: str
     comparison: compare.Comparison
+    outputs: compare.Comparison
     upstream: dict[str, list[str]]
-    unmapped: list[str]
-    extra: dict[str, list[str]] = field(default_factory=dict)
+    not_compared: list[str]
+    extra: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
 
 def validate(
-    onnx_model: onnx.ModelProto | str | os.PathLike,
-    engine_model: onnx.ModelProto | str | os.PathLike,
+    onnx_model: Backend | onnx.ModelProto | str | os.PathLike,
+    engine_model: Backend | onnx.ModelProto | str | os.PathLike,
     data: BatchSource,
     out: str | os.PathLike,
     torch_module=None,
@@ -285,211 +135,407 @@ def validate(
     force: bool = False,
     progress: bool = True,
     title: str = "Validation",
+    memory_budget: int = MEMORY_BUDGET,
 ) -> ValidationResult:
     """Run every stage over `data`, compare adjacent stages per tensor, score the task.
 
-    Writes into `out`: one ``layers_<A>_vs_<B>.csv`` per stage pair, ``summary.json``
-    (task metrics per stage, first divergence and end-to-end output errors per pair)
-    and ``report.html``. `threshold_db`/`min_drop_db` define the first divergence
-    (see :func:`quantlab.compare.first_divergence`); `atol`/`rtol` the tolerance of
-    the ``frac_outside`` column.
+    `onnx_model` and `engine_model` are backends (stages named by their ``name``)
+    or models, which run in ONNX Runtime as ``onnx_fp32`` and ``engine_int8``;
+    `torch_module` is a torch backend or an ``nn.Module`` (then mapped onto the
+    FP32 graph's tensor names). Writes into `out`, all or nothing: one
+    ``layers_<A>_vs_<B>.csv`` per stage pair, ``summary.json`` (task metrics per
+    stage, first divergence and end-to-end output errors per pair) and
+    ``report.html``. `threshold_db`/`min_drop_db` define the first divergence
+    (see :func:`quantlab.compare.first_divergence`); `atol`/`rtol` the tolerance
+    of the ``frac_outside`` column.
     """
-    from tqdm import tqdm
-
-    from quantlab.backends.torch import TorchBackend
-
     if mode not in MODES:
         raise ConfigError(f"mode '{mode}' is not one of {', '.join(MODES)}.")
-    fp32_model = _as_model(onnx_model)
-    int8_model = _as_model(engine_model)
+    check_threshold(threshold_db, min_drop_db)
+    fp32 = _stage(onnx_model, FP32)
+    engine = _stage(engine_model, ENGINE)
     if task is not None:
         task.check_samples(data.num_samples)
-    pair_names = [(FP32, ENGINE)] if torch_module is None else [(TORCH, FP32), (FP32, ENGINE)]
-    folder = prepare_output(out, force=force, produces=[
-        *(layers_file(a, b, mode if b == ENGINE else "global") for a, b in pair_names),
-        "summary.json", "report.html"])
+    torch_stage = _torch_stage(torch_module, fp32, data)
+    names = [s.name for s in (torch_stage, fp32, engine) if s is not None]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"stage names must differ; got {names}.")
+    pair_files = [layers_file(fp32.name, engine.name, mode)]
+    if torch_stage is not None:
+        pair_files.insert(0, layers_file(torch_stage.name, fp32.name))
+    produces = [*pair_files, "summary.json", "report.html"]
+    check_output(out, force=force, produces=produces)
 
-    order = graph.topological_tensors(fp32_model)
-    info = compare.tensor_info(fp32_model)
-    fp32 = OnnxRuntimeBackend(fp32_model, name=FP32)
-    engine = OnnxRuntimeBackend(int8_model, name=ENGINE)
-    pairs: list[_Pair] = []
-    torch_backend = None
-    if torch_module is not None:
-        torch_backend = TorchBackend(torch_module, fp32_model, name=TORCH,
-                                     sample=_first_sample(data))
-        mapped = [t for t in order if t in torch_backend.mapping]
-        pairs.append(_Pair(TORCH, FP32, "global",
-                           compare.Comparison(mapped, TORCH, FP32, atol, rtol),
-                           compare.upstream_tensors(fp32_model, mapped), torch_backend.unmapped))
-    shared = compare.common_tensors(fp32_model, int8_model)
-    local = local_error_model(int8_model, fp32_model) if mode == "local" else None
-    if local is None:
-        compared = shared
-        upstream = compare.upstream_tensors(fp32_model, compared)
-    else:
-        compared = [t for t in order if t in set(local.outputs.values())]
-        # Fed the FP32 inputs, a node's only error is its own: judge it against +inf.
-        upstream = {}
-    floats = graph.float_tensors(fp32_model)
-    pairs.append(_Pair(FP32, ENGINE, mode, compare.Comparison(compared, FP32, ENGINE, atol, rtol),
-                       upstream, [t for t in order if t in floats and t not in set(compared)],
-                       {"quantized_inputs": local.quantized_inputs} if local else {}))
-    local_backend = OnnxRuntimeBackend(local.model, name="local") if local else None
-    output_names = fp32.outputs
-    outputs_comparison = {
-        (p.reference, p.test): compare.Comparison(output_names, p.reference, p.test, atol, rtol)
-        for p in pairs}
-    scores = {name: _TaskScore(task) for name in ([TORCH] if torch_backend else []) + [FP32, ENGINE]
-              } if task is not None else {}
-
-    compared_anywhere = [t for p in pairs for t in p.comparison.tensors]
-    fp32_wanted = list(dict.fromkeys([*output_names, *compared_anywhere,
-                                      *(local.feeds if local else [])]))
-    input_names = {spec.name for spec in fp32.inputs}
-    start = 0
-    for batch in tqdm(data, desc="validate", unit="batch", disable=not progress):
-        stop = start + len(next(iter(batch.values())))
-        check_finite(batch, list(batch), f"input batch of samples {start}..{stop - 1}")
-        values = {FP32: fp32.run(batch, [t for t in fp32_wanted if t not in input_names])}
-        values[FP32].update({name: batch[name] for name in input_names})
-        check_finite(values[FP32], order, f"stage '{FP32}'")
-        if torch_backend is not None:
-            values[TORCH] = torch_backend.run(batch, pairs[0].comparison.tensors + output_names)
-            check_finite(values[TORCH], order, f"stage '{TORCH}'")
-        engine_outputs = engine.run(batch)
-        check_finite(engine_outputs, output_names, f"stage '{ENGINE}'")
-        if local is not None:
-            local_values = local_backend.run({f: values[FP32][f] for f in local.feeds})
-            values[ENGINE] = {local.outputs[k]: v for k, v in local_values.items()}
-        else:
-            values[ENGINE] = engine.run(batch, shared)
-        check_finite(values[ENGINE], order, f"stage '{ENGINE}' ({mode} mode)")
-        # The engine's end-to-end outputs come from its own run (local mode feeds its
-        # layers FP32 inputs, so its layer values hold no end-to-end outputs).
-        stage_outputs = {name: {o: values[name][o] for o in output_names}
-                         for name in values if name != ENGINE}
-        stage_outputs[ENGINE] = engine_outputs
-        for pair in pairs:
-            pair.comparison.update(values[pair.reference], values[pair.test])
-            outputs_comparison[(pair.reference, pair.test)].update(
-                stage_outputs[pair.reference], stage_outputs[pair.test])
-        for name, score in scores.items():
-            score.update(stage_outputs[name], start, stop)
-        start = stop
-
-    metrics = {name: score.result(data.num_samples) for name, score in scores.items()}
-    tables, divergences, pair_summaries = {}, {}, []
-    for pair in pairs:
-        key = (pair.reference, pair.test)
-        table = pair.comparison.table(info)
-        for column, by_tensor in pair.extra.items():
-            table[column] = [" ".join(by_tensor.get(t, [])) for t in table["tensor"]]
-        tables[key] = table
-        divergences[key] = compare.first_divergence(table, order, pair.upstream,
-                                                    threshold_db, min_drop_db)
-        file = layers_file(pair.reference, pair.test, pair.mode)
-        atomic_write(folder / file, lambda tmp, t=table: t.to_csv(tmp, index=False))
-        pair_summaries.append({
-            "reference": pair.reference,
-            "test": pair.test,
-            "mode": pair.mode,
-            "layers_csv": file,
-            "tensors_compared": len(table),
-            "tensors_not_compared": pair.unmapped,
-            "first_divergence": divergences[key].to_dict() if divergences[key] else None,
-            "outputs": {name: err.metrics()
-                        for name, err in outputs_comparison[key].errors.items()},
-        })
+    streamed = run_stages(fp32, engine, data, torch_stage=torch_stage, task=task, mode=mode,
+                          atol=atol, rtol=rtol, progress=progress, memory_budget=memory_budget)
+    index = streamed.index
+    info = index.tensor_info()
+    pairs = [_pair_result(p, info, index.order, threshold_db, min_drop_db)
+             for p in streamed.pairs]
+    metrics = {name: score.result() for name, score in streamed.scores.items()}
     summary = {
         "samples": data.num_samples,
         "data": data.description,
         "mode": mode,
-        "stages": {name: STAGE_DESCRIPTIONS[name] for name in (TORCH, FP32, ENGINE)
-                   if name != TORCH or torch_backend},
+        "stages": {s.name: STAGE_DESCRIPTIONS.get(s.name, type(s).__name__)
+                   for s in (torch_stage, fp32, engine) if s is not None},
         "task": task.kind if task else None,
         "metrics": metrics,
         "divergence_rule": {"threshold_db": threshold_db, "min_drop_db": min_drop_db},
         "tolerance": {"atol": atol, "rtol": rtol},
-        "pairs": pair_summaries,
+        "memory": streamed.memory,
+        "notes": [NOTES[mode]],
+        "pairs": [{
+            "reference": p.reference,
+            "test": p.test,
+            "mode": p.mode,
+            "layers_csv": layers_file(p.reference, p.test, p.mode),
+            "tensors_compared": len(p.table),
+            "tensors_not_compared": p.not_compared,
+            "warnings": p.warnings,
+            "first_divergence": p.divergence.to_dict() if p.divergence else None,
+            "outputs": p.outputs,
+        } for p in pairs],
     }
-    write_json(folder / "summary.json", summary)
-    report = write_report(folder / "report.html", title,
-                          [report_section(tables, divergences, metrics, order, mode, threshold_db)],
-                          subtitle=f"{data.description}, {data.num_samples} samples")
-    return ValidationResult(folder, tables, divergences, metrics, summary, report)
+    section = validation_section(pairs, metrics, index.order, threshold_db, notes=[NOTES[mode]])
+    with output_folder(out, force=force, produces=produces) as staging:
+        for pair in pairs:
+            atomic_write(staging / layers_file(pair.reference, pair.test, pair.mode),
+                         lambda tmp, t=pair.table: t.to_csv(tmp, index=False))
+        write_json(staging / "summary.json", summary)
+        write_report(staging / "report.html", title, [section],
+                     subtitle=f"{data.description}, {data.num_samples} samples")
+    folder = Path(out)
+    return ValidationResult(folder, pairs, metrics, summary, folder / "report.html")
 
 
-def _as_model(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
-    return graph.normalize(model) if isinstance(model, onnx.ModelProto) else graph.load_model(model)
+def check_threshold(threshold_db: float, min_drop_db: float) -> None:
+    """Raise ConfigError unless the divergence rule's numbers are finite."""
+    for label, value in (("--threshold-db", threshold_db), ("min_drop_db", min_drop_db)):
+        if not np.isfinite(value):
+            raise ConfigError(f"{label} must be a finite number of dB, got {value}.")
 
 
-def _first_sample(data: BatchSource) -> dict[str, np.ndarray]:
-    batch = next(iter(data))
-    return {name: value[:1] for name, value in batch.items()}
+def _stage(stage: Backend | onnx.ModelProto | str | os.PathLike, name: str) -> Backend:
+    if hasattr(stage, "run") and hasattr(stage, "name"):
+        return stage
+    model = stage if isinstance(stage, onnx.ModelProto) else graph.load_model(stage)
+    return OnnxRuntimeBackend(model, name=name)
 
 
-def report_section(
-    tables: Mapping[tuple[str, str], pd.DataFrame],
-    divergences: Mapping[tuple[str, str], compare.Divergence | None],
-    metrics: Mapping[str, dict],
-    order: Sequence[str],
-    mode: str,
-    threshold_db: float,
-) -> Section:
-    """The report section: task metrics side by side, SQNR-vs-depth plots, worst layers."""
-    parts = []
-    if metrics:
-        parts.append(table_html(_metrics_frame(metrics), caption="Task metrics per stage"))
-    for (reference, test), table in tables.items():
-        label = f"{reference} vs {test}" + (" (local)" if mode == "local" and test == ENGINE
-                                            else "")
-        parts.append(f"<h3>{label}</h3>")
-        divergence = divergences[(reference, test)]
-        parts.append("<p>" + (
-            f"First divergence: tensor <code>{divergence.tensor}</code> from node "
-            f"<code>{divergence.node}</code> ({divergence.op_type}, torch module "
-            f"<code>{divergence.torch_module or '-'}</code>): {divergence.sqnr_db:.1f} dB "
-            f"({divergence.reason})." if divergence else
-            f"Every compared tensor stays above {threshold_db:g} dB SQNR.") + "</p>")
-        parts.append(figure_html(_sqnr_figure(table, order, label, threshold_db),
-                                 f"SQNR per tensor in topological order, {label}"))
-        worst = table.sort_values("sqnr_db").head(WORST_LAYERS)
-        parts.append(table_html(worst, caption=f"Worst {len(worst)} tensors, {label}"))
-    return Section("Layer-by-layer validation", "\n".join(parts), anchor="validation")
+def _torch_stage(torch_module, fp32: Backend, data: BatchSource) -> Backend | None:
+    if torch_module is None or (hasattr(torch_module, "run") and hasattr(torch_module, "name")):
+        return torch_module
+    from quantlab.backends.torch import TorchBackend
+
+    first = next(iter(data))
+    return TorchBackend(torch_module, fp32.model, name=TORCH, sample=data.slice(first, 0, 1))
 
 
-def _metrics_frame(metrics: Mapping[str, dict]) -> pd.DataFrame:
-    rows = []
-    for stage, values in metrics.items():
-        row = {"stage": stage}
-        row.update({tasks.METRIC_LABELS.get(k, k): v for k, v in values.items()
-                    if not isinstance(v, dict)})
-        per_class = values.get("per_class") or {}
-        row.update({f"AP {name}": ap for name, ap in per_class.items()})
-        rows.append(row)
-    return pd.DataFrame(rows)
+def _pair_result(pair: _Pair, info: pd.DataFrame, order: Sequence[str], threshold_db: float,
+                 min_drop_db: float) -> PairResult:
+    table = pair.comparison.table(info)
+    for column, by_tensor in pair.extra.items():
+        table[column] = [" ".join(by_tensor.get(t, [])) for t in table["tensor"]]
+    divergence = compare.first_divergence(table, order, pair.upstream, threshold_db, min_drop_db)
+    outputs = {name: err.metrics() for name, err in pair.outputs.errors.items()}
+    return PairResult(pair.reference, pair.test, pair.mode, table, divergence, outputs,
+                      pair.not_compared, pair.warnings)
 
 
-def _sqnr_figure(table: pd.DataFrame, order: Sequence[str], label: str, threshold_db: float):
-    import matplotlib
+# ------------------------------------------------------------------ streaming the stages
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    depth = {name: i for i, name in enumerate(order)}
-    x = np.array([depth[t] for t in table["tensor"]])
-    sqnr = table["sqnr_db"].to_numpy(dtype=float)
-    finite = np.isfinite(sqnr)
-    top = (sqnr[finite].max() if finite.any() else threshold_db) + _PLOT_INF_MARGIN_DB
-    figure, axis = plt.subplots(figsize=(8, 3))
-    axis.plot(x[finite], sqnr[finite], ".-", lw=0.8, label="SQNR")
-    if (~finite).any():
-        axis.scatter(x[sqnr == math.inf], np.full((sqnr == math.inf).sum(), top), marker="^",
-                     color="tab:green", label="identical (+inf dB)")
-    axis.axhline(threshold_db, color="tab:red", ls="--", lw=0.8, label="divergence threshold")
-    axis.set_xlabel("tensor index (topological order)")
-    axis.set_ylabel("SQNR [dB]")
-    axis.set_title(label)
-    axis.legend(loc="lower left", fontsize=8)
-    return figure
+@dataclass
+class StageRuns:
+    """The folded result of running the stages over the data (no array of any run)."""
+
+    index: graph.Graph
+    pairs: list[_Pair]
+    scores: dict[str, TaskScore]
+    memory: dict
+
+
+class _SegmentBackend(OnnxRuntimeBackend):
+    """ONNX Runtime on one segment, without the CPU arena.
+
+    An arena keeps its peak for the life of the session; with one session per
+    segment the arenas would add up to the whole graph's activations, which is
+    what segmenting avoids.
+    """
+
+    def session_options(self, optimized_model_path: str | None = None):
+        """The backend's options with the CPU memory arena off."""
+        options = super().session_options(optimized_model_path)
+        options.enable_cpu_mem_arena = False
+        return options
+
+
+class _Segmented:
+    """A stage run segment by segment: one backend per segment of its graph."""
+
+    def __init__(self, stage: Backend, plan: list[segments.Segment]):
+        self.stage = stage
+        self.plan = plan
+        if isinstance(stage, OnnxRuntimeBackend):
+            self.backends = [
+                _SegmentBackend(s.model, name=stage.name, providers=stage.providers,
+                                threads=stage.threads, optimization=stage.optimization)
+                if s.outputs else None for s in plan]
+        else:
+            self.backends = None  # any other backend runs whole, exposing what is asked
+
+    def run(self, number: int, live: Mapping[str, np.ndarray],
+            batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Outputs of segment `number`, its inputs read from `live` (graph inputs from `batch`)."""
+        segment = self.plan[number]
+        if not segment.outputs:
+            return {}
+        if self.backends is None:
+            return self.stage.run(batch, segment.outputs)
+        return self.backends[number].run({name: live[name] for name in segment.inputs})
+
+
+def run_stages(
+    fp32: Backend,
+    engine: Backend,
+    data: BatchSource,
+    torch_stage: Backend | None = None,
+    task: Task | None = None,
+    mode: str = "global",
+    atol: float = 1e-3,
+    rtol: float = 1e-3,
+    progress: bool = True,
+    memory_budget: int = MEMORY_BUDGET,
+) -> StageRuns:
+    """Stream `data` through the stages and fold every compared tensor and output as it comes.
+
+    The comparisons and task scores are returned; no array of any run outlives
+    the segment that produced it (boundary tensors live until their last reader).
+    """
+    from tqdm import tqdm
+
+    index = graph.Graph(fp32.model)
+    engine_index = graph.Graph(engine.model)
+    shared = index.common_tensors(engine_index)
+    local = local_error_model(engine_index, index) if mode == "local" else None
+    pairs: list[_Pair] = []
+    if torch_stage is not None:
+        pairs.append(_torch_pair(torch_stage, fp32.name, index, atol, rtol))
+    if local is None:
+        engine_tensors = shared
+        upstream = index.upstream(shared)
+    else:
+        engine_tensors = [t for t in index.order if t in set(local.outputs.values())]
+        upstream = {}  # fed the FP32 inputs, a node's only error is its own: judged against +inf
+    pairs.append(_Pair(
+        fp32.name, engine.name, mode,
+        compare.Comparison(engine_tensors, fp32.name, engine.name, atol, rtol),
+        compare.Comparison(index.outputs, fp32.name, engine.name, atol, rtol),
+        upstream, [t for t in index.order if t in index.floats and t not in set(engine_tensors)],
+        {"quantized_inputs": local.quantized_inputs} if local else {}))
+    scores = {s.name: task.score() for s in (torch_stage, fp32, engine) if s is not None} \
+        if task is not None else {}
+    torch_tensors = pairs[0].comparison.tensors if torch_stage is not None else []
+    layout = _Layout.plan(index, data, next(iter(data)), engine_tensors, torch_tensors, local,
+                          memory_budget, segmentable=isinstance(fp32, OnnxRuntimeBackend))
+    stream = _Stream(index, engine_index, fp32, engine, torch_stage, local, layout, pairs, scores)
+    start = 0
+    with tqdm(total=data.num_samples, desc="validate", unit="sample",
+              disable=not progress) as bar:
+        for batch in data:
+            size = data.length(batch)
+            bad = compare.first_nonfinite(batch, index.input_names)
+            if bad is not None:
+                raise DataError(
+                    f"input batch of samples {start}..{start + size - 1}: tensor '{bad}' "
+                    "contains NaN or Inf. Fix or remove these samples in the data.")
+            # A model with a fixed batch gets batches of exactly that size: never sliced.
+            step = size if layout.fixed else layout.slice_size
+            for offset in range(0, size, step):
+                stop = min(size, offset + step)
+                part = batch if step >= size else data.slice(batch, offset, stop)
+                stream.run_slice(part, start + offset, start + stop)
+                bar.update(stop - offset)
+            start += size
+    memory = {"budget_bytes": memory_budget, "slice_samples": layout.slice_size,
+              "fixed_batch": layout.fixed, "segments": len(layout.groups),
+              "exposed_bytes_per_sample": layout.sample_bytes}
+    return StageRuns(index, pairs, scores, memory)
+
+
+def _torch_pair(torch_stage: Backend, reference: str, index: graph.Graph, atol: float,
+                rtol: float) -> _Pair:
+    """The torch-vs-FP32 pair: the mapped tensors, and a warning when few of them map."""
+    mapping = getattr(torch_stage, "mapping", {})
+    inputs = set(index.input_names)
+    mapped = [t for t in index.order if t in mapping]
+    floats = [t for t in index.order if t in index.floats and t not in inputs]
+    not_compared = [t for t in floats if t not in mapping]
+    pair = _Pair(torch_stage.name, reference, "global",
+                 compare.Comparison(mapped, torch_stage.name, reference, atol, rtol),
+                 compare.Comparison(index.outputs, torch_stage.name, reference, atol, rtol),
+                 index.upstream(mapped), not_compared)
+    if floats and len(mapped) < TORCH_MAPPED_WARNING * len(floats):
+        scoped = any(p.key == graph.NAME_SCOPES_KEY for n in index.model.graph.node
+                     for p in n.metadata_props)
+        why = ("their nodes are written inline in a forward() rather than being a module's "
+               "output" if scoped else
+               f"the ONNX file carries no torch module scopes ({graph.NAME_SCOPES_KEY} "
+               "metadata), which only the dynamo exporter writes")
+        pair.warnings.append(
+            f"only {len(mapped)} of {len(floats)} float tensors of the ONNX graph are compared "
+            f"between {torch_stage.name} and {reference}; {len(not_compared)} could not be mapped "
+            f"to a torch module output because {why}. Export with quantlab.graph.export_torch "
+            "(or torch.onnx.export(..., dynamo=True)) to compare layer by layer.")
+        warnings.warn(pair.warnings[-1], stacklevel=3)
+    return pair
+
+
+@dataclass
+class _Layout:
+    """How the data and the graphs are cut: samples per slice and groups of tensors per segment."""
+
+    slice_size: int
+    fixed: bool
+    groups: list[list[str]]
+    local_groups: list[list[str]]
+    fp32_extra: list[str]
+    sample_bytes: int
+
+    @classmethod
+    def plan(cls, index: graph.Graph, data: BatchSource, first: Mapping[str, np.ndarray],
+             engine_tensors: Sequence[str], torch_tensors: Sequence[str],
+             local: LocalErrorModel | None, budget: int, segmentable: bool) -> _Layout:
+        """Slices shrink to one sample (or the model's fixed batch) before the graph is cut."""
+        fixed = graph.fixed_batch_size(index.model) is not None
+        unit = first if fixed else data.slice(first, 0, 1)
+        sizes = index.sample_bytes({name: np.shape(value) for name, value in unit.items()})
+        engine_set, torch_set = set(engine_tensors), set(torch_tensors)
+        compared = engine_set | torch_set
+        extra = [t for t in (local.feeds if local else []) if t not in compared]
+        exposed_names = [t for t in index.order if t in compared or t in extra
+                         or t in index.outputs]
+        # Bytes held per tensor: the FP32 value plus each stage's value compared with it.
+        cost = {t: sizes.get(t, 0) * (1 + (t in engine_set) + (t in torch_set))
+                for t in exposed_names}
+        per_unit = sum(cost.values())
+        exposed = int(budget * EXPOSED_SHARE)
+        if per_unit <= exposed or not segmentable:
+            cut = [exposed_names]
+            slice_size = max(1, exposed // max(1, per_unit))
+        else:
+            cut = segments.group_by_bytes(exposed_names, cost, exposed)
+            slice_size = 1
+        # Local feeds are exposed where they are produced, not asked for as a group's tensors.
+        skipped = set(extra)
+        groups = [[t for t in group if t not in skipped] for group in cut]
+        groups[-1] = list(dict.fromkeys([*groups[-1], *index.outputs]))
+        group_of = {t: k for k, group in enumerate(groups) for t in group}
+        local_groups: list[list[str]] = [[] for _ in groups]
+        if local is not None:
+            by_tensor = {v: k for k, v in local.outputs.items()}
+            for tensor in engine_tensors:
+                local_groups[group_of[tensor]].append(by_tensor[tensor])
+        return cls(slice_size, fixed, groups, local_groups, extra, per_unit)
+
+
+class _Stream:
+    """Runs slices through the stages segment by segment and folds what they produce."""
+
+    def __init__(self, index: graph.Graph, engine_index: graph.Graph, fp32: Backend,
+                 engine: Backend, torch_stage: Backend | None, local: LocalErrorModel | None,
+                 layout: _Layout, pairs: list[_Pair], scores: dict[str, TaskScore]):
+        self.index, self.fp32, self.engine, self.torch = index, fp32, engine, torch_stage
+        self.local, self.layout, self.scores = local, layout, scores
+        self.torch_pair = pairs[0] if torch_stage is not None else None
+        self.engine_pair = pairs[-1]
+        self.outputs = list(index.outputs)
+        self.fp32_run = _Segmented(fp32, segments.plan_segments(index, layout.groups,
+                                                                extra=layout.fp32_extra))
+        if local is None:
+            self.test_run = _Segmented(engine, segments.plan_segments(engine_index,
+                                                                      layout.groups))
+        else:
+            # Local mode is defined on the Q/DQ ONNX graph: its cut-out nodes run in ONNX Runtime.
+            local_index = graph.Graph(local.model)
+            self.test_run = _Segmented(OnnxRuntimeBackend(local.model, name=engine.name),
+                                       segments.plan_segments(local_index, layout.local_groups))
+        steps = len(layout.groups)
+        self.fp32_last = _last_use(self.fp32_run.plan, self.test_run.plan if local else [])
+        self.fp32_last.update(dict.fromkeys(self.outputs, steps))  # read after the last step
+        self.test_last = _last_use(self.test_run.plan) if local is None else {}
+        self.inputs = set(index.input_names)
+
+    def run_slice(self, part: Mapping[str, np.ndarray], start: int, stop: int) -> None:
+        """Run samples `start:stop` (`part`) through every stage, folding as it goes."""
+        outputs = self.outputs
+        torch_values = None
+        if self.torch is not None:
+            torch_values = self.torch.run(part, [*self.torch_pair.comparison.tensors, *outputs])
+        # The engine's end-to-end outputs come from its own unexposed run (integer kernels).
+        engine_outputs = self.engine.run(part)
+        fp32_live = {name: part[name] for name in self.index.input_names}
+        test_live = dict(fp32_live)
+        for number, group in enumerate(self.layout.groups):
+            fp32_live.update(self.fp32_run.run(number, fp32_live, part))
+            _check_finite(fp32_live, group, f"stage '{self.fp32.name}'")
+            if self.local is None:
+                test_live.update(self.test_run.run(number, test_live, part))
+                test_values = test_live
+            else:
+                test_values = {self.local.outputs[k]: v
+                               for k, v in self.test_run.run(number, fp32_live, part).items()}
+            _check_finite(test_values, group,
+                          f"stage '{self.engine.name}' ({self.engine_pair.mode} mode)")
+            self.engine_pair.comparison.update(fp32_live, test_values,
+                                               [t for t in group if t in test_values])
+            if torch_values is not None:
+                folded = [t for t in group if t in self.torch_pair.comparison.errors]
+                _check_finite(torch_values, folded, f"stage '{self.torch.name}'")
+                self.torch_pair.comparison.update(torch_values, fp32_live, folded)
+                for name in folded:
+                    if name not in outputs:
+                        del torch_values[name]
+            del test_values
+            _drop(fp32_live, self.fp32_last, number, self.inputs)
+            _drop(test_live, self.test_last, number, self.inputs)
+        # Checked after the layers, so a NaN is blamed on the first tensor that holds one.
+        _check_finite(engine_outputs, outputs, f"stage '{self.engine.name}'")
+        stage_outputs = {self.fp32.name: {o: fp32_live[o] for o in outputs},
+                         self.engine.name: engine_outputs}
+        if torch_values is not None:
+            _check_finite(torch_values, outputs, f"stage '{self.torch.name}'")
+            stage_outputs[self.torch.name] = {o: torch_values[o] for o in outputs}
+            self.torch_pair.outputs.update(stage_outputs[self.torch.name],
+                                           stage_outputs[self.fp32.name])
+        self.engine_pair.outputs.update(stage_outputs[self.fp32.name], engine_outputs)
+        for name, score in self.scores.items():
+            score.update(stage_outputs[name], start, stop)
+
+
+def _last_use(*plans: Sequence[segments.Segment]) -> dict[str, int]:
+    """For each tensor the segments of `plans` expose or read, the last step that reads it."""
+    last: dict[str, int] = {}
+    for plan in plans:
+        for segment in plan:
+            for name, step in segment.last_use.items():
+                last[name] = max(last.get(name, step), step)
+            for name in segment.inputs:
+                last[name] = max(last.get(name, segment.index), segment.index)
+    return last
+
+
+def _drop(live: dict[str, np.ndarray], last_use: Mapping[str, int], step: int,
+          keep: set[str]) -> None:
+    """Forget the tensors no step after `step` reads, except `keep` (the slice's inputs)."""
+    for name in [n for n in live if n not in keep and last_use.get(n, step + 1) <= step]:
+        del live[name]
+
+
+def _check_finite(values: Mapping[str, np.ndarray], order: Sequence[str], where: str) -> None:
+    bad = compare.first_nonfinite(values, order)
+    if bad is not None:
+        raise DataError(
+            f"{where}: tensor '{bad}' contains NaN or Inf. It is the first such tensor in "
+            "topological order; check the input data and the layer that produces it.")

@@ -12,6 +12,7 @@ import pytest
 from quantlab import compare
 from quantlab.errors import ModelError
 from quantlab.experiment import read_json, write_json
+from quantlab.graph import Graph
 
 
 def _batches(array: np.ndarray, size: int) -> list[np.ndarray]:
@@ -112,6 +113,39 @@ def _model(outputs: list[str]) -> onnx.ModelProto:
 
 
 def test_common_tensors_names_mismatched_outputs():
-    assert compare.common_tensors(_model(["y"]), _model(["y"])) == ["x", "r", "y"]
+    assert Graph(_model(["y"])).common_tensors(Graph(_model(["y"]))) == ["x", "r", "y"]
     with pytest.raises(ModelError, match=r"reference has \['y'\].*test model has \['out'\]"):
-        compare.common_tensors(_model(["y"]), _model(["out"]))
+        Graph(_model(["y"])).common_tensors(Graph(_model(["out"])))
+
+
+def test_compare_knows_no_onnx():
+    # compare works on {name: array} only; graph queries live in quantlab.graph.
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(compare))
+    nodes = [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+    imported = {alias.name for n in nodes for alias in n.names}
+    imported |= {n.module for n in nodes if isinstance(n, ast.ImportFrom)}
+    assert not {"onnx", "graph", "quantlab.graph"} & imported
+
+
+def test_chunked_update_equals_one_float64_pass(monkeypatch):
+    # Chunks of 1000 elements over 10,007: sums by chunk equal the float64 whole-array sums.
+    monkeypatch.setattr(compare, "CHUNK_ELEMENTS", 1000)
+    rng = np.random.default_rng(3)
+    ref = rng.standard_normal(10_007).astype(np.float32)
+    test = (ref + rng.normal(0, 0.01, ref.shape)).astype(np.float32)
+    error = compare.TensorError(atol=0.01, rtol=0.01)
+    error.update(ref, test)
+    r64, t64 = ref.astype(np.float64), test.astype(np.float64)
+    assert error.sqnr_db == pytest.approx(10 * np.log10(np.sum(r64**2) / np.sum((t64 - r64)**2)),
+                                          rel=1e-12)
+    assert error.max_abs == np.max(np.abs(t64 - r64))
+    assert error.outside == np.count_nonzero(~np.isclose(t64, r64, rtol=0.01, atol=0.01))
+
+
+def test_first_nonfinite_skips_integer_tensors():
+    values = {"ids": np.array([1, 2], np.int64), "a": np.ones(2), "b": np.array([np.nan])}
+    assert compare.first_nonfinite(values, ["ids", "a", "b"]) == "b"
+    assert compare.first_nonfinite(values, ["ids", "a"]) is None

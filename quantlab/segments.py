@@ -1,0 +1,169 @@
+"""Cut an ONNX graph into sequential segments, so one sample's tensors never all live at once.
+
+A segment is a sub-graph cut in topological order: it computes one group of
+wanted tensors, reads its inputs from the graph inputs or from earlier
+segments (the *boundary* tensors), and exposes only its group and the boundary
+tensors a later segment reads. Running the segments in order over one sample
+computes every tensor exactly once — one forward pass — while only one
+segment's exposed tensors and the live boundary tensors are in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import helper
+
+from quantlab.graph import Graph
+
+# Metadata key marking a model as a segment of another (index / count).
+SEGMENT_KEY = "quantlab.segment"
+
+
+@dataclass
+class Segment:
+    """One sub-graph: ``model`` reads `inputs` and writes `outputs` (its group, then boundaries).
+
+    `last_use` is filled by :func:`plan_segments`: for each output, the index
+    of the last segment that reads it (its own index when no later one does).
+    """
+
+    index: int
+    model: onnx.ModelProto
+    inputs: list[str]
+    outputs: list[str]
+    group: list[str]
+    last_use: dict[str, int] = field(default_factory=dict)
+
+
+def node_inputs(node: onnx.NodeProto) -> list[str]:
+    """Every outer tensor a node reads: its inputs and the outer names its subgraphs use."""
+    names = [i for i in node.input if i]
+    for attribute in node.attribute:
+        for body in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+            inner = {o for n in body.node for o in n.output} | {i.name for i in body.input} | {
+                i.name for i in body.initializer}
+            names.extend(i for n in body.node for i in node_inputs(n) if i not in inner)
+    return list(dict.fromkeys(names))
+
+
+def assign_nodes(index: Graph, groups: Sequence[Sequence[str]]) -> list[int | None]:
+    """Per node (graph order), the first group that needs it; None for nodes no group needs.
+
+    A node belongs to the earliest group one of whose tensors depends on it, so
+    every node's producers sit in the same or an earlier segment.
+    """
+    nodes = list(index.model.graph.node)
+    wanted = {}
+    for number, group in enumerate(groups):
+        for name in group:
+            wanted.setdefault(name, number)
+    position = {id(node): i for i, node in enumerate(nodes)}
+    need: list[int | None] = [None] * len(nodes)
+    for i in range(len(nodes) - 1, -1, -1):
+        node = nodes[i]
+        candidates = [wanted[o] for o in node.output if o in wanted]
+        for output in node.output:
+            candidates.extend(need[position[id(c)]] for c in index.consumers.get(output, [])
+                              if need[position[id(c)]] is not None)
+        need[i] = min(candidates) if candidates else None
+    return need
+
+
+def plan_segments(index: Graph, groups: Sequence[Sequence[str]],
+                  extra: Iterable[str] = ()) -> list[Segment]:
+    """Cut `index`'s model into one segment per group of wanted tensors (topological order).
+
+    Segment k holds the nodes the tensors of ``groups[k]`` need that no earlier
+    group needs. `extra` names tensors to expose where they are produced (for a
+    caller that reads them outside the graph, e.g. the local-error model's
+    feeds). Graph inputs a segment reads are among its inputs. Empty groups
+    make segments without nodes, so segment k always serves group k.
+    """
+    nodes = list(index.model.graph.node)
+    need = assign_nodes(index, groups)
+    extra = set(extra)
+    members: list[list[onnx.NodeProto]] = [[] for _ in groups]
+    for node, number in zip(nodes, need, strict=True):
+        if number is not None:
+            members[number].append(node)
+    produced_in = {o: need[i] for i, n in enumerate(nodes) for o in n.output
+                   if need[i] is not None}
+    reads = [list(dict.fromkeys(i for n in part for i in node_inputs(n)
+                                if i not in index.initializers and i not in index.constants
+                                and produced_in.get(i) != number))
+             for number, part in enumerate(members)]
+    last_read: dict[str, int] = {}
+    for number, names in enumerate(reads):
+        for name in names:
+            last_read[name] = number
+    segments = []
+    for number, part in enumerate(members):
+        own = {o for n in part for o in n.output if o}
+        group = [t for t in dict.fromkeys(groups[number]) if t in own or t in index.input_names]
+        boundary = [o for n in part for o in n.output
+                    if o and last_read.get(o, -1) > number or o in extra and o not in group]
+        outputs = list(dict.fromkeys([*(t for t in group if t in own), *boundary]))
+        model = _sub_model(index, part, reads[number], outputs, f"segment_{number}")
+        _set_segment_metadata(model, number, len(members))
+        segment = Segment(number, model, reads[number], outputs, group)
+        segment.last_use = {o: max(number, last_read.get(o, number)) for o in outputs}
+        segments.append(segment)
+    return segments
+
+
+def _set_segment_metadata(model: onnx.ModelProto, number: int, count: int) -> None:
+    model.metadata_props.add(key=SEGMENT_KEY, value=f"{number}/{count}")
+
+
+def _sub_model(index: Graph, nodes: Sequence[onnx.NodeProto], inputs: Sequence[str],
+               outputs: Sequence[str], name: str) -> onnx.ModelProto:
+    """A model of `nodes` reading `inputs` (any leading size on each axis) and writing `outputs`."""
+    used = {i for n in nodes for i in node_inputs(n)}
+    initializers = [init for init in index.model.graph.initializer if init.name in used]
+    graph = helper.make_graph(
+        list(nodes), name, [_loose_input(index, i) for i in inputs],
+        [_typed_output(index, o) for o in outputs], initializers)
+    model = helper.make_model(graph, opset_imports=index.model.opset_import)
+    model.ir_version = index.model.ir_version
+    return model
+
+
+def _typed_output(index: Graph, name: str) -> onnx.ValueInfoProto:
+    """An output of the tensor's element type; shapes are left to ONNX Runtime."""
+    value = index.values.get(name)
+    elem_type = value.type.tensor_type.elem_type if value is not None else 0
+    return helper.make_tensor_value_info(name, elem_type or onnx.TensorProto.FLOAT, None)
+
+
+def _loose_input(index: Graph, name: str) -> onnx.ValueInfoProto:
+    """An input of the tensor's type and rank with every dimension symbolic.
+
+    Inferred shapes of intermediate tensors are sometimes more specific than what
+    runs (a batch fixed by an earlier Reshape); any size is accepted so the
+    segment runs whatever the full graph would compute.
+    """
+    value = index.values.get(name)
+    elem_type = value.type.tensor_type.elem_type if value is not None else onnx.TensorProto.FLOAT
+    shape = index.shapes.get(name)
+    dims = None if shape is None else [f"{name}_d{i}" for i in range(len(shape))]
+    return helper.make_tensor_value_info(name, elem_type or onnx.TensorProto.FLOAT, dims)
+
+
+def group_by_bytes(names: Sequence[str], sizes: Mapping[str, int], budget: int) -> list[list[str]]:
+    """Split `names` (kept in order) into consecutive groups whose `sizes` sum to <= `budget`.
+
+    A single tensor larger than the budget gets a group of its own.
+    """
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name in names:
+        size = sizes.get(name, 0)
+        if groups[-1] and used + size > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += size
+    return groups
