@@ -20,6 +20,7 @@ from pathlib import Path
 import onnx
 
 from quantlab import cache, calibrate, collect, graph, qdq
+from quantlab.backends.onnxruntime import SESSION_CONFIG
 from quantlab.data import BatchSource, Preprocess, open_data, scalar_arrays
 from quantlab.errors import ModelError
 from quantlab.experiment import check_output, output_folder, write_json
@@ -206,6 +207,9 @@ def write_results(
                 "frozen_inputs": graph.frozen_inputs(result.model),
                 "sample_axes": {spec.name: spec.batch_axis
                                 for spec in graph.input_specs(result.model)},
+                # Run model.int8.onnx in ONNX Runtime with these session config entries
+                # to get the numbers quantlab reports (see backends/onnxruntime.py).
+                "onnxruntime_session_config": SESSION_CONFIG,
             },
         )
     result.folder = Path(out)
