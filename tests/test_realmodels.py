@@ -42,32 +42,36 @@ class Case:
     marks: tuple = ()
 
 
-# Why these floors: each is the SQNR measured on this seeded data (quantlab at the commit of
-# this file, ORT 1.32, 2-core AVX2 x86) minus a margin of ~3 dB for ORT/CPU and kernel
-# differences. A broken pipeline (wrong preprocessing, wrong scales, unquantized or
-# mis-fed inputs, a dropped Q/DQ pair) moves these by far more than 3 dB: with the wrong
-# preprocessing orientation fell from 38.5 to 12.8 dB in the field report. The floor is the
-# worst output of the model. The layout detector is INT8-hostile by nature (the field
-# report measured 0-5 dB with every calibrator and with ORT's own quantize_static), so its
-# floors only assert "finite and no worse than measured".
+# Why these floors: each is the worst output's SQNR measured on this seeded data (quantlab
+# 2026-11-23, ORT 1.32, 2-core AVX2 x86 without VNNI) minus ~3 dB for ORT/CPU and kernel
+# differences. Measured (entropy / percentile, dB): layout -1.74 / 4.24, orientation
+# 30.71 / 57.29 (.npy and images alike: the PNGs decode to the .npy exactly), onet (both
+# legacy exports) 20.00 / 24.18, vad 18.64 / 12.23 (the vad figures through the Python API,
+# benchmarks/default_method.py --quick on the same data, because model.onnx of `quantlab
+# calibrate` does not pass onnx.checker yet). A broken pipeline (wrong preprocessing, wrong
+# scales, unquantized or mis-fed inputs, a dropped Q/DQ pair) moves these by far more than
+# 3 dB: with the wrong preprocessing orientation fell from 38.5 to 12.8 dB in the field
+# report. Every output must stay above its case's floor. The layout detector is INT8-hostile
+# by nature (the field report measured 0-5 dB with every calibrator and with ORT's own
+# quantize_static), so its floors only assert "finite and no worse than measured".
 CASES = {
     "layout-npy": Case("layout", "calib_npy", "val_npy", "val_npy",
                        floors={"entropy": -5.0, "percentile": 1.0},
                        marks=(pytest.mark.slow,)),
     "orientation-npy": Case("orientation", "calib_npy", "val_npy", "val_npy",
-                            floors={"entropy": 25.0, "percentile": 25.0}),
+                            floors={"entropy": 27.0, "percentile": 54.0}),
     "orientation-images": Case("orientation", "calib", "val", "val_npy",
                                options=tuple(BGR_IMAGENET),
-                               floors={"entropy": 25.0, "percentile": 25.0}),
+                               floors={"entropy": 27.0, "percentile": 54.0}),
     "vad-npz": Case("vad", "calib_npz", "val_npz", "val_npz",
-                    floors={"entropy": 5.0, "percentile": 5.0}),
+                    floors={"entropy": 15.0, "percentile": 9.0}),
     "vad-input-flag": Case("vad", "calib_nosr_npz", "val_nosr_npz", "val_npz",
                            options=("--input", "sr=16000"),
-                           floors={"entropy": 5.0, "percentile": 5.0}),
+                           floors={"entropy": 15.0, "percentile": 9.0}),
     "onet-legacy-static": Case("onet:legacy_static", "calib_npy", "val_npy", "val_npy",
-                               floors={"entropy": 18.0, "percentile": 18.0}),
+                               floors={"entropy": 17.0, "percentile": 21.0}),
     "onet-legacy-dynamic": Case("onet:legacy_dynamic", "calib_npy", "val_npy", "val_npy",
-                                floors={"entropy": 18.0, "percentile": 18.0}),
+                                floors={"entropy": 17.0, "percentile": 21.0}),
 }
 # "default" runs `quantlab calibrate` without --method, as a user would; its floor is the one
 # of quantlab.calibrate.DEFAULT_METHOD. The other two are named explicitly.
