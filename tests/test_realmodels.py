@@ -310,3 +310,28 @@ def test_validate_from_calibration_folder_reads_images_as_calibration_did(calibr
     for output, metrics in pair["outputs"].items():
         assert metrics["sqnr_db"] == pytest.approx(sqnr_db(fp32[output], int8[output]),
                                                    abs=0.05), output
+
+
+def test_fetch_is_offline_when_cached_and_refuses_a_tampered_wheel(real_models, tmp_path,
+                                                                   monkeypatch):
+    import shutil
+    import subprocess
+
+    from tests import realmodels
+
+    wheel = realmodels.WHEELS["vad"]
+    cached = realmodels.cache_dir() / "wheels" / wheel.filename
+    # Cached: no pip call at all.
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("pip was called"))
+    assert realmodels.fetch(names=("vad",))["vad"] == real_models["vad"]
+    # A wheel whose bytes changed is refused (and removed), never extracted.
+    cache = tmp_path / "cache"
+    (cache / "wheels").mkdir(parents=True)
+    shutil.copy(cached, cache / "wheels" / wheel.filename)
+    with open(cache / "wheels" / wheel.filename, "r+b") as handle:
+        handle.seek(1000)
+        handle.write(b"tampered")
+    with pytest.raises(RuntimeError, match="sha256"):
+        realmodels.fetch(cache, names=("vad",))
+    assert not (cache / "wheels" / wheel.filename).exists()
+    assert not (cache / wheel.filename.removesuffix(".whl")).exists()
