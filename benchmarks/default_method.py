@@ -58,6 +58,7 @@ MODELS = (*ZOO, *REAL)
 SIZES = {"orientation": (64, 64), "onet": (64, 64), "vad": (64, 64), "layout": (16, 8)}
 QUICK_SIZES = {"orientation": (32, 16), "onet": (32, 16), "vad": (32, 16), "layout": (8, 4)}
 ZOO_QUICK_EVAL = 200
+SIZE_OVERRIDES: dict[str, tuple[int, int]] = {}  # --size NAME CALIB VAL
 # Differences smaller than this are noise: SQNR 0.2 dB; top-1 one sample of the held-out
 # split; mAP 0.005 (the zoo detector's mAP moves by ~0.002 between identical runs on
 # different machines, benchmarks/README.md).
@@ -104,7 +105,7 @@ def prepare(name: str, folder: Path, quick: bool) -> Subject:
                        metric="map" if entry.task == "detection" else "top1")
     from tests import realmodels
 
-    n_calib, n_val = (QUICK_SIZES if quick else SIZES)[name]
+    n_calib, n_val = SIZE_OVERRIDES.get(name) or (QUICK_SIZES if quick else SIZES)[name]
     data = realmodels.GENERATORS[name](folder / "data", n_calib=n_calib, n_val=n_val)
     if name == "onet":
         model = realmodels.export_onet(folder / "models")["quantlab"]
@@ -452,6 +453,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--quick", action="store_true", help="smaller data (a smoke run)")
+    parser.add_argument("--size", nargs=3, action="append", default=[],
+                        metavar=("MODEL", "CALIB", "VAL"),
+                        help="calibration and held-out samples of a real model (repeatable)")
     parser.add_argument("--workdir", type=Path, help="keep models, data and runs here")
     parser.add_argument("--memory-limit-gb", type=float, default=12.0)
     parser.add_argument("--time-limit", type=float, default=1800.0, help="seconds per child")
@@ -460,6 +464,8 @@ def main(argv=None) -> None:
     if args.child:
         child_main(json.loads(args.child))
         return
+    for model, n_calib, n_val in args.size:
+        SIZE_OVERRIDES[model] = (int(n_calib), int(n_val))
     load_start = os.getloadavg()
     print(f"load average at start: {load_start[0]:.2f}; CPUs: {os.cpu_count()}; "
           f"RAM available: {psutil.virtual_memory().available / bench.GIB:.1f} GiB", flush=True)
