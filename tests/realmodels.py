@@ -593,6 +593,7 @@ def make_orientation(out: str | os.PathLike, n_calib: int = 32, n_val: int = 16,
         paths[split] = out / split
         paths[f"{split}_npy"] = out / f"{split}.npy"
         paths[f"{split}_labels"] = out / f"{split}_labels.npy"
+        paths[f"{split}_full"] = out / f"{split}_full"
     return paths
 
 

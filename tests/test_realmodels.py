@@ -63,6 +63,13 @@ CASES = {
     "orientation-images": Case("orientation", "calib", "val", "val_npy",
                                options=tuple(BGR_IMAGENET),
                                floors={"entropy": 27.0, "percentile": 54.0}),
+    # The uncropped images (short side 256) with the package's own resize-short + centre
+    # crop: no resampling happens (short side already 256), so this too must give the .npy.
+    "orientation-center-crop": Case("orientation", "calib_full", "val_full", "val_npy",
+                                    options=("--resize", "224", "224", "--resize-mode",
+                                             "center-crop", "--resize-short", "256",
+                                             *BGR_IMAGENET),
+                                    floors={"entropy": 27.0, "percentile": 54.0}),
     "vad-npz": Case("vad", "calib_npz", "val_npz", "val_npz",
                     floors={"entropy": 15.0, "percentile": 9.0}),
     "vad-input-flag": Case("vad", "calib_nosr_npz", "val_nosr_npz", "val_npz",
@@ -72,6 +79,11 @@ CASES = {
                                floors={"entropy": 17.0, "percentile": 21.0}),
     "onet-legacy-dynamic": Case("onet:legacy_dynamic", "calib_npy", "val_npy", "val_npy",
                                 floors={"entropy": 17.0, "percentile": 21.0}),
+    # MTCNN's (x - 127.5) * 0.0078125 as quantlab options: bit-exact in float32.
+    "onet-images": Case("onet:legacy_dynamic", "calib", "val", "val_npy",
+                        options=("--scale", "0.0078125", "--mean", "0.99609375", "0.99609375",
+                                 "0.99609375", "--std", "1", "1", "1"),
+                        floors={"entropy": 17.0, "percentile": 21.0}),
 }
 # "default" runs `quantlab calibrate` without --method, as a user would; its floor is the one
 # of quantlab.calibrate.DEFAULT_METHOD. The other two are named explicitly.
