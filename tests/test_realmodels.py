@@ -332,7 +332,7 @@ def test_fetch_is_offline_when_cached_and_refuses_a_tampered_wheel(real_models, 
     from tests import realmodels
 
     wheel = realmodels.WHEELS["vad"]
-    cached = realmodels.cache_dir() / "wheels" / wheel.filename
+    cached = realmodels.cache_root() / "wheels" / wheel.filename
     # Cached: no pip call at all.
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("pip was called"))
     assert realmodels.fetch(names=("vad",))["vad"] == real_models["vad"]
