@@ -23,8 +23,8 @@ HELP = "run every zoo model end to end and write reports/demo/report.html"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab demo`."""
-    from quantlab import zoo
     from quantlab.calibrate import METHODS
+    from quantlab.zoo_names import ZOO_NAMES
 
     parser.add_argument(
         "--out",
@@ -35,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models",
         nargs="+",
-        choices=zoo.names(),
+        choices=ZOO_NAMES,
         metavar="NAME",
-        help=f"zoo models to run (default: all of {', '.join(zoo.names())})",
+        help=f"zoo models to run (default: all of {', '.join(ZOO_NAMES)})",
     )
     parser.add_argument(
         "--methods",

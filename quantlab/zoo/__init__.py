@@ -19,6 +19,7 @@ import torch
 import quantlab
 from quantlab.errors import ConfigError, DataError, ModelError
 from quantlab.zoo import digits, shapes, shapes_det
+from quantlab.zoo_names import ZOO_NAMES
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 CALIBRATION_ENV = "QUANTLAB_CALIBRATION_DATA"
@@ -154,6 +155,10 @@ _REGISTRY: dict[str, ZooModel] = {
         "Small vision transformer (2x2 patches, class token, 3 MatMul/Softmax attention layers) "
         "on scikit-learn 8x8 digits."),
 }
+
+if tuple(_REGISTRY) != ZOO_NAMES:  # the command line lists ZOO_NAMES without importing torch
+    raise ImportError(f"quantlab.zoo_names.ZOO_NAMES {ZOO_NAMES} does not list the zoo's models "
+                      f"{tuple(_REGISTRY)}; update it.")
 
 
 def names() -> list[str]:
