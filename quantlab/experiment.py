@@ -106,7 +106,8 @@ def check_writable(folder: str | os.PathLike) -> None:
         fd, tmp = tempfile.mkstemp(dir=probe, prefix=".quantlab-probe-", suffix=".tmp")
     except OSError as exc:
         raise ConfigError(
-            f"cannot write {folder}: {exc.strerror} ({probe}). Choose another --out folder."
+            f"cannot write {folder}: creating a file in {probe} fails ({exc.strerror}). "
+            "Choose another --out folder."
         ) from None
     os.close(fd)
     os.unlink(tmp)
