@@ -1,0 +1,143 @@
+"""run_calibration and write_results: bad input fails before the collection, and a run's
+folder is written all or nothing (reliability report, sections 3, 4 and 9)."""
+
+import errno
+import json
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from quantlab import cache, collect, graph, pipeline
+from quantlab.errors import ConfigError, ModelError, OutputExistsError
+from quantlab.experiment import lock_path
+
+
+def small_model(relu_name: str = "relu") -> onnx.ModelProto:
+    """Conv -> Relu -> Conv on 3x8x8 inputs, built without torch."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+               for name, shape in (("w1", (4, 3, 3, 3)), ("w2", (2, 4, 3, 3)))]
+    nodes = [
+        helper.make_node("Conv", ["input", "w1"], ["conv1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["conv1"], [relu_name], name="relu1"),
+        helper.make_node("Conv", [relu_name, "w2"], ["output"], pads=[1, 1, 1, 1], name="conv2"),
+    ]
+    graph_proto = helper.make_graph(
+        nodes, "small", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 8, 8])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 2, 8, 8])], weights)
+    return helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)])
+
+
+DATA = np.random.default_rng(1).standard_normal((16, 3, 8, 8)).astype(np.float32)
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes())
+            for p in sorted(root.rglob("*"))}
+
+
+def _no_collection(*args, **kwargs):
+    raise AssertionError("the collection ran although a check before it should have failed")
+
+
+@pytest.mark.parametrize(("case", "kwargs", "error", "match"), [
+    ("trt version", {"trt_version": "banana"}, ConfigError, "TensorRT version 'banana'"),
+    ("num_levels", {"method_params": {"num_levels": 0}}, ConfigError, "num_levels"),
+    ("str percentile", {"method": "percentile", "method_params": {"percentile": "99"}},
+     ConfigError, "percentile must be a number"),
+    ("out under a file", {"out": "afile/sub"}, ConfigError, r"afile/sub: .*afile is a file"),
+    # We run as root: a chmod 0o555 folder would not stop us; sysfs refuses new files to all.
+    ("read-only out", {"out": "/sys/quantlab-out"}, ConfigError, "cannot write /sys/quantlab-out"),
+    ("cache name", {"model": small_model("relu\nEVIL: 3f800000")}, ModelError,
+     r"'relu\\nEVIL: 3f800000' cannot be written to a TensorRT calibration cache.*Rename"),
+])
+def test_checks_that_can_fail_run_before_the_collection_and_write_nothing(
+        tmp_path, monkeypatch, case, kwargs, error, match):
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(collect, "collect", _no_collection)
+    arguments = {"model": small_model(), "data": DATA, "out": "out", "progress": False, **kwargs}
+    with pytest.raises(error, match=match):
+        pipeline.run_calibration(**arguments)
+    assert sorted(os.listdir(tmp_path)) == ["afile"]
+
+
+def test_out_locked_by_a_live_run_is_refused_before_the_collection(tmp_path, monkeypatch):
+    monkeypatch.setattr(collect, "collect", _no_collection)
+    out = tmp_path / "out"
+    lock_path(out).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                          "started": "now"}))
+    with pytest.raises(OutputExistsError, match="being written by another quantlab run"):
+        pipeline.run_calibration(small_model(), DATA, out, force=True, progress=False)
+    assert not out.exists()
+
+
+def test_run_writes_every_file_and_write_results_keeps_its_signature(tmp_path):
+    out = tmp_path / "run"
+    result = pipeline.run_calibration(small_model(), DATA, out, method="max", progress=False)
+    assert result.folder == out
+    assert sorted(os.listdir(out)) == sorted(pipeline.CALIBRATION_FILES)
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no staging folder, no lock
+    again = tmp_path / "again"
+    assert pipeline.write_results(result, again, force=False, trt_version="10.3.0") == again
+    assert cache.read_calibration_cache(again / "calibration.cache")[0].trt_version == "100300"
+
+
+def _fail_on_call(number: int, failure: BaseException, real):
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == number:
+            raise failure
+        return real(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("failure", [
+    OSError(errno.ENOSPC, "No space left on device"),  # disk full
+    KeyboardInterrupt(),  # Ctrl-C during the write phase
+    ModelError("tensor name cannot be written"),
+])
+def test_force_run_failing_while_writing_keeps_the_old_results(tmp_path, monkeypatch, failure):
+    out = tmp_path / "run"
+    pipeline.run_calibration(small_model(), DATA, out, method="max", progress=False)
+    (out / "notes.txt").write_text("mine")
+    before = _tree(tmp_path)
+    # The second model file is written last but one: everything before it was written.
+    monkeypatch.setattr(graph, "save_model", _fail_on_call(2, failure, graph.save_model))
+    with pytest.raises(type(failure)):
+        pipeline.run_calibration(small_model(), DATA, out, method="entropy", force=True,
+                                 progress=False)
+    assert _tree(tmp_path) == before  # old results intact, no temp files, no lock
+
+
+def test_interrupted_first_run_leaves_no_folder_and_the_rerun_works(tmp_path, monkeypatch):
+    out = tmp_path / "new" / "run"
+    real = graph.save_model
+    monkeypatch.setattr(graph, "save_model", _fail_on_call(1, KeyboardInterrupt(), real))
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run_calibration(small_model(), DATA, out, progress=False)
+    assert _tree(tmp_path) == {}
+    monkeypatch.setattr(graph, "save_model", real)
+    pipeline.run_calibration(small_model(), DATA, out, progress=False)  # no --force needed
+    assert sorted(os.listdir(out)) == sorted(pipeline.CALIBRATION_FILES)
+
+
+def test_rerun_into_a_folder_a_killed_run_left_works_without_force(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".model.onnx.nwjhngot.tmp").write_bytes(b"")  # SIGKILL during a write
+    (tmp_path / ".run.quantlab-tmp-k1ll3d00").mkdir()
+    (tmp_path / ".run.quantlab-tmp-k1ll3d00" / "model.onnx").write_bytes(b"partial")
+    lock_path(out).write_text(json.dumps({"pid": 2**22 + 7, "host": socket.gethostname(),
+                                          "started": "then"}))  # above pid_max: not alive
+    pipeline.run_calibration(small_model(), DATA, out, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+    assert sorted(os.listdir(out)) == sorted(pipeline.CALIBRATION_FILES)
