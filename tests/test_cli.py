@@ -1,6 +1,8 @@
 """The command line as a user meets it: help, errors without tracebacks, a real calibration."""
 
+import errno
 import json
+import os
 import subprocess
 import sys
 
@@ -92,3 +94,135 @@ def test_undecodable_image_writes_nothing(tiny_model, tmp_path, capsys):
     assert code == 1
     assert "b.png cannot be decoded" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _small_onnx_and_data(folder):
+    """A Conv -> Relu -> Conv ONNX file built with onnx.helper (no torch) and 16 samples."""
+    import onnx
+    from test_pipeline import DATA, small_model
+
+    onnx.save(small_model(), folder / "model.onnx")
+    np.save(folder / "calib.npy", DATA)
+    return folder / "model.onnx", folder / "calib.npy"
+
+
+def _python(code, cwd):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def test_help_and_parser_do_not_import_torch(tmp_path):
+    result = _python(
+        "import sys\n"
+        "from quantlab.cli import build_parser, main\n"
+        "build_parser()\n"
+        "for argv in (['--help'], ['calibrate', '--help'], ['demo', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "digits-cnn" in result.stdout  # demo --models still lists the zoo names
+
+
+def test_zoo_names_without_torch_match_the_zoo():
+    from quantlab import zoo
+    from quantlab.zoo_names import ZOO_NAMES
+
+    assert tuple(zoo.names()) == ZOO_NAMES
+
+
+def test_calibrating_an_onnx_file_does_not_import_torch(tmp_path):
+    model, data = _small_onnx_and_data(tmp_path)
+    result = _python(
+        "import sys\n"
+        "from quantlab.cli import main\n"
+        f"code = main(['calibrate', {str(model)!r}, '--data', {str(data)!r}, '--out', 'out',\n"
+        "             '--method', 'max', '--no-progress'])\n"
+        "assert code == 0, code\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "model.int8.onnx").is_file()
+
+
+def _calibrate_args(model, data, out, *extra):
+    return ["calibrate", str(model), "--data", str(data), "--out", str(out), "--method", "max",
+            "--no-progress", *extra]
+
+
+def test_disk_full_while_writing_is_one_line_and_keeps_old_results(tmp_path, capsys, monkeypatch):
+    from quantlab import graph
+
+    model, data = _small_onnx_and_data(tmp_path)
+    out = tmp_path / "out"
+    assert main(_calibrate_args(model, data, out)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+
+    def disk_full(model_proto, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(graph, "save_model", disk_full)
+    assert main(_calibrate_args(model, data, out, "--force")) == 1
+    err = capsys.readouterr().err
+    assert err == (f"quantlab calibrate: error: cannot write {out / 'model.onnx'}: "
+                   "No space left on device\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["calib.npy", "model.onnx", "out"]
+
+
+@pytest.mark.parametrize(("out", "message"), [
+    ("afile/sub", "afile is a file, not a folder"),
+    # As root, a chmod 0o555 folder does not stop writes; sysfs refuses new files to anyone.
+    ("/sys/quantlab-out", "creating a file in /sys fails"),
+])
+def test_unwritable_out_is_one_line_before_the_work(tmp_path, capsys, monkeypatch, out, message):
+    from quantlab import collect
+
+    model, data = _small_onnx_and_data(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(collect, "collect", lambda *a, **k: pytest.fail("collection ran"))
+    assert main(_calibrate_args(model, data, out)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"quantlab calibrate: error: cannot write {out}: ")
+    assert message in err and err.count("\n") == 1
+    assert sorted(os.listdir(tmp_path)) == ["afile", "calib.npy", "model.onnx"]
+
+
+def test_os_error_from_any_command_is_one_line_not_a_traceback(tmp_path):
+    # An OSError escaping a command's code, in a real process: one line, exit 1.
+    model, data = _small_onnx_and_data(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c",
+         "import errno, sys\n"
+         "from quantlab import cli, pipeline\n"
+         "def fail(*a, **k):\n"
+         "    raise OSError(errno.EROFS, 'Read-only file system', 'ro/out')\n"
+         "pipeline.run_calibration = fail\n"
+         f"sys.exit(cli.main({_calibrate_args(model, data, 'ro/out')!r}))\n"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr == ("quantlab calibrate: error: cannot write ro/out: "
+                             "Read-only file system\n")
+
+
+def test_all_zero_data_warns_once(tmp_path, capsys):
+    model, _ = _small_onnx_and_data(tmp_path)
+    np.save(tmp_path / "zeros.npy", np.zeros((8, 3, 8, 8), np.float32))
+    assert main(_calibrate_args(model, tmp_path / "zeros.npy", tmp_path / "out")) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "zeros" in err, err
+
+
+def test_one_outlier_sample_is_named_in_one_warning(tmp_path, capsys):
+    model, data = _small_onnx_and_data(tmp_path)
+    values = np.load(data)
+    values[5, 0, 3, 3] = 1e6
+    np.save(tmp_path / "outlier.npy", values)
+    args = _calibrate_args(model, tmp_path / "outlier.npy", tmp_path / "out")
+    assert main([*args[:-3], "--method", "entropy", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1, err
+    assert "'input' amax" in err and "Remove or fix the sample" in err
