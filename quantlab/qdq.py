@@ -39,7 +39,7 @@ _MIN_AMAX = float(np.finfo(np.float32).tiny) * _QMAX
 
 
 @dataclass
-class _Placement:
+class Placement:
     """Where the pairs go; every activation pair is keyed by the tensor it sits on."""
 
     # tensor carrying a pair -> tensor whose amax gives its scale
@@ -93,7 +93,7 @@ def activation_tensors_to_calibrate(
 ) -> list[str]:
     """ONNX tensor names whose amax the Q/DQ model needs, in topological order."""
     model = graph.normalize(model)
-    placement = _place(model, plan)
+    placement = place(model, plan)
     wanted = set(placement.source.values())
     return [name for name in graph.topological_tensors(model) if name in wanted]
 
@@ -113,7 +113,7 @@ def quantize_model(
     nodes are inserted yet). Weights are per-channel unless `per_channel` is False.
     """
     model = graph.normalize(model)
-    placement = _place(model, plan)
+    placement = place(model, plan)
     scales = {t: _activation_scale(t, amax) for t in set(placement.source.values())}
     return _build(model, placement, scales, per_channel)
 
@@ -158,13 +158,14 @@ def _precisions(model: onnx.ModelProto, plan: Mapping[str, str] | None) -> dict[
     return result
 
 
-def _place(model: onnx.ModelProto, plan: Mapping[str, str] | None) -> _Placement:
+def place(model: onnx.ModelProto, plan: Mapping[str, str] | None = None) -> Placement:
+    """Where TensorRT's rules put the Q/DQ pairs of a normalized `model` under `plan`."""
     precision = _precisions(model, plan)
     initializers = {init.name for init in model.graph.initializer}
     producers = graph.producers(model)
     consumers = graph.consumers(model)
     outputs = {out.name for out in model.graph.output}
-    placement = _Placement()
+    placement = Placement()
 
     def request(tensor: str, node: onnx.NodeProto, index: int, source: str) -> None:
         placement.source.setdefault(tensor, source)
@@ -196,7 +197,7 @@ def _place(model: onnx.ModelProto, plan: Mapping[str, str] | None) -> _Placement
     return placement
 
 
-def _all_readers(tensor: str, placement: _Placement, consumers, outputs) -> bool:
+def _all_readers(tensor: str, placement: Placement, consumers, outputs) -> bool:
     """True when every consumer edge of `tensor` reads its DQ output (nothing sees float)."""
     if tensor in outputs:
         return False
@@ -365,7 +366,7 @@ class _Names:
         return name
 
 
-def _build(model, placement: _Placement, scales, per_channel: bool) -> onnx.ModelProto:
+def _build(model, placement: Placement, scales, per_channel: bool) -> onnx.ModelProto:
     result = onnx.ModelProto()
     result.CopyFrom(model)
     g = result.graph

@@ -1,0 +1,520 @@
+"""Precision plans: units of decision, the rules that seed them, and the plan as plain data.
+
+A *unit* is a linear op (Conv, ConvTranspose, Gemm, MatMul) with the Q/DQ pairs
+on its inputs, merged with every unit that must share one of those pairs:
+qdq's placement keys each activation pair by the tensor it sits on, so linear
+ops reading one tensor, and a residual Add reading it as its skip input, share
+a pair and are decided together. Rules (Stage A of the planner design in
+docs/peers.md section 12) look at the graph and the calibration ranges only;
+each returns a :class:`Reason` naming its code, the precisions it allows and
+its source. Hard reasons restrict a unit's precisions; soft ones only seed the
+search and never pin on their own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import onnx
+from onnx import helper, shape_inference
+
+from quantlab import qdq
+from quantlab.errors import DataError, ModelError
+from quantlab.experiment import read_json, write_json
+from quantlab.graph import Graph
+
+PLAN_FORMAT = "quantlab.plan"
+PLAN_VERSION = 1
+# Largest finite float16 (IEEE 754 binary16).
+FP16_MAX = 65504.0
+# Ops that change neither which element is which nor (beyond a scale) its magnitude:
+# a unit whose output reaches a graph output through these only is a prediction head.
+POINTWISE_OPS = frozenset({
+    "Add", "Sub", "Mul", "Div", "Sigmoid", "Tanh", "Relu", "LeakyRelu", "Clip", "Exp",
+    "Softmax", "Identity", "Cast", "Neg", "Abs", "Sqrt", "Pow", "HardSigmoid", "HardSwish",
+})
+RESHAPE_OPS = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Concat",
+                         "Slice", "Split", "Gather"})
+# Ops that turn network outputs into probabilities/weights: a linear op reading their
+# output (YOLOv8's DFL expectation, a grid MatMul) is decode arithmetic, not a layer.
+DECODE_INPUT_OPS = frozenset({"Softmax", "Sigmoid"})
+
+
+@dataclass
+class Unit:
+    """One decision: linear ops and residual Adds whose Q/DQ pairs go on or off together."""
+
+    name: str
+    linear: list[str]
+    nodes: list[str]
+    tensors: list[str]
+    weights: list[str]
+    macs: int = 0
+
+
+def find_units(g: Graph, input_shapes: Mapping[str, Sequence[int]] | None = None) -> list[Unit]:
+    """The units of a normalized model, in topological order, with MACs per sample batch.
+
+    `input_shapes` (the real shapes of a calibration batch) fixes dimensions the
+    model leaves symbolic; MACs are counted for inputs of those shapes.
+    """
+    placement = qdq.place(g.model)
+    nodes = {node.name: node for node in g.model.graph.node}
+    parent = {name: name for name in nodes}
+
+    def find(name: str) -> str:
+        while parent[name] != name:
+            parent[name] = parent[parent[name]]
+            name = parent[name]
+        return name
+
+    def union(first: str, second: str) -> None:
+        parent[find(first)] = find(second)
+
+    tensors_of: dict[str, list[str]] = {}
+    skip_index: dict[str, int] = {}
+    decided: set[str] = set()
+    for tensor, edges in placement.readers.items():
+        owners = _owners(edges, nodes, g)
+        if not all(nodes[o].op_type in qdq.LINEAR_OPS or nodes[o].op_type == "Add"
+                   for o in owners):
+            continue  # the pair between a linear op and its Relu: a fusion aid, exact either way
+        skip_index.update((o, i) for o, i in owners.items() if nodes[o].op_type == "Add")
+        decided.update(owners)
+        first, *others = owners
+        for owner in others:
+            union(first, owner)
+        tensors_of.setdefault(first, []).append(tensor)
+    weights_of: dict[str, list[str]] = {}
+    for (node_name, _), (weight, _) in placement.weights.items():
+        weights_of.setdefault(node_name, []).append(weight)
+        decided.add(node_name)
+
+    for add, index in skip_index.items():
+        if not any(nodes[n].op_type in qdq.LINEAR_OPS for n in decided if find(n) == find(add)):
+            # Only residual Adds: TensorRT fuses such an Add into the conv producing its other
+            # input, and its skip pair exists for that fusion, so it joins that conv's unit.
+            backbone = _backbone(nodes[add].input[1 - index], g)
+            if backbone is not None and backbone.name in decided:
+                union(add, backbone.name)
+    order = {node.name: i for i, node in enumerate(g.model.graph.node)}
+    groups: dict[str, list[str]] = {}
+    for name in sorted(decided, key=order.__getitem__):
+        groups.setdefault(find(name), []).append(name)
+
+    shapes = _shapes(g, input_shapes)
+    units = []
+    for names in groups.values():
+        linear = [n for n in names if nodes[n].op_type in qdq.LINEAR_OPS]
+        tensors = sorted({t for n in names for t in tensors_of.get(n, [])},
+                         key=lambda t: g.position.get(t, -1))
+        weights = list(dict.fromkeys(w for n in names for w in weights_of.get(n, [])))
+        macs = sum(linear_macs(nodes[n], shapes) for n in linear)
+        units.append(Unit((linear or names)[0], linear, names, tensors, weights, macs))
+    units.sort(key=lambda u: order[u.nodes[0]])
+    return units
+
+
+def _owners(edges, nodes, g: Graph) -> dict[str, int]:
+    """Nodes deciding a pair (-> input index): its readers, followed forward through the
+    pass-through ops the pair moved backward across."""
+    owners, stack, seen = {}, list(edges), set()
+    while stack:
+        name, index = stack.pop()
+        if (name, index) in seen:
+            continue
+        seen.add((name, index))
+        node = nodes[name]
+        if node.op_type in qdq.PASS_THROUGH_OPS and index == 0:
+            stack.extend((c.name, i) for c in g.consumers.get(node.output[0], [])
+                         for i, x in enumerate(c.input) if x == node.output[0])
+        else:
+            owners[name] = index
+    return dict(sorted(owners.items()))
+
+
+def _backbone(tensor: str, g: Graph) -> onnx.NodeProto | None:
+    """The linear op producing `tensor`, directly or through a BatchNormalization."""
+    producer = g.producers.get(tensor)
+    if producer is not None and producer.op_type == "BatchNormalization":
+        producer = g.producers.get(producer.input[0])
+    return producer if producer is not None and producer.op_type in qdq.LINEAR_OPS else None
+
+
+def _shapes(g: Graph, input_shapes) -> dict[str, tuple]:
+    """Shapes of every tensor and initializer; symbolic dims fixed by `input_shapes`."""
+    shapes = dict(g.shapes)
+    if input_shapes:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(g.model)
+        del copy.graph.value_info[:]
+        for value in copy.graph.input:
+            if value.name in input_shapes:
+                shape = value.type.tensor_type.shape
+                shape.ClearField("dim")
+                for size in input_shapes[value.name]:
+                    shape.dim.add().dim_value = int(size)
+        copy = shape_inference.infer_shapes(copy, strict_mode=False, data_prop=True)
+        for value in [*copy.graph.value_info, *copy.graph.output, *copy.graph.input]:
+            dims = value.type.tensor_type.shape.dim
+            shapes[value.name] = tuple(d.dim_value if d.HasField("dim_value") else None
+                                       for d in dims)
+    shapes.update({init.name: tuple(init.dims) for init in g.model.graph.initializer})
+    return shapes
+
+
+def linear_macs(node: onnx.NodeProto, shapes: Mapping[str, tuple]) -> int:
+    """Multiply-accumulates of one Conv / ConvTranspose / Gemm / MatMul from its shapes."""
+    data, weight, out = (shapes.get(node.input[0]), shapes.get(node.input[1]),
+                         shapes.get(node.output[0]))
+    needed = {"Conv": (out, weight), "ConvTranspose": (data, weight)}.get(node.op_type,
+                                                                           (out, data))
+    if any(s is None or None in s for s in needed):
+        raise ModelError(
+            f"the shapes around node '{node.name}' ({node.op_type}) are not all known, so its "
+            "MACs cannot be counted; pass the shapes of a real batch (the planner takes them "
+            "from the calibration data)."
+        )
+    if node.op_type == "Conv":
+        return int(np.prod(out, dtype=np.int64) * np.prod(weight[1:], dtype=np.int64))
+    if node.op_type == "ConvTranspose":
+        return int(np.prod(data, dtype=np.int64) * np.prod(weight[1:], dtype=np.int64))
+    if node.op_type == "Gemm":
+        trans_a = next((a.i for a in node.attribute if a.name == "transA"), 0)
+        return int(np.prod(out, dtype=np.int64) * data[0 if trans_a else 1])
+    return int(np.prod(out, dtype=np.int64) * data[-1])
+
+
+# ---------------------------------------------------------------- rules
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why a rule speaks about a unit: its code, whether it binds, what it allows, and why."""
+
+    code: str
+    hard: bool
+    allowed: tuple[str, ...]
+    evidence: str
+    source: str
+
+
+@dataclass
+class RuleContext:
+    """What the rules read: the graph index, weights, and calibration ranges of activations.
+
+    ``amax`` is max |x| per tensor, ``p9999`` its 99.99th percentile (both from
+    the statistics of the calibration run; tensors without statistics are skipped).
+    """
+
+    graph: Graph
+    amax: Mapping[str, float] = field(default_factory=dict)
+    p9999: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.weights = {init.name: onnx.numpy_helper.to_array(init)
+                        for init in self.graph.model.graph.initializer}
+        self.nodes = {node.name: node for node in self.graph.model.graph.node}
+
+
+class Rule:
+    """One planning rule: ``check(unit, context)`` returns a :class:`Reason` or None."""
+
+    code: ClassVar[str]
+    source: ClassVar[str]
+
+    def check(self, unit: Unit, context: RuleContext) -> Reason | None:
+        """The reason this rule gives for `unit`, or None when it does not apply."""
+        raise NotImplementedError
+
+    def reason(self, hard: bool, allowed: tuple[str, ...], evidence: str) -> Reason:
+        """A :class:`Reason` carrying this rule's code and source."""
+        return Reason(self.code, hard, allowed, evidence, self.source)
+
+
+def _attribute(node: onnx.NodeProto, name: str, default):
+    for attr in node.attribute:
+        if attr.name == name:
+            return helper.get_attribute_value(attr)
+    return default
+
+
+class KernelRule(Rule):
+    """Linear ops TensorRT has no INT8 kernel for (small or odd channel counts, GEMV)."""
+
+    code = "R-KERNEL"
+    source = ("TensorRT Model Optimizer graph_utils.py (conv channel/kernel support, L1163; "
+              "GEMV MatMul cannot use Tensor Cores, L1090)")
+
+    def check(self, unit, context):
+        problems = [p for n in unit.linear
+                    if (p := self._problem(context.nodes[n], context)) is not None]
+        if not problems:
+            return None
+        return self.reason(True, ("fp16", "fp32"), "; ".join(problems))
+
+    def _problem(self, node: onnx.NodeProto, context: RuleContext) -> str | None:
+        shapes = context.graph.shapes
+        if node.op_type == "Conv" and node.input[1] in context.weights:
+            weight = context.weights[node.input[1]]
+            group = _attribute(node, "group", 1)
+            out_channels, in_channels = weight.shape[0], weight.shape[1] * group
+            kernel = weight.shape[2:]
+            if in_channels >= 16 and out_channels >= 16:
+                return None
+            if group == 1:
+                producer = context.graph.producers.get(node.input[0])
+                first = producer is None
+                supported = ((out_channels % 8 == 0 or in_channels % 8 == 0)
+                             and (first or max(in_channels, out_channels) >= 16)
+                             and len(set(kernel)) <= 1)
+            else:
+                supported = out_channels % 8 == 0 and min(kernel, default=0) >= 3
+            if not supported:
+                return (f"{node.name}: Conv with {in_channels} input / {out_channels} output "
+                        f"channels, group {group}, kernel {list(kernel)}")
+        elif node.op_type == "MatMul":
+            a, b = shapes.get(node.input[0]), context.weights.get(node.input[1])
+            b_shape = b.shape if b is not None else shapes.get(node.input[1])
+            if a and b_shape and (a[-2:-1] == (1,) or b_shape[-1:] == (1,)):
+                return f"{node.name}: GEMV MatMul ({list(a)} x {list(b_shape)})"
+        return None
+
+
+def _reaches_output_through(tensor: str, graph: Graph, allowed) -> bool:
+    """True when every path from `tensor` ends at a graph output through nodes `allowed` accepts."""
+    outputs, stack, seen = set(graph.outputs), [tensor], set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        readers = graph.consumers.get(name, [])
+        if not readers and name not in outputs:
+            return False
+        for node in readers:
+            if not allowed(node):
+                return False
+            stack.extend(o for o in node.output if o)
+    return True
+
+
+class HeadRule(Rule):
+    """Prediction heads (soft) and linear decode arithmetic (hard)."""
+
+    code = "R-HEAD"
+    source = ("TensorRT Model Optimizer get_skipped_output_layers (partitioning.py L244); "
+              "onnxruntime#14233; ultralytics#26171/#26220/#25306 (detection heads in INT8)")
+
+    def check(self, unit, context):
+        g = context.graph
+
+        def head_op(node: onnx.NodeProto) -> bool:
+            return node.op_type in POINTWISE_OPS | RESHAPE_OPS or (
+                node.op_type in qdq.LINEAR_OPS and self._reads_probabilities(node, g))
+
+        heads = [n for n in unit.linear
+                 if _reaches_output_through(context.nodes[n].output[0], g, head_op)]
+        if not heads:
+            return None
+        decode = [n for n in heads if self._reads_probabilities(context.nodes[n], g)]
+        if decode:
+            return self.reason(True, ("fp32",), f"decode arithmetic: {', '.join(decode)} reads "
+                               "Softmax/Sigmoid outputs and feeds a graph output")
+        return self.reason(False, ("fp16", "fp32"), f"head: {', '.join(heads)} reaches a graph "
+                           "output through pointwise/reshape ops and decode only")
+
+    @staticmethod
+    def _reads_probabilities(node: onnx.NodeProto, g: Graph) -> bool:
+        name = node.input[0]
+        while (producer := g.producers.get(name)) is not None:
+            if producer.op_type in DECODE_INPUT_OPS:
+                return True
+            if producer.op_type not in RESHAPE_OPS:
+                return False
+            name = producer.input[0]
+        return False
+
+
+class DepthwiseRule(Rule):
+    """Depthwise convs whose per-channel weight ranges spread widely (soft)."""
+
+    code = "R-DW"
+    source = ("Nagel et al. 2019, Data-Free Quantization (arXiv:1906.04721), section 3: "
+              "depthwise ranges spanning orders of magnitude")
+    # max / median of the per-channel weight amax above which the prior speaks.
+    SPREAD = 32.0
+
+    def check(self, unit, context):
+        spreads = []
+        for name in unit.linear:
+            node = context.nodes[name]
+            weight = context.weights.get(node.input[1])
+            group = _attribute(node, "group", 1)
+            if node.op_type != "Conv" or weight is None or group == 1 or weight.shape[1] != 1:
+                continue
+            channel_amax = np.abs(weight.reshape(weight.shape[0], -1)).max(axis=1)
+            median = float(np.median(channel_amax))
+            spread = float(channel_amax.max()) / median if median > 0 else np.inf
+            if spread > self.SPREAD:
+                spreads.append(f"{name}: channel weight range max/median {spread:.3g}")
+        if not spreads:
+            return None
+        return self.reason(False, ("fp16", "fp32"), "; ".join(spreads))
+
+
+class RangeRule(Rule):
+    """Activations whose INT8 range is set by a few outliers (soft)."""
+
+    code = "R-RANGE"
+    source = "quantlab statistics: amax over OUTLIER_RATIO x the 99.99th percentile"
+    # Same threshold as calibrate.OUTLIER_RATIO's warning.
+    RATIO = 10.0
+
+    def check(self, unit, context):
+        wide = [f"{t}: amax {context.amax[t]:.4g} = {context.amax[t] / context.p9999[t]:.3g} x "
+                "p99.99" for t in unit.tensors
+                if t in context.amax and context.p9999.get(t, 0) > 0
+                and context.amax[t] > self.RATIO * context.p9999[t]]
+        if not wide:
+            return None
+        return self.reason(False, ("fp16", "fp32"), "; ".join(wide))
+
+
+class Fp16RangeRule(Rule):
+    """Units whose tensors FP16 cannot hold go FP32, never FP16 (hard)."""
+
+    code = "R-FP16"
+    source = ("TensorRT Model Optimizer AutoCast (data_max 512: the FP16 ULP at 512 is 0.5; "
+              "init_max 65504)")
+    DATA_MAX = 512.0
+
+    def check(self, unit, context):
+        found = []
+        for name in unit.linear:
+            node = context.nodes[name]
+            for tensor in [*node.input, *node.output]:
+                if tensor in context.weights:
+                    peak = float(np.abs(context.weights[tensor]).max(initial=0.0))
+                    if peak > FP16_MAX:
+                        found.append(f"{tensor}: weight max |w| {peak:.4g} > {FP16_MAX:g}")
+                elif context.amax.get(tensor, 0.0) > self.DATA_MAX:
+                    found.append(f"{tensor}: max |x| {context.amax[tensor]:.4g} > "
+                                 f"{self.DATA_MAX:g}")
+        if not found:
+            return None
+        return self.reason(True, ("int8", "fp32"), "; ".join(found))
+
+
+RULES: tuple[Rule, ...] = (KernelRule(), HeadRule(), DepthwiseRule(), RangeRule(),
+                           Fp16RangeRule())
+
+
+def apply_rules(units: Sequence[Unit], context: RuleContext,
+                rules: Sequence[Rule] = RULES) -> dict[str, list[Reason]]:
+    """Reasons per unit name (units no rule speaks about are absent)."""
+    result = {}
+    for unit in units:
+        reasons = [r for rule in rules if (r := rule.check(unit, context)) is not None]
+        if reasons:
+            result[unit.name] = reasons
+    return result
+
+
+def allowed_precisions(reasons: Sequence[Reason]) -> tuple[str, ...]:
+    """Precisions every hard reason allows, cheapest first; soft reasons restrict nothing.
+
+    Raises ModelError when hard reasons contradict each other (nothing left).
+    """
+    allowed = set(qdq.PRECISIONS)
+    for reason in reasons:
+        if reason.hard:
+            allowed &= set(reason.allowed)
+    if not allowed:
+        codes = ", ".join(r.code for r in reasons if r.hard)
+        raise ModelError(f"rules {codes} leave no precision for one unit; this is a bug in the "
+                         "rules, please report it with the model.")
+    return tuple(p for p in qdq.PRECISIONS if p in allowed)
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass
+class UnitDecision:
+    """One unit's precision with the reasons, evidence and effects behind it."""
+
+    precision: str
+    nodes: list[str]
+    macs: int
+    reasons: list[Reason] = field(default_factory=list)
+    evidence: dict = field(default_factory=dict)
+    predicted: float | None = None
+    measured: float | None = None
+
+
+@dataclass
+class Plan:
+    """Unit name -> decision; what `quantlab plan` writes as plan.json."""
+
+    units: dict[str, UnitDecision]
+    metric: str = ""
+    budget: float | None = None
+
+    @classmethod
+    def from_rules(cls, units: Sequence[Unit], reasons: Mapping[str, Sequence[Reason]]) -> Plan:
+        """Every unit at the cheapest precision its hard reasons allow (INT8 when none bind)."""
+        return cls({u.name: UnitDecision(allowed_precisions(reasons.get(u.name, []))[0],
+                                         list(u.nodes), u.macs, list(reasons.get(u.name, [])))
+                    for u in units})
+
+    def node_precisions(self) -> dict[str, str]:
+        """Node name -> precision, the `plan` argument of qdq.quantize_model."""
+        return {node: d.precision for d in self.units.values() for node in d.nodes}
+
+    def int8_mac_share(self) -> float:
+        """Share of linear-op MACs planned INT8 (1.0 for a model without MACs)."""
+        total = sum(d.macs for d in self.units.values())
+        int8 = sum(d.macs for d in self.units.values() if d.precision == "int8")
+        return int8 / total if total else 1.0
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write plan.json atomically."""
+        return write_json(path, {"format": PLAN_FORMAT, "version": PLAN_VERSION,
+                                 "metric": self.metric, "budget": self.budget,
+                                 "int8_mac_share": self.int8_mac_share(),
+                                 "units": {name: asdict(d) for name, d in self.units.items()}})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        """Read a plan.json written by :meth:`save`."""
+        path = Path(path)
+        try:
+            data = read_json(path)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{path} is not a readable plan file ({exc}).") from None
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise DataError(f"{path} is not a quantlab plan file (no \"format\": "
+                            f"\"{PLAN_FORMAT}\"); pass the plan.json written by `quantlab plan`.")
+        if data.get("version") != PLAN_VERSION:
+            raise DataError(f"{path} is plan format version {data.get('version')!r}; this "
+                            f"quantlab reads version {PLAN_VERSION}. Plan again to rewrite it.")
+        try:
+            units = {}
+            for name, entry in data["units"].items():
+                reasons = [Reason(r["code"], bool(r["hard"]), tuple(r["allowed"]),
+                                  r["evidence"], r["source"]) for r in entry["reasons"]]
+                if entry["precision"] not in qdq.PRECISIONS:
+                    raise ValueError(f"precision {entry['precision']!r} of unit {name}")
+                units[str(name)] = UnitDecision(
+                    entry["precision"], list(entry["nodes"]), int(entry["macs"]), reasons,
+                    dict(entry["evidence"]), entry["predicted"], entry["measured"])
+            return cls(units, str(data["metric"]), data["budget"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise DataError(f"{path} is a damaged plan file (field {exc}); plan again to "
+                            "rewrite it.") from None

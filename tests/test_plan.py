@@ -1,0 +1,231 @@
+"""Tests for quantlab.plan: units from qdq's placement, MACs, rules with reason codes, plan.json."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from quantlab import graph, plan
+from quantlab.errors import DataError, ModelError
+
+
+def make_graph(nodes, inputs, initializers, outputs=("y",)) -> graph.Graph:
+    """A normalized model from nodes; inputs are (name, shape) pairs, shapes may hold None."""
+    model = helper.make_model(
+        helper.make_graph(
+            nodes, "g",
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+            [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+            [numpy_helper.from_array(v.astype(np.float32) if v.dtype.kind == "f" else v, k)
+             for k, v in initializers.items()]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    return graph.Graph(graph.normalize(model))
+
+
+def weights(*shape, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+def units_by_name(g, shapes=None) -> dict[str, plan.Unit]:
+    return {u.name: u for u in plan.find_units(g, shapes)}
+
+
+def residual_block() -> graph.Graph:
+    """x -> conv0 -> r (read by conv1, conv2 and the skip of an Add), conv2 -> Add -> conv3."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["a"], name="conv0", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["a"], ["r"], name="relu0"),
+        helper.make_node("Conv", ["r", "w1"], ["b"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["b"], ["rb"], name="relu1"),
+        helper.make_node("Conv", ["rb", "w2"], ["c"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c", "r"], ["s"], name="add"),
+        helper.make_node("MaxPool", ["s"], ["p"], name="pool", kernel_shape=[2, 2],
+                         strides=[2, 2]),
+        helper.make_node("Conv", ["p", "w3"], ["d"], name="conv3"),
+        helper.make_node("Conv", ["r", "w4"], ["e"], name="side"),
+        helper.make_node("ReduceMean", ["d"], ["y"], name="mean", keepdims=0),
+        helper.make_node("ReduceMean", ["e"], ["y2"], name="mean2", keepdims=0),
+    ]
+    inits = {"w0": weights(16, 3, 3, 3), "w1": weights(16, 16, 3, 3, seed=1),
+             "w2": weights(16, 16, 3, 3, seed=2), "w3": weights(32, 16, 1, 1, seed=3),
+             "w4": weights(16, 16, 1, 1, seed=4)}
+    return make_graph(nodes, [("x", ["N", 3, 8, 8])], inits, outputs=("y", "y2"))
+
+
+def test_units_merge_readers_of_one_pair_and_residual_skip():
+    units = units_by_name(residual_block(), {"x": [2, 3, 8, 8]})
+    assert list(units) == ["conv0", "conv1", "conv2", "conv3"]
+    # r carries one pair read by conv1, side and the Add's skip input: one decision.
+    assert units["conv1"].nodes == ["conv1", "add", "side"]
+    assert units["conv1"].tensors == ["r"]
+    assert units["conv1"].linear == ["conv1", "side"]
+    # conv3's pair moved backward across the MaxPool onto the Add's output s.
+    assert units["conv3"].tensors == ["s"] and units["conv3"].weights == ["w3"]
+    assert units["conv0"].tensors == ["x"]
+
+
+def test_macs_from_real_shapes():
+    units = units_by_name(residual_block(), {"x": [2, 3, 8, 8]})
+    assert units["conv0"].macs == 2 * 16 * 8 * 8 * 3 * 3 * 3
+    assert units["conv1"].macs == 2 * 16 * 8 * 8 * 16 * 9 + 2 * 16 * 8 * 8 * 16
+    assert units["conv3"].macs == 2 * 32 * 4 * 4 * 16
+
+
+def test_symbolic_batch_without_shapes_names_the_node():
+    with pytest.raises(ModelError, match="node 'conv0'.*shapes of a real batch"):
+        plan.find_units(residual_block())
+
+
+def test_gemm_matmul_convtranspose_macs():
+    nodes = [
+        helper.make_node("Gemm", ["x", "wg"], ["g"], name="gemm", transB=1),
+        helper.make_node("MatMul", ["g", "wm"], ["m"], name="matmul"),
+        helper.make_node("Reshape", ["m", "shape"], ["r"], name="reshape"),
+        helper.make_node("ConvTranspose", ["r", "wt"], ["y"], name="deconv", strides=[2, 2]),
+    ]
+    g = make_graph(nodes, [("x", [4, 10])],
+                   {"wg": weights(12, 10), "wm": weights(12, 8), "wt": weights(2, 3, 2, 2),
+                    "shape": np.array([4, 2, 2, 2])})
+    units = units_by_name(g)
+    assert units["gemm"].macs == 4 * 12 * 10
+    assert units["matmul"].macs == 4 * 8 * 12
+    assert units["deconv"].macs == 4 * 2 * 2 * 2 * 3 * 2 * 2
+
+
+def rule_reasons(g, context=None, shapes=None) -> dict[str, list[plan.Reason]]:
+    units = plan.find_units(g, shapes)
+    return plan.apply_rules(units, context or plan.RuleContext(g))
+
+
+def codes(reasons) -> list[tuple[str, bool]]:
+    return [(r.code, r.hard) for r in reasons]
+
+
+def test_kernel_rule_small_odd_channels_and_gemv():
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["a"], name="ok", pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["a", "w1"], ["b"], name="odd"),
+        helper.make_node("Reshape", ["b", "shape"], ["f"], name="flat"),
+        helper.make_node("MatMul", ["f", "w2"], ["y"], name="gemv"),
+    ]
+    g = make_graph(nodes, [("x", [1, 16, 4, 4])],
+                   {"w0": weights(16, 16, 3, 3), "w1": weights(6, 16, 1, 3),
+                    "shape": np.array([1, -1]), "w2": weights(48, 1)})
+    reasons = rule_reasons(g)
+    assert "ok" not in reasons
+    assert codes(reasons["odd"]) == [("R-KERNEL", True)]
+    assert "6 output channels" in reasons["odd"][0].evidence
+    assert ("R-KERNEL", True) in codes(reasons["gemv"])
+    assert "GEMV" in reasons["gemv"][0].evidence
+    assert plan.allowed_precisions(reasons["odd"]) == ("fp16", "fp32")
+
+
+def detector(decode: bool) -> graph.Graph:
+    """backbone conv -> head conv -> Sigmoid -> output; optionally a DFL-style decode MatMul."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["a"], name="backbone", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["a"], ["r"], name="relu"),
+        helper.make_node("Conv", ["r", "w1"], ["h"], name="head"),
+        helper.make_node("Sigmoid", ["h"], ["y"], name="sigmoid"),
+    ]
+    inits = {"w0": weights(16, 16, 3, 3), "w1": weights(16, 16, 1, 1)}
+    outputs = ["y"]
+    if decode:
+        nodes += [helper.make_node("Transpose", ["h"], ["t"], name="to_bins", perm=[0, 2, 3, 1]),
+                  helper.make_node("Softmax", ["t"], ["p"], name="softmax", axis=-1),
+                  helper.make_node("MatMul", ["p", "bins"], ["d"], name="expectation"),
+                  helper.make_node("Mul", ["d", "stride"], ["boxes"], name="scale")]
+        inits |= {"bins": np.arange(16.0).reshape(16, 1) * np.ones((1, 16)),
+                  "stride": np.array(8.0)}
+        outputs.append("boxes")
+    return make_graph(nodes, [("x", [1, 16, 4, 4])], inits, outputs=outputs)
+
+
+def test_head_rule_soft_for_heads_hard_for_decode():
+    reasons = rule_reasons(detector(decode=False))
+    assert "backbone" not in reasons
+    assert codes(reasons["head"]) == [("R-HEAD", False)]
+    reasons = rule_reasons(detector(decode=True))
+    assert codes(reasons["expectation"]) == [("R-HEAD", True)]
+    assert reasons["expectation"][0].allowed == ("fp32",)
+    assert "decode" in reasons["expectation"][0].evidence
+    # The head conv feeds the output through a Sigmoid and through the decode.
+    assert codes(reasons["head"]) == [("R-HEAD", False)]
+
+
+def depthwise(spread: float) -> graph.Graph:
+    w = np.abs(weights(16, 1, 3, 3)) + 0.5
+    w[3] *= spread
+    nodes = [helper.make_node("Conv", ["x", "w"], ["a"], name="dw", group=16, pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["a", "w1"], ["y"], name="pw")]
+    return make_graph(nodes, [("x", [1, 16, 4, 4])], {"w": w, "w1": weights(16, 16, 1, 1)})
+
+
+def test_depthwise_rule_on_wide_channel_ranges():
+    assert "dw" not in rule_reasons(depthwise(2.0))
+    reasons = rule_reasons(depthwise(1000.0))
+    assert codes(reasons["dw"]) == [("R-DW", False)]
+    assert plan.allowed_precisions(reasons["dw"]) == plan.allowed_precisions([])
+
+
+def test_range_and_fp16_rules_from_calibration_ranges():
+    g = depthwise(1.0)
+    context = plan.RuleContext(g, amax={"x": 40.0, "a": 3000.0}, p9999={"x": 2.0, "a": 2500.0})
+    reasons = rule_reasons(g, context)
+    assert codes(reasons["dw"]) == [("R-RANGE", False), ("R-FP16", True)]
+    assert "x: amax 40" in reasons["dw"][0].evidence
+    # a (max 3000 > 512) is the output of dw and the input of pw: FP16 cannot hold either.
+    assert codes(reasons["pw"]) == [("R-HEAD", False), ("R-FP16", True)]
+    assert plan.allowed_precisions(reasons["pw"]) == ("int8", "fp32")
+
+
+def test_hard_rules_combine_kernel_and_fp16_to_fp32():
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="odd")]
+    g = make_graph(nodes, [("x", [1, 3, 4, 4])], {"w": weights(6, 3, 1, 3)})
+    units = plan.find_units(g)
+    reasons = plan.apply_rules(units, plan.RuleContext(g, amax={"y": 1e4}))
+    assert codes(reasons["odd"]) == [("R-KERNEL", True), ("R-HEAD", False), ("R-FP16", True)]
+    decided = plan.Plan.from_rules(units, reasons)
+    assert decided.units["odd"].precision == "fp32"
+    assert decided.int8_mac_share() == 0.0
+
+
+def test_plan_from_rules_save_load_round_trip(tmp_path):
+    g = detector(decode=True)
+    units = plan.find_units(g)
+    reasons = plan.apply_rules(units, plan.RuleContext(g))
+    decided = plan.Plan.from_rules(units, reasons)
+    decided.units["head"].evidence["sqnr_db"] = {"int8": 31.5, "fp16": 80.0}
+    decided.units["head"].predicted = 0.25
+    assert decided.node_precisions() == {"backbone": "int8", "head": "int8",
+                                         "expectation": "fp32"}
+    macs = {u.name: u.macs for u in units}
+    assert decided.int8_mac_share() == pytest.approx(
+        (macs["backbone"] + macs["head"]) / sum(macs.values()))
+    path = decided.save(tmp_path / "plan.json")
+    assert plan.Plan.load(path) == decided
+
+
+def test_plan_load_errors(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"format": "quantlab.scales"}))
+    with pytest.raises(DataError, match="not a quantlab plan file"):
+        plan.Plan.load(path)
+    path.write_text(json.dumps({"format": "quantlab.plan", "version": 1, "metric": "",
+                                "budget": None, "units": {"u": {"precision": "int4"}}}))
+    with pytest.raises(DataError, match="damaged plan file"):
+        plan.Plan.load(path)
+
+
+def test_zoo_units_cover_every_linear_op():
+    from quantlab import pipeline
+
+    model = graph.normalize(pipeline.export_zoo_model("digits-cnn"))
+    g = graph.Graph(model)
+    units = plan.find_units(g, {"input": [1, 1, 8, 8]})
+    linear = [n.name for n in model.graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
+    assert sorted(n for u in units for n in u.linear) == sorted(linear)
+    assert all(u.macs > 0 for u in units)
