@@ -129,13 +129,20 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     model = _upgrade_opset(model)
     model = _name_nodes(model)
     del model.graph.value_info[:]
+    declared = {}
     for output in model.graph.output:
         if output.type.HasField("tensor_type"):
+            declared[output.name] = onnx.TypeProto()
+            declared[output.name].CopyFrom(output.type)
             output.type.tensor_type.ClearField("shape")
     try:
         model = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception as exc:  # onnx raises InferenceError for inconsistent graphs
         raise ModelError(f"ONNX shape inference failed: {exc}") from None
+    for output in model.graph.output:
+        # Where inference finds nothing (outputs of control flow), the declaration stays.
+        if output.name in declared and not output.type.tensor_type.HasField("shape"):
+            output.type.CopyFrom(declared[output.name])
     return model
 
 

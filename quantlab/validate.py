@@ -280,7 +280,8 @@ class _Segmented:
         if isinstance(stage, OnnxRuntimeBackend):
             self.backends = [
                 _SegmentBackend(s.model, name=stage.name, providers=stage.providers,
-                                threads=stage.threads, optimization=stage.optimization)
+                                threads=stage.threads, optimization=stage.optimization,
+                                check_inputs=False)
                 if s.outputs else None for s in plan]
         else:
             self.backends = None  # any other backend runs whole, exposing what is asked

@@ -25,10 +25,11 @@ data:
 """
 
 
-def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
+def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
+                       data_help: str = "image folder, COCO .json, .npy or .npz (see 'data' "
+                                        "below)") -> None:
     """--data, --batch-size, --max-samples, the input options and image preprocessing."""
-    parser.add_argument("--data", required=required, metavar="DATA",
-                        help="image folder, COCO .json, .npy or .npz (see 'data' below)")
+    parser.add_argument("--data", required=required, metavar="DATA", help=data_help)
     parser.add_argument("--batch-size", type=int, default=32, metavar="B",
                         help="samples per batch (default: %(default)s; a model with a fixed "
                              "batch dimension gets batches of that size)")
