@@ -29,7 +29,8 @@ DEFAULT_TRT_VERSION = "8.6.1"
 ALGORITHMS = ("EntropyCalibration2", "EntropyCalibration", "MinMaxCalibration",
               "LegacyCalibration")
 _HEADER = re.compile(r"TRT-([0-9A-Za-z]+)-([A-Za-z0-9]+)")
-_HEX = re.compile(r"[0-9a-fA-F]{8}")
+# TensorRT 8.4 writes a zero scale as a bare "0" (a published cache: "366: 0").
+_HEX = re.compile(r"[0-9a-fA-F]{8}|0")
 
 
 class CacheHeader(NamedTuple):
@@ -68,7 +69,7 @@ def scale_to_hex(scale: float) -> str:
 
 def hex_to_scale(text: str) -> np.float32:
     """Inverse of :func:`scale_to_hex`."""
-    return np.float32(struct.unpack(">f", bytes.fromhex(text))[0])
+    return np.float32(struct.unpack(">f", bytes.fromhex(text.rjust(8, "0")))[0])
 
 
 def write_calibration_cache(
@@ -102,16 +103,27 @@ def read_calibration_cache(path: str | os.PathLike) -> tuple[CacheHeader, dict[s
     """Read a calibration cache (ours or TensorRT's): its header and tensor -> float32 scale."""
     path = Path(path)
     try:
-        text = path.read_bytes().decode("ascii")
-    except (OSError, UnicodeDecodeError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
         raise DataError(f"calibration cache {path} cannot be read as text ({exc}).") from None
+    return parse_calibration_cache(data, f"calibration cache {path}")
+
+
+def parse_calibration_cache(
+    data: bytes, where: str = "calibration cache"
+) -> tuple[CacheHeader, dict[str, np.float32]]:
+    """Parse a cache's bytes (as TensorRT hands them to ``write_calibration_cache``)."""
+    try:
+        text = bytes(data).decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{where} cannot be read as text ({exc}).") from None
     lines = text.splitlines()
     if not lines:
-        raise DataError(f"calibration cache {path} is empty.")
+        raise DataError(f"{where} is empty.")
     match = _HEADER.fullmatch(lines[0].strip())
     if not match or match.group(2) not in ALGORITHMS:
         raise DataError(
-            f"calibration cache {path}, line 1: header {lines[0][:80]!r} is not "
+            f"{where}, line 1: header {lines[0][:80]!r} is not "
             f"'TRT-<version>-<algorithm>' with an algorithm among {', '.join(ALGORITHMS)}."
         )
     header = CacheHeader(match.group(1), match.group(2))
@@ -122,12 +134,10 @@ def read_calibration_cache(path: str | os.PathLike) -> tuple[CacheHeader, dict[s
         name, sep, value = line.rstrip().rpartition(": ")
         if not sep or not name or not _HEX.fullmatch(value):
             raise DataError(
-                f"calibration cache {path}, line {number}: {line[:80]!r} is not "
+                f"{where}, line {number}: {line[:80]!r} is not "
                 "'<tensor name>: <8 hex digits>'. The file is damaged; regenerate it."
             )
         if name in scales:
-            raise DataError(
-                f"calibration cache {path}, line {number}: tensor '{name}' appears twice."
-            )
+            raise DataError(f"{where}, line {number}: tensor '{name}' appears twice.")
         scales[name] = hex_to_scale(value)
     return header, scales

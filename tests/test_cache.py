@@ -6,6 +6,7 @@ import pytest
 from quantlab.cache import (
     CacheHeader,
     hex_to_scale,
+    parse_calibration_cache,
     read_calibration_cache,
     scale_to_hex,
     trt_version_number,
@@ -108,3 +109,14 @@ def test_version_numbers_and_writer_checks(tmp_path):
     with pytest.raises(ConfigError):
         write_calibration_cache(tmp_path / "c.cache", {"x": 1.0}, algorithm="KL")
     assert not (tmp_path / "c.cache").exists()
+
+
+def test_reads_tensorrt_84_bare_zero_scale():
+    # TensorRT 8.4 wrote zero scales (shape tensors) as a bare "0": lines from a published
+    # EntropyCalibration2 cache of SegFormer (TRT Hackathon 2022 write-up, TensorRT 8401).
+    text = (b"TRT-8401-EntropyCalibration2\ninput: 3caa54fc\n371: 3caa54fc\n"
+            b"(Unnamed Layer* 64) [Shuffle]_output: 0\n366: 0\n395: 3cbe52af\n")
+    header, scales = parse_calibration_cache(text)
+    assert header == CacheHeader("8401", "EntropyCalibration2")
+    assert scales["366"] == 0 and scales["(Unnamed Layer* 64) [Shuffle]_output"] == 0
+    assert scales["395"] == hex_to_scale("3cbe52af")
