@@ -22,6 +22,8 @@ from quantlab import graph
 from quantlab.errors import ConfigError, DataError, ModelError
 
 PRECISIONS = ("int8", "fp16", "fp32")
+# What an "fp16" node of a plan runs in: FP16 (Cast pairs) or FP32 (`--high-precision fp32`).
+HIGH_PRECISIONS = ("fp16", "fp32")
 # Weighted ops TensorRT runs in INT8 when their inputs are quantized: op -> weight input index.
 LINEAR_OPS = {"Conv": 1, "ConvTranspose": 1, "Gemm": 1, "MatMul": 1}
 # Ops whose data input 0 commutes exactly with a zero-point-0 per-tensor quantizer
@@ -103,19 +105,79 @@ def quantize_model(
     amax: Mapping[str, float],
     plan: Mapping[str, str] | None = None,
     per_channel: bool = True,
+    high_precision: str = "fp16",
 ) -> onnx.ModelProto:
     """Return a copy of `model` with Q/DQ pairs placed by TensorRT's explicit-quantization rules.
 
     `amax` maps each tensor from `activation_tensors_to_calibrate` to its
     calibrated max |x| (scale = amax / 127). `plan` maps node name -> "int8",
-    "fp16" or "fp32"; nodes missing from it run in INT8 where quantizable.
-    "fp16" is treated like "fp32" for now (no Q/DQ on the node's inputs; no Cast
-    nodes are inserted yet). Weights are per-channel unless `per_channel` is False.
+    "fp16" or "fp32"; nodes missing from it run in INT8 where quantizable. An
+    "fp16" node reads its float inputs through Cast(float16) (weights stored as
+    float16) and its outputs are cast back to float32, so a strongly typed
+    TensorRT network runs it in FP16; `high_precision="fp32"` runs those nodes in
+    FP32 instead (no casts). Weights are per-channel unless `per_channel` is False.
     """
+    if high_precision not in HIGH_PRECISIONS:
+        raise ConfigError(f"high precision '{high_precision}' is not one of "
+                          f"{', '.join(HIGH_PRECISIONS)}.")
     model = graph.normalize(model)
     placement = place(model, plan)
     scales = {t: _activation_scale(t, amax) for t in set(placement.source.values())}
-    return _build(model, placement, scales, per_channel)
+    result = _build(model, placement, scales, per_channel)
+    if high_precision == "fp16":
+        _cast_to_fp16(result, {name for name, p in _precisions(model, plan).items()
+                               if p == "fp16"})
+    _drop_unused_initializers(result)
+    return result
+
+
+def _cast_to_fp16(model: onnx.ModelProto, names: set[str]) -> None:
+    """Run the nodes `names` in float16: Cast their float32 inputs in, their outputs back.
+
+    Weights and other float32 initializers become float16 initializers instead of
+    Casts. A node reading another FP16 node's output reads its float16 value
+    directly: Cast(float16) of Cast(float32) of a float16 value is that value.
+    """
+    if not names:
+        return
+    g = model.graph
+    fresh = _Names(model)
+    floats = graph.float_tensors(model)
+    initializers = {init.name: init for init in g.initializer}
+    floats.update(n for n, init in initializers.items() if init.data_type == onnx.TensorProto.FLOAT)
+    readers = graph.consumers(model)
+    float32_read = {o.name for o in g.output} | graph.outer_scope_names(model) | {
+        name for name, nodes in readers.items() if any(n.name not in names for n in nodes)}
+    half: dict[str, str] = {}  # float32 tensor -> its float16 twin
+    nodes = []
+    for node in g.node:
+        if node.name not in names:
+            nodes.append(node)
+            continue
+        for index, name in enumerate(node.input):
+            if name not in floats:
+                continue
+            if name not in half:
+                half[name] = fresh(f"{name}_fp16")
+                if name in initializers:
+                    value = numpy_helper.to_array(initializers[name]).astype(np.float16)
+                    g.initializer.append(numpy_helper.from_array(value, half[name]))
+                else:
+                    nodes.append(helper.make_node("Cast", [name], [half[name]],
+                                                  name=fresh(f"{name}_Cast_fp16"),
+                                                  to=onnx.TensorProto.FLOAT16))
+            node.input[index] = half[name]
+        nodes.append(node)
+        for index, name in enumerate(node.output):
+            if name not in floats:
+                continue
+            node.output[index] = half[name] = fresh(f"{name}_fp16")
+            if name in float32_read:
+                nodes.append(helper.make_node("Cast", [half[name]], [name],
+                                              name=fresh(f"{name}_Cast_fp32"),
+                                              to=onnx.TensorProto.FLOAT))
+    del g.node[:]
+    g.node.extend(nodes)
 
 
 def float_only_nodes(model: onnx.ModelProto) -> dict[str, list[str]]:
@@ -424,11 +486,15 @@ def _build(model, placement: Placement, scales, per_channel: bool) -> onnx.Model
             nodes.extend(pairs.get(tensor, []))
     del g.node[:]
     g.node.extend(nodes)
-    # Weight initializers that only fed quantized inputs are now unused.
+    return result
+
+
+def _drop_unused_initializers(model: onnx.ModelProto) -> None:
+    """Remove initializers nothing reads (weights now read as int8 or float16 copies)."""
+    g = model.graph
     still_read = {name for node in g.node for name in node.input}
     still_read.update(v.name for v in g.input)
-    still_read.update(graph.outer_scope_names(result))
+    still_read.update(graph.outer_scope_names(model))
     kept = [init for init in g.initializer if init.name in still_read]
     del g.initializer[:]
     g.initializer.extend(kept)
-    return result

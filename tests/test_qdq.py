@@ -330,8 +330,8 @@ def test_placement_rules_on_hand_built_graph():
 def test_plan_pins_node_to_fp32():
     model, feeds = conv_chain_model()
     amax = fp32_amax(model, feeds)
-    plan = {"conv2": "fp32", "add": "fp16"}
-    quantized = qdq.quantize_model(model, amax, plan=plan)
+    plan = {"conv2": "fp32", "add": "fp16"}  # fp16 runs as fp32 with high_precision="fp32"
+    quantized = qdq.quantize_model(model, amax, plan=plan, high_precision="fp32")
     conv2 = next(n for n in quantized.graph.node if n.name == "conv2")
     assert list(conv2.input) == ["p", "w2", "b2"]  # float data, float weight, float bias
     add = next(n for n in quantized.graph.node if n.name == "add")
@@ -630,3 +630,73 @@ def test_zoo_int8_end_to_end_matches_simulation(zoo_case):
         floor = 1e-5 * np.abs(expected).max()
         assert int8_error <= END_TO_END_RATIO[name] * quantization_error + floor, (
             output, int8_error, quantization_error)
+
+
+# ---------------------------------------------------------------- FP16 nodes
+
+FP16_UNIT_ROUNDOFF = 2.0 ** -11  # binary16: 11-bit significand
+
+
+def fp16_rounded(model, feeds):
+    """The model with float16-rounded weights and inputs (values kept in float32)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for init in copy.graph.initializer:
+        init.CopyFrom(numpy_helper.from_array(
+            numpy_helper.to_array(init).astype(np.float16).astype(np.float32), init.name))
+    return copy, {k: v.astype(np.float16).astype(np.float32) for k, v in feeds.items()}
+
+
+def absolute(model, feeds):
+    """The model with |weights| and |inputs|: its output bounds sum |x_k w_k| of each output."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for init in copy.graph.initializer:
+        init.CopyFrom(numpy_helper.from_array(np.abs(numpy_helper.to_array(init)), init.name))
+    return copy, {k: np.abs(v) for k, v in feeds.items()}
+
+
+@pytest.mark.parametrize("kind", LINEAR_CASES)
+def test_fp16_node_matches_float16_reference(kind):
+    model, feeds, name = linear_case(kind)
+    half = qdq.quantize_model(model, fp32_amax(model, feeds), plan={name: "fp16"})
+    onnx.checker.check_model(half, full_check=True)  # strongly typed: every type agrees
+    op = next(n for n in half.graph.node if n.name == name)
+    g = graph.Graph(onnx.shape_inference.infer_shapes(half))
+    stored = graph.initializers(half)
+    assert all((stored[t].dtype if t in stored else g.dtype(t)) == np.float16
+               for t in [*op.input, *op.output])
+    assert g.dtype("y") == np.float32
+    got = run(half, feeds)["y"]
+
+    reference = ReferenceEvaluator(fp16_rounded(model, feeds)[0])
+    want = reference.run(None, fp16_rounded(model, feeds)[1])[0].astype(np.float64)
+    magnitude = ReferenceEvaluator(absolute(model, feeds)[0]).run(
+        None, absolute(*fp16_rounded(model, feeds))[1])[0]
+    # Each output sums K products (+ the bias) of float16 values: accumulated in float16
+    # its error is at most gamma_(K+1) * sum |x_k w_k| (Higham, Accuracy and Stability,
+    # eq. 3.5), plus half an ULP for rounding the result to float16; Relu is 1-Lipschitz.
+    weight = graph.initializers(model)["w"]
+    terms = weight.size // weight.shape[qdq.weight_axis(op, 1)] + 1
+    gamma = terms * FP16_UNIT_ROUNDOFF / (1 - terms * FP16_UNIT_ROUNDOFF)
+    bound = gamma * magnitude + FP16_UNIT_ROUNDOFF * np.abs(want) + 1e-6 * magnitude.max()
+    assert np.all(np.abs(got - want) <= bound)
+    # The casts are real: FP16 differs from FP32.
+    assert np.abs(got - run(model, feeds)["y"]).max() > 0
+
+
+def test_adjacent_fp16_nodes_share_float16_values_and_fp32_mode_has_no_casts():
+    model, feeds, name = linear_case("Conv")
+    amax = fp32_amax(model, feeds)
+    half = qdq.quantize_model(model, amax, plan={name: "fp16", "relu": "fp16"})
+    onnx.checker.check_model(half, full_check=True)
+    casts = [n for n in half.graph.node if n.op_type == "Cast"]
+    # x in, y out: the Relu reads the Conv's float16 output directly.
+    assert [(c.input[0], c.output[0]) for c in casts] == [("x", "x_fp16"), ("y_fp16", "y")]
+    assert {i.name for i in half.graph.initializer} == {"w_fp16", "b_fp16"}
+    np.testing.assert_array_equal(run(half, feeds)["y"] >= 0, True)
+    full = qdq.quantize_model(model, amax, plan={name: "fp16"}, high_precision="fp32")
+    assert not [n for n in full.graph.node if n.op_type in ("Cast", "QuantizeLinear")]
+    np.testing.assert_array_equal(run(full, feeds)["y"], run(model, feeds)["y"])
+    with pytest.raises(ConfigError, match="high precision 'bf16'"):
+        qdq.quantize_model(model, amax, high_precision="bf16")
