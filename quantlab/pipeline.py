@@ -19,7 +19,7 @@ from pathlib import Path
 
 import onnx
 
-from quantlab import cache, calibrate, collect, graph, qdq
+from quantlab import cache, calibrate, collect, graph, qdq, trt_ranges
 from quantlab.backends.onnxruntime import SESSION_CONFIG
 from quantlab.data import BatchSource, Preprocess, open_data, scalar_arrays
 from quantlab.errors import ModelError
@@ -159,7 +159,7 @@ def run_calibration(
     # nothing (experiment.output_folder): a failed run leaves no partial output.
     check_output(out, force=force, produces=CALIBRATION_FILES)
     cache.trt_version_number(trt_version)
-    tensors = qdq.activation_tensors_to_calibrate(model)
+    tensors = trt_ranges.tensors_to_calibrate(model)  # Q/DQ inputs + TensorRT <= 10 ranges
     check_cache_names(tensors)
     stats = collect.collect(model, source, tensors, progress=progress)
     scales = calibrate.calibrate(stats, method, **method_params)

@@ -265,3 +265,40 @@ def test_implicit_engine_from_the_calibration_cache(digits_run):
     engine = build_engine(digits_run / "model.onnx", mode="implicit",
                           calibrator=make_calibrator(feeder))
     assert engine and feeder.used_batches == 0
+
+
+# --- a calibration cache TensorRT <= 10 can use whole ------------------------------------------
+
+def test_ranges_listed_are_float_inputs_and_node_outputs():
+    from quantlab import trt_ranges
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Shape", ["r"], ["s"], name="shape"),  # int64: no range
+             helper.make_node("Reshape", ["r", "s"], ["y"], name="reshape")]
+    model = onnx.shape_inference.infer_shapes(helper.make_model(
+        helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)]))
+    assert trt_ranges.tensors_needing_ranges(model) == ["x", "r", "y"]
+    assert trt_ranges.missing_ranges(model, {"x": 0.1, "r": 0.0}) == ["r", "y"]
+
+
+@pytest.mark.parametrize("name", [
+    "digits-cnn", "digits-vit", pytest.param("shapes-det", marks=pytest.mark.slow)])
+def test_zoo_cache_has_every_range_tensorrt_needs(name, tmp_path):
+    # calibration.cache must hold a range for every float network tensor (layer outputs
+    # included) and model.int8.onnx must be the Q/DQ model of the Q/DQ inputs' statistics.
+    from quantlab import calibrate, collect, pipeline, qdq, trt_ranges, zoo
+
+    data = zoo.get(name).calibration_set()[:16]
+    result = pipeline.run_calibration(name, data, tmp_path / "run", batch_size=8,
+                                      progress=False)
+    _, scales = cache.read_calibration_cache(tmp_path / "run" / "calibration.cache")
+    model = result.model
+    assert trt_ranges.missing_ranges(model, scales) == []
+    placed = qdq.activation_tensors_to_calibrate(model)
+    assert len(trt_ranges.tensors_needing_ranges(model)) > len(placed)
+    only_qdq = calibrate.calibrate(collect.collect(model, result.data, placed, progress=False),
+                                   result.scales.method, **result.scales.params)
+    expected = qdq.quantize_model(model, only_qdq.amax)
+    assert expected.SerializeToString() == result.qdq_model.SerializeToString()
