@@ -26,6 +26,8 @@ from pathlib import Path
 from quantlab.commands.options import DATA_HELP, add_data_arguments
 
 HELP = "compare torch, ONNX Runtime FP32 and the INT8 engine layer by layer and end to end"
+# Worst layers of the INT8 pair printed on the console (the report lists more).
+WORST_ON_CONSOLE = 5
 EPILOG = DATA_HELP
 
 
@@ -83,60 +85,137 @@ def load_factory(spec: str):
         raise ConfigError(
             f"--torch '{spec}': module '{module_name}' has no callable '{attribute}'; name a "
             "function (or class) that builds the torch.nn.Module with its trained weights.")
-    return factory()
+    try:
+        module = factory()
+    except Exception as exc:  # the user's code: any exception means "no module"
+        raise ConfigError(
+            f"--torch '{spec}': the factory raised {type(exc).__name__}: {exc}. Fix the "
+            "factory so it builds the module (with its weights) when called with no arguments."
+        ) from None
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(
+            f"--torch '{spec}' returned {type(module).__name__}, not a torch.nn.Module; the "
+            "factory must return the module that was exported to --onnx, with its weights.")
+    return module
 
 
 def run(args: argparse.Namespace) -> int:
     """Run `quantlab validate`."""
-    from quantlab import graph, pipeline
-    from quantlab.commands.options import input_options, preprocess_from_args
-    from quantlab.data import open_data
-    from quantlab.errors import ConfigError
-    from quantlab.validate import Task, validate
+    import tempfile
 
-    torch_module, task, data = None, None, args.data
+    from quantlab import pipeline
+    from quantlab.commands.options import input_options
+    from quantlab.errors import ConfigError
+    from quantlab.experiment import check_output
+    from quantlab.validate import Task, check_threshold, validate
+
+    # Every option is checked before any long work (export, calibration, validation).
+    check_threshold(args.threshold_db, 10.0)
+    _check_counts(args)
+    torch_module, task, data, entry = None, None, args.data, None
     onnx_path, engine_path = args.onnx, args.engine
     recorded = None
     if args.from_dir:
         onnx_path, engine_path, recorded = _calibration_folder(Path(args.from_dir), args)
+    calibrate_here = bool(args.zoo) and onnx_path is None and engine_path is None
     if args.zoo:
         from quantlab import zoo
 
         entry = zoo.get(args.zoo)
         torch_module = entry.build()
-        if onnx_path is None and engine_path is None:
-            onnx_path, engine_path = _zoo_models(entry, Path(args.out), args)
+        if calibrate_here:
+            onnx_path = pipeline.export_zoo_model(entry.name)
         if data in (None, "zoo"):
             eval_set = entry.eval_set(args.max_samples)
             task = Task.from_zoo(entry, eval_set)
             data = {entry.input_name: eval_set.inputs}
     elif args.torch:
         torch_module = load_factory(args.torch)
-    if onnx_path is None or engine_path is None:
+    if onnx_path is None or (engine_path is None and not calibrate_here):
         raise ConfigError(
             "pass both --onnx (FP32) and --engine (Q/DQ INT8) models, or --zoo NAME alone to "
             "export and quantize a zoo model here.")
     if data is None:
         raise ConfigError("pass --data (evaluation samples), or --zoo NAME for its eval split.")
     model = pipeline.prepare_model(onnx_path, data, **input_options(args))
-    with warnings.catch_warnings():  # the INT8 model's float-only parts are the FP32 one's
+    source = _open_data(data, model, args, recorded)
+    calibration = None
+    if calibrate_here:
+        calibration_out = Path(args.out) / "calibration"
+        check_output(args.out, force=args.force, produces=["summary.json", "report.html"])
+        check_output(calibration_out, force=args.force, produces=pipeline.CALIBRATION_FILES)
+        # Calibrated aside and written into OUT/calibration only once validation succeeded:
+        # a failed run leaves no partial output.
+        with tempfile.TemporaryDirectory(prefix="quantlab-validate-") as scratch:
+            calibration = pipeline.run_calibration(
+                model, entry.calibration_set(), Path(scratch) / "calibration",
+                method=args.method, batch_size=args.batch_size, progress=not args.no_progress)
+        model, engine = calibration.model, calibration.qdq_model
+    else:
+        with warnings.catch_warnings():  # the INT8 model's float-only parts are the FP32 one's
+            warnings.simplefilter("ignore")
+            engine = pipeline.prepare_model(engine_path, data, **input_options(args))
+    with warnings.catch_warnings():  # shown below with the results instead
         warnings.simplefilter("ignore")
-        engine = pipeline.prepare_model(engine_path, data, **input_options(args))
-    source = open_data(data, graph.input_specs(model), args.batch_size, args.max_samples,
-                       preprocess_from_args(args, recorded))
-    result = validate(model, engine, source, args.out, torch_module=torch_module, task=task,
-                      mode=args.mode, threshold_db=args.threshold_db, force=args.force,
-                      progress=not args.no_progress,
-                      title=f"Validation of {args.zoo or Path(onnx_path).name}")
+        result = validate(model, engine, source, args.out, torch_module=torch_module, task=task,
+                          mode=args.mode, threshold_db=args.threshold_db, force=args.force,
+                          progress=not args.no_progress,
+                          title=f"Validation of {args.zoo or Path(onnx_path).name}")
+    if calibration is not None:
+        pipeline.write_results(calibration, calibration_out, force=args.force)
+    _print_result(result)
+    return 0
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    from quantlab.errors import ConfigError
+
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"batch size must be at least 1, got {args.batch_size}.")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise ConfigError(f"max samples must be at least 1, got {args.max_samples}.")
+
+
+def _open_data(data, model, args: argparse.Namespace, recorded: dict | None):
+    """The evaluation batches for `model`, with the preprocessing of the options given."""
+    from quantlab import graph
+    from quantlab.commands.options import preprocess_from_args
+    from quantlab.data import open_data
+
+    return open_data(data, graph.input_specs(model), args.batch_size, args.max_samples,
+                     preprocess_from_args(args, recorded))
+
+
+def _print_result(result) -> None:
+    """Task metrics, warnings, end-to-end outputs, first divergences and the worst layers."""
+    import sys
+
+    from quantlab.report.validation import outputs_frame, pair_label
+
     for stage, values in result.metrics.items():
         shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items() if isinstance(v, float))
         print(f"{stage:12s} {shown}")
-    for (reference, test), divergence in result.divergences.items():
+    for pair in result.pairs:
+        for warning in pair.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+    for row in outputs_frame(result.pairs).itertuples(index=False):
+        print(f"output {row.output} {row.pair}: {row.sqnr_db:.1f} dB SQNR, cosine "
+              f"{row.cosine:.4f}")
+    for pair in result.pairs:
+        divergence = pair.divergence
         where = (f"{divergence.tensor} ({divergence.op_type} {divergence.node}, "
-                 f"{divergence.sqnr_db:.1f} dB)" if divergence else "none")
-        print(f"first divergence {reference} vs {test}: {where}")
+                 f"{divergence.sqnr_db:.1f} dB)" if divergence else
+                 f"none of {len(pair.table)} compared tensor(s)")
+        print(f"first divergence {pair.reference} vs {pair.test}: {where}")
+    engine_pair = result.pairs[-1]
+    worst = engine_pair.table.sort_values("sqnr_db").head(WORST_ON_CONSOLE)
+    if len(worst):
+        print(f"worst layers, {pair_label(engine_pair)}:")
+        for row in worst.itertuples(index=False):
+            print(f"  {row.sqnr_db:6.1f} dB  {row.tensor} ({row.op_type} {row.node})")
     print(f"report: {result.report}")
-    return 0
 
 
 def _calibration_folder(folder: Path, args) -> tuple[Path, Path, dict | None]:
@@ -153,13 +232,3 @@ def _calibration_folder(folder: Path, args) -> tuple[Path, Path, dict | None]:
     onnx_path = Path(args.onnx) if args.onnx else folder / "model.onnx"
     engine_path = Path(args.engine) if args.engine else folder / "model.int8.onnx"
     return onnx_path, engine_path, record.get("preprocess")
-
-
-def _zoo_models(entry, out: Path, args) -> tuple[Path, Path]:
-    """Export and calibrate a zoo model into ``out/calibration`` (FP32 and Q/DQ files)."""
-    from quantlab import pipeline
-
-    result = pipeline.run_calibration(entry.name, entry.calibration_set(), out / "calibration",
-                                      method=args.method, batch_size=args.batch_size,
-                                      force=args.force, progress=not args.no_progress)
-    return result.folder / "model.onnx", result.folder / "model.int8.onnx"
