@@ -1,7 +1,7 @@
 """An experiment is a folder of plain, re-loadable files, written all or nothing.
 
-A run writes into a staging folder next to its output folder and moves its
-files into place only once all of them are complete (:func:`output_folder`);
+A run writes into a staging folder (next to its output folder, or inside it when
+it exists) and moves its files into place only once all of them are complete (:func:`output_folder`);
 a lock file next to the output folder keeps two runs from writing into it at
 once. Nothing that exists is overwritten unless the user asks (``force``), and
 then only after the new results are complete.
@@ -32,6 +32,7 @@ from quantlab.errors import ConfigError, OutputExistsError
 STAGING_TAG = ".quantlab-tmp-"
 RETIRED_TAG = ".quantlab-old-"
 LOCK_SUFFIX = ".quantlab-lock"
+LOCK_NAME = LOCK_SUFFIX  # the lock inside the folder, when it cannot be next to it
 # A lock file that cannot be parsed (its writer died between creating and filling it)
 # is stale once it is this old; a parsable one is stale when its process is gone.
 UNREADABLE_LOCK_AGE_S = 30.0
@@ -77,7 +78,8 @@ def existing_results(
         existing = [folder / n for n in names if (folder / n).exists()]
     else:
         existing = (
-            [p for p in folder.iterdir() if not is_leftover(p.name)] if folder.exists() else []
+            [p for p in folder.iterdir() if not (is_leftover(p.name) or p.name == LOCK_NAME)]
+            if folder.exists() else []
         )
     if existing and not force:
         shown = ", ".join(p.name for p in existing[:5])
@@ -139,8 +141,13 @@ def _locked_error(folder: str | os.PathLike, owner: dict) -> OutputExistsError:
 
 
 def lock_path(folder: str | os.PathLike) -> Path:
-    """The lock file of output folder `folder`: ``.NAME.quantlab-lock`` next to it."""
+    """The lock file of output folder `folder`: ``.NAME.quantlab-lock`` next to it, or
+    ``.quantlab-lock`` inside it when it exists in a folder nobody can write (a volume
+    mounted into a read-only tree; then nobody can create it either, so the place is
+    the same for every run)."""
     folder = Path(folder)
+    if folder.is_dir() and not os.access(folder.parent, os.W_OK):
+        return folder / LOCK_NAME
     return folder.parent / f".{folder.name}{LOCK_SUFFIX}"
 
 
@@ -264,12 +271,12 @@ def _move_in(staging: Path, out: Path, retire: list[Path]) -> None:
     Old entries are renamed aside first, then the new ones renamed in, then the
     old ones deleted; a failure puts the old entries back.
     """
-    if not out.exists():
+    if staging.parent != out:
         os.rename(staging, out)
         return
     new = sorted(staging.iterdir())
     retire = list(dict.fromkeys([*retire, *(out / p.name for p in new if (out / p.name).exists())]))
-    aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}{RETIRED_TAG}"))
+    aside = Path(tempfile.mkdtemp(dir=out, prefix=RETIRED_TAG))
     moved_aside: list[Path] = []
     moved_in: list[Path] = []
     try:
@@ -300,7 +307,8 @@ def output_folder(
 
     Refuses (OutputExistsError) when `out` holds any of `produces` (anything, when
     `produces` is empty) unless `force`, or when another run holds its lock.
-    The body writes its files into `staging`, an empty folder next to `out`; when
+    The body writes its files into `staging`, an empty folder next to `out` (inside
+    it, hidden, when `out` exists: renames then stay on its file system); when
     the body completes, they replace the old results in `out` (all of `produces`
     that exist, or everything when `produces` is empty; other files are kept), and
     `out` is created if needed. When the body raises (or is interrupted), nothing
@@ -316,7 +324,10 @@ def output_folder(
         with output_lock(out):
             remove_leftovers(out)
             retire = existing_results(out, force, produces)  # again, under the lock
-            staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}{STAGING_TAG}"))
+            # Inside an existing `out`, so every rename stays on its file system (it may be
+            # a mount point or a symlink); next to a new one, which appears in one rename.
+            staging = Path(tempfile.mkdtemp(dir=out, prefix=STAGING_TAG) if out.is_dir() else
+                           tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}{STAGING_TAG}"))
             try:
                 os.chmod(staging, 0o777 & ~_umask())
                 yield staging

@@ -235,3 +235,29 @@ def test_write_json_writes_standard_json_and_read_json_restores_non_finite(tmp_p
     assert back["sqnr_db"] == math.inf and back["low"] == -math.inf and math.isnan(back["nan"])
     assert back["array"] == [1.0, math.inf] and back["np"] == math.inf
     assert back["name"] == "relu"
+
+
+def test_existing_out_in_a_read_only_parent_stages_and_locks_inside_it(tmp_path, monkeypatch):
+    # `--out /out` where /out is a writable volume mounted into a read-only tree (or on
+    # another file system than its parent: renames must stay inside it). Simulated, as root
+    # ignores modes: the parent refuses new entries.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.txt").write_text("old")
+    real_mkdtemp, real_open = experiment.tempfile.mkdtemp, os.open
+
+    def refuse_parent(path):
+        if Path(path).parent == tmp_path and Path(path) != out:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(experiment.os, "access", lambda path, mode: Path(path) != tmp_path)
+    monkeypatch.setattr(experiment.tempfile, "mkdtemp",
+                        lambda dir, prefix: refuse_parent(Path(dir) / prefix)
+                        or real_mkdtemp(dir=dir, prefix=prefix))
+    monkeypatch.setattr(experiment.os, "open",
+                        lambda path, *a, **k: refuse_parent(path) or real_open(path, *a, **k))
+    assert lock_path(out) == out / ".quantlab-lock"
+    with output_folder(out, True, PRODUCES) as staging:
+        assert staging.parent == out
+        write_text(staging / "a.txt", "new")
+    assert _tree(tmp_path) == {"out": None, "out/a.txt": b"new"}
