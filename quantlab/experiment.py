@@ -1,10 +1,10 @@
 """An experiment is a folder of plain, re-loadable files, written all or nothing.
 
 A run writes into a staging folder (next to its output folder, or inside it when
-it exists) and moves its files into place only once all of them are complete (:func:`output_folder`);
-a lock file next to the output folder keeps two runs from writing into it at
-once. Nothing that exists is overwritten unless the user asks (``force``), and
-then only after the new results are complete.
+it exists) and moves its files into place only once all of them are complete
+(:func:`output_folder`); a lock file next to the output folder keeps two runs
+from writing into it at once. Nothing that exists is overwritten unless the
+user asks (``force``), and then only after the new results are complete.
 """
 
 from __future__ import annotations
