@@ -16,6 +16,7 @@ from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.data import open_data
 from quantlab.errors import ConfigError, DataError, ModelError
 from quantlab.experiment import read_json
+from quantlab.sensitivity import local_error_model
 from quantlab.validate import ENGINE, FP32, TORCH, Task, validate
 
 
@@ -54,7 +55,7 @@ def four_conv(tmp_path_factory):
 
 def _quantize(model: onnx.ModelProto, x: np.ndarray) -> onnx.ModelProto:
     names = qdq.activation_tensors_to_calibrate(model)
-    values = OnnxRuntimeBackend(model).run({"input": x}, names)
+    values = OnnxRuntimeBackend(model).run({graph.input_specs(model)[0].name: x}, names)
     return qdq.quantize_model(model, {n: float(np.abs(v).max()) for n, v in values.items()})
 
 
@@ -230,3 +231,170 @@ def test_local_mode_scores_end_to_end_outputs_of_unquantized_nodes(tmp_path):
     (output,) = pair["outputs"].values()
     # End-to-end outputs are compared from the engine's own run: 8-bit error, not zero.
     assert 20 < output["sqnr_db"] < math.inf
+
+
+# ------------------------------------------------------------ the CLI's option checks
+
+
+def returns_none():
+    """A --torch factory that returns nothing."""
+
+
+def returns_text():
+    """A --torch factory that returns a str."""
+    return "not a module"
+
+
+def raises():
+    """A --torch factory that fails while loading its weights."""
+    raise RuntimeError("factory failed while loading weights")
+
+
+@pytest.mark.parametrize(("factory", "message"), [
+    ("returns_none", "returned NoneType, not a torch.nn.Module"),
+    ("returns_text", "returned str, not a torch.nn.Module"),
+    ("raises", "the factory raised RuntimeError: factory failed while loading weights"),
+])
+def test_bad_torch_factories_are_one_line_errors(factory, message, monkeypatch):
+    from quantlab.commands.validate import load_factory
+
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    with pytest.raises(ConfigError, match=f"--torch 'test_validate:{factory}'.*{message}"):
+        load_factory(f"test_validate:{factory}")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_threshold_is_refused_before_any_work(four_conv, tmp_path, capsys, value):
+    _, _, path, quantized, x, _ = four_conv
+    graph.save_model(quantized, tmp_path / "m.int8.onnx")
+    np.save(tmp_path / "x.npy", x)
+    code = cli.main(["validate", "--onnx", str(path), "--engine", str(tmp_path / "m.int8.onnx"),
+                     "--data", str(tmp_path / "x.npy"), "--out", str(tmp_path / "run"),
+                     f"--threshold-db={value}", "--no-progress"])
+    assert code == 1 and "--threshold-db must be a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("bad", [["--max-samples", "0"], ["--data", "BAD"]])
+def test_zoo_validation_checks_options_and_data_before_calibrating(tmp_path, capsys, bad,
+                                                                    monkeypatch):
+    from quantlab import pipeline
+
+    np.save(tmp_path / "bad.npy", np.zeros((4, 1, 5, 5), np.float32))
+    bad = [str(tmp_path / "bad.npy") if b == "BAD" else b for b in bad]
+    monkeypatch.setattr(pipeline, "run_calibration", lambda *a, **k: pytest.fail("calibrated"))
+    code = cli.main(["validate", "--zoo", "digits-cnn", "--out", str(tmp_path / "run"),
+                     "--no-progress", *bad])
+    assert code == 1
+    assert not (tmp_path / "run").exists()  # no partial OUT/calibration
+
+
+def test_failed_zoo_validation_leaves_nothing(tmp_path, monkeypatch):
+    from quantlab import validate as validate_module
+
+    def fail(*args, **kwargs):
+        raise DataError("validation failed")
+
+    monkeypatch.setattr(validate_module, "run_stages", fail)
+    code = cli.main(["validate", "--zoo", "digits-cnn", "--out", str(tmp_path / "run"),
+                     "--max-samples", "8", "--no-progress"])
+    assert code == 1 and not (tmp_path / "run").exists()
+
+
+def test_torch_stage_with_few_mapped_tensors_is_flagged(four_conv, tmp_path, capsys):
+    module, model, _, quantized, x, _ = four_conv
+    bare = onnx.ModelProto()
+    bare.CopyFrom(model)
+    for node in bare.graph.node:  # an export without module scopes (and no TorchScript names)
+        del node.metadata_props[:]
+        node.name = f"n{abs(hash(node.name))}"
+    with pytest.warns(UserWarning, match="could not be mapped"):
+        result = validate(bare, quantized, _source(bare, x), tmp_path, torch_module=module,
+                          progress=False)
+    pair = result.pairs[0]
+    assert pair.warnings and f"only {len(pair.table)} of" in pair.warnings[0]
+    assert "Warning: only" in result.report.read_text()
+    assert read_json(tmp_path / "summary.json")["pairs"][0]["warnings"] == pair.warnings
+
+
+# --------------------------------------------------- the report escapes names from the model
+
+
+def test_hostile_names_are_escaped_in_the_report(tmp_path):
+    from quantlab.compare import Divergence, PairResult
+    from quantlab.report import write_report
+    from quantlab.report.validation import validation_section
+
+    tensor, node = "<script>alert(1)</script>getitem", "<script>alert(1)</script>node_Conv_68"
+    module = "<img src=x onerror=alert(1)>"
+    table = pd.DataFrame([{"tensor": tensor, "node": node, "op_type": "Conv",
+                           "torch_module": module, "cosine": 0.9, "sqnr_db": 3.0,
+                           "rel_l2": 0.7, "max_abs": 2.0, "frac_outside": 0.5}])
+    divergence = Divergence(tensor, node, "Conv", module, 3.0, math.inf, "jump")
+    pair = PairResult(FP32, ENGINE, "global", table, divergence,
+                      {tensor: {"sqnr_db": 3.0, "cosine": 0.9, "rel_l2": 0.7, "max_abs": 2.0,
+                                "frac_outside": 0.5}}, warnings=[f"tensor {tensor} unmapped"])
+    section = validation_section([pair], {}, [tensor], 30.0, notes=[module])
+    html = write_report(tmp_path / "report.html", "t", [section]).read_text()
+    assert "<script>" not in html and "<img src=x" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;getitem" in html
+    assert "&lt;img src=x onerror=alert(1)&gt;" in html
+    assert "End-to-end outputs" in html
+
+
+# ------------------------------------------- local mode on a Reshape whose shape is computed
+
+
+def _computed_reshape_model() -> onnx.ModelProto:
+    """x.view(x.size(0), -1) as legacy torch / Paddle export it: Shape->Gather->Concat->Reshape."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    initializers = [
+        numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+        numpy_helper.from_array(rng.standard_normal((256, 5)).astype(np.float32) * 0.1, "w2"),
+        numpy_helper.from_array(np.array(0, np.int64), "zero"),
+        numpy_helper.from_array(np.array([0], np.int64), "axis0"),
+        numpy_helper.from_array(np.array([-1], np.int64), "minus_one")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Shape", ["r"], ["s"]),
+             helper.make_node("Gather", ["s", "zero"], ["n"]),
+             helper.make_node("Unsqueeze", ["n", "axis0"], ["n1"]),
+             helper.make_node("Concat", ["n1", "minus_one"], ["Concat.1"], axis=0),
+             helper.make_node("Reshape", ["r", "Concat.1"], ["flat"]),
+             helper.make_node("MatMul", ["flat", "w2"], ["y"])]
+    body = helper.make_graph(
+        nodes, "computed_reshape",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])], initializers)
+    return graph.normalize(helper.make_model(body, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def test_local_mode_feeds_a_computed_reshape_shape(tmp_path):
+    model = _computed_reshape_model()
+    x = np.random.default_rng(1).standard_normal((6, 3, 8, 8)).astype(np.float32)
+    quantized = _quantize(model, x)
+    matmul = next(n for n in quantized.graph.node if n.op_type == "MatMul")
+    reshape = graph.producers(quantized)[matmul.input[0]]
+    assert reshape.op_type == "Reshape"  # the DQ sits before the Reshape: the case that broke
+    local = local_error_model(graph.Graph(quantized), graph.Graph(model))
+    assert "Concat.1" in local.feeds
+    result = validate(model, quantized, _source(model, x, batch_size=4), tmp_path, mode="local",
+                      progress=False)
+    table = result.tables[(FP32, ENGINE)].set_index("tensor")
+    assert set(table.index) == {"c", "y"}
+    # Reference: the MatMul alone on the FP32 Relu output quantized with the same scale.
+    scale = numpy_helper.to_array(
+        next(i for i in quantized.graph.initializer if i.name == "r_scale")).astype(np.float64)
+    w2 = numpy_helper.to_array(
+        next(i for i in model.graph.initializer if i.name == "w2")).astype(np.float64)
+    w2_q = numpy_helper.to_array(
+        next(i for i in quantized.graph.initializer if i.name == "w2_quantized"))
+    w2_scale = numpy_helper.to_array(
+        next(i for i in quantized.graph.initializer if i.name == "w2_scale")).astype(np.float64)
+    relu = OnnxRuntimeBackend(model).run({"x": x}, ["r"])["r"].astype(np.float64).reshape(6, -1)
+    fake = np.clip(np.round(relu / scale), -128, 127) * scale
+    reference, test = relu @ w2, fake @ (w2_q.astype(np.float64) * w2_scale)
+    expected = 10 * np.log10(np.sum(reference**2) / np.sum((test - reference) ** 2))
+    assert table.loc["y", "sqnr_db"] == pytest.approx(expected, abs=0.05)
