@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import signal
 import sys
+import threading
 import warnings
 
 from quantlab import __version__
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = lambda message, *_args, **_kwargs: print(
         f"quantlab {args.command}: warning: {message}", file=sys.stderr
     )
+    main_thread = threading.current_thread() is threading.main_thread()  # signals need it
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return int(args.run(args) or 0)
     except QuantlabError as exc:
@@ -71,11 +75,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"quantlab {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"quantlab {args.command}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except OSError as exc:
         # Disk full, read-only, not a folder: errors of the machine, not bugs; the output
         # folder is left as it was (experiment.output_folder).
         print(f"quantlab {args.command}: error: {describe_os_error(exc)}", file=sys.stderr)
         return 1
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM (a CI timeout, `kill`): unwinds like Ctrl-C, so no partial output is left."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
 
 
 # errno values that mean the path could not be written (others: it could not be read).

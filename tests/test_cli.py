@@ -226,3 +226,21 @@ def test_one_outlier_sample_is_named_in_one_warning(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("warning:") == 1, err
     assert "'input' amax" in err and "Remove or fix the sample" in err
+
+
+def test_sigterm_while_writing_leaves_nothing_and_exits_143(tmp_path, capsys, monkeypatch):
+    import signal
+
+    from quantlab import graph
+
+    model, data = _small_onnx_and_data(tmp_path)
+
+    def killed(model_proto, path):
+        os.kill(os.getpid(), signal.SIGTERM)  # a CI timeout in the middle of the write phase
+
+    monkeypatch.setattr(graph, "save_model", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(_calibrate_args(model, data, tmp_path / "out")) == 143
+    assert capsys.readouterr().err.endswith("quantlab calibrate: terminated\n")
+    assert sorted(os.listdir(tmp_path)) == ["calib.npy", "model.onnx"]
+    assert signal.getsignal(signal.SIGTERM) == before
