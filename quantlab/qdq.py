@@ -122,7 +122,7 @@ def quantize_model(
                           f"{', '.join(HIGH_PRECISIONS)}.")
     model = graph.normalize(model)
     placement = place(model, plan)
-    scales = {t: _activation_scale(t, amax) for t in set(placement.source.values())}
+    scales = {t: activation_scale(t, amax) for t in set(placement.source.values())}
     result = _build(model, placement, scales, per_channel)
     if high_precision == "fp16":
         _cast_to_fp16(result, {name for name, p in _precisions(model, plan).items()
@@ -141,7 +141,7 @@ def _cast_to_fp16(model: onnx.ModelProto, names: set[str]) -> None:
     if not names:
         return
     g = model.graph
-    fresh = _Names(model)
+    fresh = FreshNames(model)
     floats = graph.float_tensors(model)
     initializers = {init.name: init for init in g.initializer}
     floats.update(n for n, init in initializers.items() if init.data_type == onnx.TensorProto.FLOAT)
@@ -386,7 +386,8 @@ def _ancestor_distances(tensor, producers, initializers) -> dict[str, int]:
     return distances
 
 
-def _activation_scale(tensor: str, amax: Mapping[str, float]) -> np.float32:
+def activation_scale(tensor: str, amax: Mapping[str, float]) -> np.float32:
+    """Per-tensor scale amax / 127 of `tensor`, with a DataError naming it when amax is bad."""
     if tensor not in amax:
         raise DataError(
             f"no amax for tensor '{tensor}', which the Q/DQ model quantizes. Calibrate every "
@@ -411,7 +412,24 @@ def quantize_weight(weight: np.ndarray, scale: np.ndarray, axis: int | None) -> 
     return np.clip(np.rint(scaled), -128, 127).astype(np.int8)
 
 
-class _Names:
+def weight_dequantizer(weight: np.ndarray, name: str, axis: int | None, names: FreshNames
+                       ) -> tuple[list[onnx.TensorProto], onnx.NodeProto]:
+    """The int8 weight, scale and zero-point initializers of `name` and its DequantizeLinear."""
+    scale = weight_amax(weight, axis) / np.float32(_QMAX)
+    q_name, s_name, z_name = (names(f"{name}_{s}") for s in ("quantized", "scale", "zero_point"))
+    stored = [
+        numpy_helper.from_array(quantize_weight(weight, scale, axis), q_name),
+        numpy_helper.from_array(scale.astype(np.float32), s_name),
+        numpy_helper.from_array(np.zeros(scale.shape, np.int8), z_name),
+    ]
+    attrs = {"axis": axis} if axis is not None else {}
+    node = helper.make_node("DequantizeLinear", [q_name, s_name, z_name],
+                            [names(f"{name}_dequantized")],
+                            name=names(f"{name}_DequantizeLinear"), **attrs)
+    return stored, node
+
+
+class FreshNames:
     """Fresh tensor/node names that never collide with the model's own."""
 
     def __init__(self, model: onnx.ModelProto):
@@ -432,7 +450,7 @@ def _build(model, placement: Placement, scales, per_channel: bool) -> onnx.Model
     result = onnx.ModelProto()
     result.CopyFrom(model)
     g = result.graph
-    names = _Names(model)
+    names = FreshNames(model)
     weights = graph.initializers(model)
     zero_point = names("quantlab_zero_point_int8")
     g.initializer.append(numpy_helper.from_array(np.array(0, dtype=np.int8), zero_point))
@@ -444,20 +462,10 @@ def _build(model, placement: Placement, scales, per_channel: bool) -> onnx.Model
     for edge, (weight_name, axis) in placement.weights.items():
         axis = axis if per_channel else None
         if (weight_name, axis) not in weight_dq:
-            weight = weights[weight_name]
-            scale = weight_amax(weight, axis) / np.float32(_QMAX)
-            q_name, s_name, z_name = (names(f"{weight_name}_{s}") for s in
-                                      ("quantized", "scale", "zero_point"))
-            g.initializer.extend([
-                numpy_helper.from_array(quantize_weight(weight, scale, axis), q_name),
-                numpy_helper.from_array(scale.astype(np.float32), s_name),
-                numpy_helper.from_array(np.zeros(scale.shape, np.int8), z_name),
-            ])
-            out = names(f"{weight_name}_dequantized")
-            attrs = {"axis": axis} if axis is not None else {}
-            prelude.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [out],
-                                            name=names(f"{weight_name}_DequantizeLinear"), **attrs))
-            weight_dq[(weight_name, axis)] = out
+            stored, dequantize = weight_dequantizer(weights[weight_name], weight_name, axis, names)
+            g.initializer.extend(stored)
+            prelude.append(dequantize)
+            weight_dq[(weight_name, axis)] = dequantize.output[0]
         rewired[edge] = weight_dq[(weight_name, axis)]
 
     # Activations: one Q/DQ pair per tensor, placed right after its producer.
