@@ -302,3 +302,171 @@ def test_zoo_cache_has_every_range_tensorrt_needs(name, tmp_path):
                                    result.scales.method, **result.scales.params)
     expected = qdq.quantize_model(model, only_qdq.amax)
     assert expected.SerializeToString() == result.qdq_model.SerializeToString()
+
+
+# --- engine layers -> ONNX nodes ------------------------------------------------------------------
+# Layers of a real engine: NVIDIA/TensorRT (tag/branch release/10.16)
+# tools/experimental/trt-engine-explorer/examples/pytorch/resnet/A100/qat/
+# resnet-qat.onnx.engine.graph.json (exported with IEngineInspector, DETAILED verbosity), kept
+# fields Name, LayerType, Inputs/Outputs (Name, Format/Datatype), Weights; verbatim otherwise.
+RESNET_QAT_LAYERS = {"Layers": [
+    {"Name": "QuantizeLinear_2", "LayerType": "Reformat",
+     "Inputs": [{"Name": "input.1", "Format/Datatype": "Row major linear FP32"}],
+     "Outputs": [{"Name": "onnx::DequantizeLinear_125",
+                  "Format/Datatype": "Four wide channel vectorized row major Int8 format"}]},
+    {"Name": "conv1.weight + QuantizeLinear_7 + Conv_9", "LayerType": "CaskConvolution",
+     "Inputs": [{"Name": "onnx::DequantizeLinear_125",
+                 "Format/Datatype": "Four wide channel vectorized row major Int8 format"}],
+     "Outputs": [{"Name": "onnx::MaxPool_136", "Format/Datatype": "Row major linear FP32"}],
+     "Weights": {"Type": "Int8", "Count": 9408}},
+    {"Name": "MaxPool_12", "LayerType": "TiledPooling",
+     "Inputs": [{"Name": "onnx::MaxPool_136", "Format/Datatype": "Row major linear FP32"}],
+     "Outputs": [{"Name": "Reformatted Output Tensor 0 to MaxPool_12",
+                  "Format/Datatype": "Row major linear FP32"}]},
+    {"Name": "Reformatting CopyNode for Output Tensor 0 to MaxPool_12", "LayerType": "Reformat",
+     "Inputs": [{"Name": "Reformatted Output Tensor 0 to MaxPool_12",
+                 "Format/Datatype": "Row major linear FP32"}],
+     "Outputs": [{"Name": "inputs", "Format/Datatype":
+                  "Thirty-two wide channel vectorized row major FP16 format"}]},
+    {"Name": "layer1.0.conv2.weight + QuantizeLinear_32 + Conv_34 + Add_36 + Relu_37",
+     "LayerType": "CaskConvolution",
+     "Inputs": [{"Name": "onnx::DequantizeLinear_154", "Format/Datatype":
+                 "Thirty-two wide channel vectorized row major Int8 format"},
+                {"Name": "inputs", "Format/Datatype":
+                 "Thirty-two wide channel vectorized row major FP16 format"}],
+     "Outputs": [{"Name": "inputs.4", "Format/Datatype":
+                  "Thirty-two wide channel vectorized row major FP16 format"}],
+     "Weights": {"Type": "Int8", "Count": 36864}},
+    {"Name": "GlobalAveragePool_246", "LayerType": "TiledPooling",
+     "Inputs": [{"Name": "Reformatted Input Tensor 0 to GlobalAveragePool_246",
+                 "Format/Datatype": "Two wide channel vectorized row major FP16 format"}],
+     "Outputs": [{"Name": "onnx::Flatten_409",
+                  "Format/Datatype": "Two wide channel vectorized row major FP16 format"}]},
+    {"Name": "fc.weight + QuantizeLinear_255 + Gemm_257 + fc.bias + (Unnamed Layer* 306) "
+             "[Shuffle] + unsqueeze_node_after_fc.bias + (Unnamed Layer* 306) [Shuffle]_"
+             "(Unnamed Layer* 306) [Shuffle]_output + (Unnamed Layer* 307) [ElementWise]",
+     "LayerType": "CaskConvolution", "Weights": {"Type": "Int8", "Count": 512000}},
+], "Bindings": ["input.1", "422"]}
+
+
+def test_layer_names_of_a_real_engine():
+    from quantlab.trt_layers import engine_layers
+
+    layers = {layer.name.split(" + ")[-1]: layer for layer in engine_layers(RESNET_QAT_LAYERS)}
+    conv = layers["Conv_9"]
+    # Without the ONNX model every non-TensorRT token is kept (weights' names included).
+    assert conv.nodes == ["conv1.weight", "QuantizeLinear_7", "Conv_9"]
+    assert (conv.precision, conv.input_types, conv.output_types) == ("int8", ["int8"], ["fp32"])
+    assert layers["Relu_37"].precision == "int8"  # int8 weights; its residual input is FP16
+    assert layers["MaxPool_12"].precision == "fp32"
+    assert layers["GlobalAveragePool_246"].precision == "fp16"
+    reformat = layers["Reformatting CopyNode for Output Tensor 0 to MaxPool_12"]
+    assert reformat.is_reformat and reformat.nodes == []
+    assert layers["QuantizeLinear_2"].nodes == ["QuantizeLinear_2"]
+    fc = next(layer for layer in layers.values() if layer.name.startswith("fc.weight"))
+    assert fc.nodes == ["fc.weight", "QuantizeLinear_255", "Gemm_257", "fc.bias"]
+
+
+def resnet_stem_model() -> onnx.ModelProto:
+    """The graph around resnet-qat's first layers as PyTorch exported it (Q/DQ pairs on the
+    input and on conv1.weight, Conv, Relu, MaxPool); the DequantizeLinear names are ours."""
+    x = helper.make_tensor_value_info("input.1", TensorProto.FLOAT, [32, 3, 8, 8])
+    y = helper.make_tensor_value_info("pool", TensorProto.FLOAT, None)
+    inits = [helper.make_tensor("s", TensorProto.FLOAT, [], [0.02]),
+             helper.make_tensor("z", TensorProto.INT8, [], [0]),
+             helper.make_tensor("conv1.weight", TensorProto.FLOAT, [4, 3, 3, 3], [0.1] * 108)]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["input.1", "s", "z"], ["onnx::DequantizeLinear_125"],
+                         name="QuantizeLinear_2"),
+        helper.make_node("DequantizeLinear", ["onnx::DequantizeLinear_125", "s", "z"], ["xq"],
+                         name="DequantizeLinear_3"),
+        helper.make_node("QuantizeLinear", ["conv1.weight", "s", "z"], ["wq"],
+                         name="QuantizeLinear_7"),
+        helper.make_node("DequantizeLinear", ["wq", "s", "z"], ["wdq"], name="DequantizeLinear_8"),
+        helper.make_node("Conv", ["xq", "wdq"], ["conv"], name="Conv_9", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["conv"], ["onnx::MaxPool_136"], name="Relu_10"),
+        helper.make_node("MaxPool", ["onnx::MaxPool_136"], ["pool"], name="MaxPool_12",
+                         kernel_shape=[2, 2]),
+    ]
+    return helper.make_model(helper.make_graph(nodes, "stem", [x], [y], inits),
+                             opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_layer_span_adds_the_nodes_its_name_omits():
+    from quantlab.trt_layers import engine_layers, precision_mismatches
+
+    layers = engine_layers(RESNET_QAT_LAYERS, model=resnet_stem_model())
+    by_name = {layer.name: layer for layer in layers}
+    # The convolution's name omits the Relu TensorRT fused into it and the DequantizeLinear
+    # nodes it absorbed; the tensors between its input and output name them.
+    assert by_name["conv1.weight + QuantizeLinear_7 + Conv_9"].nodes == [
+        "DequantizeLinear_3", "QuantizeLinear_7", "DequantizeLinear_8", "Conv_9", "Relu_10"]
+    # MaxPool's output is a TensorRT-made tensor: its name alone maps it.
+    assert by_name["MaxPool_12"].nodes == ["MaxPool_12"]
+    plan = {"Conv_9": "int8", "Relu_10": "int8", "MaxPool_12": "int8", "Gather_99": "fp32"}
+    assert [(m.node, m.planned, m.engine, m.layer) for m in precision_mismatches(layers, plan)] == [
+        ("MaxPool_12", "int8", "fp32", "MaxPool_12"),
+        ("Gather_99", "fp32", None, None)]
+
+
+# Layer names from public trtexec per-layer profiles and layer-info exports of TensorRT 8.x-10.x:
+# PWN fusions (trt-engine-explorer tests/inputs/mobilenet.qat.onnx.engine.graph.json; a YOLOv5
+# profile), horizontal fusion " || " (a TensorRT 8 profile of a multi-branch CNN), a Myelin
+# region and its reformat (a YOLO profile on TensorRT 10), Metadata of a PointWise layer (a
+# TensorRT 10 QAT write-up: "[ONNX Layer: .../addop/Add]" and ".../relu3/Relu").
+@pytest.mark.parametrize("name, tokens", [
+    ("features.0.0.weight + QuantizeLinear_8 + Conv_12 + PWN(Clip_16)",
+     ["features.0.0.weight", "QuantizeLinear_8", "Conv_12", "Clip_16"]),
+    ("/model.1/conv/Conv + PWN(PWN(/model.1/act/Sigmoid), /model.1/act/Mul)",
+     ["/model.1/conv/Conv", "/model.1/act/Sigmoid", "/model.1/act/Mul"]),
+    ("Conv_171 + Relu_172 || Conv_178 + Relu_179",
+     ["Conv_171", "Relu_172", "Conv_178", "Relu_179"]),
+    ("PWN(Sigmoid_176)", ["Sigmoid_176"]),
+])
+def test_fused_layer_name_tokens(name, tokens):
+    from quantlab.trt_layers import name_tokens
+
+    assert name_tokens(name) == tokens
+
+
+def test_foreign_node_ranges_metadata_and_reformats():
+    from quantlab.trt_layers import engine_layers
+
+    names = ["/model.10/m/m.0/attn/qkv/conv/Conv", "/model.10/m/m.0/attn/Split_16",
+             "/model.10/m/m.0/attn/MatMul", "/model.10/m/m.0/attn/Softmax",
+             "/model.10/m/m.0/attn/Add", "/model.10/m/m.0/attn/proj/conv/Conv"]
+    x = helper.make_tensor_value_info("t0", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("t6", TensorProto.FLOAT, [1, 4])
+    nodes = [helper.make_node("Relu", [f"t{i}"], [f"t{i + 1}"], name=n)
+             for i, n in enumerate(names)]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]))
+    region = "{ForeignNode[/model.10/m/m.0/attn/Split_16.../model.10/m/m.0/attn/Add]}"
+    info = [{"Name": region, "LayerType": "Myelin"},
+            {"Name": f"Reformatting CopyNode for Output Tensor 0 to {region}",
+             "LayerType": "Reformat"},
+            {"Name": "PointWise", "LayerType": "PointWise",
+             "Metadata": "[ONNX Layer: /model/img_backbone/layer1/layer1.1/addop/Add]\x1f"
+                         "[ONNX Layer: /model/img_backbone/layer1/layer1.1/relu3/Relu]",
+             "Inputs": [{"Name": "a", "Format/Datatype": "Half"}]}]
+    mapped = engine_layers(info, model=model)
+    assert mapped[0].nodes == names[1:5]
+    assert mapped[1].nodes == [] and mapped[1].is_reformat
+    unmapped = engine_layers(info)
+    assert unmapped[0].nodes == [names[1], names[4]]
+    assert unmapped[2].nodes == ["/model/img_backbone/layer1/layer1.1/addop/Add",
+                                 "/model/img_backbone/layer1/layer1.1/relu3/Relu"]
+    assert unmapped[2].precision == "fp16"
+
+
+def test_layer_info_files_and_names_only(tmp_path):
+    from quantlab.trt_layers import engine_layers, read_layer_info
+
+    path = tmp_path / "layers.json"
+    path.write_text('{"Layers": ["Conv_9 + Relu_10", "MaxPool_12"], "Bindings": ["x", "y"]}')
+    layers = engine_layers(path)
+    assert [layer.nodes for layer in layers] == [["Conv_9", "Relu_10"], ["MaxPool_12"]]
+    assert layers[0].precision is None
+    with pytest.raises(DataError, match="no 'Layers' list"):
+        read_layer_info('{"Bindings": []}')
+    with pytest.raises(DataError, match="cannot be read"):
+        read_layer_info(tmp_path / "missing.json")

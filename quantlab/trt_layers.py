@@ -1,0 +1,263 @@
+"""Map a TensorRT engine's layers back to ONNX nodes, and check their precision against a plan.
+
+Input is the engine inspector's layer information (``IEngineInspector.
+get_engine_information(LayerInformationFormat.JSON)`` on an engine built with
+``ProfilingVerbosity.DETAILED``, or ``trtexec --exportLayerInfo=FILE
+--profilingVerbosity=detailed``): ``{"Layers": [...], "Bindings": [...]}``,
+each layer a dict with ``Name``, ``LayerType``, ``Inputs``/``Outputs`` (tensor
+``Name`` and ``Format/Datatype``), for convolutions ``Weights.Type``, and from
+TensorRT 8.6 on ``Metadata`` (``[ONNX Layer: NODE]`` entries separated by
+``\\x1e``/``\\x1f``, set by the ONNX parser). A layer's ONNX nodes are read from
+two places, merged:
+
+- its ``Metadata`` where TensorRT wrote it, else its name: fused layers join
+  ONNX node names with ``" + "`` (vertical fusion) and ``" || "``
+  (horizontal), wrap pointwise fusions in ``PWN(a, PWN(b))``, and
+  name Myelin regions ``{ForeignNode[first...last]}`` (every node from first to
+  last in network order, which is the ONNX node order the parser imports);
+- with the ONNX model: every node between the layer's input and output tensors
+  (the fused Relu a convolution's name omits, the DequantizeLinear folded into it).
+
+Reformat layers (``Reformatting CopyNode for ... to LAYER``) and TensorRT-made
+layers (``(Unnamed Layer* N)``, ``copied_squeeze_after_...``) hold no ONNX node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from quantlab import graph
+from quantlab.errors import DataError
+
+_METADATA = re.compile(r"\[ONNX Layer: ([^\]\x1e\x1f]+)\]")
+_FOREIGN = re.compile(r"^\{ForeignNode\[(.*)\.\.\.(.*)\]\}$")
+_REFORMAT = re.compile(
+    r"^(?:Reformatting CopyNode for|Reformatted) (?:Input|Output) Tensor \d+ to ")
+_INTERNAL = ("(Unnamed Layer*", "copied_squeeze_after_", "unsqueeze_node_after_",
+             "squeeze_after_", "ONNXTRT_")
+# Words of a "Format/Datatype" string ("Thirty-two wide channel vectorized row major Int8
+# format", "Row major linear FP32", "Half") -> precision, checked in this order.
+_TYPES = (("Int8", "int8"), ("FP8", "fp8"), ("BF16", "bf16"), ("FP16", "fp16"), ("Half", "fp16"),
+          ("FP32", "fp32"), ("Float", "fp32"), ("Int32", "int32"), ("Int64", "int64"),
+          ("Bool", "bool"), ("Int4", "int4"))
+
+
+def datatype(text: str) -> str | None:
+    """The precision a ``Format/Datatype`` (or ``Weights.Type``) string names, or None."""
+    for word, precision in _TYPES:
+        if re.search(rf"\b{word}\b", text):
+            return precision
+    return None
+
+
+def name_tokens(name: str) -> list[str]:
+    """The parts of a fused layer name: ``"a + PWN(b, PWN(c)) || d"`` -> [a, b, c, d]."""
+    tokens: list[str] = []
+    for horizontal in name.split(" || "):
+        for part in horizontal.split(" + "):
+            tokens.extend(_pwn_tokens(part.strip()))
+    return [t for t in tokens if t]
+
+
+def _pwn_tokens(text: str) -> list[str]:
+    if not (text.startswith("PWN(") and text.endswith(")")):
+        return [text]
+    inner, depth, start, parts = text[4:-1], 0, 0, []
+    for i, char in enumerate(inner):
+        depth += char == "("
+        depth -= char == ")"
+        if char == "," and depth == 0:
+            parts.append(inner[start:i].strip())
+            start = i + 1
+    parts.append(inner[start:].strip())
+    return [token for part in parts for token in _pwn_tokens(part)]
+
+
+@dataclass
+class EngineLayer:
+    """One layer of an engine: its name, type, tensors, datatypes and the ONNX nodes it holds."""
+
+    name: str
+    layer_type: str
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    input_types: list[str | None] = field(default_factory=list)
+    output_types: list[str | None] = field(default_factory=list)
+    weights_type: str | None = None
+    metadata: str = ""
+    nodes: list[str] = field(default_factory=list)
+
+    @property
+    def is_reformat(self) -> bool:
+        """A layer TensorRT added to change a tensor's format or type (no ONNX node of its own,
+        except a QuantizeLinear it runs as a reformat)."""
+        return bool(_REFORMAT.match(self.name)) or (self.layer_type in ("Reformat", "NoOp")
+                                                    and not self.nodes)
+
+    @property
+    def precision(self) -> str | None:
+        """The precision the layer computes in: its weights' type, else its inputs' lowest
+        float type (int8 < fp8 < fp16/bf16 < fp32); None where the JSON has no types."""
+        if self.weights_type in ("int8", "fp8", "fp16", "bf16", "fp32", "int4"):
+            return self.weights_type
+        found = [t for t in self.input_types if t]
+        for precision in ("int8", "int4", "fp8", "fp16", "bf16", "fp32"):
+            if precision in found:
+                return precision
+        return found[0] if found else None
+
+
+def read_layer_info(source: str | os.PathLike | Mapping | Sequence) -> list[dict]:
+    """The layer dicts of layer-information JSON (a path, a JSON string, or parsed JSON).
+
+    A names-only export (``ProfilingVerbosity.LAYER_NAMES_ONLY``: a list of
+    strings) gives layers with a name only.
+    """
+    data = source
+    if isinstance(source, (str, os.PathLike)):
+        text = str(source)
+        if not text.lstrip().startswith(("{", "[")):
+            path = Path(source)
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise DataError(f"layer information {path} cannot be read ({exc}).") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"layer information is not JSON ({exc}).") from None
+    layers = data.get("Layers") if isinstance(data, Mapping) else data
+    if not isinstance(layers, list):
+        raise DataError(
+            "layer information has no 'Layers' list; export it with trtexec --exportLayerInfo "
+            "--profilingVerbosity=detailed or IEngineInspector.get_engine_information(JSON)."
+        )
+    return [{"Name": layer} if isinstance(layer, str) else dict(layer) for layer in layers]
+
+
+def engine_layers(source: str | os.PathLike | Mapping | Sequence,
+                  model: onnx.ModelProto | None = None) -> list[EngineLayer]:
+    """Parse layer information into :class:`EngineLayer` s, each with its ONNX nodes.
+
+    Without `model` a layer's nodes are every name token and metadata entry that
+    is not TensorRT-made; with it, only names of nodes of `model`, plus the
+    nodes between the layer's input and output tensors.
+    """
+    index = _ModelIndex(model) if model is not None else None
+    result = []
+    for raw in read_layer_info(source):
+        name = str(raw.get("Name", ""))
+        layer = EngineLayer(
+            name=name,
+            layer_type=str(raw.get("LayerType", "")),
+            inputs=[str(t.get("Name", "")) for t in raw.get("Inputs", [])],
+            outputs=[str(t.get("Name", "")) for t in raw.get("Outputs", [])],
+            input_types=[datatype(str(t.get("Format/Datatype", "")))
+                         for t in raw.get("Inputs", [])],
+            output_types=[datatype(str(t.get("Format/Datatype", "")))
+                          for t in raw.get("Outputs", [])],
+            weights_type=datatype(str((raw.get("Weights") or {}).get("Type", ""))),
+            metadata=str(raw.get("Metadata", "")),
+        )
+        layer.nodes = _layer_nodes(layer, index)
+        result.append(layer)
+    return result
+
+
+def _layer_nodes(layer: EngineLayer, index: _ModelIndex | None) -> list[str]:
+    if _REFORMAT.match(layer.name):
+        return []
+    # Metadata, where TensorRT wrote it (8.6+), names the layer's nodes; the name may then be
+    # a kernel's ("PointWise", "__myl_...").
+    candidates = _METADATA.findall(layer.metadata)
+    foreign = _FOREIGN.match(layer.name)
+    if not candidates and foreign:
+        first, last = foreign.groups()
+        candidates = index.between(first, last) if index else [first, last]
+    elif not candidates:
+        candidates = [t for t in name_tokens(layer.name) if not t.startswith(_INTERNAL)]
+    if index is None:
+        return list(dict.fromkeys(candidates))
+    found = [c for c in candidates if c in index.position]
+    found += index.span(layer.inputs, layer.outputs)
+    return sorted(set(found), key=index.position.__getitem__)
+
+
+class _ModelIndex:
+    """Node order, producers and constants of an ONNX model, for mapping layers to nodes."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.nodes = list(model.graph.node)
+        self.position = {node.name: i for i, node in enumerate(self.nodes)}
+        self.producers = graph.producers(model)
+        self.constants = graph.constant_tensors(model)
+        self.graph_inputs = {value.name for value in model.graph.input}
+
+    def between(self, first: str, last: str) -> list[str]:
+        """Node names from `first` to `last` in node order (empty if either is unknown)."""
+        if first not in self.position or last not in self.position:
+            return []
+        start, stop = sorted((self.position[first], self.position[last]))
+        return [node.name for node in self.nodes[start:stop + 1]]
+
+    def span(self, inputs: Sequence[str], outputs: Sequence[str]) -> list[str]:
+        """Nodes computing `outputs` from `inputs` and constants; empty when the walk leaves
+        them (a tensor TensorRT renamed), so that nothing is attributed by guess."""
+        if not outputs or not all(t in self.producers for t in outputs):
+            return []
+        stop = set(inputs) | self.constants
+        found: dict[str, None] = {}
+        pending = list(outputs)
+        while pending:
+            tensor = pending.pop()
+            if tensor in stop:
+                continue
+            node = self.producers.get(tensor)
+            if node is None:
+                return []  # reached a graph input the layer does not read: not its span
+            if node.name in found:
+                continue
+            found[node.name] = None
+            pending.extend(name for name in node.input if name)
+        return list(found)
+
+
+@dataclass(frozen=True)
+class PrecisionMismatch:
+    """A planned node whose engine layer runs in another precision (engine None: not found)."""
+
+    node: str
+    planned: str
+    engine: str | None
+    layer: str | None
+
+
+def node_layers(layers: Sequence[EngineLayer]) -> dict[str, EngineLayer]:
+    """ONNX node name -> the engine layer that computes it (the first that holds it)."""
+    result: dict[str, EngineLayer] = {}
+    for layer in layers:
+        for node in layer.nodes:
+            result.setdefault(node, layer)
+    return result
+
+
+def precision_mismatches(layers: Sequence[EngineLayer],
+                         plan: Mapping[str, str]) -> list[PrecisionMismatch]:
+    """Every node of `plan` (``{ONNX node name: "int8" | "fp16" | "fp32"}``) whose engine layer
+    computes in another precision, or that no layer holds, in plan order."""
+    where = node_layers(layers)
+    result = []
+    for node, planned in plan.items():
+        planned = str(planned).lower()
+        layer = where.get(node)
+        engine = layer.precision if layer else None
+        if engine != planned:
+            result.append(PrecisionMismatch(node, planned, engine, layer.name if layer else None))
+    return result
