@@ -13,8 +13,9 @@ search and never pin on their own.
 
 from __future__ import annotations
 
+import heapq
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -22,6 +23,7 @@ from typing import ClassVar
 import numpy as np
 import onnx
 from onnx import helper, shape_inference
+from scipy import optimize
 
 from quantlab import qdq
 from quantlab.errors import DataError, ModelError
@@ -518,3 +520,113 @@ class Plan:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DataError(f"{path} is a damaged plan file (field {exc}); plan again to "
                             "rewrite it.") from None
+
+
+# ---------------------------------------------------------------- output-aware sensitivity
+
+
+def sample_nsr(outputs: Mapping[str, np.ndarray],
+               references: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Per-sample output noise-to-signal ratio: mean over float outputs of |y - r|^2 / |r|^2.
+
+    Samples are on axis 0 of every output. Output SQNR in dB is -10 log10 of the mean.
+    """
+    ratios = []
+    for name, reference in references.items():
+        reference = np.asarray(reference)
+        if not np.issubdtype(reference.dtype, np.floating):
+            continue
+        count = len(reference)
+        ref = reference.reshape(count, -1).astype(np.float64)
+        diff = np.asarray(outputs[name]).reshape(count, -1).astype(np.float64) - ref
+        power = np.maximum((ref * ref).sum(axis=1), np.finfo(np.float64).tiny)
+        ratios.append((diff * diff).sum(axis=1) / power)
+    if not ratios:
+        raise ModelError(f"the model has no float outputs to compare ({sorted(references)}); "
+                         "pass a metric that reads its outputs (--metric module:function).")
+    return np.mean(ratios, axis=0)
+
+
+def hardest_samples(batches, reference: Callable, candidate: Callable,
+                    count: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The `count` samples where `candidate` disagrees most with `reference`, as one batch.
+
+    `batches` is a :class:`quantlab.data.BatchSource`; `reference` and `candidate`
+    run one batch (a backend's ``run``). Returns the batch (samples in data order)
+    and their indices in the data. Only the kept samples stay in memory.
+    """
+    kept: list[tuple[float, int, dict]] = []  # a min-heap on disagreement
+    start = 0
+    for batch in batches:
+        length = batches.length(batch)
+        nsr = sample_nsr(candidate(batch), reference(batch))
+        for index in np.argsort(-nsr, kind="stable")[:count]:
+            item = (float(nsr[index]), start + int(index),
+                    {k: np.array(v) for k, v in batches.slice(batch, index, index + 1).items()})
+            if len(kept) < count:
+                heapq.heappush(kept, item)
+            elif item[0] > kept[0][0]:
+                heapq.heapreplace(kept, item)
+        start += length
+    kept.sort(key=lambda item: item[1])
+    samples = [item[2] for item in kept]
+    merged = {}
+    for name, first in samples[0].items():
+        axis = batches.axes.get(name, 0)
+        merged[name] = first if axis is None else np.concatenate([s[name] for s in samples],
+                                                                 axis=axis)
+    return merged, np.array([item[1] for item in kept])
+
+
+@dataclass
+class OutputSensitivity:
+    """Each unit's contribution to the output noise when it runs INT8, fitted from trials.
+
+    ``masks[t, i]`` is True when unit ``units[i]`` ran INT8 in trial ``t``, ``nsr[t]``
+    the measured output noise-to-signal ratio of that trial, ``contribution`` the
+    nonnegative a_i of nsr ~ sum of a_i over the INT8 units.
+    """
+
+    units: list[str]
+    masks: np.ndarray
+    nsr: np.ndarray
+    contribution: np.ndarray
+
+    def predicted_nsr(self, int8: Iterable[str]) -> float:
+        """Predicted output noise-to-signal ratio when the units `int8` run INT8."""
+        chosen = set(int8)
+        return float(sum(a for u, a in zip(self.units, self.contribution, strict=True)
+                         if u in chosen))
+
+    def ranking(self) -> list[str]:
+        """Units, largest contribution first."""
+        return [self.units[i] for i in np.argsort(-self.contribution, kind="stable")]
+
+
+def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
+               references: Mapping[str, np.ndarray], trials: int = 24,
+               int8_share: float = 0.5, ridge: float = 1e-3, seed: int = 0,
+               progress: Callable | None = None) -> OutputSensitivity:
+    """Output-aware sensitivity from `trials` switchboard passes over one (hard) batch.
+
+    Each trial runs a random plan (each unit INT8 with probability `int8_share`,
+    else FP32) through `run` (the switchboard backend's ``run``) by feeding its
+    flags, and measures the output noise against `references` (the FP32 outputs
+    on `batch`). Quantization noise of separate layers adds in power to first
+    order, so nsr(S) ~ sum of a_i over the INT8 units S, fitted by nonnegative
+    least squares with a small ridge (``ridge * trials``) so that a few trials
+    still give a unique answer. The all-INT8 plan is always one of the trials.
+    """
+    units = list(board.flags)
+    rng = np.random.default_rng(seed)
+    masks = rng.random((trials, len(units))) < int8_share
+    masks[0] = True
+    nsr = np.empty(trials)
+    for t in progress(range(trials)) if progress else range(trials):
+        precisions = {u: "int8" if m else "fp32" for u, m in zip(units, masks[t], strict=True)}
+        outputs = run({**batch, **board.feeds(precisions)})
+        nsr[t] = float(sample_nsr(outputs, references).mean())
+    system = np.vstack([masks.astype(np.float64), np.sqrt(ridge * trials) * np.eye(len(units))])
+    target = np.concatenate([nsr, np.zeros(len(units))])
+    contribution, _ = optimize.nnls(system, target)
+    return OutputSensitivity(units, masks, nsr, contribution)

@@ -229,3 +229,87 @@ def test_zoo_units_cover_every_linear_op():
     linear = [n.name for n in model.graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
     assert sorted(n for u in units for n in u.linear) == sorted(linear)
     assert all(u.macs > 0 for u in units)
+
+
+# ---------------------------------------------------------------- output-aware sensitivity
+
+PLANTED = ("conv3", "conv5")
+
+
+def planted_model(channels: int = 8, depth: int = 6) -> graph.Graph:
+    """A chain of 3x3 conv + Relu; conv3's and conv5's inputs carry a huge, useless channel.
+
+    The conv before each planted one adds a bias of 20 to channel 0 (after Relu: a
+    constant 20), which the planted conv ignores (zero weights), but the channel sets
+    that input's amax: its INT8 step becomes ~0.16 against values of ~0.3, so those two
+    units dominate the INT8 output error, and nothing else is unusual.
+    """
+    rng = np.random.default_rng(0)
+    nodes, inits, tensor = [], {}, "x"
+    for i in range(1, depth + 1):
+        w = rng.standard_normal((channels, channels, 3, 3)) / np.sqrt(channels * 9)
+        b = np.zeros(channels)
+        if f"conv{i + 1}" in PLANTED:
+            b[0] = 20.0
+        if f"conv{i}" in PLANTED:
+            w[:, 0] = 0.0
+        inits |= {f"w{i}": w, f"b{i}": b}
+        nodes += [helper.make_node("Conv", [tensor, f"w{i}", f"b{i}"], [f"c{i}"], name=f"conv{i}",
+                                   pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}")]
+        tensor = f"r{i}"
+    nodes.append(helper.make_node("Conv", [tensor, "head_w"], ["y"], name="head"))
+    inits["head_w"] = rng.standard_normal((4, channels, 1, 1))
+    return make_graph(nodes, [("x", ["N", channels, 6, 6])], inits)
+
+
+def test_sample_nsr_known_values():
+    reference = {"y": np.array([[3.0, 4.0], [1.0, 0.0]]), "ids": np.array([1, 2])}
+    outputs = {"y": np.array([[3.0, 4.5], [1.0, 0.0]]), "ids": np.array([1, 2])}
+    np.testing.assert_allclose(plan.sample_nsr(outputs, reference), [0.25 / 25, 0.0])
+    with pytest.raises(ModelError, match="no float outputs"):
+        plan.sample_nsr({"ids": np.array([1])}, {"ids": np.array([1])})
+
+
+@pytest.fixture(scope="module")
+def planted_case():
+    from quantlab import data, qdq, switchboard
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    g = planted_model()
+    samples = np.random.default_rng(1).standard_normal((64, 8, 6, 6)).astype(np.float32)
+    # Samples 5 and 40 are quieter: against fixed INT8 steps their relative error is largest.
+    samples[[5, 40]] *= 0.2
+    source = data.open_data(samples, g.inputs, batch_size=16)
+    fp32 = OnnxRuntimeBackend(g.model)
+    names = qdq.activation_tensors_to_calibrate(g.model)
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run({"x": samples}, names).items()}
+    units = plan.find_units(g, {"x": [16, 8, 6, 6]})
+    board = switchboard.build(g, units, amax)
+    backend = OnnxRuntimeBackend(board.model, check_inputs=False)
+    return g, source, fp32, board, backend, units
+
+
+def test_hardest_samples_are_the_quietest(planted_case):
+    g, source, fp32, board, backend, _ = planted_case
+    int8 = board.feeds({})
+    batch, indices = plan.hardest_samples(source, fp32.run,
+                                          lambda b: backend.run({**b, **int8}), count=4)
+    assert {5, 40} <= set(indices.tolist()) and len(indices) == 4
+    assert list(indices) == sorted(indices)
+    np.testing.assert_array_equal(batch["x"][list(indices).index(40)], next(
+        b for i, b in enumerate(source) if i == 2)["x"][8])
+
+
+def test_group_test_ranks_planted_units_first(planted_case):
+    g, source, fp32, board, backend, units = planted_case
+    batch, _ = plan.hardest_samples(source, fp32.run,
+                                    lambda b: backend.run({**b, **board.feeds({})}), count=16)
+    references = fp32.run(batch)
+    found = plan.group_test(board, backend.run, batch, references, trials=16, seed=0)
+    assert set(found.ranking()[:2]) == set(PLANTED)
+    assert found.masks.shape == (16, len(units)) and found.masks[0].all()
+    # The fit reproduces the all-INT8 trial it was fitted on.
+    assert found.predicted_nsr(found.units) == pytest.approx(found.nsr[0], rel=0.2)
+    planted_share = sum(found.contribution[found.units.index(u)] for u in PLANTED)
+    assert planted_share > 0.8 * found.contribution.sum()
