@@ -14,6 +14,7 @@ search and never pin on their own.
 from __future__ import annotations
 
 import heapq
+import importlib
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,7 +27,7 @@ from onnx import helper, shape_inference
 from scipy import optimize
 
 from quantlab import qdq
-from quantlab.errors import DataError, ModelError
+from quantlab.errors import ConfigError, DataError, ModelError
 from quantlab.experiment import read_json, write_json
 from quantlab.graph import Graph
 
@@ -630,3 +631,200 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
     target = np.concatenate([nsr, np.zeros(len(units))])
     contribution, _ = optimize.nnls(system, target)
     return OutputSensitivity(units, masks, nsr, contribution)
+
+
+# ---------------------------------------------------------------- search over the front
+
+
+@dataclass
+class FrontPoint:
+    """The plan with the most INT8 MACs whose predicted noise stays within `budget`."""
+
+    budget: float
+    predicted: float
+    int8_mac_share: float
+    precisions: dict[str, str]
+
+
+def fallback_precision(allowed: Sequence[str], high_precision: str = "fp16") -> str:
+    """The precision a unit runs in when not INT8: FP16 where allowed and wanted, else FP32."""
+    return "fp16" if high_precision == "fp16" and "fp16" in allowed else "fp32"
+
+
+def solve(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
+          contribution: Mapping[str, float], budget: float,
+          high_precision: str = "fp16") -> FrontPoint:
+    """Maximize the INT8 share of MACs subject to sum of INT8 contributions <= `budget`.
+
+    A 0/1 knapsack solved exactly by ``scipy.optimize.milp``; units whose hard
+    reasons exclude INT8 are fixed to their fallback precision. Non-INT8 units are
+    taken to add no noise (FP16's error is orders below INT8's).
+    """
+    if not budget >= 0:
+        raise ConfigError(f"the noise budget must be a number >= 0, got {budget}.")
+    names = [u.name for u in units]
+    macs = np.array([u.macs for u in units], dtype=np.float64)
+    total = macs.sum()
+    cost = np.array([float(contribution.get(n, 0.0)) for n in names])
+    upper = np.array([1.0 if "int8" in allowed.get(n, qdq.PRECISIONS) else 0.0 for n in names])
+    # Units without MACs (or all of them, for a model without) still prefer INT8 when free.
+    gain = macs / total if total else np.zeros(len(names))
+    result = optimize.milp(
+        -(gain + 1e-9), integrality=np.ones(len(names)), bounds=optimize.Bounds(0.0, upper),
+        constraints=[optimize.LinearConstraint(cost[None, :], -np.inf, budget)]
+        if len(names) else [])
+    chosen = np.round(result.x).astype(bool) if len(names) else np.zeros(0, bool)
+    precisions = {n: "int8" if c else fallback_precision(allowed.get(n, qdq.PRECISIONS),
+                                                         high_precision)
+                  for n, c in zip(names, chosen, strict=True)}
+    share = float(macs[chosen].sum() / total) if total else 1.0
+    return FrontPoint(budget, float(cost[chosen].sum()), share, precisions)
+
+
+def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
+          contribution: Mapping[str, float], points: int = 24,
+          high_precision: str = "fp16") -> list[FrontPoint]:
+    """The predicted INT8-share-vs-noise front: the best plan at `points` budgets.
+
+    Budgets run from 0 to the all-INT8 prediction, log-spaced from the smallest
+    nonzero contribution, so both the cheap pins and the last units show.
+    """
+    costs = np.array([c for c in contribution.values() if c > 0])
+    budgets = [0.0]
+    if len(costs):
+        budgets += list(np.geomspace(costs.min(), costs.sum(), points - 1))
+    result = [solve(units, allowed, contribution, b, high_precision) for b in budgets]
+    return [p for i, p in enumerate(result) if i == 0 or p.precisions != result[i - 1].precisions]
+
+
+# ---------------------------------------------------------------- metrics and certification
+
+Outputs = list[dict[str, np.ndarray]]
+
+
+def output_sqnr(outputs: Outputs, references: Outputs) -> float:
+    """Output SQNR in dB over all samples: -10 log10 of the mean per-sample NSR."""
+    nsr = np.concatenate([sample_nsr(o, r) for o, r in zip(outputs, references, strict=True)])
+    mean = float(nsr.mean())
+    return float(-10.0 * np.log10(mean)) if mean > 0 else float("inf")
+
+
+def argmax_agreement(outputs: Outputs, references: Outputs) -> float:
+    """Share of samples whose argmax over axis 1 of the first output agrees with the reference."""
+    name = next(iter(references[0]))
+    same = [np.argmax(o[name], axis=1) == np.argmax(r[name], axis=1)
+            for o, r in zip(outputs, references, strict=True)]
+    return float(np.concatenate([s.reshape(len(s), -1).all(axis=1) for s in same]).mean())
+
+
+METRICS: dict[str, Callable[[Outputs, Outputs], float]] = {
+    "sqnr": output_sqnr, "agreement": argmax_agreement}
+
+
+def resolve_metric(name: str) -> Callable[[Outputs, Outputs], float]:
+    """A built-in label-free metric by name, or ``module:function`` imported."""
+    if name in METRICS:
+        return METRICS[name]
+    if ":" not in name:
+        raise ConfigError(f"unknown metric '{name}'; use one of {', '.join(METRICS)} or "
+                          "module:function (function(outputs, references) -> float, higher "
+                          "is better).")
+    module_name, _, function_name = name.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot load metric '{name}': {exc}. Pass module:function with the "
+                          "module importable (on PYTHONPATH) and the function defined in it."
+                          ) from None
+    if not callable(function):
+        raise ConfigError(f"metric '{name}' is not a function.")
+    return function
+
+
+def metric_value(metric: Callable, name: str, outputs: Outputs, references: Outputs) -> float:
+    """`metric` on the outputs, checked to be a real number (NaN is refused, not compared)."""
+    value = metric(outputs, references)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise DataError(f"metric '{name}' returned {value!r}; it must return a number "
+                        "(higher is better).") from None
+    if np.isnan(value):
+        raise DataError(f"metric '{name}' returned NaN on {len(outputs)} batches; it must "
+                        "return a number for any non-empty list of batches (check for a "
+                        "division by zero or an empty selection in it).")
+    return value
+
+
+def split_samples(batches: Outputs) -> Outputs:
+    """One entry per sample (axis 0 of every output) from entries per batch."""
+    return [{name: value[i:i + 1] for name, value in batch.items()}
+            for batch in batches for i in range(len(next(iter(batch.values()))))]
+
+
+@dataclass
+class Certificate:
+    """Whether a plan's measured metric meets the budget, with a paired bootstrap interval.
+
+    ``limit`` is the lowest acceptable metric value (FP32's minus the allowed drop,
+    or the floor); ``interval`` the bootstrap interval of the candidate's margin over
+    it on resampled samples (paired: FP32 is scored on the same resample).
+    """
+
+    metric: str
+    reference: float
+    value: float
+    limit: float
+    interval: tuple[float, float]
+    confidence: float
+    samples: int
+    certified: bool
+    too_small: bool
+    needed_samples: int | None
+
+
+def certify(metric: Callable, name: str, outputs: Outputs, references: Outputs, *,
+            max_drop: float | None = None, floor: float | None = None,
+            resamples: int = 200, confidence: float = 0.95, seed: int = 0) -> Certificate:
+    """Check a candidate's outputs against FP32's under ``max_drop`` or ``floor``.
+
+    The margin (value minus limit) is bootstrapped over samples; the plan is
+    certified when the lower end of the one-sided `confidence` interval is >= 0.
+    With ``max_drop``, an interval half-width over max_drop / 2 means the
+    evaluation set is too small to certify that budget; the size needed follows
+    from the half-width shrinking as 1 / sqrt(samples).
+    """
+    if (max_drop is None) == (floor is None):
+        raise ConfigError("give exactly one of a maximum drop or a metric floor.")
+    if max_drop is not None and not max_drop >= 0:
+        raise ConfigError(f"the maximum drop must be >= 0, got {max_drop}: impossible even in "
+                          "FP32, which is the reference every plan is compared with.")
+    samples, refs = split_samples(outputs), split_samples(references)
+    reference = metric_value(metric, name, references, references)
+    if floor is not None and floor > reference:
+        raise ConfigError(f"the floor {floor} of metric '{name}' is above its value for the FP32 "
+                          f"model itself ({reference:.6g}): impossible even in FP32. Lower it.")
+    value = metric_value(metric, name, outputs, references)
+
+    def margin(candidate, fp32) -> float:
+        got = metric_value(metric, name, candidate, fp32)
+        return got - (metric_value(metric, name, fp32, fp32) - max_drop if max_drop is not None
+                      else floor)
+
+    if max_drop is not None and not np.isfinite(reference):
+        raise ConfigError(f"metric '{name}' of the FP32 model against itself is {reference}; a "
+                          "drop from it means nothing. Use a floor (--min-sqnr) instead.")
+    rng = np.random.default_rng(seed)
+    count = len(samples)
+    margins = np.empty(resamples)
+    for b in range(resamples):
+        pick = rng.integers(0, count, count)
+        margins[b] = margin([samples[i] for i in pick], [refs[i] for i in pick])
+    low, high = np.quantile(margins, [1 - confidence, confidence])
+    limit = reference - max_drop if max_drop is not None else floor
+    half_width = (high - low) / 2
+    too_small = max_drop is not None and half_width > max_drop / 2
+    needed = (int(np.ceil(count * (half_width / (max_drop / 2)) ** 2))
+              if too_small and max_drop > 0 else None)
+    return Certificate(name, reference, value, limit, (float(low), float(high)), confidence,
+                       count, bool(low >= 0), bool(too_small), needed)

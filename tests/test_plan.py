@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from quantlab import graph, plan
-from quantlab.errors import DataError, ModelError
+from quantlab.errors import ConfigError, DataError, ModelError
 
 
 def make_graph(nodes, inputs, initializers, outputs=("y",)) -> graph.Graph:
@@ -313,3 +313,115 @@ def test_group_test_ranks_planted_units_first(planted_case):
     assert found.predicted_nsr(found.units) == pytest.approx(found.nsr[0], rel=0.2)
     planted_share = sum(found.contribution[found.units.index(u)] for u in PLANTED)
     assert planted_share > 0.8 * found.contribution.sum()
+
+
+# ---------------------------------------------------------------- search and certification
+
+
+def test_solve_knapsack_and_front_with_hard_pins():
+    units = [plan.Unit(n, [n], [n], [], [], macs) for n, macs in
+             [("a", 100), ("b", 50), ("c", 40), ("pinned", 10)]]
+    contribution = {"a": 0.5, "b": 0.2, "c": 0.2, "pinned": 0.0}
+    allowed = {"pinned": ("fp16", "fp32")}
+    best = plan.solve(units, allowed, contribution, budget=0.45)
+    # a alone (100 MACs) does not fit 0.45; b + c (90 MACs, 0.4) does.
+    assert best.precisions == {"a": "fp16", "b": "int8", "c": "int8", "pinned": "fp16"}
+    assert best.int8_mac_share == pytest.approx(90 / 200)
+    assert best.predicted == pytest.approx(0.4)
+    assert plan.solve(units, allowed, contribution, 0.0, "fp32").precisions["a"] == "fp32"
+    points = plan.front(units, allowed, contribution)
+    shares = [p.int8_mac_share for p in points]
+    assert shares == sorted(shares) and shares[0] == 0.0 and shares[-1] == pytest.approx(190 / 200)
+    assert all(p.precisions["pinned"] == "fp16" for p in points)
+    with pytest.raises(ConfigError, match="budget must be a number >= 0"):
+        plan.solve(units, allowed, contribution, float("nan"))
+
+
+def test_search_meets_the_budget_on_the_planted_model_and_certifies_real_int8(planted_case):
+    from quantlab import qdq
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    g, source, fp32, board, backend, units = planted_case
+    batch, _ = plan.hardest_samples(source, fp32.run,
+                                    lambda b: backend.run({**b, **board.feeds({})}), count=16)
+    found = plan.group_test(board, backend.run, batch, fp32.run(batch), trials=16)
+    floor_db = 18.0
+    chosen = plan.solve(units, {}, dict(zip(found.units, found.contribution, strict=True)),
+                        budget=10 ** (-floor_db / 10))
+    assert {u for u, p in chosen.precisions.items() if p != "int8"} == set(PLANTED)
+    assert chosen.int8_mac_share > 0.6
+    # Measured on the switchboard (fake quant) and on the real INT8 model (integer kernels).
+    measured = plan.sample_nsr(backend.run({**batch, **board.feeds(chosen.precisions)}),
+                               fp32.run(batch)).mean()
+    assert -10 * np.log10(measured) >= floor_db
+    node_plan = {n: chosen.precisions[u.name] for u in units for n in u.nodes}
+    amax = {t: float(np.abs(v).max()) for t, v in fp32.run(
+        {"x": np.concatenate([b["x"] for b in source])},
+        qdq.activation_tensors_to_calibrate(g.model)).items()}
+    int8 = OnnxRuntimeBackend(qdq.quantize_model(g.model, amax, node_plan))
+    outputs, references = [int8.run(b) for b in source], [fp32.run(b) for b in source]
+    result = plan.certify(plan.output_sqnr, "sqnr", outputs, references, floor=floor_db)
+    assert result.certified and result.interval[0] >= 0 and result.samples == 64
+    assert result.value >= floor_db and result.reference == float("inf")
+    all_int8 = [backend.run({**b, **board.feeds({})}) for b in source]
+    assert not plan.certify(plan.output_sqnr, "sqnr", all_int8, references,
+                            floor=floor_db).certified
+
+
+def test_custom_metric_round_trip(tmp_path, monkeypatch):
+    (tmp_path / "my_metric.py").write_text(
+        "import numpy as np\n"
+        "calls = []\n"
+        "def closeness(outputs, references):\n"
+        "    calls.append((len(outputs), sorted(outputs[0]), sorted(references[0])))\n"
+        "    return -float(np.mean([np.abs(o['y'] - r['y']).mean()\n"
+        "                           for o, r in zip(outputs, references)]))\n"
+        "def broken(outputs, references):\n"
+        "    return float('nan')\n"
+        "def wordy(outputs, references):\n"
+        "    return 'good'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    metric = plan.resolve_metric("my_metric:closeness")
+    import my_metric
+
+    rng = np.random.default_rng(0)
+    references = [{"y": rng.standard_normal((4, 3))} for _ in range(3)]
+    outputs = [{"y": r["y"] + 0.01} for r in references]
+    result = plan.certify(metric, "my_metric:closeness", outputs, references, max_drop=0.02,
+                          resamples=20)
+    assert my_metric.calls[0] == (3, ["y"], ["y"])  # one entry per batch, dicts by output
+    assert my_metric.calls[-1][0] == 12  # resampled: one entry per sample
+    assert result.reference == 0.0 and result.value == pytest.approx(-0.01)
+    assert result.certified and not result.too_small
+    assert not plan.certify(metric, "m", outputs, references, max_drop=0.005,
+                            resamples=20).certified
+    with pytest.raises(DataError, match="metric 'my_metric:broken' returned NaN"):
+        plan.certify(plan.resolve_metric("my_metric:broken"), "my_metric:broken", outputs,
+                     references, max_drop=0.1)
+    with pytest.raises(DataError, match="returned 'good'; it must return a number"):
+        plan.certify(plan.resolve_metric("my_metric:wordy"), "my_metric:wordy", outputs,
+                     references, max_drop=0.1)
+
+
+def test_metric_and_budget_errors():
+    with pytest.raises(ConfigError, match="unknown metric 'mAP50'; use one of sqnr, agreement"):
+        plan.resolve_metric("mAP50")
+    with pytest.raises(ConfigError, match="cannot load metric 'no_such_module:f'"):
+        plan.resolve_metric("no_such_module:f")
+    references = [{"y": np.eye(3)}]
+    with pytest.raises(ConfigError, match="impossible even in FP32"):
+        plan.certify(plan.argmax_agreement, "agreement", references, references, max_drop=-0.1)
+    with pytest.raises(ConfigError, match="above its value for the FP32 model itself"):
+        plan.certify(plan.argmax_agreement, "agreement", references, references, floor=1.5)
+    with pytest.raises(ConfigError, match="Use a floor"):
+        plan.certify(plan.output_sqnr, "sqnr", references, references, max_drop=1.0)
+
+
+def test_too_small_eval_set_is_reported():
+    rng = np.random.default_rng(0)
+    references = [{"y": rng.standard_normal((10, 5))}]
+    # Half the samples flip their argmax: the interval over 10 samples is far wider than 0.02.
+    outputs = [{"y": np.where(np.arange(10)[:, None] % 2, -references[0]["y"], references[0]["y"])}]
+    result = plan.certify(plan.argmax_agreement, "agreement", outputs, references, max_drop=0.02)
+    assert result.too_small and not result.certified
+    assert result.needed_samples > 10 * 100
