@@ -24,6 +24,7 @@ from quantlab.backends.onnxruntime import SESSION_CONFIG
 from quantlab.data import BatchSource, Preprocess, open_data, scalar_arrays
 from quantlab.errors import ModelError
 from quantlab.experiment import check_output, output_folder, write_json
+from quantlab.zoo_names import ZOO_NAMES
 
 # Files a calibration run writes; a folder holding any of them is refused unless forced.
 CALIBRATION_FILES = (
@@ -64,9 +65,7 @@ def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto
     if Path(model).exists():
         return graph.load_model(model)
     # Only a name that is not a file may be a zoo model (importing the zoo imports torch).
-    from quantlab import zoo
-
-    if str(model) in zoo.names():
+    if str(model) in ZOO_NAMES:
         return export_zoo_model(str(model))
     return graph.load_model(model)
 
