@@ -1,8 +1,10 @@
 """Streaming per-tensor statistics over a running FP32 graph (min, max, amax, |x| histogram).
 
-Activations are folded into fixed-size statistics batch by batch and then
-dropped, so memory does not grow with the number of samples. Large models are
-collected in groups of tensors (one pass over the data per group).
+Each sample runs through the graph once. Activations are folded into
+fixed-size statistics run by run and then dropped, so memory does not grow with
+the number of samples; batches run in slices sized from the real input shapes,
+and a model whose one sample exceeds the memory budget runs in sequential
+segments (sub-graphs in topological order) that hand their boundary tensors on.
 
 The |x| histogram lives on a power-of-two grid: its range is ``2**exponent``
 and it has ``num_bins * OVERSAMPLE`` bins (a power of two). When a batch holds
@@ -27,12 +29,12 @@ from pathlib import Path
 import numba
 import numpy as np
 import onnx
-import psutil
+from onnx import helper, shape_inference
 from tqdm import tqdm
 
 from quantlab import graph
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-from quantlab.data import BatchSource
+from quantlab.data import BatchSource, batch_length, sample_axes, slice_batch
 from quantlab.errors import ConfigError, DataError
 from quantlab.experiment import atomic_write
 
@@ -44,14 +46,18 @@ OVERSAMPLE = 8
 # Smallest histogram range 2**MIN_EXPONENT: keeps the grid scale a normal
 # float32 and gives every all-zero tensor the same grid (merge exactness).
 MIN_EXPONENT = -100
-# Size assumed for a symbolic non-batch dimension when planning tensor groups.
-UNKNOWN_DIM = 256
+# Default bound on collection's memory (``--memory``); half of it may be exposed
+# activations of one run, the rest is ONNX Runtime's working memory, the weights
+# and the interpreter.
+DEFAULT_MEMORY_BUDGET = 2 << 30
 # Exposed activations per ONNX Runtime run: batches run in slices of this size. On
 # shapes-det, 8-sample runs (41 MB) are as fast as 32-sample runs (164 MB) and cut
 # the peak RSS from ~640 to ~410 MiB; the statistics do not depend on the split.
 RUN_BYTES = 48 << 20
 STATS_FORMAT = "quantlab.statistics"
-STATS_VERSION = 1
+STATS_VERSION = 2
+# Versions Statistics.load reads (version 1 has no max_sample).
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass
@@ -59,7 +65,9 @@ class TensorStats:
     """Running statistics of one tensor: signed min/max, element count and |x| histogram.
 
     ``hist[k]`` counts elements with ``k <= |x| / bin_width < k + 1`` where
-    ``bin_width = 2**exponent / len(hist)``.
+    ``bin_width = 2**exponent / len(hist)``. `max_sample` is the index (in the
+    order the samples were collected) of the first sample holding the largest
+    |x|; -1 when unknown (no data, or statistics saved by format version 1).
     """
 
     min: float
@@ -67,6 +75,7 @@ class TensorStats:
     count: int
     exponent: int
     hist: np.ndarray
+    max_sample: int = -1
 
     @property
     def amax(self) -> float:
@@ -94,19 +103,31 @@ class TensorStats:
         coarse[: bins // factor] = self.hist.reshape(bins // factor, factor).sum(axis=1)
         return coarse
 
-    def merged(self, other: TensorStats) -> TensorStats:
-        """Statistics of the union of both data sets (exact)."""
+    def merged(self, other: TensorStats, offset: int = 0) -> TensorStats:
+        """Statistics of the union of both data sets (exact).
+
+        `other`'s samples come after `offset` samples (this one's count of samples),
+        which shifts its `max_sample`; on a tie the earlier sample is kept.
+        """
         exponent = max(self.exponent, other.exponent)
+        if other.count and (not self.count or other.amax > self.amax):
+            max_sample = other.max_sample + offset if other.max_sample >= 0 else -1
+        else:
+            max_sample = self.max_sample
         return TensorStats(
             min(self.min, other.min), max(self.max, other.max), self.count + other.count,
-            exponent, self.regrid(exponent) + other.regrid(exponent),
+            exponent, self.regrid(exponent) + other.regrid(exponent), max_sample,
         )
 
-    def update(self, values: np.ndarray) -> bool:
-        """Fold a batch of values (any shape, float32 or float64, C-contiguous) in.
+    def update(self, values: np.ndarray, first_sample: int = 0,
+               sample_axis: int | None = None) -> bool:
+        """Fold a run's values (any shape, float32 or float64, C-contiguous) in.
 
-        Returns False, changing nothing, when the batch holds NaN or Inf (min/max
-        propagate NaN, so no extra pass over the data is needed to detect it).
+        `first_sample` is the index of the run's first sample and `sample_axis` the
+        axis of `values` holding the samples (None: a run of one sample, or a tensor
+        without a sample axis, whose largest |x| is credited to the run's first
+        sample). Returns False, changing nothing, when the batch holds NaN or Inf
+        (min/max propagate NaN, so no extra pass over the data is needed to detect it).
         """
         flat = values.reshape(-1)
         if flat.size == 0:
@@ -114,6 +135,9 @@ class TensorStats:
         low, high = float(flat.min()), float(flat.max())
         if not (np.isfinite(low) and np.isfinite(high)):
             return False
+        peak = max(abs(low), abs(high))
+        if self.count == 0 or peak > self.amax:
+            self.max_sample = first_sample + _sample_of_peak(values, low, high, sample_axis)
         self.min, self.max = min(self.min, low), max(self.max, high)
         self.count += flat.size
         exponent = max(self.exponent, range_exponent(self.amax))
@@ -146,6 +170,17 @@ class TensorStats:
         cumulative = np.concatenate(([0.0], np.cumsum(counts[: last + 1])))
         edges = np.linspace(0.0, amax, num_bins + 1)
         return np.diff(np.interp(edges, knots, cumulative)), amax
+
+
+def _sample_of_peak(values: np.ndarray, low: float, high: float, axis: int | None) -> int:
+    """Index along `axis` of the first element of `values` whose |x| is max(|low|, |high|)."""
+    if axis is None or axis >= values.ndim or values.shape[axis] == 1:
+        return 0
+    flat = values.reshape(-1)
+    peak = max(abs(low), abs(high))
+    # Only when the running max grows (a few times per tensor): one comparison pass.
+    hits = [int(np.argmax(flat == v)) for v in {low, high} if abs(v) == peak]
+    return int(np.unravel_index(min(hits), values.shape)[axis])
 
 
 def range_exponent(amax: float) -> int:
@@ -198,7 +233,8 @@ class Statistics:
                 f"{only}; bins {self.num_bins} vs {other.num_bins}). Collect both with the same "
                 "model, tensor list and num_bins."
             )
-        merged = {name: stats.merged(other.tensors[name]) for name, stats in self.tensors.items()}
+        merged = {name: stats.merged(other.tensors[name], offset=self.num_samples)
+                  for name, stats in self.tensors.items()}
         return Statistics(merged, self.num_samples + other.num_samples, self.num_bins)
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -216,6 +252,7 @@ class Statistics:
             "max": np.array([e.max for e in entries], np.float64),
             "count": np.array([e.count for e in entries], np.int64),
             "exponent": np.array([e.exponent for e in entries], np.int64),
+            "max_sample": np.array([e.max_sample for e in entries], np.int64),
             "hist": np.stack([e.hist for e in entries]) if entries
             else np.zeros((0, fine_bins), np.int64),
         }
@@ -231,6 +268,18 @@ class Statistics:
         """Read statistics written by :meth:`save`."""
         path = Path(path)
         try:
+            with open(path, "rb") as handle:
+                magic = handle.read(4)
+        except OSError as exc:
+            raise DataError(f"{path} cannot be read ({exc.strerror}).") from None
+        if magic != b"PK\x03\x04":
+            # Checked first: NumPy's own error for a non-archive advises unpickling it.
+            raise DataError(
+                f"{path} is not a statistics file: stats.npz is a zip archive and this file "
+                "is not one. Pass the stats.npz written by `quantlab calibrate`, or collect "
+                "the statistics again."
+            )
+        try:
             with np.load(path, allow_pickle=False) as archive:
                 data = {key: archive[key] for key in archive.files}
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
@@ -243,10 +292,11 @@ class Statistics:
                 f"{path} is not a quantlab statistics file (no '{STATS_FORMAT}' marker); pass the "
                 "stats.npz written by quantlab collect."
             )
-        if int(data["version"]) != STATS_VERSION:
+        version = int(data.get("version", -1))
+        if version not in READABLE_VERSIONS:
             raise DataError(
-                f"{path} has statistics format version {int(data['version'])}; this quantlab "
-                f"reads version {STATS_VERSION}. Collect the statistics again."
+                f"{path} has statistics format version {version}; this quantlab reads "
+                f"versions {', '.join(map(str, READABLE_VERSIONS))}. Collect the statistics again."
             )
         try:
             num_bins = int(data["num_bins"])
@@ -254,9 +304,11 @@ class Statistics:
             hist = data["hist"].astype(np.int64, copy=False)
             if hist.shape != (len(names), num_bins * OVERSAMPLE):
                 raise ValueError(f"histogram shape {hist.shape} does not fit {len(names)} tensors")
+            max_sample = data["max_sample"] if version >= 2 else np.full(len(names), -1)
             tensors = {
                 name: TensorStats(float(data["min"][i]), float(data["max"][i]),
-                                  int(data["count"][i]), int(data["exponent"][i]), hist[i].copy())
+                                  int(data["count"][i]), int(data["exponent"][i]), hist[i].copy(),
+                                  int(max_sample[i]))
                 for i, name in enumerate(names)
             }
             return cls(tensors, int(data["num_samples"]), num_bins)
@@ -266,61 +318,116 @@ class Statistics:
             ) from None
 
 
+def parse_memory(value: int | str | None) -> int:
+    """Bytes of a memory budget: an int, or text such as ``2G``, ``512M``, ``1.5GiB`` (binary)."""
+    if value is None:
+        return DEFAULT_MEMORY_BUDGET
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        size = int(value)
+    else:
+        text = str(value).strip().upper().removesuffix("IB").removesuffix("B")
+        power = {"K": 1, "M": 2, "G": 3, "T": 4}.get(text[-1:], 0)
+        try:
+            size = int(float(text[:-1] if power else text) * 1024**power)
+        except ValueError:
+            raise ConfigError(
+                f"memory budget '{value}' is not a size; write bytes or a number with K, M or G "
+                "(e.g. --memory 2G)."
+            ) from None
+    if size < 1:
+        raise ConfigError(f"memory budget {value!r} must be positive; give e.g. --memory 2G.")
+    return size
+
+
+@dataclass
+class Segment:
+    """One sub-graph of a segmented run: the tensors it reads, exposes and hands on.
+
+    `later` holds the tensors later segments read: what is carried past this one.
+    """
+
+    backend: OnnxRuntimeBackend
+    inputs: list[str]
+    exposed: list[str]
+    handed: list[str]
+    later: frozenset[str]
+
+    def outputs(self) -> list[str]:
+        """The tensors its run returns: exposed, then boundary tensors not exposed."""
+        return self.exposed + [name for name in self.handed if name not in self.exposed]
+
+
 def collect(
     model: onnx.ModelProto,
     batches: BatchSource,
     tensors: Sequence[str],
     num_bins: int = 2048,
-    group_size: int | None = None,
     progress: bool = True,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
 ) -> Statistics:
-    """Run the FP32 graph over `batches` and stream statistics of `tensors`.
+    """Run the FP32 graph once over every sample of `batches`; stream statistics of `tensors`.
 
-    Tensors are exposed `group_size` at a time (one pass over the data per
-    group); when None, groups are planned from the tensors' inferred sizes so
-    the exposed activations of one batch fit `memory_budget` bytes (default: a
-    quarter of the available memory, at most 2 GiB).
+    Batches run in slices whose exposed activations fit RUN_BYTES (one sample at
+    least; a model with a fixed batch dimension runs its batches whole). Sizes
+    come from ONNX shape inference on the first batch's shapes, or are measured
+    on the first sample where inference leaves a dimension symbolic. When one
+    run's activations exceed half of `memory_budget` (bytes or ``"2G"``; default
+    2 GiB), the graph runs as sequential segments (:func:`plan_segments`), each
+    exposing only its own tensors; every sample still runs through each node once.
     """
     if num_bins < 128 or num_bins & (num_bins - 1):
         raise ConfigError(f"num_bins must be a power of two >= 128, got {num_bins}.")
-    if group_size is not None and group_size < 1:
-        raise ConfigError(f"group size must be at least 1, got {group_size}.")
     if not tensors:
         raise ConfigError("no tensors to collect statistics for; pass at least one tensor name.")
+    cap = parse_memory(memory_budget) // 2
     order = {name: i for i, name in enumerate(graph.topological_tensors(model))}
     names = sorted(dict.fromkeys(tensors), key=lambda n: order.get(n, len(order)))
-    if group_size is None:
-        budget = memory_budget or min(2 << 30, psutil.virtual_memory().available // 4)
-        groups = plan_groups(model, names, batches.batch_size, budget)
-    else:
-        groups = [names[i:i + group_size] for i in range(0, len(names), group_size)]
-
-    inputs = [spec.name for spec in graph.input_specs(model)]
+    specs = graph.input_specs(model)
+    axes = sample_axes(specs)
+    fixed = graph.fixed_batch_size(model)
+    tensor_axes = tensor_sample_axes(model, names, fixed)
     stats = {name: TensorStats.empty(num_bins * OVERSAMPLE) for name in names}
-    per_sample = sample_bytes(model, names)
+    segments: list[Segment] = []
+    ranges: list[tuple[int, int]] = []
+    sizes: dict[str, int] = {}
+    run_size = 1
+    measure = False
     num_samples = 0
     # Tensors of a run are counted in parallel (the kernel releases the GIL); each
     # TensorStats is updated by one thread at a time, so no locking is needed.
     with (ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool,
-          tqdm(total=batches.num_samples * len(groups), unit="sample", desc="collect",
+          tqdm(total=batches.num_samples, unit="sample", desc="collect",
                disable=not progress, leave=False) as bar):
-        for group_index, group in enumerate(groups):
-            # A fresh backend per group: the previous group's session (and its memory
-            # arena) is released instead of cached, so peak memory is one group's.
-            backend = OnnxRuntimeBackend(model)
-            run_size = max(1, RUN_BYTES // max(1, sum(per_sample[name] for name in group)))
-            for batch_index, batch in enumerate(batches):
-                _check_inputs(batch, inputs, batch_index)
-                size = len(batch[inputs[0]])
-                for start in range(0, size, run_size):
-                    part = {name: array[start:start + run_size] for name, array in batch.items()}
-                    _fold_run(pool, stats, backend.run(part, tensors=group), batch_index)
-                if group_index == 0:
-                    num_samples += size
-                bar.update(size)
-                bar.set_postfix_str(f"batch {batch_index + 1}/{len(batches)}, "
-                                    f"group {group_index + 1}/{len(groups)}")
+        for batch_index, batch in enumerate(batches):
+            _check_inputs(batch, specs, batch_index)
+            size = batch_length(batch, axes)
+            if not segments:
+                unit = size if fixed else 1
+                known = activation_bytes(model, names, batch, specs, unit)
+                measure = any(known[name] is None for name in names)
+                # A size inference left open counts as the largest known one until the
+                # first run (a single sample) has measured it.
+                guess = max([b for b in known.values() if b is not None], default=RUN_BYTES)
+                sizes = {name: guess if b is None else b for name, b in known.items()}
+                ranges, segments, run_size = _plan(model, names, sizes, cap, fixed)
+            start = 0
+            while start < size:
+                stop = size if fixed else min(size, start + (1 if measure else run_size))
+                part = batch if fixed else slice_batch(batch, axes, start, stop)
+                measured = _run_segments(segments, part, pool, stats, tensor_axes,
+                                         (num_samples + start, stop - start), batch_index)
+                if measure:
+                    measure = False
+                    sizes.update(measured)
+                    # Sessions are made again only if the measured sizes move a cut.
+                    if plan_segments(model, names, sizes, cap) != ranges:
+                        segments = []
+                    ranges, segments, run_size = _plan(model, names, sizes, cap, fixed,
+                                                       segments)
+                start = stop
+            num_samples += size
+            bar.update(size)
+            bar.set_postfix_str(f"batch {batch_index + 1}/{len(batches)}")
     zero = [name for name, s in stats.items() if s.amax == 0.0]
     if zero:
         warnings.warn(
@@ -331,11 +438,56 @@ def collect(
     return Statistics(stats, num_samples, num_bins)
 
 
+def _plan(model: onnx.ModelProto, names: Sequence[str], sizes: Mapping[str, int], cap: int,
+          fixed: int | None, segments: list[Segment] | None = None,
+          ) -> tuple[list[tuple[int, int]], list[Segment], int]:
+    """Node ranges and segments for `sizes` (bytes per run unit), and the samples per run.
+
+    `segments`, when given, are the sessions of the same ranges, kept.
+    """
+    ranges = plan_segments(model, names, sizes, cap)
+    segments = segments or build_segments(model, names, ranges)
+    largest = max(sum(sizes[name] for name in segment.exposed) for segment in segments)
+    run_size = 1 if fixed else max(1, min(RUN_BYTES, cap) // max(1, largest))
+    return ranges, segments, run_size
+
+
+def _run_segments(segments: Sequence[Segment], feeds: Mapping[str, np.ndarray],
+                  pool: ThreadPoolExecutor, stats: dict[str, TensorStats],
+                  tensor_axes: Mapping[str, int | None], samples: tuple[int, int],
+                  batch_index: int) -> dict[str, int]:
+    """Run one slice through every segment in order; return the exposed tensors' bytes.
+
+    `samples` is the slice's first sample index and its number of samples.
+
+    A segment's exposed activations are folded and dropped before the next
+    segment runs; only the boundary tensors later segments read are carried.
+    """
+    carry = dict(feeds)
+    measured = {}
+    for segment in segments:
+        values = segment.backend.run({name: carry[name] for name in segment.inputs},
+                                     tensors=segment.outputs())
+        carry.update({name: values[name] for name in segment.handed})
+        exposed = {name: values[name] for name in segment.exposed}
+        del values
+        measured.update({name: array.nbytes for name, array in exposed.items()})
+        _fold_run(pool, stats, exposed, batch_index, samples, tensor_axes)
+        del exposed
+        carry = {name: value for name, value in carry.items() if name in segment.later}
+    return measured
+
+
 def _fold_run(pool: ThreadPoolExecutor, stats: dict[str, TensorStats],
-              values: dict[str, np.ndarray], batch_index: int) -> None:
+              values: dict[str, np.ndarray], batch_index: int, samples: tuple[int, int],
+              tensor_axes: Mapping[str, int | None]) -> None:
     """Fold one run's exposed tensors into their statistics; raise on the first NaN/Inf."""
     names = list(values)
-    folded = list(pool.map(_fold, [stats[name] for name in names], values.values(), names))
+    first, count = samples
+    axes = [_run_axis(values[name].shape, tensor_axes.get(name), count) for name in names]
+    folded = list(pool.map(
+        _fold, [stats[name] for name in names], values.values(), names,
+        [first] * len(names), axes))
     for name, finite in zip(names, folded, strict=True):
         if not finite:
             raise DataError(
@@ -345,18 +497,36 @@ def _fold_run(pool: ThreadPoolExecutor, stats: dict[str, TensorStats],
             )
 
 
-def _check_inputs(batch: Mapping[str, np.ndarray], inputs: Sequence[str], index: int) -> None:
+def _run_axis(shape: tuple[int, ...], axis: int | None, count: int) -> int | None:
+    """The axis of a run's tensor holding its `count` samples (None: one sample, or unknown).
+
+    The symbolic shapes' sample axis where it has `count` entries, else the only axis
+    of that size (a batch dimension shape inference renamed).
+    """
+    if count == 1:
+        return None
+    if axis is not None and axis < len(shape) and shape[axis] == count:
+        return axis
+    matching = [i for i, size in enumerate(shape) if size == count]
+    return matching[0] if len(matching) == 1 else None
+
+
+def _check_inputs(batch: Mapping[str, np.ndarray], specs: Sequence[graph.TensorSpec],
+                  index: int) -> None:
     # Checked before running, so bad data is blamed on the data, not on the first layer.
-    for name in inputs:
-        if not np.isfinite(batch[name]).all():
+    # Integer and boolean inputs (token ids, masks) cannot hold NaN.
+    for spec in specs:
+        array = np.asarray(batch[spec.name])
+        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
             raise DataError(
-                f"batch {index}: graph input '{name}' contains NaN or Inf. No statistics were "
-                "written; fix or remove the samples of this batch in the calibration data."
+                f"batch {index}: graph input '{spec.name}' contains NaN or Inf. No statistics "
+                "were written; fix or remove the samples of this batch in the calibration data."
             )
 
 
-def _fold(stats: TensorStats, array: np.ndarray, name: str) -> bool:
-    """Fold one tensor's batch into its statistics (run in a worker thread)."""
+def _fold(stats: TensorStats, array: np.ndarray, name: str, first_sample: int = 0,
+          sample_axis: int | None = None) -> bool:
+    """Fold one tensor's run into its statistics (run in a worker thread)."""
     if not np.issubdtype(array.dtype, np.floating):
         raise ConfigError(
             f"tensor '{name}' has type {array.dtype}; only floating-point tensors can be "
@@ -364,30 +534,198 @@ def _fold(stats: TensorStats, array: np.ndarray, name: str) -> bool:
         )
     if array.dtype not in (np.float32, np.float64):
         array = array.astype(np.float32)
-    return stats.update(np.ascontiguousarray(array))
+    return stats.update(np.ascontiguousarray(array), first_sample, sample_axis)
 
 
-def sample_bytes(model: onnx.ModelProto, names: Sequence[str]) -> dict[str, int]:
-    """float32 bytes of one sample of each tensor (a symbolic non-batch dim counts UNKNOWN_DIM)."""
-    shapes = {
-        v.name: [d.dim_value if d.HasField("dim_value") else None
-                 for d in v.type.tensor_type.shape.dim]
-        for v in list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
-    }
-    return {name: 4 * int(np.prod([d or UNKNOWN_DIM for d in (shapes.get(name) or [None])[1:]]))
-            for name in names}
+def tensor_sample_axes(model: onnx.ModelProto, names: Sequence[str],
+                       fixed: int | None) -> dict[str, int | None]:
+    """The axis of each tensor that holds the samples, None where none can be told.
+
+    Read from the symbolic shapes: the axis carrying the inputs' symbolic batch
+    dimension; with a fixed batch of more than one sample, axis 0 where it has
+    that size.
+    """
+    symbols = set()
+    for value, spec in zip(_graph_inputs(model), graph.input_specs(model), strict=True):
+        dims = value.type.tensor_type.shape.dim
+        if spec.batch_axis is not None and spec.batch_axis < len(dims) \
+                and dims[spec.batch_axis].dim_param:
+            symbols.add(dims[spec.batch_axis].dim_param)
+    values = {v.name: v for v in _value_infos(model)}
+    axes: dict[str, int | None] = {}
+    for name in names:
+        dims = list(values[name].type.tensor_type.shape.dim) if name in values else []
+        axis = next((i for i, d in enumerate(dims) if d.dim_param in symbols and d.dim_param),
+                    None)
+        if axis is None and fixed and fixed > 1 and dims and dims[0].dim_value == fixed:
+            axis = 0
+        axes[name] = axis
+    return axes
 
 
-def plan_groups(model: onnx.ModelProto, names: Sequence[str], batch_size: int,
-                budget: int) -> list[list[str]]:
-    """Split `names` (in order) into groups whose float32 activations for one batch fit `budget`."""
-    groups: list[list[str]] = [[]]
-    used = 0
-    for name, size in sample_bytes(model, names).items():
-        size *= batch_size
-        if groups[-1] and used + size > budget:
-            groups.append([])
-            used = 0
-        groups[-1].append(name)
-        used += size
-    return groups
+def _graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    initializers = {init.name for init in model.graph.initializer}
+    return [v for v in model.graph.input if v.name not in initializers]
+
+
+def _value_infos(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    return list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)
+
+
+def activation_bytes(model: onnx.ModelProto, names: Sequence[str],
+                     batch: Mapping[str, np.ndarray], specs: Sequence[graph.TensorSpec],
+                     unit: int) -> dict[str, int | None]:
+    """Bytes of each tensor for a run of `unit` samples of `batch`'s shapes (None: unknown).
+
+    ONNX shape inference on a copy of the model whose inputs have the batch's
+    concrete shapes (dynamic H/W resolved), `unit` samples on each sample axis.
+    """
+    concrete = onnx.ModelProto()
+    concrete.CopyFrom(model)
+    by_name = {spec.name: spec for spec in specs}
+    for value in concrete.graph.input:
+        if value.name not in by_name:
+            continue
+        shape = list(np.shape(batch[value.name]))
+        axis = by_name[value.name].batch_axis
+        if axis is not None and axis < len(shape):
+            shape[axis] = unit
+        value.type.tensor_type.shape.ClearField("dim")
+        for dim in shape:
+            value.type.tensor_type.shape.dim.add().dim_value = int(dim)
+    del concrete.graph.value_info[:]
+    for output in concrete.graph.output:
+        output.type.tensor_type.ClearField("shape")
+    try:
+        concrete = shape_inference.infer_shapes(concrete, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001 - onnx raises many types; every size is then measured
+        return dict.fromkeys(names)
+    values = {v.name: v.type.tensor_type for v in _value_infos(concrete)}
+    sizes: dict[str, int | None] = {}
+    for name in names:
+        tensor_type = values.get(name)
+        if tensor_type is None or not tensor_type.HasField("shape") or not tensor_type.elem_type \
+                or not all(d.HasField("dim_value") for d in tensor_type.shape.dim):
+            sizes[name] = None
+            continue
+        itemsize = helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).itemsize
+        sizes[name] = itemsize * int(np.prod([d.dim_value for d in tensor_type.shape.dim]))
+    return sizes
+
+
+def _references(node: onnx.NodeProto) -> list[str]:
+    """Tensors a node reads: its inputs and every name its subgraphs use from outer scopes."""
+    names = [name for name in node.input if name]
+    for attribute in node.attribute:
+        bodies = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else \
+            list(attribute.graphs)
+        for body in bodies:
+            for inner in body.node:
+                names.extend(_references(inner))
+    return names
+
+
+def plan_segments(model: onnx.ModelProto, names: Sequence[str], sizes: Mapping[str, int],
+                  cap: int) -> list[tuple[int, int]]:
+    """Node ranges ``[start, stop)`` run in sequence so each exposes at most `cap` bytes.
+
+    Greedy in topological (node) order: a segment ends before the node whose
+    exposed outputs would take it past `cap`, at a cut where every tensor
+    crossing it has a known type and rank (it becomes a sub-model input). One
+    node whose outputs alone exceed `cap` is a segment of its own. Nodes after
+    the last exposed tensor's producer are not run.
+    """
+    nodes = list(model.graph.node)
+    wanted = set(names)
+    produced_by = {out: i for i, node in enumerate(nodes) for out in node.output if out}
+    last = max([produced_by[n] for n in names if n in produced_by], default=-1) + 1
+    nodes = nodes[:last]
+    first_bytes = sum(sizes[n] for n in names if n not in produced_by)
+    node_bytes = [sum(sizes[out] for out in node.output if out in wanted) for node in nodes]
+    if first_bytes + sum(node_bytes) <= cap:
+        return [(0, last)]
+    typed = _typed_tensors(model)
+    last_use: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for name in _references(node):
+            last_use[name] = i
+    ranges, start, used, live, untyped = [], 0, first_bytes, set(), 0
+    for i, node in enumerate(nodes):
+        if used and used + node_bytes[i] > cap and i > start and not untyped:
+            ranges.append((start, i))
+            start, used = i, 0
+        used += node_bytes[i]
+        for out in node.output:
+            if out and last_use.get(out, -1) > i:
+                live.add(out)
+                untyped += out not in typed
+        for name in [n for n in live if last_use[n] <= i + 1]:
+            live.discard(name)
+            untyped -= name not in typed
+    ranges.append((start, last))
+    return ranges
+
+
+def _typed_tensors(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    """Tensors whose element type and rank shape inference knows."""
+    return {v.name: v for v in _value_infos(model)
+            if v.type.tensor_type.elem_type and v.type.tensor_type.HasField("shape")}
+
+
+def build_segments(model: onnx.ModelProto, names: Sequence[str],
+                   ranges: Sequence[tuple[int, int]]) -> list[Segment]:
+    """One ONNX Runtime backend per node range, created once for the whole collection.
+
+    A single range is the whole model with `names` exposed (ONNX Runtime keeps
+    every fusion that does not cross an exposed tensor).
+    """
+    inputs = [spec.name for spec in graph.input_specs(model)]
+    if len(ranges) == 1 and ranges[0][0] == 0:
+        return [Segment(OnnxRuntimeBackend(model, name="collect"), inputs, list(names), [],
+                        frozenset())]
+    nodes = list(model.graph.node)
+    produced_by = {out: i for i, node in enumerate(nodes) for out in node.output if out}
+    top_level = set(inputs) | set(produced_by)
+    reads = [set(name for node in nodes[a:b] for name in _references(node)) & top_level
+             for a, b in ranges]
+    segments = []
+    for k, (a, b) in enumerate(ranges):
+        later = set().union(*reads[k + 1:])
+        own = {out for node in nodes[a:b] for out in node.output if out}
+        exposed = [n for n in names if n in own or (k == 0 and n not in produced_by)]
+        handed = [out for node in nodes[a:b] for out in node.output if out in later]
+        seg_inputs = [n for n in inputs + list(produced_by) if n in reads[k] and n not in own]
+        if k == 0:  # exposed graph inputs come back from the first segment
+            seg_inputs = list(dict.fromkeys(
+                seg_inputs + [n for n in exposed if n not in produced_by]))
+        segment = Segment(None, seg_inputs, exposed, handed, frozenset(later))
+        sub = _sub_model(model, nodes[a:b], seg_inputs, segment.outputs())
+        segment.backend = OnnxRuntimeBackend(sub, name=f"collect segment {k}")
+        segments.append(segment)
+    return segments
+
+
+def _sub_model(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto], inputs: Sequence[str],
+               outputs: Sequence[str]) -> onnx.ModelProto:
+    """A model of `nodes` reading `inputs` and returning `outputs`, with the weights it uses.
+
+    Inputs are declared with their type and rank only (every dimension symbolic),
+    so the same sub-model runs slices of any size.
+    """
+    typed = _typed_tensors(model)
+    used = {name for node in nodes for name in _references(node)}
+    declared = []
+    for name in inputs:
+        tensor_type = typed[name].type.tensor_type
+        declared.append(helper.make_tensor_value_info(
+            name, tensor_type.elem_type,
+            [f"{name}_d{axis}" for axis in range(len(tensor_type.shape.dim))]))
+    results = [typed[name] if name in typed else onnx.ValueInfoProto(name=name)
+               for name in dict.fromkeys(outputs)]
+    body = helper.make_graph(
+        list(nodes), "segment", declared, results,
+        [init for init in model.graph.initializer if init.name in used])
+    sub = helper.make_model(body, opset_imports=list(model.opset_import),
+                            ir_version=model.ir_version)
+    sub.functions.extend(model.functions)
+    return sub

@@ -9,9 +9,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from quantlab import collect as collect_module
-from quantlab import graph
+from quantlab import graph, qdq
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-from quantlab.collect import OVERSAMPLE, Statistics, TensorStats, _fold, collect, plan_groups
+from quantlab.collect import OVERSAMPLE, Statistics, TensorStats, _fold, collect
 from quantlab.data import BatchSource, open_data
 from quantlab.errors import DataError
 
@@ -55,11 +55,13 @@ def run(model, arrays, **kwargs):
                        **kwargs)
 
 
-def assert_identical(a: Statistics, b: Statistics):
+def assert_identical(a: Statistics, b: Statistics, max_sample: bool = False):
     assert a.num_samples == b.num_samples and list(a.tensors) == list(b.tensors)
     for name in a.tensors:
         x, y = a.tensors[name], b.tensors[name]
         assert (x.min, x.max, x.count, x.exponent) == (y.min, y.max, y.count, y.exponent), name
+        if max_sample:
+            assert x.max_sample == y.max_sample, name
         assert np.array_equal(x.hist, y.hist), name
 
 
@@ -120,12 +122,111 @@ def test_two_halves_merged_equal_one_pass_exactly():
     assert_identical(merged, whole)
 
 
-def test_groups_and_runs_give_identical_statistics(monkeypatch):
+def test_slices_and_segments_give_identical_statistics(monkeypatch):
     model = small_model()
     arrays = data(4, scale=3.0)
     whole = run(model, arrays)
-    assert_identical(run(model, arrays, group_size=1), whole)
     # Batches of 4 run one sample at a time when a sample's activations fill RUN_BYTES.
+    runs = []
+    run_batch = OnnxRuntimeBackend.run
+
+    def spy(self, batch, tensors=None):
+        runs.append((self.name, len(next(iter(batch.values())))))
+        return run_batch(self, batch, tensors)
+
+    monkeypatch.setattr(OnnxRuntimeBackend, "run", spy)
+    monkeypatch.setattr(collect_module, "RUN_BYTES", 4 * 32 * len(TENSORS))
+    assert_identical(run(model, arrays), whole)
+    assert runs == [("collect", 1)] * len(arrays)
+    # A budget below one sample's activations: one segment per exposed tensor, each run
+    # on one-sample slices only after the batch was cut down to single samples.
+    runs.clear()
+    assert_identical(run(model, arrays, memory_budget=2 * 128), whole)
+    assert {name for name, _ in runs} == {f"collect segment {k}" for k in range(4)}
+    assert {size for _, size in runs} == {1}
+
+
+def test_segments_cut_in_topological_order_hand_on_boundary_tensors():
+    model = small_model()
+    sizes = dict.fromkeys(TENSORS, 128)
+    assert collect_module.plan_segments(model, TENSORS, sizes, cap=10**6) == [(0, 4)]
+    ranges = collect_module.plan_segments(model, TENSORS, sizes, cap=256)
+    assert ranges == [(0, 2), (2, 4)]
+    segments = collect_module.build_segments(model, TENSORS, ranges)
+    assert [s.exposed for s in segments] == [["x", "log_out"], ["relu_out", "zero_out"]]
+    # The graph input x is carried to the second segment, next to the boundary log_out.
+    assert [s.inputs for s in segments] == [["x"], ["x", "log_out"]]
+    assert [s.handed for s in segments] == [["log_out"], []]
+    # Each sub-model holds only its own nodes.
+    assert [[n.op_type for n in s.backend.model.graph.node] for s in segments] == [
+        ["Abs", "Log"], ["Relu", "Mul"]]
+
+
+@pytest.mark.parametrize("budget", [None, 16 << 10, 1])
+def test_each_sample_runs_through_the_graph_once(tiny_model, monkeypatch, budget):
+    """Every segment session sees every sample exactly once, and is created once."""
+    model, _, _ = tiny_model
+    arrays = np.random.default_rng(3).standard_normal((10, 3, 16, 16)).astype(np.float32)
+    tensors = qdq.activation_tensors_to_calibrate(model)
+    fed: dict[str, list[np.ndarray]] = {}
+    created: list[str] = []
+    run_batch, init = OnnxRuntimeBackend.run, OnnxRuntimeBackend.__init__
+
+    def spy_run(self, batch, tensors=None):
+        first = batch.get("input")
+        fed.setdefault(self.name, []).append(
+            first.copy() if first is not None else len(next(iter(batch.values()))))
+        return run_batch(self, batch, tensors)
+
+    def spy_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        created.append(self.name)
+
+    monkeypatch.setattr(OnnxRuntimeBackend, "run", spy_run)
+    monkeypatch.setattr(OnnxRuntimeBackend, "__init__", spy_init)
+    stats = collect(model, source(model, arrays, batch_size=4), tensors, progress=False,
+                    memory_budget=budget)
+    assert stats.num_samples == 10
+    assert len(created) == len(set(created)) == len(fed)
+    if budget is not None:
+        assert len(fed) > 2  # segmented
+    for name, runs in fed.items():
+        counts = [r if isinstance(r, int) else len(r) for r in runs]
+        assert sum(counts) == 10, (name, counts)
+    # The segment reading the graph input saw the samples in order, each once.
+    first = next(runs for runs in fed.values() if not isinstance(runs[0], int))
+    assert np.array_equal(np.concatenate(first), arrays)
+
+
+@pytest.mark.parametrize("zoo_name", ["digits-cnn", "digits-vit"])
+def test_segmented_collection_equals_unsegmented_on_zoo_models(zoo_name):
+    from quantlab import pipeline, zoo
+
+    model = pipeline.export_zoo_model(zoo_name)
+    samples = zoo.get(zoo_name).calibration_set()[:24]
+    tensors = qdq.activation_tensors_to_calibrate(model)
+    whole = collect(model, source(model, samples, batch_size=8), tensors, progress=False)
+    segmented = collect(model, source(model, samples, batch_size=8), tensors, progress=False,
+                        memory_budget=8 << 10)
+    assert_identical(segmented, whole, max_sample=True)
+
+
+def test_sizes_come_from_the_real_input_shapes(tiny_model):
+    model, _, _ = tiny_model
+    batch = {"input": np.zeros((4, 3, 16, 16), np.float32)}
+    tensors = qdq.activation_tensors_to_calibrate(model)
+    sizes = collect_module.activation_bytes(model, tensors, batch, graph.input_specs(model), 1)
+    assert sizes["input"] == 3 * 16 * 16 * 4
+    assert max(sizes.values()) == 8 * 16 * 16 * 4
+    assert None not in sizes.values()
+
+
+def test_sizes_inference_leaves_open_are_measured_on_the_first_sample(monkeypatch):
+    model = small_model()
+    arrays = data(9, scale=2.0)
+    whole = run(model, arrays)
+    monkeypatch.setattr(collect_module, "activation_bytes",
+                        lambda model, names, *args: dict.fromkeys(names))
     runs = []
     run_batch = OnnxRuntimeBackend.run
 
@@ -134,11 +235,81 @@ def test_groups_and_runs_give_identical_statistics(monkeypatch):
         return run_batch(self, batch, tensors)
 
     monkeypatch.setattr(OnnxRuntimeBackend, "run", spy)
-    monkeypatch.setattr(collect_module, "RUN_BYTES", 4 * 32 * len(TENSORS))
     assert_identical(run(model, arrays), whole)
-    assert runs == [1] * len(arrays)
-    assert plan_groups(model, TENSORS, batch_size=4, budget=1) == [[t] for t in TENSORS]
-    assert plan_groups(model, TENSORS, batch_size=4, budget=10**9) == [TENSORS]
+    assert runs == [1, 3, 4, 4, 4]  # the first sample alone, then whole-batch slices
+
+
+def test_max_sample_points_at_the_largest_value_and_merges(tmp_path):
+    model = small_model()
+    arrays = data(10, samples=24)
+    arrays[13, 2, 5] = -50.0
+    arrays[20, 1, 1] = 50.0  # a tie later on: the first sample keeps it
+    whole = run(model, arrays)
+    assert whole.tensors["x"].max_sample == 13
+    merged = run(model, arrays[:12]).merge(run(model, arrays[12:]))
+    assert_identical(merged, whole, max_sample=True)
+    loaded = Statistics.load(whole.save(tmp_path / "stats.npz"))
+    assert_identical(loaded, whole, max_sample=True)
+
+
+def test_version_1_statistics_still_load(tmp_path):
+    stats = run(small_model(), data(11))
+    stats.save(tmp_path / "stats.npz")
+    with np.load(tmp_path / "stats.npz") as archive:
+        arrays = {k: archive[k] for k in archive.files if k != "max_sample"}
+    arrays["version"] = np.array(1)
+    np.savez(tmp_path / "v1.npz", **arrays)
+    loaded = Statistics.load(tmp_path / "v1.npz")
+    assert_identical(loaded, stats)
+    assert {s.max_sample for s in loaded.tensors.values()} == {-1}
+
+
+def test_sample_axis_1_and_integer_inputs():
+    """Recurrent state [2, N, 8] (samples on axis 1) and an int64 input are fed as they are."""
+    nodes = [
+        helper.make_node("Relu", ["state"], ["state_out"]),
+        helper.make_node("Cast", ["ids"], ["ids_f"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["x", "ids_f"], ["scaled"]),
+    ]
+    model = graph.normalize(helper.make_model(
+        helper.make_graph(nodes, "state", [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8]),
+            helper.make_tensor_value_info("state", TensorProto.FLOAT, [2, "N", 8]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 8]),
+        ], [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+            for n in ("state_out", "scaled")]),
+        opset_imports=[helper.make_opsetid("", 18)]))
+    rng = np.random.default_rng(12)
+    state = rng.standard_normal((2, 10, 8)).astype(np.float32)
+    state[1, 7, 3] = 9.0
+    arrays = {"x": rng.standard_normal((10, 8)).astype(np.float32), "state": state,
+              "ids": rng.integers(0, 3, (10, 8))}
+    tensors = ["state", "state_out", "scaled"]
+    whole = collect(model, open_data(arrays, graph.input_specs(model), batch_size=4), tensors,
+                    num_bins=256, progress=False)
+    assert whole.tensors["state_out"].max_sample == 7
+    assert whole.tensors["state_out"].amax == 9.0
+    segmented = collect(model, open_data(arrays, graph.input_specs(model), batch_size=4),
+                        tensors, num_bins=256, progress=False, memory_budget=64)
+    assert_identical(segmented, whole, max_sample=True)
+
+
+def test_fixed_batch_model_runs_its_batches_whole(monkeypatch):
+    model = small_model()
+    dim = model.graph.input[0].type.tensor_type.shape.dim[0]
+    dim.dim_value = 2
+    model = graph.normalize(model)
+    runs = []
+    run_batch = OnnxRuntimeBackend.run
+
+    def spy(self, batch, tensors=None):
+        runs.append(len(batch["x"]))
+        return run_batch(self, batch, tensors)
+
+    monkeypatch.setattr(OnnxRuntimeBackend, "run", spy)
+    monkeypatch.setattr(collect_module, "RUN_BYTES", 1)
+    stats = run(model, data(13, samples=6))
+    assert stats.num_samples == 6 and set(runs) == {2}
 
 
 def test_save_load_round_trip_and_bad_files(tmp_path):
@@ -152,6 +323,11 @@ def test_save_load_round_trip_and_bad_files(tmp_path):
     np.savez(tmp_path / "foreign.npz", weights=np.zeros(3))
     with pytest.raises(DataError, match="foreign.npz"):
         Statistics.load(tmp_path / "foreign.npz")
+    # Reliability case R2: a text file, without NumPy's advice to unpickle it.
+    (tmp_path / "notes.txt").write_text("min max\n0 1\n")
+    with pytest.raises(DataError, match="notes.txt is not a statistics file") as error:
+        Statistics.load(tmp_path / "notes.txt")
+    assert "pickle" not in str(error.value)
 
 
 def test_nan_batch_names_tensor_and_batch():
