@@ -131,6 +131,7 @@ def run_calibration(
     trt_version: str = cache.DEFAULT_TRT_VERSION,
     constants: Mapping[str, object] | None = None,
     batch_axes: Mapping[str, int | None] | None = None,
+    memory_budget: int | str | None = None,
 ) -> CalibrationResult:
     """Calibrate `model` on `data` and write the experiment folder `out`.
 
@@ -160,7 +161,7 @@ def run_calibration(
     cache.trt_version_number(trt_version)
     tensors = trt_ranges.tensors_to_calibrate(model)  # Q/DQ inputs + TensorRT <= 10 ranges
     check_cache_names(tensors)
-    stats = collect.collect(model, source, tensors, progress=progress)
+    stats = collect.collect(model, source, tensors, progress=progress, memory_budget=memory_budget)
     scales = calibrate.calibrate(stats, method, **method_params)
     result = CalibrationResult(model, qdq.quantize_model(model, scales.amax), stats, scales, source,
                                preprocess=preprocess)

@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="TensorRT version written into calibration.cache; TensorRT ignores a cache made "
         "for another version (default: %(default)s)",
     )
+    parser.add_argument("--memory", metavar="SIZE", help="memory budget of collection, e.g. 2G "
+                        "(default 2G; a larger model runs in segments)")
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_data_arguments(parser)
@@ -79,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         preprocess=preprocess_from_args(args),
         force=args.force,
         trt_version=args.trt_version,
+        memory_budget=args.memory,
         progress=not args.no_progress,
         **input_options(args),
     )
