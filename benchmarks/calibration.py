@@ -42,8 +42,6 @@ import json
 import math
 import os
 import platform
-import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +55,7 @@ from unittest import mock
 import numpy as np
 import onnx
 import psutil
+from harness import GIB, MIB, format_table, limit_address_space, peak_rss, run_child
 from onnx import numpy_helper
 
 BATCH_SIZE = 32
@@ -94,12 +93,6 @@ RESNET_SHAPE = (3, 224, 224)
 RESNET_EVAL_SAMPLES = 64
 IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], np.float32).reshape(1, 3, 1, 1)
 IMAGENET_STD = np.array([0.229, 0.224, 0.225], np.float32).reshape(1, 3, 1, 1)
-GIB = 1 << 30
-MIB = 1 << 20
-# The watchdog also stops a child when the whole machine gets this close to swapping
-# (other engineers' jobs share it).
-MACHINE_RESERVE = int(1.5 * GIB)
-POLL_SECONDS = 0.1
 # Targets from the issue.
 SPEEDUP_TARGET = 20.0
 FLOOR_RATIO_TARGET = 2.0
@@ -261,21 +254,9 @@ RUNNERS: dict[str, Callable[[Mapping], dict[str, float]]] = {
 }
 
 
-def peak_rss() -> int:
-    """This process's peak RSS in bytes (VmHWM).
-
-    Not ``getrusage(RUSAGE_SELF).ru_maxrss``: Linux carries that over fork and exec,
-    so a child would report its parent's peak whenever the parent was larger.
-    """
-    status = Path("/proc/self/status").read_text()
-    kib = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))
-    return int(kib) * 1024
-
-
 def child_main(spec: Mapping) -> None:
     """Run one configuration under the address-space limit; write its result.json."""
-    limit = spec["memory_limit"]
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    limit_address_space(spec["memory_limit"])
     importlib.import_module(TOOL_MODULES[spec["tool"]])
     baseline_rss = psutil.Process().memory_info().rss
     start = time.perf_counter()
@@ -394,36 +375,6 @@ def exposed_model(subject: Subject) -> Path:
 # ---------------------------------------------------------------- parent: running children
 
 
-def watch(process: subprocess.Popen, memory_limit: int,
-          time_limit: float) -> tuple[str | None, int]:
-    """Wait for `process`; kill it past the RSS or time limit or when the machine runs low.
-
-    Returns why it was stopped (None if it ended by itself) and its sampled peak RSS.
-    """
-    watched = psutil.Process(process.pid)
-    start = time.monotonic()
-    peak = 0
-    while process.poll() is None:
-        try:
-            rss = watched.memory_info().rss
-        except psutil.NoSuchProcess:
-            break
-        peak = max(peak, rss)
-        reason = None
-        if rss > memory_limit:
-            reason = f"stopped: RSS above {memory_limit / GIB:.0f} GiB"
-        elif psutil.virtual_memory().available < MACHINE_RESERVE:
-            reason = "stopped: machine low on memory"
-        elif time.monotonic() - start > time_limit:
-            reason = f"stopped: over {time_limit:.0f} s"
-        if reason:
-            process.kill()
-            process.wait()
-            return reason, peak
-        time.sleep(POLL_SECONDS)
-    return None, peak
-
-
 def launch(subject: Subject, size: int, tool: str, method: str, folder: Path,
            args: argparse.Namespace) -> tuple[str | None, int, int]:
     """Run one configuration's child under the watchdog, writing into the existing `folder`.
@@ -437,11 +388,7 @@ def launch(subject: Subject, size: int, tool: str, method: str, folder: Path,
         "data": str(subject.calibration_path), "input_name": subject.input_name,
         "out": str(folder), "memory_limit": int(args.memory_limit_gb * GIB),
     }
-    with open(folder / "log.txt", "w") as log:
-        process = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)],
-                                   stdout=log, stderr=subprocess.STDOUT)
-        stopped, sampled_peak = watch(process, spec["memory_limit"], args.time_limit)
-    return stopped, sampled_peak, process.returncode
+    return run_child(__file__, spec, folder / "log.txt", spec["memory_limit"], args.time_limit)
 
 
 def warm_up(subject: Subject, args: argparse.Namespace) -> None:
@@ -740,15 +687,6 @@ def targets(rows: Sequence[dict], table: Sequence[dict],
 
 
 # ---------------------------------------------------------------- parent: printing
-
-
-def format_table(rows: Sequence[Mapping[str, object]]) -> str:
-    """Rows of equal keys as a left-aligned plain-text table."""
-    header = list(rows[0])
-    cells = [header] + [[str(row[key]) for key in header] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-                     for line in cells)
 
 
 def _number(value: float | None, pattern: str) -> str:
