@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import importlib
 import os
+import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -607,6 +608,7 @@ class OutputSensitivity:
 def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
                references: Mapping[str, np.ndarray], trials: int = 24,
                int8_share: float = 0.5, ridge: float = 1e-3, seed: int = 0,
+               fixed: Mapping[str, str] | None = None,
                progress: Callable | None = None) -> OutputSensitivity:
     """Output-aware sensitivity from `trials` switchboard passes over one (hard) batch.
 
@@ -617,14 +619,19 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
     order, so nsr(S) ~ sum of a_i over the INT8 units S, fitted by nonnegative
     least squares with a small ridge (``ridge * trials``) so that a few trials
     still give a unique answer. The all-INT8 plan is always one of the trials.
+    Units in `fixed` (hard pins: unit -> precision) keep that precision in every
+    trial and get no contribution.
     """
+    fixed = dict(fixed or {})
     units = list(board.flags)
     rng = np.random.default_rng(seed)
     masks = rng.random((trials, len(units))) < int8_share
     masks[0] = True
+    masks[:, [i for i, u in enumerate(units) if u in fixed]] = False
     nsr = np.empty(trials)
     for t in progress(range(trials)) if progress else range(trials):
         precisions = {u: "int8" if m else "fp32" for u, m in zip(units, masks[t], strict=True)}
+        precisions.update(fixed)
         outputs = run({**batch, **board.feeds(precisions)})
         nsr[t] = float(sample_nsr(outputs, references).mean())
     system = np.vstack([masks.astype(np.float64), np.sqrt(ridge * trials) * np.eye(len(units))])
@@ -828,3 +835,41 @@ def certify(metric: Callable, name: str, outputs: Outputs, references: Outputs, 
               if too_small and max_drop > 0 else None)
     return Certificate(name, reference, value, limit, (float(low), float(high)), confidence,
                        count, bool(low >= 0), bool(too_small), needed)
+
+
+# ---------------------------------------------------------------- TensorRT <= 10 artifacts
+
+
+def pinned_tensors(plan: Plan, g: Graph) -> set[str]:
+    """Float inputs and outputs of the non-INT8 units' nodes: the calibration cache omits them
+    so TensorRT <= 10 (implicit INT8) runs those layers in higher precision."""
+    nodes = {node.name: node for node in g.model.graph.node}
+    names = {name for decision in plan.units.values() if decision.precision != "int8"
+             for node in decision.nodes for name in [*nodes[node].input, *nodes[node].output]}
+    return {name for name in names if name in g.floats}
+
+
+def trtexec_command(plan: Plan, onnx_path: str = "model.onnx",
+                    cache_path: str = "calibration.cache") -> str:
+    """The trtexec (TensorRT <= 10) command building the plan by implicit INT8.
+
+    Non-INT8 nodes get ``--layerPrecisions``/``--layerOutputTypes`` and
+    ``--precisionConstraints=obey`` (TensorRT 11 removed these flags: use
+    model.int8.onnx there). Layer names are ONNX node names (TensorRT's ONNX parser
+    keeps them); a name holding ',' or ':' cannot be written in these lists.
+    """
+    pinned = {node: d.precision for d in plan.units.values() if d.precision != "int8"
+              for node in d.nodes}
+    bad = [n for n in pinned if "," in n or ":" in n]
+    if bad:
+        raise ModelError(f"node names {bad[:3]} hold ',' or ':', which trtexec's "
+                         "--layerPrecisions cannot express; rename those nodes.")
+    parts = ["trtexec", f"--onnx={shlex.quote(onnx_path)}", "--int8"]
+    if any(p == "fp16" for p in pinned.values()):
+        parts.append("--fp16")
+    parts.append(f"--calib={shlex.quote(cache_path)}")
+    if pinned:
+        spec = ",".join(f"{n}:{p}" for n, p in pinned.items())
+        parts += [f"--layerPrecisions={shlex.quote(spec)}",
+                  f"--layerOutputTypes={shlex.quote(spec)}", "--precisionConstraints=obey"]
+    return " ".join(parts)

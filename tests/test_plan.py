@@ -425,3 +425,22 @@ def test_too_small_eval_set_is_reported():
     result = plan.certify(plan.argmax_agreement, "agreement", outputs, references, max_drop=0.02)
     assert result.too_small and not result.certified
     assert result.needed_samples > 10 * 100
+
+
+def test_trtexec_command_and_pinned_tensors():
+    g = residual_block()
+    units = plan.find_units(g, {"x": [2, 3, 8, 8]})
+    decided = plan.Plan.from_rules(units, {})
+    assert plan.trtexec_command(decided) == (
+        "trtexec --onnx=model.onnx --int8 --calib=calibration.cache")
+    assert plan.pinned_tensors(decided, g) == set()
+    decided.units["conv1"].precision = "fp16"
+    decided.units["conv3"].precision = "fp32"
+    spec = "conv1:fp16,add:fp16,side:fp16,conv3:fp32"
+    assert plan.trtexec_command(decided, "my model.onnx") == (
+        "trtexec --onnx='my model.onnx' --int8 --fp16 --calib=calibration.cache "
+        f"--layerPrecisions={spec} --layerOutputTypes={spec} --precisionConstraints=obey")
+    assert plan.pinned_tensors(decided, g) == {"r", "b", "c", "s", "e", "p", "d"}
+    decided.units["conv1"].nodes = ["a,b"]
+    with pytest.raises(ModelError, match="hold ',' or ':'"):
+        plan.trtexec_command(decided)
