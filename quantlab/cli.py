@@ -19,6 +19,7 @@ COMMANDS = {
     "calibrate": "calibrate",
     "validate": "validate",
     "zoo": "zoo",
+    "build": "build",
 }
 
 DESCRIPTION = """\

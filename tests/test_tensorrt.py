@@ -4,6 +4,7 @@ need the `tensorrt` package and an NVIDIA GPU and skip without them (never faked
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -470,3 +471,126 @@ def test_layer_info_files_and_names_only(tmp_path):
         read_layer_info('{"Bindings": []}')
     with pytest.raises(DataError, match="cannot be read"):
         read_layer_info(tmp_path / "missing.json")
+
+
+# --- trtexec command lines and quantlab build -------------------------------------------------
+
+def test_layer_precisions_string():
+    from quantlab.trtexec import layer_precisions
+
+    plan = {"/conv1/Conv": "fp32", "/fc/Gemm": "int8", "/head/Concat_1": "FP16",
+            "input_1:0/op": "fp32"}
+    # INT8 nodes are left to TensorRT; trtexec splits each entry at its last ':'.
+    assert layer_precisions(plan) == "/conv1/Conv:fp32,/head/Concat_1:fp16,input_1:0/op:fp32"
+    assert layer_precisions({"a": "int8"}) == ""
+    with pytest.raises(ConfigError, match="splits the list at ','"):
+        layer_precisions({"concat,1": "fp32"})
+    with pytest.raises(ConfigError, match="does not take"):
+        layer_precisions({"a": "double"})
+
+
+PROFILE = {"input": ((1, 3, 16, 16), (8, 3, 16, 16), (8, 3, 16, 16)),
+           "fixed": ((1, 2), (1, 2), (1, 2))}
+
+
+def test_trtexec_command_lines():
+    from quantlab.trtexec import implicit_command, strongly_typed_command
+
+    assert strongly_typed_command("model.int8.onnx", "model.plan", PROFILE, "layers.json") == (
+        "trtexec --onnx=model.int8.onnx --stronglyTyped --minShapes=input:1x3x16x16 "
+        "--optShapes=input:8x3x16x16 --maxShapes=input:8x3x16x16 --saveEngine=model.plan "
+        "--profilingVerbosity=detailed --exportLayerInfo=layers.json")
+    assert strongly_typed_command("m.onnx", "m.plan", trt_major=11) == (
+        "trtexec --onnx=m.onnx --saveEngine=m.plan")
+    plan = {"/conv1/Conv": "fp32", "/head/Concat": "fp16", "/fc/Gemm": "int8"}
+    assert implicit_command("model.onnx", "calibration.cache", "model.implicit.plan", plan) == (
+        "trtexec --onnx=model.onnx --int8 --fp16 --calib=calibration.cache "
+        "--precisionConstraints=obey --layerPrecisions=/conv1/Conv:fp32,/head/Concat:fp16 "
+        "--saveEngine=model.implicit.plan")
+    assert implicit_command("my model.onnx", "c.cache", "e.plan", {"(Unnamed) x": "fp32"}) == (
+        "trtexec '--onnx=my model.onnx' --int8 --calib=c.cache --precisionConstraints=obey "
+        "'--layerPrecisions=(Unnamed) x:fp32' --saveEngine=e.plan")
+
+
+@pytest.fixture(scope="module")
+def calibrated_folder(tmp_path_factory):
+    """A calibration folder of a tiny CNN (dynamic batch, input 'x'), percentile method."""
+    import torch
+
+    from quantlab import graph, pipeline
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(),
+                                 torch.nn.Conv2d(4, 2, 1)).eval()
+    root = tmp_path_factory.mktemp("build")
+    data = np.random.default_rng(0).standard_normal((8, 3, 6, 6)).astype(np.float32)
+    model = graph.export_torch(module, data[:2], root / "cnn.onnx", output_names=["y"])
+    pipeline.run_calibration(model, data, root / "run", progress=False)
+    return root / "run"
+
+
+def test_build_writes_trtexec_lines_and_says_tensorrt_is_missing(calibrated_folder, capsys):
+    from quantlab import graph
+    from quantlab.cli import main
+
+    folder = calibrated_folder
+    (folder / "plan.json").write_text('{"node_conv2d": "int8", "node_conv2d_1": "fp16"}')
+    code = main(["build", str(folder), "--plan", str(folder / "plan.json"), "--max-batch", "4"])
+    out, err = capsys.readouterr()
+    assert code == 0 and f"wrote {folder / 'trtexec.txt'}" in out
+    name = graph.input_specs(graph.load_model(folder / "model.onnx"))[0].name
+    shapes = (f"--minShapes={name}:1x3x6x6 --optShapes={name}:4x3x6x6 "
+              f"--maxShapes={name}:4x3x6x6")
+    assert (folder / "trtexec.txt").read_text().splitlines() == [
+        "# trtexec commands that build this folder's engine; run them inside this folder.",
+        "# TensorRT 10.x: strongly typed from the Q/DQ model (precisions from Q/DQ and types)",
+        f"trtexec --onnx=model.int8.onnx --stronglyTyped {shapes} --saveEngine=model.plan "
+        "--profilingVerbosity=detailed --exportLayerInfo=layers.json",
+        "# TensorRT 11.x: every network is strongly typed (--stronglyTyped is a no-op there)",
+        f"trtexec --onnx=model.int8.onnx {shapes} --saveEngine=model.plan "
+        "--profilingVerbosity=detailed --exportLayerInfo=layers.json",
+        "# TensorRT <= 10.x: implicit INT8 from the FP32 model and the calibration cache, the "
+        "plan's fp32/fp16 layers obeyed",
+        "# (calibration.trtexec.cache is TRT-8601-MinMaxCalibration: TensorRT uses it only if it "
+        "is that version; another version recalibrates on trtexec's random data)",
+        "trtexec --onnx=model.onnx --int8 --fp16 --calib=calibration.trtexec.cache "
+        f"--precisionConstraints=obey --layerPrecisions=node_conv2d_1:fp16 {shapes} "
+        "--saveEngine=model.implicit.plan --profilingVerbosity=detailed "
+        "--exportLayerInfo=layers.implicit.json",
+    ]
+    # trtexec's calibrator is an EntropyCalibration2 one: the same scales under its header.
+    header, relabelled = cache.read_calibration_cache(folder / "calibration.trtexec.cache")
+    assert str(header) == "TRT-8601-EntropyCalibration2"
+    assert relabelled == cache.read_calibration_cache(folder / "calibration.cache")[1]
+    if not HAS_TENSORRT:
+        assert "engine not built" in err and "install quantlab[tensorrt]" in err
+        assert not (folder / "model.plan").exists()
+
+
+def test_build_refuses_a_folder_without_artifacts(tmp_path, capsys):
+    from quantlab.cli import main
+
+    assert main(["build", str(tmp_path)]) == 1
+    assert "model.onnx does not exist" in capsys.readouterr().err
+
+
+def test_build_refuses_a_plan_of_another_model(calibrated_folder, tmp_path, capsys):
+    from quantlab.cli import main
+
+    (tmp_path / "plan.json").write_text('{"/backbone/conv9/Conv": "fp32"}')
+    assert main(["build", str(calibrated_folder), "--plan", str(tmp_path / "plan.json")]) == 1
+    assert "does not have: ['/backbone/conv9/Conv']" in capsys.readouterr().err
+
+
+def test_read_plan_takes_plan_json_units_and_flat_mappings(tmp_path):
+    from quantlab.commands.build import read_plan
+
+    units = {"units": {"u0": {"precision": "fp16", "nodes": ["a", "b"]},
+                       "u1": {"precision": "int8", "nodes": ["c"]}}, "format": "quantlab-plan"}
+    (tmp_path / "plan.json").write_text(json.dumps(units))
+    assert read_plan(tmp_path / "plan.json") == {"a": "fp16", "b": "fp16", "c": "int8"}
+    (tmp_path / "flat.json").write_text('{"a": "fp32"}')
+    assert read_plan(tmp_path / "flat.json") == {"a": "fp32"}
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(DataError, match="neither a plan.json"):
+        read_plan(tmp_path / "bad.json")

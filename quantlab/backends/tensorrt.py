@@ -242,7 +242,8 @@ def build_engine(
             network, {node: _trt_dtype(trt, p) for node, p in precisions.items()})
     if debug_tensors and debug_tensors != UNFUSED:
         network = MarkDebug(network, list(debug_tensors))
-    options = {"profiles": [profile]}
+    # DETAILED: the engine inspector then reports each layer's tensors, types and ONNX nodes.
+    options = {"profiles": [profile], "profiling_verbosity": trt.ProfilingVerbosity.DETAILED}
     if workspace:
         options["memory_pool_limits"] = {trt.MemoryPoolType.WORKSPACE: int(workspace)}
     if mode == "implicit":
@@ -257,6 +258,17 @@ def build_engine(
         return bytes(EngineBytesFromNetwork(network, config=config)())
     except Exception as exc:  # Polygraphy raises PolygraphyException after TensorRT's log
         raise ModelError(f"TensorRT could not build an engine from {path}: {exc}") from None
+
+
+def layer_information(engine: bytes) -> str:
+    """The engine inspector's layer information (JSON) of a serialized engine: what
+    :func:`quantlab.trt_layers.engine_layers` reads. Detailed for engines built by
+    :func:`build_engine` (``ProfilingVerbosity.DETAILED``), layer names only otherwise."""
+    trt = require_tensorrt()
+    from polygraphy.backend.trt import EngineFromBytes
+
+    inspector = EngineFromBytes(engine)().create_engine_inspector()
+    return inspector.get_engine_information(trt.LayerInformationFormat.JSON)
 
 
 class TensorRTBackend:

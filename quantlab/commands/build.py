@@ -1,0 +1,137 @@
+"""Build the TensorRT engine of a calibration folder, and write the trtexec commands that
+reproduce it.
+
+DIR is a folder written by `quantlab calibrate` (model.onnx, model.int8.onnx,
+calibration.cache). Always writes DIR/trtexec.txt: the trtexec command lines for
+TensorRT 10.x and 11.x (strongly typed, from model.int8.onnx) and for TensorRT
+<= 10.x (implicit INT8 from model.onnx and the calibration cache, with the
+plan's fp32/fp16 layers pinned by --layerPrecisions and
+--precisionConstraints=obey). Where TensorRT is installed (an NVIDIA GPU and
+quantlab[tensorrt]) it also builds DIR/model.plan -- strongly typed on TensorRT
+>= 10, implicit INT8 before, or as --mode says -- and writes the engine's layer
+information to DIR/layers.json, listing the plan's nodes whose engine layer
+runs in another precision.
+
+examples:
+  quantlab build runs/cnn
+  quantlab build runs/det --plan runs/det/plan.json --max-batch 8 --mode implicit
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "build the TensorRT engine of a calibration folder; write its trtexec commands"
+ENGINE_FILE = "model.plan"
+TRTEXEC_FILE = "trtexec.txt"
+LAYERS_FILE = "layers.json"
+# trtexec's calibrator is an IInt8EntropyCalibrator2 (samples/common/sampleEngines.cpp,
+# RndInt8Calibrator), so it uses only caches with that header; a MinMaxCalibration cache
+# makes it calibrate again on random data (TensorRT#3430). Same scales, relabelled header.
+TRTEXEC_CACHE = "calibration.trtexec.cache"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `quantlab build`."""
+    parser.add_argument("folder", metavar="DIR", help="a folder written by quantlab calibrate")
+    parser.add_argument(
+        "--mode", choices=("auto", "strongly_typed", "implicit"), default="auto",
+        help="strongly_typed: from model.int8.onnx (TensorRT >= 10; the only mode of 11); "
+        "implicit: INT8 from model.onnx + calibration.cache (TensorRT <= 10); auto: the "
+        "installed TensorRT decides (default)")
+    parser.add_argument("--plan", metavar="FILE",
+                        help="plan.json (quantlab plan) or a JSON {node: precision}: its "
+                        "fp32/fp16 nodes are pinned in implicit builds and checked in the engine")
+    parser.add_argument("--max-batch", type=int, default=1, metavar="N",
+                        help="largest batch of a dynamic sample axis (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="replace an existing model.plan")
+
+
+def read_plan(path: str | Path) -> dict[str, str]:
+    """{ONNX node name: precision} from a plan.json or a flat JSON mapping."""
+    from quantlab.errors import DataError
+    from quantlab.experiment import read_json
+
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"plan {path} cannot be read as JSON ({exc}).") from None
+    if isinstance(data, dict) and isinstance(data.get("units"), dict):
+        try:
+            return {node: str(unit["precision"]) for unit in data["units"].values()
+                    for node in unit["nodes"]}
+        except (KeyError, TypeError):
+            raise DataError(f"plan {path}: a unit lacks 'precision' or 'nodes'.") from None
+    if isinstance(data, dict) and all(isinstance(v, str) for v in data.values()):
+        return dict(data)
+    raise DataError(f"plan {path} is neither a plan.json nor a JSON {{node: precision}} mapping.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write trtexec.txt, then build the engine where TensorRT is installed."""
+    from quantlab import cache, graph, trtexec
+    from quantlab.backends import tensorrt as trt_backend
+    from quantlab.errors import BackendUnavailableError, ConfigError, ModelError, OutputExistsError
+    from quantlab.experiment import write_text
+
+    folder = Path(args.folder)
+    for name in ("model.onnx", "model.int8.onnx", "calibration.cache"):
+        if not (folder / name).is_file():
+            raise ModelError(f"{folder / name} does not exist; build takes a folder written by "
+                             "quantlab calibrate.")
+    if args.max_batch < 1:
+        raise ConfigError(f"--max-batch must be at least 1, got {args.max_batch}.")
+    plan = read_plan(args.plan) if args.plan else {}
+    model = graph.load_model(folder / "model.onnx")
+    unknown = sorted(set(plan) - {node.name for node in model.graph.node})
+    if unknown:
+        raise ConfigError(f"the plan names {len(unknown)} node(s) that {folder / 'model.onnx'} "
+                          f"does not have: {unknown[:5]}; plan this folder's model.")
+    profile = trt_backend.input_profile(model, args.max_batch)
+    header, scales = cache.read_calibration_cache(folder / "calibration.cache")
+    cache_name = "calibration.cache"
+    if header.algorithm != "EntropyCalibration2":
+        cache_name = TRTEXEC_CACHE
+        cache.write_calibration_cache(folder / cache_name, scales, "EntropyCalibration2",
+                                      header.trt_version)
+    write_text(folder / TRTEXEC_FILE,
+               trtexec.trtexec_text(plan, profile, cache_name, str(header)))
+    print(f"wrote {folder / TRTEXEC_FILE}")
+
+    engine_path = folder / ENGINE_FILE
+    if engine_path.exists() and not args.force:
+        raise OutputExistsError(f"{engine_path} exists; pass --force to build it again.")
+    try:
+        version = trt_backend.installed_version()
+    except BackendUnavailableError as exc:
+        print(f"quantlab build: engine not built: {exc}", file=sys.stderr)
+        return 0
+    mode = trt_backend.default_mode(version) if args.mode == "auto" else args.mode
+    trt_backend.check_mode(mode, version)
+    pins = {node: p for node, p in plan.items() if str(p).lower() != "int8"}
+    source = folder / ("model.int8.onnx" if mode == "strongly_typed" else "model.onnx")
+    if mode == "strongly_typed":
+        engine = trt_backend.build_engine(source, mode, max_batch=args.max_batch)
+    else:
+        from quantlab.backends.trt_calibrator import CalibrationFeeder, make_calibrator
+
+        feeder = CalibrationFeeder(None, folder / "calibration.cache", graph.input_specs(model),
+                                   batch=args.max_batch, algorithm=header.algorithm,
+                                   trt_version=".".join(map(str, version)))
+        engine = trt_backend.build_engine(source, mode, calibrator=make_calibrator(feeder),
+                                          layer_precisions=pins, max_batch=args.max_batch)
+    from quantlab.experiment import atomic_write
+    from quantlab.trt_layers import engine_layers, precision_mismatches
+
+    atomic_write(engine_path, lambda tmp: Path(tmp).write_bytes(engine))
+    info = trt_backend.layer_information(engine)
+    write_text(folder / LAYERS_FILE, info)
+    print(f"wrote {engine_path} ({mode}, TensorRT {'.'.join(map(str, version))}) and "
+          f"{folder / LAYERS_FILE}")
+    for mismatch in precision_mismatches(engine_layers(info, graph.load_model(source)), plan):
+        where = f"layer '{mismatch.layer}'" if mismatch.layer else "no engine layer"
+        print(f"  plan {mismatch.planned} != engine {mismatch.engine}: node '{mismatch.node}' "
+              f"({where})")
+    return 0
