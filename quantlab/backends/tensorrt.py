@@ -44,6 +44,7 @@ MARK_DEBUG_SINCE = (10, 0)  # INetworkDefinition.mark_debug, IDebugListener
 MARK_UNFUSED_SINCE = (10, 12)  # INetworkDefinition.mark_unfused_tensors_as_debug_tensors
 PRECISIONS = ("fp32", "fp16", "int8")
 UNFUSED = "unfused"
+ENGINE_SUFFIXES = (".plan", ".engine", ".trt")  # a prebuilt, serialized engine
 
 _INSTALL = (
     "install quantlab[tensorrt] on a machine with an NVIDIA GPU (`pip install -e \".[tensorrt]\"`; "
@@ -357,11 +358,19 @@ def make_engine_backend(
     kind: str,
     path_or_model: str | os.PathLike | onnx.ModelProto,
     name: str | None = None,
+    max_batch: int = 1,
+    debug_tensors: Sequence[str] | str | None = None,
     **options: object,
 ):
-    """A `Backend` for validate's engine stage: ``kind`` 'onnxruntime' runs a Q/DQ ONNX model;
-    'tensorrt' builds an engine from an ONNX file (strongly typed from model.int8.onnx by
-    default) or loads a prebuilt ``.plan``/``.engine`` file."""
+    """A `Backend` for validate's engine stage.
+
+    `kind` 'onnxruntime' runs the Q/DQ model `path_or_model` in ONNX Runtime
+    (any tensor can be requested; `max_batch` and `debug_tensors` do not apply).
+    'tensorrt' builds an engine from the ONNX file (strongly typed from
+    ``model.int8.onnx`` on TensorRT >= 10) for batches of up to `max_batch`
+    samples, exposing `debug_tensors` (names, or 'unfused'), or loads a prebuilt
+    ``.plan``/``.engine`` file. `options` go to the backend's constructor.
+    """
     if kind == "onnxruntime":
         from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
@@ -372,6 +381,8 @@ def make_engine_backend(
     if isinstance(path_or_model, onnx.ModelProto):
         raise ConfigError("the TensorRT backend builds from an ONNX file path, not a ModelProto.")
     path = Path(path_or_model)
-    if path.suffix.lower() in (".plan", ".engine", ".trt"):
-        return TensorRTBackend(name=name or "tensorrt", engine=path, **options)
-    return TensorRTBackend(path, name=name or "tensorrt", **options)
+    if path.suffix.lower() in ENGINE_SUFFIXES:
+        return TensorRTBackend(name=name or "tensorrt", engine=path, debug_tensors=debug_tensors,
+                               **options)
+    return TensorRTBackend(path, name=name or "tensorrt", debug_tensors=debug_tensors,
+                           max_batch=max_batch, **options)
