@@ -594,3 +594,24 @@ def test_read_plan_takes_plan_json_units_and_flat_mappings(tmp_path):
     (tmp_path / "bad.json").write_text("[1, 2]")
     with pytest.raises(DataError, match="neither a plan.json"):
         read_plan(tmp_path / "bad.json")
+
+
+def test_tensorrt_own_cache_covers_the_ranges_rule(digits_run, tmp_path):
+    # TensorRT calibrating from quantlab's batches writes its own cache: it must hold every
+    # tensor quantlab's rule lists (docs/tensorrt.md), checked against TensorRT itself.
+    version = trt_backend.installed_version()
+    if version >= (11, 0):
+        pytest.skip("implicit INT8 was removed in TensorRT 11.0")
+    from quantlab import graph, trt_ranges
+
+    model = graph.load_model(digits_run / "model.onnx")
+    specs = graph.input_specs(model)
+    source = open_data("calibration_data/digits/calibration.npy", specs, batch_size=8,
+                       max_samples=64)
+    feeder = CalibrationFeeder(source, tmp_path / "trt.cache", specs, batch=8,
+                               trt_version=".".join(map(str, version)))
+    build_engine(digits_run / "model.onnx", mode="implicit", calibrator=make_calibrator(feeder),
+                 max_batch=8)
+    assert feeder.used_batches == 8
+    _, scales = cache.read_calibration_cache(tmp_path / "trt.cache")
+    assert set(trt_ranges.tensors_needing_ranges(model)) <= set(scales)
