@@ -17,6 +17,7 @@ import heapq
 import importlib
 import os
 import shlex
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -613,12 +614,13 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
     """Output-aware sensitivity from `trials` switchboard passes over one (hard) batch.
 
     Each trial runs a random plan (each unit INT8 with probability `int8_share`,
-    else FP32) through `run` (the switchboard backend's ``run``) by feeding its
-    flags, and measures the output noise against `references` (the FP32 outputs
-    on `batch`). Quantization noise of separate layers adds in power to first
-    order, so nsr(S) ~ sum of a_i over the INT8 units S, fitted by nonnegative
-    least squares with a small ridge (``ridge * trials``) so that a few trials
-    still give a unique answer. The all-INT8 plan is always one of the trials.
+    else FP32) through ``run(batch, flags)`` (the switchboard backend run on the
+    batch with the plan's flag inputs), and measures the output noise against
+    `references` (the FP32 outputs on `batch`). Quantization noise of separate
+    layers adds in power to first order, so nsr(S) ~ sum of a_i over the INT8
+    units S, fitted by nonnegative least squares with a small ridge
+    (``ridge * trials``) so that a few trials still give a unique answer. The
+    all-INT8 plan is always one of the trials.
     Units in `fixed` (hard pins: unit -> precision) keep that precision in every
     trial and get no contribution.
     """
@@ -632,7 +634,7 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
     for t in progress(range(trials)) if progress else range(trials):
         precisions = {u: "int8" if m else "fp32" for u, m in zip(units, masks[t], strict=True)}
         precisions.update(fixed)
-        outputs = run({**batch, **board.feeds(precisions)})
+        outputs = run(batch, board.feeds(precisions))
         nsr[t] = float(sample_nsr(outputs, references).mean())
     system = np.vstack([masks.astype(np.float64), np.sqrt(ridge * trials) * np.eye(len(units))])
     target = np.concatenate([nsr, np.zeros(len(units))])
@@ -700,8 +702,12 @@ def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
     budgets = [0.0]
     if len(costs):
         budgets += list(np.geomspace(costs.min(), costs.sum(), points - 1))
-    result = [solve(units, allowed, contribution, b, high_precision) for b in budgets]
-    return [p for i, p in enumerate(result) if i == 0 or p.precisions != result[i - 1].precisions]
+    best: dict[float, FrontPoint] = {}  # per INT8 share, the plan predicted to lose least
+    for point in (solve(units, allowed, contribution, b, high_precision) for b in budgets):
+        known = best.get(point.int8_mac_share)
+        if known is None or point.predicted < known.predicted:
+            best[point.int8_mac_share] = point
+    return [best[share] for share in sorted(best)]
 
 
 # ---------------------------------------------------------------- metrics and certification
@@ -873,3 +879,177 @@ def trtexec_command(plan: Plan, onnx_path: str = "model.onnx",
         parts += [f"--layerPrecisions={shlex.quote(spec)}",
                   f"--layerOutputTypes={shlex.quote(spec)}", "--precisionConstraints=obey"]
     return " ".join(parts)
+
+
+# ---------------------------------------------------------------- the planning flow
+
+
+def run_batched(run: Callable, batch: Mapping[str, np.ndarray], source) -> dict[str, np.ndarray]:
+    """`run` over `batch` in chunks of the source's batch size (fixed-batch models), outputs
+    joined on axis 0."""
+    length, parts = source.length(batch), []
+    for start in range(0, length, source.batch_size):
+        parts.append(run(source.slice(batch, start, min(start + source.batch_size, length))))
+    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+
+@dataclass
+class Evaluation:
+    """One full evaluation of a plan on the real INT8 model: the ledger entry."""
+
+    int8_mac_share: float
+    predicted: float
+    certificate: Certificate
+    seconds: float
+
+
+@dataclass
+class PlanResult:
+    """Everything `make_plan` produced; ``evaluations[chosen]`` certifies ``plan``.
+
+    The chosen plan is the certified one with the most INT8 MACs or, when none is
+    certified, the most conservative plan evaluated (its certificate says so).
+    """
+
+    plan: Plan
+    qdq_model: onnx.ModelProto
+    amax: dict[str, float]
+    front: list[FrontPoint]
+    sensitivity: OutputSensitivity
+    evaluations: list[Evaluation]
+    chosen: int
+    hard_samples: list[int]
+
+    @property
+    def certificate(self) -> Certificate:
+        """The certificate of the chosen plan."""
+        return self.evaluations[self.chosen].certificate
+
+
+def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str, float],
+              ranges: Mapping[str, float], p9999: Mapping[str, float], *,
+              metric: str = "sqnr", max_drop: float | None = None,
+              min_sqnr: float | None = None, trials: int = 24, hard_count: int = 64,
+              max_evaluations: int = 4, high_precision: str = "fp16",
+              progress: Callable | None = None) -> PlanResult:
+    """Plan `model` (normalized) under a budget: rules, group testing, front, certification.
+
+    `calibration` and `evaluation` are BatchSources (measurement on the former's
+    hardest samples, certification on the latter); `amax` are the calibrated
+    scales' amax, `ranges` max |x| and `p9999` the 99.99th percentile per tensor
+    (for the rules). The budget is ``max_drop`` of `metric` from FP32, or
+    ``min_sqnr`` (dB of output SQNR, metric "sqnr"). Up to `max_evaluations` plans
+    of the front are evaluated on the real INT8 model (ONNX Runtime integer
+    kernels): all-INT8 first (kept when within budget), then the front's plan the
+    fitted model predicts at the budget, re-fitted after each evaluation and
+    bisected between the best certified and the smallest failed plan.
+    """
+    from quantlab import switchboard
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    if (max_drop is None) == (min_sqnr is None):
+        raise ConfigError("give exactly one budget: --max-drop X or --min-sqnr DB.")
+    if min_sqnr is not None and metric != "sqnr":
+        raise ConfigError(f"--min-sqnr is a floor on output SQNR; it does not go with --metric "
+                          f"{metric} (use --max-drop there).")
+    metric_fn = resolve_metric(metric)
+    step = progress or (lambda items, **_: items)
+    g = Graph(model)
+    first = next(iter(calibration))
+    units = find_units(g, {name: np.shape(value) for name, value in first.items()})
+    reasons = apply_rules(units, RuleContext(g, ranges, p9999))
+    allowed = {u.name: allowed_precisions(reasons.get(u.name, [])) for u in units}
+    fixed = {n: fallback_precision(a, high_precision) for n, a in allowed.items()
+             if "int8" not in a}
+
+    fp32 = OnnxRuntimeBackend(model, name="fp32")
+    board = switchboard.build(g, units, amax)
+    board_backend = OnnxRuntimeBackend(board.model, name="switchboard", check_inputs=False)
+
+    def board_run(precisions):
+        flags = board.feeds(precisions)
+        return lambda batch: board_backend.run({**batch, **flags})
+
+    all_int8 = {u.name: fixed.get(u.name, "int8") for u in units}
+    hard, hard_indices = hardest_samples(step(calibration, desc="hardest samples"), fp32.run,
+                                         board_run(all_int8), hard_count)
+    references = run_batched(fp32.run, hard, calibration)
+    sensitivity = group_test(
+        board, lambda batch, flags: run_batched(
+            lambda chunk: board_backend.run({**chunk, **flags}), batch, calibration), hard,
+        references, trials=trials, fixed=fixed,
+        progress=lambda r: step(r, desc="switchboard trials"))
+    contribution = dict(zip(sensitivity.units, sensitivity.contribution, strict=True))
+    points = front(units, allowed, contribution, high_precision=high_precision)
+
+    fp32_outputs = [fp32.run(batch) for batch in step(evaluation, desc="FP32 evaluation")]
+
+    def evaluate_point(point: FrontPoint) -> Evaluation:
+        start = time.perf_counter()
+        nodes = {n: point.precisions[u.name] for u in units for n in u.nodes}
+        int8 = OnnxRuntimeBackend(qdq.quantize_model(model, amax, nodes), name="int8")
+        outputs = [int8.run(batch) for batch in step(evaluation, desc="INT8 evaluation")]
+        certificate = certify(metric_fn, metric, outputs, fp32_outputs, max_drop=max_drop,
+                              floor=min_sqnr)
+        return Evaluation(point.int8_mac_share, point.predicted, certificate,
+                          time.perf_counter() - start)
+
+    evaluations: list[Evaluation] = []
+    evaluated: dict[int, Evaluation] = {}
+    last = len(points) - 1
+    evaluated[last] = evaluate_point(points[last])
+    evaluations.append(evaluated[last])
+    low, high = -1, last  # highest certified index, lowest failed index
+    if evaluated[last].certificate.certified:
+        low = last
+    while low < high - 1 and len(evaluations) < max_evaluations:
+        guess = _next_guess(points, evaluated, low, high, max_drop, min_sqnr)
+        evaluated[guess] = evaluate_point(points[guess])
+        evaluations.append(evaluated[guess])
+        if evaluated[guess].certificate.certified:
+            low = guess
+        else:
+            high = guess
+
+    certified = [i for i in evaluated if evaluated[i].certificate.certified]
+    index = max(certified) if certified else min(evaluated)
+    decided = Plan.from_rules(units, reasons)
+    rank = {u: i + 1 for i, u in enumerate(sensitivity.ranking())}
+    for unit in units:
+        decision = decided.units[unit.name]
+        decision.precision = points[index].precisions[unit.name]
+        decision.predicted = contribution.get(unit.name, 0.0)
+        decision.evidence["output_nsr_contribution"] = decision.predicted
+        decision.evidence["output_rank"] = rank[unit.name]
+    decided.metric = metric
+    decided.budget = max_drop if max_drop is not None else min_sqnr
+    qdq_model = qdq.quantize_model(model, amax, decided.node_precisions(),
+                                   high_precision=high_precision)
+    return PlanResult(decided, qdq_model, dict(amax), points, sensitivity, evaluations,
+                      next(i for i, e in enumerate(evaluations) if e is evaluated[index]),
+                      hard_indices.tolist())
+
+
+def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], low: int,
+                high: int, max_drop: float | None, min_sqnr: float | None) -> int:
+    """The front index to evaluate next, strictly between `low` and `high`.
+
+    The metric's shortfall is taken proportional to the predicted noise, with the
+    factor fitted on the evaluation nearest the budget (re-fitting, not assuming,
+    AIMET's monotone curve); bisection when that guess leaves the open interval.
+    """
+    def shortfall(e: Evaluation) -> tuple[float, float]:
+        c = e.certificate
+        if min_sqnr is not None:  # noise power: SQNR in dB -> NSR
+            return 10 ** (-c.value / 10), 10 ** (-min_sqnr / 10)
+        return c.reference - c.value, max_drop
+
+    nearest = evaluated[min(evaluated, key=lambda i: abs(i - (low + high) / 2))]
+    measured, allowed = shortfall(nearest)
+    guess = (low + high) // 2
+    if measured > 0 and nearest.predicted > 0:
+        budget = allowed * nearest.predicted / measured
+        fitting = [i for i, p in enumerate(points) if p.predicted <= budget]
+        if fitting and low < fitting[-1] < high:
+            guess = fitting[-1]
+    return min(max(guess, low + 1), high - 1)

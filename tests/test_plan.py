@@ -236,7 +236,7 @@ def test_zoo_units_cover_every_linear_op():
 PLANTED = ("conv3", "conv5")
 
 
-def planted_model(channels: int = 8, depth: int = 6) -> graph.Graph:
+def planted_model(channels: int = 16, depth: int = 6) -> graph.Graph:
     """A chain of 3x3 conv + Relu; conv3's and conv5's inputs carry a huge, useless channel.
 
     The conv before each planted one adds a bias of 20 to channel 0 (after Relu: a
@@ -277,14 +277,14 @@ def planted_case():
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
     g = planted_model()
-    samples = np.random.default_rng(1).standard_normal((64, 8, 6, 6)).astype(np.float32)
+    samples = np.random.default_rng(1).standard_normal((64, 16, 6, 6)).astype(np.float32)
     # Samples 5 and 40 are quieter: against fixed INT8 steps their relative error is largest.
     samples[[5, 40]] *= 0.2
     source = data.open_data(samples, g.inputs, batch_size=16)
     fp32 = OnnxRuntimeBackend(g.model)
     names = qdq.activation_tensors_to_calibrate(g.model)
     amax = {n: float(np.abs(v).max()) for n, v in fp32.run({"x": samples}, names).items()}
-    units = plan.find_units(g, {"x": [16, 8, 6, 6]})
+    units = plan.find_units(g, {"x": [16, 16, 6, 6]})
     board = switchboard.build(g, units, amax)
     backend = OnnxRuntimeBackend(board.model, check_inputs=False)
     return g, source, fp32, board, backend, units
@@ -306,7 +306,8 @@ def test_group_test_ranks_planted_units_first(planted_case):
     batch, _ = plan.hardest_samples(source, fp32.run,
                                     lambda b: backend.run({**b, **board.feeds({})}), count=16)
     references = fp32.run(batch)
-    found = plan.group_test(board, backend.run, batch, references, trials=16, seed=0)
+    found = plan.group_test(board, lambda b, f: backend.run({**b, **f}), batch, references,
+                            trials=16, seed=0)
     assert set(found.ranking()[:2]) == set(PLANTED)
     assert found.masks.shape == (16, len(units)) and found.masks[0].all()
     # The fit reproduces the all-INT8 trial it was fitted on.
@@ -344,7 +345,8 @@ def test_search_meets_the_budget_on_the_planted_model_and_certifies_real_int8(pl
     g, source, fp32, board, backend, units = planted_case
     batch, _ = plan.hardest_samples(source, fp32.run,
                                     lambda b: backend.run({**b, **board.feeds({})}), count=16)
-    found = plan.group_test(board, backend.run, batch, fp32.run(batch), trials=16)
+    found = plan.group_test(board, lambda b, f: backend.run({**b, **f}), batch, fp32.run(batch),
+                            trials=16)
     floor_db = 18.0
     chosen = plan.solve(units, {}, dict(zip(found.units, found.contribution, strict=True)),
                         budget=10 ** (-floor_db / 10))
@@ -444,3 +446,30 @@ def test_trtexec_command_and_pinned_tensors():
     decided.units["conv1"].nodes = ["a,b"]
     with pytest.raises(ModelError, match="hold ',' or ':'"):
         plan.trtexec_command(decided)
+
+
+def test_make_plan_on_the_planted_model(planted_case):
+    from quantlab import calibrate, collect, qdq
+
+    g, source, fp32, board, backend, units = planted_case
+    stats = collect.collect(g.model, source, qdq.activation_tensors_to_calibrate(g.model),
+                            progress=False)
+    amax = calibrate.calibrate(stats, "max").amax
+    p9999 = calibrate.calibrate(stats, "percentile").amax
+    result = plan.make_plan(g.model, source, source, amax, amax, p9999, min_sqnr=24.0,
+                            trials=16, hard_count=16)
+    assert result.certificate.certified and result.certificate.value >= 24.0
+    assert len(result.evaluations) <= 4
+    assert not result.evaluations[0].certificate.certified  # all-INT8 misses 24 dB
+    predicted = [p.predicted for p in result.front]
+    assert predicted == sorted(predicted)
+    pinned = {u for u, d in result.plan.units.items() if d.precision != "int8"}
+    assert pinned == set(PLANTED)
+    assert {result.plan.units[u].evidence["output_rank"] for u in PLANTED} == {1, 2}
+    # The written Q/DQ model is the plan: planted units read FP16 casts, the others Q/DQ.
+    types = {n.name: [i for i in n.input] for n in result.qdq_model.graph.node}
+    assert all(name.endswith("_fp16") for name in types["conv3"][:2])
+    assert types["conv4"][0].endswith("_dequantized")
+    with pytest.raises(ConfigError, match="does not go with --metric agreement"):
+        plan.make_plan(g.model, source, source, amax, amax, p9999, metric="agreement",
+                       min_sqnr=10.0)
