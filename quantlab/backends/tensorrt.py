@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 
 from quantlab import graph
+from quantlab.backends import Backend
 from quantlab.errors import BackendUnavailableError, ConfigError, DataError, ModelError
 
 # Version ranges of the two build paths and of the debug-tensor calls (checked against the
@@ -361,7 +362,7 @@ def make_engine_backend(
     max_batch: int = 1,
     debug_tensors: Sequence[str] | str | None = None,
     **options: object,
-):
+) -> Backend:
     """A `Backend` for validate's engine stage.
 
     `kind` 'onnxruntime' runs the Q/DQ model `path_or_model` in ONNX Runtime

@@ -176,7 +176,7 @@ class DeviceBuffers:
         self.buffers.clear()
 
 
-def make_calibrator(feeder: CalibrationFeeder):
+def make_calibrator(feeder: CalibrationFeeder) -> object:
     """A TensorRT calibrator (the class `feeder.algorithm` names) calling `feeder`'s callbacks,
     with device memory from :class:`DeviceBuffers`. Needs TensorRT 8.x-10.x."""
     from quantlab.backends.tensorrt import check_mode, parse_version, require_tensorrt
