@@ -19,6 +19,7 @@ COMMANDS = {
     "calibrate": "calibrate",
     "validate": "validate",
     "zoo": "zoo",
+    "plan": "plan",
     "build": "build",
 }
 

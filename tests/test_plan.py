@@ -473,3 +473,38 @@ def test_make_plan_on_the_planted_model(planted_case):
     with pytest.raises(ConfigError, match="does not go with --metric agreement"):
         plan.make_plan(g.model, source, source, amax, amax, p9999, metric="agreement",
                        min_sqnr=10.0)
+
+
+def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
+    from quantlab import cache
+    from quantlab.cli import main
+
+    g = planted_model()
+    onnx_path = tmp_path / "planted.onnx"
+    graph.save_model(g.model, onnx_path)
+    rng = np.random.default_rng(1)
+    np.save(tmp_path / "calib.npy", rng.standard_normal((48, 16, 6, 6)).astype(np.float32))
+    np.save(tmp_path / "eval.npy", rng.standard_normal((64, 16, 6, 6)).astype(np.float32))
+    out = tmp_path / "plan"
+    argv = [str(onnx_path), "--data", str(tmp_path / "calib.npy"), "--eval",
+            str(tmp_path / "eval.npy"), "--min-sqnr", "24", "--out", str(out), "--trials", "16",
+            "--hard-samples", "16", "--batch-size", "16", "--no-progress"]
+    assert main(["plan", *argv]) == 0
+    printed = capsys.readouterr().out
+    assert "certified at 95% on 64 samples" in printed
+    written = plan.Plan.load(out / "plan.json")
+    pinned = {u for u, d in written.units.items() if d.precision != "int8"}
+    assert pinned == set(PLANTED)
+    trtexec = (out / "trtexec.txt").read_text()
+    assert "--layerPrecisions=conv3:fp16,conv5:fp16" in trtexec
+    _, scales = cache.read_calibration_cache(out / "calibration.cache")
+    assert "r1" in scales and not {"r2", "r4", "c3", "c5"} & set(scales)
+    int8 = graph.load_model(out / "model.int8.onnx")
+    assert {n.op_type for n in int8.graph.node} >= {"QuantizeLinear", "Cast"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["certificate"]["certified"] and summary["int8_mac_share"] < 1.0
+    # Nothing is overwritten without --force; a bad metric fails before any work.
+    assert main(["plan", *argv]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert main(["plan", *argv, "--force", "--metric", "nope"]) == 1
+    assert "unknown metric 'nope'" in capsys.readouterr().err

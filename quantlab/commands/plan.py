@@ -1,0 +1,173 @@
+"""Plan a mixed-precision model: the most INT8 MACs whose accuracy stays inside a budget.
+
+MODEL is an .onnx file or a zoo model name. Statistics come from --data: a
+calibration folder written by `quantlab calibrate` (its stats.npz is reused and
+its data re-read with the recorded preprocessing) or calibration data (collected
+here). The planner seeds the plan with rules (TensorRT kernel limits, heads and
+decode arithmetic, depthwise weight spread, outlier ranges, FP16 range), measures
+every unit's share of the output noise with a few randomized passes of one
+"switchboard" ONNX Runtime session on the hardest calibration samples, solves the
+INT8-share-vs-noise front, and certifies the chosen plan on --eval with the real
+INT8 model (integer kernels) and a paired bootstrap interval.
+
+Writes into --out: plan.json (every unit: precision, reason codes, evidence,
+predicted contribution; the front; the evaluation ledger), model.onnx (FP32,
+normalized), model.int8.onnx (the plan's Q/DQ model, FP16 units as Cast pairs,
+strongly typed for TensorRT 11), calibration.cache without the pinned units'
+tensors and trtexec.txt (TensorRT <= 10), summary.json.
+
+examples:
+  quantlab plan digits-cnn --data calibration_data/digits/calibration.npy \\
+      --eval calibration_data/digits/eval.npy --min-sqnr 30 --out runs/cnn-plan
+  quantlab plan model.onnx --data runs/calib --eval images/ --metric mymetrics:f1 \\
+      --max-drop 0.01 --out runs/plan
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from quantlab.commands.options import DATA_HELP, add_data_arguments
+
+HELP = "choose INT8/FP16/FP32 per layer under an accuracy budget, certified on held-out data"
+EPILOG = DATA_HELP
+PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache", "trtexec.txt",
+              "summary.json")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `quantlab plan`."""
+    from quantlab.cache import DEFAULT_TRT_VERSION
+    from quantlab.calibrate import DEFAULT_METHOD, METHODS
+
+    parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
+    parser.add_argument("--eval", required=True, metavar="EVAL",
+                        help="held-out data the plan is certified on (same formats as --data)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    parser.add_argument("--metric", default="sqnr", metavar="NAME",
+                        help="sqnr (output SQNR, dB), agreement (argmax agreement with FP32) or "
+                             "module:function, called function(outputs, references) -> float "
+                             "(higher is better) with two lists, one entry per batch, of "
+                             "{output name: array} (default: %(default)s)")
+    budget = parser.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--max-drop", type=float, metavar="X",
+                        help="largest allowed drop of the metric from FP32, in its own units")
+    budget.add_argument("--min-sqnr", type=float, metavar="DB",
+                        help="lowest allowed output SQNR in dB (metric sqnr)")
+    parser.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS,
+                        help="calibrator of the INT8 scales (default: %(default)s)")
+    parser.add_argument("--high-precision", default="fp16", choices=("fp16", "fp32"),
+                        help="what non-INT8 units run in where the rules allow FP16 "
+                             "(default: %(default)s)")
+    parser.add_argument("--trials", type=int, default=24, metavar="K",
+                        help="randomized switchboard passes (default: %(default)s)")
+    parser.add_argument("--hard-samples", type=int, default=64, metavar="N",
+                        help="hardest calibration samples the passes run on (default: "
+                             "%(default)s)")
+    parser.add_argument("--trt-version", default=DEFAULT_TRT_VERSION, metavar="X.Y.Z",
+                        help="TensorRT version written into calibration.cache (default: "
+                             "%(default)s)")
+    parser.add_argument("--force", action="store_true", help="replace results already in --out")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_data_arguments(parser, data_help="calibration folder (stats.npz reused) or calibration "
+                                         "data: image folder, COCO .json, .npy or .npz")
+
+
+def _calibration(args, model):
+    """(calibration BatchSource, Statistics or None) from --data."""
+    from pathlib import Path
+
+    from quantlab import collect, graph
+    from quantlab.commands.options import preprocess_from_args
+    from quantlab.data import open_data
+    from quantlab.errors import DataError
+    from quantlab.experiment import read_json
+
+    folder = Path(args.data)
+    inputs = graph.input_specs(model)
+    if (folder / "stats.npz").is_file() and (folder / "calibration.json").is_file():
+        recorded = read_json(folder / "calibration.json")
+        if not Path(recorded["data"]).exists():
+            raise DataError(f"{folder}/calibration.json names data {recorded['data']}, which no "
+                            "longer exists; pass the calibration data itself with --data.")
+        source = open_data(recorded["data"], inputs, args.batch_size, args.max_samples,
+                           preprocess_from_args(args, recorded.get("preprocess")))
+        return source, collect.Statistics.load(folder / "stats.npz")
+    return open_data(args.data, inputs, args.batch_size, args.max_samples,
+                     preprocess_from_args(args)), None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, certify and write the plan's folder."""
+    from functools import partial
+
+    from tqdm.auto import tqdm
+
+    from quantlab import cache, calibrate, collect, graph, plan, qdq, trt_ranges
+    from quantlab.commands.options import input_options, preprocess_from_args
+    from quantlab.data import open_data
+    from quantlab.errors import DataError
+    from quantlab.experiment import check_output, output_folder, write_json, write_text
+    from quantlab.pipeline import CACHE_ALGORITHM, prepare_model
+
+    check_output(args.out, force=args.force, produces=PLAN_FILES)
+    cache.trt_version_number(args.trt_version)
+    plan.resolve_metric(args.metric)  # an unknown metric fails before any work
+    model = prepare_model(args.model, None, **input_options(args))
+    source, stats = _calibration(args, model)
+    if stats is None:
+        stats = collect.collect(model, source, trt_ranges.tensors_to_calibrate(model),
+                                progress=not args.no_progress)
+    missing = sorted(set(qdq.activation_tensors_to_calibrate(model)) - set(stats.tensors))
+    if missing:
+        raise DataError(f"the statistics of {args.data} lack tensors {missing[:5]} the Q/DQ "
+                        "model quantizes; they were collected on another model. Calibrate this "
+                        "model, or pass its calibration data with --data.")
+    evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
+                           args.max_samples, preprocess_from_args(args))
+    scales = calibrate.calibrate(stats, args.method)
+    ranges = {name: tensor.amax for name, tensor in stats.tensors.items()}
+    p9999 = calibrate.calibrate(stats, "percentile").amax
+    progress = None if args.no_progress else partial(tqdm, leave=False)
+    result = plan.make_plan(model, source, evaluation, scales.amax, ranges, p9999,
+                            metric=args.metric, max_drop=args.max_drop,
+                            min_sqnr=args.min_sqnr, trials=args.trials,
+                            hard_count=args.hard_samples, high_precision=args.high_precision,
+                            progress=progress)
+    certificate = result.certificate
+    pinned = plan.pinned_tensors(result.plan, graph.Graph(model))
+    with output_folder(args.out, force=args.force, produces=PLAN_FILES) as folder:
+        result.plan.save(folder / "plan.json")
+        graph.save_model(model, folder / "model.onnx")
+        graph.save_model(result.qdq_model, folder / "model.int8.onnx")
+        cache.write_calibration_cache(
+            folder / "calibration.cache",
+            {name: scale for name, scale in scales.scale.items() if name not in pinned},
+            algorithm=CACHE_ALGORITHM[scales.method], trt_version=args.trt_version)
+        write_text(folder / "trtexec.txt", plan.trtexec_command(result.plan) + "\n")
+        write_json(folder / "summary.json", {
+            "metric": args.metric,
+            "budget": {"max_drop": args.max_drop, "min_sqnr": args.min_sqnr},
+            "int8_mac_share": result.plan.int8_mac_share(),
+            "certificate": certificate.__dict__,
+            "evaluations": [{"int8_mac_share": e.int8_mac_share, "predicted": e.predicted,
+                             "value": e.certificate.value, "certified": e.certificate.certified,
+                             "interval": e.certificate.interval, "seconds": e.seconds}
+                            for e in result.evaluations],
+            "front": [{"int8_mac_share": p.int8_mac_share, "predicted": p.predicted}
+                      for p in result.front],
+            "switchboard_trials": len(result.sensitivity.nsr),
+            "hard_samples": result.hard_samples,
+            "calibration": {"data": source.description, "method": scales.method},
+            "eval": {"data": evaluation.description, "num_samples": evaluation.num_samples},
+        })
+    verdict = "certified" if certificate.certified else "NOT certified"
+    print(f"plan: {result.plan.int8_mac_share():.1%} of linear-op MACs in INT8; {args.metric} "
+          f"{certificate.value:.4g} (FP32 {certificate.reference:.4g}, limit "
+          f"{certificate.limit:.4g}) {verdict} at {certificate.confidence:.0%} on "
+          f"{certificate.samples} samples after {len(result.evaluations)} evaluations; wrote "
+          f"{args.out}/")
+    if certificate.too_small:
+        print(f"the evaluation set is too small to certify a drop of {args.max_drop}: about "
+              f"{certificate.needed_samples} samples are needed.")
+    return 0 if certificate.certified else 1
