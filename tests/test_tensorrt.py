@@ -251,6 +251,13 @@ def test_strongly_typed_engine_matches_onnxruntime_int8(digits_run):
     name = reference.outputs[0]
     got, want = engine.run(batch)[name], reference.run(batch)[name]
     assert np.argmax(got) == np.argmax(want)
+    from quantlab import graph
+
+    # Unfused tensors come back as debug tensors under their ONNX names.
+    inside = engine.available(graph.topological_tensors(reference.model))
+    assert set(inside) - set(engine.outputs)
+    values = engine.run(batch, inside)
+    assert all(np.all(np.isfinite(values[t])) for t in inside)
 
 
 def test_implicit_engine_from_the_calibration_cache(digits_run):

@@ -344,6 +344,13 @@ class TensorRTBackend:
             )
         return {name: np.array(values[name]) for name in wanted}
 
+    def available(self, names: Sequence[str]) -> list[str]:
+        """The tensors of `names` that :meth:`run` can return: engine outputs and debug tensors
+        (``ICudaEngine.is_debug_tensor``, TensorRT >= 10.0), in the order given."""
+        engine = self._runner.engine
+        debug = getattr(engine, "is_debug_tensor", lambda name: False)
+        return [name for name in names if name in self.outputs or debug(name)]
+
     def _debug_description(self) -> str:
         if self.debug_tensors == UNFUSED:
             return "every unfused tensor"
