@@ -501,6 +501,8 @@ def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
     assert "r1" in scales and not {"r2", "r4", "c3", "c5"} & set(scales)
     int8 = graph.load_model(out / "model.int8.onnx")
     assert {n.op_type for n in int8.graph.node} >= {"QuantizeLinear", "Cast"}
+    report = (out / "report.html").read_text()
+    assert "Decision per unit" in report and "R-HEAD (soft)" in report
     summary = json.loads((out / "summary.json").read_text())
     assert summary["certificate"]["certified"] and summary["int8_mac_share"] < 1.0
     # Nothing is overwritten without --force; a bad metric fails before any work.
@@ -508,3 +510,26 @@ def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
     assert "--force" in capsys.readouterr().err
     assert main(["plan", *argv, "--force", "--metric", "nope"]) == 1
     assert "unknown metric 'nope'" in capsys.readouterr().err
+
+
+def test_plan_section_escapes_names_from_the_model():
+    from quantlab.report import render_report
+    from quantlab.report.plan import plan_section
+
+    unit = plan.Unit("<script>x</script>", ["<script>x</script>"], ["<script>x</script>"],
+                     [], [], 100)
+    reason = plan.Reason("R-HEAD", False, ("fp16", "fp32"), "head: <b>x</b>", "source")
+    decided = plan.Plan.from_rules([unit], {unit.name: [reason]})
+    decided.units[unit.name].precision = "fp16"
+    decided.units[unit.name].predicted = 0.01
+    certificate = plan.Certificate("sqnr", float("inf"), 30.0, 20.0, (9.0, 11.0), 0.95, 10, True,
+                                   False, None)
+    point = plan.FrontPoint(0.0, 0.0, 0.0, {unit.name: "fp16"})
+    result = plan.PlanResult(
+        decided, None, {}, [point, plan.FrontPoint(1.0, 0.01, 1.0, {unit.name: "int8"})],
+        plan.OutputSensitivity([unit.name], np.ones((2, 1), bool), np.array([0.01, 0.01]),
+                               np.array([0.01])),
+        [plan.Evaluation(0.0, 0.0, certificate, 1.0)], 0, [3, 7])
+    html = render_report("t", [plan_section(result)])
+    assert "<script>x</script>" not in html and "&lt;script&gt;x&lt;/script&gt;" in html
+    assert "<b>x</b>" not in html and "certified" in html

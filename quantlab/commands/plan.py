@@ -14,7 +14,8 @@ Writes into --out: plan.json (every unit: precision, reason codes, evidence,
 predicted contribution; the front; the evaluation ledger), model.onnx (FP32,
 normalized), model.int8.onnx (the plan's Q/DQ model, FP16 units as Cast pairs,
 strongly typed for TensorRT 11), calibration.cache without the pinned units'
-tensors and trtexec.txt (TensorRT <= 10), summary.json.
+tensors and trtexec.txt (TensorRT <= 10), summary.json, report.html (the front,
+the evaluations, a waterfall of the noise each pin removes, the decision table).
 
 examples:
   quantlab plan digits-cnn --data calibration_data/digits/calibration.npy \\
@@ -32,7 +33,7 @@ from quantlab.commands.options import DATA_HELP, add_data_arguments
 HELP = "choose INT8/FP16/FP32 per layer under an accuracy budget, certified on held-out data"
 EPILOG = DATA_HELP
 PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache", "trtexec.txt",
-              "summary.json")
+              "summary.json", "report.html")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     from quantlab.errors import DataError
     from quantlab.experiment import check_output, output_folder, write_json, write_text
     from quantlab.pipeline import CACHE_ALGORITHM, prepare_model
+    from quantlab.report import write_report
+    from quantlab.report.plan import plan_section
 
     check_output(args.out, force=args.force, produces=PLAN_FILES)
     cache.trt_version_number(args.trt_version)
@@ -145,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
             {name: scale for name, scale in scales.scale.items() if name not in pinned},
             algorithm=CACHE_ALGORITHM[scales.method], trt_version=args.trt_version)
         write_text(folder / "trtexec.txt", plan.trtexec_command(result.plan) + "\n")
+        write_report(folder / "report.html", f"quantlab plan: {args.model}", [plan_section(result)])
         write_json(folder / "summary.json", {
             "metric": args.metric,
             "budget": {"max_drop": args.max_drop, "min_sqnr": args.min_sqnr},

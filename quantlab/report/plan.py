@@ -1,0 +1,116 @@
+"""The plan report section: the predicted front, the evaluations, the waterfall, the decisions.
+
+Rendered through the report's jinja environment (autoescaping): unit, node and
+reason texts come from the model file and are always escaped. Everything shown
+is data handed in (:class:`quantlab.plan.PlanResult`); this module runs nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from markupsafe import Markup
+
+from quantlab.plan import PlanResult
+from quantlab.report import _ENV, Section, figure_html, table_html
+
+
+def plan_section(result: PlanResult) -> Section:
+    """The report section of a plan."""
+    certificate = result.certificate
+    verdict = "certified" if certificate.certified else "NOT certified"
+    summary = (
+        f"{result.plan.int8_mac_share():.1%} of linear-op MACs run INT8. Metric "
+        f"{certificate.metric}: {certificate.value:.4g} (FP32 {certificate.reference:.4g}, "
+        f"lowest acceptable {certificate.limit:.4g}); {verdict}: the {certificate.confidence:.0%} "
+        f"one-sided paired-bootstrap bound of the margin is {certificate.interval[0]:.4g} on "
+        f"{certificate.samples} samples, after {len(result.evaluations)} evaluations of the real "
+        f"INT8 model and {len(result.sensitivity.nsr)} switchboard passes on "
+        f"{len(result.hard_samples)} hardest calibration samples.")
+    too_small = (f"The evaluation set is too small to certify this budget: the interval is wider "
+                 f"than half the budget; about {certificate.needed_samples} samples are needed."
+                 if certificate.too_small else "")
+    html = _ENV.get_template("plan.html").render(
+        summary=summary, too_small=too_small,
+        front_figure=Markup(figure_html(front_figure(result), "Predicted front: output noise "
+                                        "of the best plan at each INT8 share; evaluated plans "
+                                        "marked")),
+        ledger_table=Markup(table_html(ledger_frame(result), caption="Evaluations of the real "
+                                       "INT8 model (ONNX Runtime integer kernels), in order")),
+        waterfall_figure=Markup(figure_html(waterfall_figure(result), "Predicted output noise "
+                                            "removed by each non-INT8 unit, from all-INT8 to "
+                                            "the plan")),
+        decisions_table=Markup(table_html(decisions_frame(result), caption="Decision per unit")),
+    )
+    return Section("Precision plan", html, anchor="plan")
+
+
+def decisions_frame(result: PlanResult) -> pd.DataFrame:
+    """One row per unit: precision, MAC share, reasons, output-noise rank and contribution."""
+    total = sum(d.macs for d in result.plan.units.values()) or 1
+    rows = [{
+        "unit": name,
+        "precision": d.precision,
+        "mac_share": d.macs / total,
+        "reasons": "; ".join(f"{r.code} ({'hard' if r.hard else 'soft'}): {r.evidence}"
+                             for r in d.reasons),
+        "output_rank": d.evidence.get("output_rank"),
+        "nsr_contribution": d.predicted,
+        "nodes": ", ".join(d.nodes),
+    } for name, d in result.plan.units.items()]
+    return pd.DataFrame(rows)
+
+
+def ledger_frame(result: PlanResult) -> pd.DataFrame:
+    """One row per evaluation: INT8 share, predicted noise, metric, interval, verdict, time."""
+    return pd.DataFrame([{
+        "int8_mac_share": e.int8_mac_share,
+        "predicted_nsr": e.predicted,
+        "metric": e.certificate.value,
+        "margin_low": e.certificate.interval[0],
+        "certified": "yes" if e.certificate.certified else "no",
+        "chosen": "yes" if i == result.chosen else "",
+        "seconds": e.seconds,
+    } for i, e in enumerate(result.evaluations)])
+
+
+def front_figure(result: PlanResult):
+    """INT8 MAC share against predicted output noise, with the evaluated plans."""
+    import matplotlib.pyplot as plt
+
+    floor = min([p.predicted for p in result.front if p.predicted > 0], default=1e-12) / 10
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    axis.step([max(p.predicted, floor) for p in result.front],
+              [p.int8_mac_share for p in result.front], where="post", label="predicted front")
+    for i, e in enumerate(result.evaluations):
+        color = "tab:green" if e.certificate.certified else "tab:red"
+        axis.scatter(max(e.predicted, floor), e.int8_mac_share, color=color,
+                     marker="*" if i == result.chosen else "o", s=90 if i == result.chosen else 30,
+                     zorder=3)
+    axis.set_xscale("log")
+    axis.set_xlabel("predicted output noise-to-signal ratio (hard samples)")
+    axis.set_ylabel("INT8 share of MACs")
+    axis.scatter([], [], color="tab:green", label="evaluated, certified")
+    axis.scatter([], [], color="tab:red", label="evaluated, not certified")
+    axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    return figure
+
+
+def waterfall_figure(result: PlanResult):
+    """Bars from the all-INT8 predicted noise down by each non-INT8 unit's contribution."""
+    import matplotlib.pyplot as plt
+
+    decisions = result.plan.units
+    start = sum(d.predicted or 0.0 for d in decisions.values())
+    pins = sorted(((n, d.predicted or 0.0) for n, d in decisions.items()
+                   if d.precision != "int8"), key=lambda item: -item[1])
+    levels = start - np.cumsum([0.0] + [a for _, a in pins])
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    axis.bar(0, start, color="tab:gray")
+    for i, (_, removed) in enumerate(pins, start=1):
+        axis.bar(i, removed, bottom=levels[i], color="tab:blue")
+    axis.bar(len(pins) + 1, levels[-1], color="tab:green")
+    axis.set_xticks(range(len(pins) + 2), ["all INT8", *[n for n, _ in pins], "plan"],
+                    rotation=60, ha="right", fontsize=7)
+    axis.set_ylabel("predicted output NSR")
+    return figure
