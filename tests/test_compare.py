@@ -130,9 +130,8 @@ def test_compare_knows_no_onnx():
     assert not {"onnx", "graph", "quantlab.graph"} & imported
 
 
-def test_chunked_update_equals_one_float64_pass(monkeypatch):
-    # Chunks of 1000 elements over 10,007: sums by chunk equal the float64 whole-array sums.
-    monkeypatch.setattr(compare, "CHUNK_ELEMENTS", 1000)
+def test_one_pass_kernel_equals_float64_numpy():
+    # 10,007 elements: two full blocks of 4096 and a partial one.
     rng = np.random.default_rng(3)
     ref = rng.standard_normal(10_007).astype(np.float32)
     test = (ref + rng.normal(0, 0.01, ref.shape)).astype(np.float32)

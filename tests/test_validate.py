@@ -398,3 +398,84 @@ def test_local_mode_feeds_a_computed_reshape_shape(tmp_path):
     reference, test = relu @ w2, fake @ (w2_q.astype(np.float64) * w2_scale)
     expected = 10 * np.log10(np.sum(reference**2) / np.sum((test - reference) ** 2))
     assert table.loc["y", "sqnr_db"] == pytest.approx(expected, abs=0.05)
+
+
+# ------------------------------------- metrics on the zoo models against an independent path
+
+
+def _float64_metrics(ref: np.ndarray, test: np.ndarray, atol=1e-3, rtol=1e-3) -> dict:
+    """The compare metrics of one tensor in plain float64 NumPy over the whole set at once."""
+    r, t = ref.astype(np.float64).ravel(), test.astype(np.float64).ravel()
+    err2 = np.sum((t - r) ** 2)
+    return {
+        "sqnr_db": math.inf if err2 == 0 else 10 * np.log10(np.sum(r**2) / err2),
+        "cosine": 1.0 if err2 == 0 else np.dot(r, t) / np.sqrt(np.sum(r**2) * np.sum(t**2)),
+        "max_abs": np.max(np.abs(t - r)),
+        "frac_outside": np.mean(~np.isclose(t, r, rtol=rtol, atol=atol)),
+    }
+
+
+@pytest.fixture(scope="module", params=["digits-cnn", pytest.param("shapes-det",
+                                                                    marks=pytest.mark.slow)])
+def zoo_case(request, tmp_path_factory):
+    """(zoo entry, FP32 model, Q/DQ model, evaluation set of 48 samples)."""
+    from quantlab import pipeline, zoo
+
+    entry = zoo.get(request.param)
+    out = tmp_path_factory.mktemp(request.param)
+    result = pipeline.run_calibration(entry.name, entry.calibration_set(), out, method="entropy",
+                                      progress=False)
+    return entry, result.model, result.qdq_model, entry.eval_set(48)
+
+
+@pytest.mark.parametrize("segmented", [False, True], ids=["whole", "segments"])
+def test_zoo_metrics_equal_a_float64_whole_set_reference(zoo_case, tmp_path, segmented):
+    entry, model, quantized, eval_set = zoo_case
+    task = Task.from_zoo(entry, eval_set)
+    source = open_data({entry.input_name: eval_set.inputs}, graph.input_specs(model), 16)
+    result = validate(model, quantized, source, tmp_path / "whole", task=task, progress=False)
+    if segmented:
+        # A budget whose exposed half holds ~60% of one sample's tensors: a few segments.
+        budget = int(1.2 * result.summary["memory"]["exposed_bytes_per_sample"])
+        result = validate(model, quantized, source, tmp_path / "cut", task=task, progress=False,
+                          memory_budget=budget)
+        assert result.summary["memory"]["segments"] > 1
+    # Reference: each model run once over all 48 samples, every compared tensor exposed.
+    table = result.tables[(FP32, ENGINE)].set_index("tensor")
+    feeds = {entry.input_name: eval_set.inputs}
+    names = [t for t in table.index if t != entry.input_name]
+    fp32 = OnnxRuntimeBackend(model).run(feeds, names)
+    int8 = OnnxRuntimeBackend(quantized).run(feeds, names)
+    # A one-sample slice may round a few values of a later INT8 layer differently from a
+    # 16-sample batch (ONNX Runtime's kernels pick blockings by shape): 0.05 dB covers it.
+    tolerance = 0.05 if segmented else 1e-9
+    for name in names:
+        expected = _float64_metrics(fp32[name], int8[name])
+        row = table.loc[name]
+        if math.isinf(expected["sqnr_db"]):
+            assert row["sqnr_db"] == math.inf, name
+            continue
+        assert row["sqnr_db"] == pytest.approx(expected["sqnr_db"], rel=tolerance,
+                                               abs=tolerance), name
+        assert row["cosine"] == pytest.approx(expected["cosine"], abs=max(tolerance, 1e-12))
+    if not segmented:
+        for name in names:
+            expected = _float64_metrics(fp32[name], int8[name])
+            assert table.loc[name, "max_abs"] == pytest.approx(expected["max_abs"], rel=1e-6)
+            assert table.loc[name, "frac_outside"] == pytest.approx(expected["frac_outside"],
+                                                                    abs=1e-12)
+    # End-to-end outputs and task metrics: the unexposed INT8 run (integer kernels).
+    fp32_out = OnnxRuntimeBackend(model).run(feeds)
+    int8_out = OnnxRuntimeBackend(quantized).run(feeds)
+    outputs = result.pairs[-1].outputs
+    for name in fp32_out:
+        expected = _float64_metrics(fp32_out[name], int8_out[name])["sqnr_db"]
+        # The FP32 outputs come from the exposed run, whose fusions round a little differently.
+        assert outputs[name]["sqnr_db"] == pytest.approx(expected, rel=1e-6 + tolerance)
+    for stage, values in ((FP32, fp32_out), (ENGINE, int8_out)):
+        predicted = entry.postprocess(values, list(eval_set.image_ids))
+        expected = (tasks.topk_accuracy(predicted, eval_set.labels) if entry.task ==
+                    "classification" else tasks.coco_map(eval_set.coco, predicted))
+        per_class = expected.pop("per_class", {})
+        assert result.metrics[stage].pop("per_class", {}) == pytest.approx(per_class), stage
+        assert result.metrics[stage] == pytest.approx(expected), stage
