@@ -277,8 +277,9 @@ class TensorRTBackend:
     """Run an engine built from `model` (or the prebuilt `engine` file) in TensorRT.
 
     `model` is the ONNX file the engine is built from (``model.int8.onnx`` for a
-    strongly typed build, ``model.onnx`` for an implicit one); `build` holds
-    :func:`build_engine`'s options. ``run(batch, tensors)`` returns graph outputs
+    strongly typed build, ``model.onnx`` for an implicit one; with a prebuilt
+    `engine` it only names the tensors); `build` holds :func:`build_engine`'s
+    options. ``run(batch, tensors)`` returns graph outputs
     and debug tensors: only tensors marked at build time (`debug_tensors`) can
     be requested.
     """
@@ -304,6 +305,9 @@ class TensorRTBackend:
         self.name = name
         self.version = parse_version(trt.__version__)
         check_debug_tensors(debug_tensors, self.version)
+        # The ONNX model the engine was built from: its tensor names are the engine's (what
+        # validate matches stages by); None for a prebuilt engine given without it.
+        self.model = graph.load_model(model) if model is not None else None
         if engine is None:
             engine = build_engine(model, debug_tensors=debug_tensors, **build)
         elif not isinstance(engine, bytes):
@@ -377,7 +381,8 @@ def make_engine_backend(
     'tensorrt' builds an engine from the ONNX file (strongly typed from
     ``model.int8.onnx`` on TensorRT >= 10) for batches of up to `max_batch`
     samples, exposing `debug_tensors` (names, or 'unfused'), or loads a prebuilt
-    ``.plan``/``.engine`` file. `options` go to the backend's constructor.
+    ``.plan``/``.engine`` file (``model=`` the ONNX file it was built from names its
+    tensors). `options` go to the backend's constructor.
     """
     if kind == "onnxruntime":
         from quantlab.backends.onnxruntime import OnnxRuntimeBackend
@@ -390,7 +395,7 @@ def make_engine_backend(
         raise ConfigError("the TensorRT backend builds from an ONNX file path, not a ModelProto.")
     path = Path(path_or_model)
     if path.suffix.lower() in ENGINE_SUFFIXES:
-        return TensorRTBackend(name=name or "tensorrt", engine=path, debug_tensors=debug_tensors,
-                               **options)
+        return TensorRTBackend(options.pop("model", None), name=name or "tensorrt", engine=path,
+                               debug_tensors=debug_tensors, **options)
     return TensorRTBackend(path, name=name or "tensorrt", debug_tensors=debug_tensors,
                            max_batch=max_batch, **options)
