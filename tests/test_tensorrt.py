@@ -542,7 +542,8 @@ def test_build_writes_trtexec_lines_and_says_tensorrt_is_missing(calibrated_fold
 
     folder = calibrated_folder
     (folder / "plan.json").write_text('{"node_conv2d": "int8", "node_conv2d_1": "fp16"}')
-    code = main(["build", str(folder), "--plan", str(folder / "plan.json"), "--max-batch", "4"])
+    code = main(["build", str(folder), "--plan", str(folder / "plan.json"), "--max-batch", "4",
+                 "--force"])
     out, err = capsys.readouterr()
     assert code == 0 and f"wrote {folder / 'trtexec.txt'}" in out
     name = graph.input_specs(graph.load_model(folder / "model.onnx"))[0].name
@@ -622,3 +623,14 @@ def test_tensorrt_own_cache_covers_the_ranges_rule(digits_run, tmp_path):
     assert feeder.used_batches == 8
     _, scales = cache.read_calibration_cache(tmp_path / "trt.cache")
     assert set(trt_ranges.tensors_needing_ranges(model)) <= set(scales)
+
+
+def test_build_keeps_other_trtexec_lines_unless_forced(calibrated_folder, capsys):
+    from quantlab.cli import main
+
+    assert main(["build", str(calibrated_folder), "--max-batch", "2", "--force"]) == 0
+    before = (calibrated_folder / "trtexec.txt").read_text()
+    assert main(["build", str(calibrated_folder), "--max-batch", "2"]) == 0  # same lines
+    assert main(["build", str(calibrated_folder), "--max-batch", "3"]) == 1
+    assert "pass --force to replace it" in capsys.readouterr().err
+    assert (calibrated_folder / "trtexec.txt").read_text() == before

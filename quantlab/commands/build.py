@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "fp32/fp16 nodes are pinned in implicit builds and checked in the engine")
     parser.add_argument("--max-batch", type=int, default=1, metavar="N",
                         help="largest batch of a dynamic sample axis (default: %(default)s)")
-    parser.add_argument("--force", action="store_true", help="replace an existing model.plan")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing model.plan or a trtexec.txt of other commands")
 
 
 def read_plan(path: str | Path) -> dict[str, str]:
@@ -91,22 +92,28 @@ def run(args: argparse.Namespace) -> int:
                           f"does not have: {unknown[:5]}; plan this folder's model.")
     profile = trt_backend.input_profile(model, args.max_batch)
     header, scales = cache.read_calibration_cache(folder / "calibration.cache")
-    cache_name = "calibration.cache"
-    if header.algorithm != "EntropyCalibration2":
-        cache_name = TRTEXEC_CACHE
-        cache.write_calibration_cache(folder / cache_name, scales, "EntropyCalibration2",
-                                      header.trt_version)
-    write_text(folder / TRTEXEC_FILE,
-               trtexec.trtexec_text(plan, profile, cache_name, str(header)))
-    print(f"wrote {folder / TRTEXEC_FILE}")
-
+    cache_name = "calibration.cache" if header.algorithm == "EntropyCalibration2" else TRTEXEC_CACHE
+    text = trtexec.trtexec_text(plan, profile, cache_name, str(header))
+    # trtexec.txt is derived from the folder and the plan: rewriting it unchanged is no loss,
+    # replacing different lines needs --force like every other result.
+    target = folder / TRTEXEC_FILE
+    if target.exists() and target.read_text(encoding="utf-8") != text and not args.force:
+        raise OutputExistsError(f"{target} holds other commands (another plan or --max-batch);"
+                                " pass --force to replace it.")
     engine_path = folder / ENGINE_FILE
-    if engine_path.exists() and not args.force:
-        raise OutputExistsError(f"{engine_path} exists; pass --force to build it again.")
     try:
         version = trt_backend.installed_version()
     except BackendUnavailableError as exc:
-        print(f"quantlab build: engine not built: {exc}", file=sys.stderr)
+        version, missing = None, exc
+    if version is not None and engine_path.exists() and not args.force:
+        raise OutputExistsError(f"{engine_path} exists; pass --force to build it again.")
+    if cache_name == TRTEXEC_CACHE:
+        cache.write_calibration_cache(folder / cache_name, scales, "EntropyCalibration2",
+                                      header.trt_version)
+    write_text(target, text)
+    print(f"wrote {target}")
+    if version is None:
+        print(f"quantlab build: engine not built: {missing}", file=sys.stderr)
         return 0
     mode = trt_backend.default_mode(version) if args.mode == "auto" else args.mode
     trt_backend.check_mode(mode, version)
