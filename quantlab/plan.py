@@ -799,40 +799,54 @@ class Certificate:
 def certify(metric: Callable, name: str, outputs: Outputs, references: Outputs, *,
             max_drop: float | None = None, floor: float | None = None,
             resamples: int = 200, confidence: float = 0.95, seed: int = 0) -> Certificate:
-    """Check a candidate's outputs against FP32's under ``max_drop`` or ``floor``.
+    """Check a candidate's outputs against FP32's with a metric function (see certify_paired).
 
-    The margin (value minus limit) is bootstrapped over samples; the plan is
-    certified when the lower end of the one-sided `confidence` interval is >= 0.
-    With ``max_drop``, an interval half-width over max_drop / 2 means the
-    evaluation set is too small to certify that budget; the size needed follows
-    from the half-width shrinking as 1 / sqrt(samples).
+    Resamples hand the metric one entry per sample, FP32 scored on the same ones.
+    """
+    samples, refs = split_samples(outputs), split_samples(references)
+
+    def evaluate(pick: np.ndarray) -> tuple[float, float]:
+        chosen, fp32 = [samples[i] for i in pick], [refs[i] for i in pick]
+        return (metric_value(metric, name, chosen, fp32),
+                metric_value(metric, name, fp32, fp32))
+
+    reference = metric_value(metric, name, references, references)
+    value = metric_value(metric, name, outputs, references)
+    return certify_paired(name, evaluate, len(samples), (value, reference), max_drop=max_drop,
+                          floor=floor, resamples=resamples, confidence=confidence, seed=seed)
+
+
+def certify_paired(name: str, evaluate: Callable[[np.ndarray], tuple[float, float]],
+                   count: int, full: tuple[float, float] | None = None, *,
+                   max_drop: float | None = None, floor: float | None = None,
+                   resamples: int = 200, confidence: float = 0.95,
+                   seed: int = 0) -> Certificate:
+    """Certify a plan from ``evaluate(sample indices) -> (candidate value, FP32 value)``.
+
+    The margin (value minus limit) is bootstrapped over the `count` samples, FP32
+    scored on the same resample (paired); the plan is certified when the lower end
+    of the one-sided `confidence` interval is >= 0. With ``max_drop``, an interval
+    half-width over max_drop / 2 means the evaluation set is too small to certify
+    that budget; the size needed follows from the half-width shrinking as
+    1 / sqrt(samples). `full` is evaluate on all samples when already known.
     """
     if (max_drop is None) == (floor is None):
         raise ConfigError("give exactly one of a maximum drop or a metric floor.")
     if max_drop is not None and not max_drop >= 0:
         raise ConfigError(f"the maximum drop must be >= 0, got {max_drop}: impossible even in "
                           "FP32, which is the reference every plan is compared with.")
-    samples, refs = split_samples(outputs), split_samples(references)
-    reference = metric_value(metric, name, references, references)
+    value, reference = full if full is not None else evaluate(np.arange(count))
     if floor is not None and floor > reference:
         raise ConfigError(f"the floor {floor} of metric '{name}' is above its value for the FP32 "
                           f"model itself ({reference:.6g}): impossible even in FP32. Lower it.")
-    value = metric_value(metric, name, outputs, references)
-
-    def margin(candidate, fp32) -> float:
-        got = metric_value(metric, name, candidate, fp32)
-        return got - (metric_value(metric, name, fp32, fp32) - max_drop if max_drop is not None
-                      else floor)
-
     if max_drop is not None and not np.isfinite(reference):
         raise ConfigError(f"metric '{name}' of the FP32 model against itself is {reference}; a "
                           "drop from it means nothing. Use a floor (--min-sqnr) instead.")
     rng = np.random.default_rng(seed)
-    count = len(samples)
     margins = np.empty(resamples)
     for b in range(resamples):
-        pick = rng.integers(0, count, count)
-        margins[b] = margin([samples[i] for i in pick], [refs[i] for i in pick])
+        got, fp32 = evaluate(rng.integers(0, count, count))
+        margins[b] = got - (fp32 - max_drop if max_drop is not None else floor)
     low, high = np.quantile(margins, [1 - confidence, confidence])
     limit = reference - max_drop if max_drop is not None else floor
     half_width = (high - low) / 2
@@ -841,6 +855,38 @@ def certify(metric: Callable, name: str, outputs: Outputs, references: Outputs, 
               if too_small and max_drop > 0 else None)
     return Certificate(name, reference, value, limit, (float(low), float(high)), confidence,
                        count, bool(low >= 0), bool(too_small), needed)
+
+
+def task_evaluator(task, outputs: Outputs,
+                   references: Outputs) -> Callable[[np.ndarray], tuple[float, float]]:
+    """``evaluate(indices)`` of a task's primary metric (top-1, COCO mAP) for certify_paired.
+
+    Predictions are made once per batch; a resample of images re-accumulates COCO's
+    per-image matches (:func:`quantlab.tasks.coco_map_resampler`).
+    """
+    from quantlab.tasks import coco_map_resampler
+
+    ids = task.ids()
+
+    def predictions(batches: Outputs) -> list:
+        found, start = [], 0
+        for batch in batches:
+            stop = start + len(next(iter(batch.values())))
+            predicted = task.postprocess(dict(batch), ids[start:stop])
+            if task.kind == "classification":
+                found.extend(np.argmax(predicted, axis=1) == np.asarray(task.labels)[start:stop])
+            else:
+                found.extend(predicted)
+            start = stop
+        return found
+
+    candidate, fp32 = predictions(outputs), predictions(references)
+    if task.kind == "classification":
+        hits, ref_hits = np.array(candidate, float), np.array(fp32, float)
+        return lambda pick: (float(hits[pick].mean()), float(ref_hits[pick].mean()))
+    count = len(np.concatenate([next(iter(b.values())) for b in outputs]))
+    scores = [coco_map_resampler(task.coco, found, ids[:count]) for found in (candidate, fp32)]
+    return lambda pick: (scores[0](pick), scores[1](pick))
 
 
 # ---------------------------------------------------------------- TensorRT <= 10 artifacts
@@ -930,8 +976,8 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
               ranges: Mapping[str, float], p9999: Mapping[str, float], *,
               metric: str = "sqnr", max_drop: float | None = None,
               min_sqnr: float | None = None, trials: int = 24, hard_count: int = 64,
-              max_evaluations: int = 4, high_precision: str = "fp16",
-              progress: Callable | None = None) -> PlanResult:
+              max_evaluations: int = 4, high_precision: str = "fp16", task=None,
+              resamples: int = 200, progress: Callable | None = None) -> PlanResult:
     """Plan `model` (normalized) under a budget: rules, group testing, front, certification.
 
     `calibration` and `evaluation` are BatchSources (measurement on the former's
@@ -942,7 +988,9 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     of the front are evaluated on the real INT8 model (ONNX Runtime integer
     kernels): all-INT8 first (kept when within budget), then the front's plan the
     fitted model predicts at the budget, re-fitted after each evaluation and
-    bisected between the best certified and the smallest failed plan.
+    bisected between the best certified and the smallest failed plan. With a
+    :class:`quantlab.tasks.Task` (labels or COCO ground truth of `evaluation`),
+    `metric` may be its primary metric (``top1``, ``map``).
     """
     from quantlab import switchboard
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
@@ -952,7 +1000,10 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     if min_sqnr is not None and metric != "sqnr":
         raise ConfigError(f"--min-sqnr is a floor on output SQNR; it does not go with --metric "
                           f"{metric} (use --max-drop there).")
-    metric_fn = resolve_metric(metric)
+    task_metric = task is not None and metric == task.primary_metric
+    if task is not None:
+        task.check_samples(evaluation.num_samples)
+    metric_fn = None if task_metric else resolve_metric(metric)
     step = progress or (lambda items, **_: items)
     g = Graph(model)
     first = next(iter(calibration))
@@ -989,8 +1040,13 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         nodes = {n: point.precisions[u.name] for u in units for n in u.nodes}
         int8 = OnnxRuntimeBackend(qdq.quantize_model(model, amax, nodes), name="int8")
         outputs = [int8.run(batch) for batch in step(evaluation, desc="INT8 evaluation")]
-        certificate = certify(metric_fn, metric, outputs, fp32_outputs, max_drop=max_drop,
-                              floor=min_sqnr)
+        if task_metric:
+            certificate = certify_paired(
+                metric, task_evaluator(task, outputs, fp32_outputs), evaluation.num_samples,
+                max_drop=max_drop, floor=min_sqnr, resamples=resamples)
+        else:
+            certificate = certify(metric_fn, metric, outputs, fp32_outputs, max_drop=max_drop,
+                                  floor=min_sqnr, resamples=resamples)
         return Evaluation(point.int8_mac_share, point.predicted, certificate,
                           time.perf_counter() - start)
 

@@ -203,6 +203,51 @@ class TaskScore:
         return coco_map(ground_truth, self.detections)
 
 
+def coco_map_resampler(coco_gt: Mapping, detections: Sequence[Mapping],
+                       image_ids: Sequence[int]) -> Callable[[np.ndarray], float]:
+    """``score(positions) -> mAP@[.5:.95]`` of the images ``image_ids[positions]`` (repeats
+    count again): COCOeval's per-image matching runs once, only the accumulation per call.
+
+    Matching is per image and category, so a bootstrap resample of images is an
+    accumulation over their stored per-image results; ``score(arange(N))`` equals
+    :func:`coco_map` of all images.
+    """
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        ground_truth = COCO()
+        ground_truth.dataset = {key: list(coco_gt[key])
+                                for key in ("images", "annotations", "categories")}
+        ground_truth.createIndex()
+        if not detections:
+            return lambda positions: 0.0
+        evaluator = COCOeval(ground_truth, ground_truth.loadRes([dict(d) for d in detections]),
+                             iouType="bbox")
+        evaluator.evaluate()
+    stored, params = evaluator.evalImgs, evaluator._paramsEval
+    sorted_ids = list(params.imgIds)
+    position = {image: i for i, image in enumerate(sorted_ids)}
+    columns = np.array([position[image] for image in image_ids])
+    blocks = len(params.catIds) * len(params.areaRng)
+
+    def score(positions: np.ndarray) -> float:
+        picked = columns[np.asarray(positions)]
+        count = len(picked)
+        evaluator.evalImgs = [stored[block * len(sorted_ids) + i]
+                              for block in range(blocks) for i in picked]
+        evaluator.params.imgIds = evaluator._paramsEval.imgIds = list(range(count))
+        with contextlib.redirect_stdout(io.StringIO()):
+            evaluator.accumulate()
+        # stats[0] of COCOeval.summarize: mean precision over IoUs, recalls, classes with
+        # ground truth, area "all" (index 0), 100 detections (last).
+        precision = evaluator.eval["precision"][:, :, :, 0, -1]
+        valid = precision[precision > -1]
+        return float(valid.mean()) if valid.size else -1.0
+
+    return score
+
+
 def batch_length(batch: Mapping[str, np.ndarray], batches=None) -> int:
     """Samples in `batch`: by the source's sample axes when it knows them, else axis 0."""
     if hasattr(batches, "length"):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from quantlab.errors import DataError
-from quantlab.tasks import coco_map, topk_accuracy
+from quantlab.tasks import coco_map, coco_map_resampler, topk_accuracy
 
 
 def _coco(boxes_per_image):
@@ -79,3 +79,19 @@ def test_topk_matches_brute_force():
 def test_topk_rejects_mismatched_labels():
     with pytest.raises(DataError, match="labels"):
         topk_accuracy(np.zeros((4, 10)), np.zeros(5, dtype=int))
+
+
+def test_coco_map_resampler_equals_coco_map_with_repeated_images():
+    boxes = [[[10, 10, 20, 20]], [[50, 40, 20, 25], [5, 5, 10, 10]], [[30, 30, 40, 40]]]
+    dets = [_det(1, [10, 10, 20, 12.4], 0.9), _det(2, [50, 40, 20, 25], 0.8),
+            _det(2, [70, 70, 10, 10], 0.85), _det(3, [30, 30, 40, 40], 0.6)]
+    score = coco_map_resampler(_coco(boxes), dets, [3, 1, 2])  # data order differs from ids
+    assert score(np.arange(3)) == pytest.approx(coco_map(_coco(boxes), dets)["map"])
+    # Positions [1, 1, 2] = images 1, 1, 2: coco_map of that set with the repeat renumbered.
+    repeated = [boxes[0], boxes[0], boxes[1]]
+    moved = {1: [1, 2], 2: [3]}
+    dets_repeated = [{**d, "image_id": new} for d in dets if d["image_id"] in moved
+                     for new in moved[d["image_id"]]]
+    assert score(np.array([1, 1, 2])) == pytest.approx(
+        coco_map(_coco(repeated), dets_repeated)["map"])
+    assert coco_map_resampler(_coco(boxes), [], [1, 2, 3])(np.arange(3)) == 0.0
