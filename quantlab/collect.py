@@ -700,7 +700,8 @@ def build_segments(model: onnx.ModelProto, names: Sequence[str],
                 seg_inputs + [n for n in exposed if n not in produced_by]))
         segment = Segment(None, seg_inputs, exposed, handed, frozenset(later))
         sub = _sub_model(model, nodes[a:b], seg_inputs, segment.outputs())
-        segment.backend = OnnxRuntimeBackend(sub, name=f"collect segment {k}")
+        segment.backend = OnnxRuntimeBackend(sub, name=f"collect segment {k}",
+                                             check_inputs=False, shared_arena=True)
         segments.append(segment)
     return segments
 

@@ -160,6 +160,8 @@ def test_segments_cut_in_topological_order_hand_on_boundary_tensors():
     # Each sub-model holds only its own nodes.
     assert [[n.op_type for n in s.backend.model.graph.node] for s in segments] == [
         ["Abs", "Log"], ["Relu", "Mul"]]
+    # Run one after another, they share one memory arena (peak: the largest segment's).
+    assert all(s.backend.shared_arena for s in segments)
 
 
 @pytest.mark.parametrize("budget", [None, 16 << 10, 1])

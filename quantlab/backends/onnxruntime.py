@@ -24,6 +24,18 @@ _DEFAULT_SESSIONS_CACHED = 4
 SESSION_CONFIG = {"session.qdqisint8allowed": "1"}
 
 
+_SHARED_ARENA: list[ort.OrtMemoryInfo] = []
+
+
+def _register_shared_arena() -> None:
+    """Register ONNX Runtime's process-wide CPU arena (once; it lives as long as the process)."""
+    if not _SHARED_ARENA:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                 ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+        _SHARED_ARENA.append(info)
+
+
 class OnnxRuntimeBackend:
     """Run an ONNX model in ONNX Runtime; any tensor of the graph can be requested.
 
@@ -39,6 +51,7 @@ class OnnxRuntimeBackend:
         threads: int | None = None,
         optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
         check_inputs: bool = True,
+        shared_arena: bool = False,
     ):
         self.model = model if isinstance(model, onnx.ModelProto) else graph.load_model(model)
         self.name = name
@@ -47,6 +60,9 @@ class OnnxRuntimeBackend:
         self.optimization = optimization
         # A segment of a graph reads intermediate tensors, which have no sample axis to check.
         self.check_inputs = check_inputs
+        # Sessions run one after another (graph segments) share one process-wide memory
+        # arena, so memory peaks at the largest segment's, not at the sum of all of them.
+        self.shared_arena = shared_arena
         self.inputs = graph.input_specs(self.model)
         self.outputs = [spec.name for spec in graph.output_specs(self.model)]
         self._known = set(graph.topological_tensors(self.model)) | set(self.outputs)
@@ -61,6 +77,9 @@ class OnnxRuntimeBackend:
             options.add_session_config_entry(key, value)
         if self.threads:
             options.intra_op_num_threads = self.threads
+        if self.shared_arena:
+            _register_shared_arena()
+            options.add_session_config_entry("session.use_env_allocators", "1")
         if optimized_model_path:
             options.optimized_model_filepath = optimized_model_path
         return options
