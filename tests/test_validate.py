@@ -479,3 +479,71 @@ def test_zoo_metrics_equal_a_float64_whole_set_reference(zoo_case, tmp_path, seg
         per_class = expected.pop("per_class", {})
         assert result.metrics[stage].pop("per_class", {}) == pytest.approx(per_class), stage
         assert result.metrics[stage] == pytest.approx(expected), stage
+
+
+# ------------------------------------------------------------------------- bounded memory
+
+
+class _Tracked(np.ndarray):
+    """An ndarray view that can be weakly referenced (plain ndarrays cannot)."""
+
+
+def test_no_array_of_a_run_outlives_its_slice(four_conv, tmp_path, monkeypatch):
+    import gc
+    import weakref
+
+    from quantlab import validate as validate_module
+
+    _, model, _, quantized, x, _ = four_conv
+    alive: list[weakref.ref] = []
+    peaks: list[int] = []
+    original_run = OnnxRuntimeBackend.run
+
+    def tracked_run(self, batch, tensors=None):
+        held = sum(r().nbytes for r in alive if r() is not None)
+        peaks.append(held)
+        values = original_run(self, batch, tensors)
+        views = {name: value.view(_Tracked) for name, value in values.items()}
+        alive.extend(weakref.ref(v) for v in views.values())
+        return views
+
+    original_slice = validate_module._Stream.run_slice
+
+    def checked_slice(self, part, start, stop):
+        original_slice(self, part, start, stop)
+        gc.collect()
+        assert not [r for r in alive if r() is not None], "an array survived its slice"
+
+    monkeypatch.setattr(OnnxRuntimeBackend, "run", tracked_run)
+    monkeypatch.setattr(validate_module._Stream, "run_slice", checked_slice)
+    whole = validate(model, quantized, _source(model, x), tmp_path / "whole", progress=False)
+    per_sample = whole.summary["memory"]["exposed_bytes_per_sample"]
+    for mode in ("global", "local"):
+        peaks.clear()
+        budget = int(1.2 * per_sample)  # the exposed half holds ~60% of one sample: segments
+        result = validate(model, quantized, _source(model, x[:6]), tmp_path / mode, mode=mode,
+                          progress=False, memory_budget=budget)
+        assert result.summary["memory"]["segments"] > 1
+        assert result.summary["memory"]["slice_samples"] == 1
+        # Held arrays never exceed one sample's exposed tensors of every stage.
+        assert max(peaks) <= 2 * per_sample
+
+
+def test_peak_memory_does_not_grow_with_samples(four_conv):
+    import tracemalloc
+
+    from quantlab.validate import run_stages
+
+    _, model, _, quantized, _, _ = four_conv
+    x = np.random.default_rng(5).standard_normal((256, 3, 8, 8)).astype(np.float32)
+    fp32, engine = OnnxRuntimeBackend(model, name=FP32), OnnxRuntimeBackend(quantized, name=ENGINE)
+    peaks = {}
+    for count in (32, 256):
+        source = _source(model, x[:count], batch_size=8)
+        run_stages(fp32, engine, source, progress=False)  # warm-up: sessions, numba
+        tracemalloc.start()
+        run_stages(fp32, engine, source, progress=False)
+        peaks[count] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    # 8x the samples: the peak is one batch's, whatever the number of batches.
+    assert peaks[256] <= 1.1 * peaks[32] + (64 << 10), peaks
