@@ -11,15 +11,18 @@ INT8-share-vs-noise front, and certifies the chosen plan on --eval with the real
 INT8 model (integer kernels) and a paired bootstrap interval.
 
 Writes into --out: plan.json (every unit: precision, reason codes, evidence,
-predicted contribution; the front; the evaluation ledger), model.onnx (FP32,
+predicted contribution), model.onnx (FP32,
 normalized), model.int8.onnx (the plan's Q/DQ model, FP16 units as Cast pairs,
 strongly typed for TensorRT 11), calibration.cache without the pinned units'
-tensors and trtexec.txt (TensorRT <= 10), summary.json, report.html (the front,
+tensors and trtexec.txt (TensorRT <= 10), summary.json (certificate, evaluation
+ledger, predicted front), report.html (the front,
 the evaluations, a waterfall of the noise each pin removes, the decision table).
 
 examples:
   quantlab plan digits-cnn --data calibration_data/digits/calibration.npy \\
       --eval calibration_data/digits/eval.npy --min-sqnr 30 --out runs/cnn-plan
+  quantlab plan shapes-det --data zoo --eval zoo --metric map --max-drop 0.01 \\
+      --out runs/det-plan
   quantlab plan model.onnx --data runs/calib --eval images/ --metric mymetrics:f1 \\
       --max-drop 0.01 --out runs/plan
 """
@@ -32,6 +35,8 @@ from quantlab.commands.options import DATA_HELP, add_data_arguments
 
 HELP = "choose INT8/FP16/FP32 per layer under an accuracy budget, certified on held-out data"
 EPILOG = DATA_HELP
+# The zoo's task metrics (--eval zoo): top-1 for classifiers, COCO mAP@[.5:.95] for detectors.
+TASK_METRICS = ("top1", "map")
 PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache", "trtexec.txt",
               "summary.json", "report.html")
 
@@ -43,10 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
     parser.add_argument("--eval", required=True, metavar="EVAL",
-                        help="held-out data the plan is certified on (same formats as --data)")
+                        help="held-out data the plan is certified on (same formats as --data; "
+                             "'zoo': a zoo model's held-out split, with its task metric)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
     parser.add_argument("--metric", default="sqnr", metavar="NAME",
-                        help="sqnr (output SQNR, dB), agreement (argmax agreement with FP32) or "
+                        help="sqnr (output SQNR, dB), agreement (argmax agreement with FP32), "
+                             "top1 or map (a zoo model's task metric, with --eval zoo) or "
                              "module:function, called function(outputs, references) -> float "
                              "(higher is better) with two lists, one entry per batch, of "
                              "{output name: array} (default: %(default)s)")
@@ -65,13 +72,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hard-samples", type=int, default=64, metavar="N",
                         help="hardest calibration samples the passes run on (default: "
                              "%(default)s)")
+    parser.add_argument("--resamples", type=int, default=200, metavar="B",
+                        help="paired bootstrap resamples of the certificate (default: "
+                             "%(default)s)")
     parser.add_argument("--trt-version", default=DEFAULT_TRT_VERSION, metavar="X.Y.Z",
                         help="TensorRT version written into calibration.cache (default: "
                              "%(default)s)")
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    add_data_arguments(parser, data_help="calibration folder (stats.npz reused) or calibration "
-                                         "data: image folder, COCO .json, .npy or .npz")
+    add_data_arguments(parser, data_help="calibration folder (stats.npz reused), calibration "
+                                         "data (image folder, COCO .json, .npy or .npz), or "
+                                         "'zoo' (a zoo model's calibration split)")
 
 
 def _calibration(args, model):
@@ -86,6 +97,11 @@ def _calibration(args, model):
 
     folder = Path(args.data)
     inputs = graph.input_specs(model)
+    if args.data == "zoo":
+        from quantlab import zoo
+
+        return open_data(zoo.get(args.model).calibration_set(), inputs, args.batch_size,
+                         args.max_samples), None
     if (folder / "stats.npz").is_file() and (folder / "calibration.json").is_file():
         recorded = read_json(folder / "calibration.json")
         if not Path(recorded["data"]).exists():
@@ -107,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from quantlab import cache, calibrate, collect, graph, plan, qdq, trt_ranges
     from quantlab.commands.options import input_options, preprocess_from_args
     from quantlab.data import open_data
-    from quantlab.errors import DataError
+    from quantlab.errors import ConfigError, DataError
     from quantlab.experiment import check_output, output_folder, write_json, write_text
     from quantlab.pipeline import CACHE_ALGORITHM, prepare_model
     from quantlab.report import write_report
@@ -115,7 +131,11 @@ def run(args: argparse.Namespace) -> int:
 
     check_output(args.out, force=args.force, produces=PLAN_FILES)
     cache.trt_version_number(args.trt_version)
-    plan.resolve_metric(args.metric)  # an unknown metric fails before any work
+    if args.metric not in TASK_METRICS:
+        plan.resolve_metric(args.metric)  # an unknown metric fails before any work
+    elif args.eval != "zoo":
+        raise ConfigError(f"--metric {args.metric} needs ground truth: with a zoo model, pass "
+                          "--eval zoo (its held-out split).")
     model = prepare_model(args.model, None, **input_options(args))
     source, stats = _calibration(args, model)
     if stats is None:
@@ -126,8 +146,18 @@ def run(args: argparse.Namespace) -> int:
         raise DataError(f"the statistics of {args.data} lack tensors {missing[:5]} the Q/DQ "
                         "model quantizes; they were collected on another model. Calibrate this "
                         "model, or pass its calibration data with --data.")
-    evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
-                           args.max_samples, preprocess_from_args(args))
+    task = None
+    if args.eval == "zoo":
+        from quantlab import zoo
+        from quantlab.tasks import Task
+
+        entry = zoo.get(args.model)
+        eval_set = entry.eval_set(args.max_samples)
+        task = Task.from_zoo(entry, eval_set)
+        evaluation = open_data(eval_set.inputs, graph.input_specs(model), args.batch_size)
+    else:
+        evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
+                               args.max_samples, preprocess_from_args(args))
     scales = calibrate.calibrate(stats, args.method)
     ranges = {name: tensor.amax for name, tensor in stats.tensors.items()}
     p9999 = calibrate.calibrate(stats, "percentile").amax
@@ -136,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
                             metric=args.metric, max_drop=args.max_drop,
                             min_sqnr=args.min_sqnr, trials=args.trials,
                             hard_count=args.hard_samples, high_precision=args.high_precision,
-                            progress=progress)
+                            task=task, resamples=args.resamples, progress=progress)
     certificate = result.certificate
     pinned = plan.pinned_tensors(result.plan, graph.Graph(model))
     with output_folder(args.out, force=args.force, produces=PLAN_FILES) as folder:
