@@ -46,9 +46,8 @@ class Case:
 # 2026-11-23, ORT 1.32, 2-core AVX2 x86 without VNNI) minus ~3 dB for ORT/CPU and kernel
 # differences. Measured (entropy / percentile, dB): layout -1.74 / 4.24, orientation
 # 30.71 / 57.29 (.npy and images alike: the PNGs decode to the .npy exactly), onet (both
-# legacy exports) 20.00 / 24.18, vad 18.64 / 12.23 (the vad figures through the Python API,
-# benchmarks/default_method.py --quick on the same data, because model.onnx of `quantlab
-# calibrate` does not pass onnx.checker yet). A broken pipeline (wrong preprocessing, wrong
+# legacy exports and images) 20.00 / 24.18, vad 18.64 / 12.23 (its `stateN` output; the
+# speech probability is at 22.9 / 24.0 dB). A broken pipeline (wrong preprocessing, wrong
 # scales, unquantized or mis-fed inputs, a dropped Q/DQ pair) moves these by far more than
 # 3 dB: with the wrong preprocessing orientation fell from 38.5 to 12.8 dB in the field
 # report. Every output must stay above its case's floor. The layout detector is INT8-hostile
