@@ -3,8 +3,9 @@
 Flags as trtexec parses them (samples/common/sampleOptions.cpp of TensorRT
 10.16 and 11.1, docs/tensorrt.md): ``--stronglyTyped`` (10.x; a deprecated
 no-op in 11.x, where every network is strongly typed), ``--int8``,
-``--fp16``, ``--calib=FILE``, ``--precisionConstraints=obey`` and
-``--layerPrecisions=name:precision,...`` (10.x and older; removed in 11.0),
+``--fp16``, ``--calib=FILE``, ``--precisionConstraints=obey``,
+``--layerPrecisions`` and ``--layerOutputTypes=name:precision,...`` (10.x and
+older; removed in 11.0),
 ``--minShapes/--optShapes/--maxShapes=name:AxBxC,...``,
 ``--profilingVerbosity=detailed --exportLayerInfo=FILE`` (both).
 """
@@ -93,14 +94,18 @@ def implicit_command(fp32_model: str | Path, calibration_cache: str | Path, engi
                      profile: Mapping[str, Sequence[Sequence[int]]] | None = None,
                      layer_info: str | Path | None = None) -> str:
     """trtexec building the implicit INT8 engine of the FP32 model from the calibration cache,
-    with the plan's fp32/fp16 layers pinned and obeyed (TensorRT <= 10.x)."""
+    with the plan's fp32/fp16 layers' precision and output types pinned and obeyed
+    (TensorRT <= 10.x)."""
     pins = layer_precisions(plan or {})
     arguments = ["trtexec", f"--onnx={fp32_model}", "--int8"]
     if "fp16" in {str(p).lower() for p in (plan or {}).values()}:
         arguments.append("--fp16")
     arguments.append(f"--calib={calibration_cache}")
     if pins:
-        arguments += ["--precisionConstraints=obey", f"--layerPrecisions={pins}"]
+        # Output types too: otherwise a pinned layer may still write INT8 for an INT8 reader,
+        # and its output is quantized after all (one type applies to every output of a layer).
+        arguments += ["--precisionConstraints=obey", f"--layerPrecisions={pins}",
+                      f"--layerOutputTypes={pins}"]
     arguments += shape_options(profile or {})
     arguments.append(f"--saveEngine={engine}")
     if layer_info:

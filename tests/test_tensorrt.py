@@ -513,10 +513,11 @@ def test_trtexec_command_lines():
     assert implicit_command("model.onnx", "calibration.cache", "model.implicit.plan", plan) == (
         "trtexec --onnx=model.onnx --int8 --fp16 --calib=calibration.cache "
         "--precisionConstraints=obey --layerPrecisions=/conv1/Conv:fp32,/head/Concat:fp16 "
-        "--saveEngine=model.implicit.plan")
+        "--layerOutputTypes=/conv1/Conv:fp32,/head/Concat:fp16 --saveEngine=model.implicit.plan")
     assert implicit_command("my model.onnx", "c.cache", "e.plan", {"(Unnamed) x": "fp32"}) == (
         "trtexec '--onnx=my model.onnx' --int8 --calib=c.cache --precisionConstraints=obey "
-        "'--layerPrecisions=(Unnamed) x:fp32' --saveEngine=e.plan")
+        "'--layerPrecisions=(Unnamed) x:fp32' '--layerOutputTypes=(Unnamed) x:fp32' "
+        "--saveEngine=e.plan")
 
 
 @pytest.fixture(scope="module")
@@ -562,7 +563,8 @@ def test_build_writes_trtexec_lines_and_says_tensorrt_is_missing(calibrated_fold
         "# (calibration.trtexec.cache is TRT-8601-MinMaxCalibration: TensorRT uses it only if it "
         "is that version; another version recalibrates on trtexec's random data)",
         "trtexec --onnx=model.onnx --int8 --fp16 --calib=calibration.trtexec.cache "
-        f"--precisionConstraints=obey --layerPrecisions=node_conv2d_1:fp16 {shapes} "
+        "--precisionConstraints=obey --layerPrecisions=node_conv2d_1:fp16 "
+        f"--layerOutputTypes=node_conv2d_1:fp16 {shapes} "
         "--saveEngine=model.implicit.plan --profilingVerbosity=detailed "
         "--exportLayerInfo=layers.implicit.json",
     ]

@@ -5,12 +5,13 @@ DIR is a folder written by `quantlab calibrate` (model.onnx, model.int8.onnx,
 calibration.cache). Always writes DIR/trtexec.txt: the trtexec command lines for
 TensorRT 10.x and 11.x (strongly typed, from model.int8.onnx) and for TensorRT
 <= 10.x (implicit INT8 from model.onnx and the calibration cache, with the
-plan's fp32/fp16 layers pinned by --layerPrecisions and
---precisionConstraints=obey). Where TensorRT is installed (an NVIDIA GPU and
-quantlab[tensorrt]) it also builds DIR/model.plan -- strongly typed on TensorRT
->= 10, implicit INT8 before, or as --mode says -- and writes the engine's layer
-information to DIR/layers.json, listing the plan's nodes whose engine layer
-runs in another precision.
+plan's fp32/fp16 layers pinned by --layerPrecisions, --layerOutputTypes and
+--precisionConstraints=obey; the plan is DIR/plan.json unless --plan names
+one). Where TensorRT is installed (an NVIDIA GPU and quantlab[tensorrt]) it also
+builds DIR/model.plan -- strongly typed on TensorRT >= 10, implicit INT8 before,
+or as --mode says -- and writes the engine's layer information to
+DIR/layers.json, listing the plan's nodes whose engine layer runs in another
+precision.
 
 examples:
   quantlab build runs/cnn
@@ -43,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "installed TensorRT decides (default)")
     parser.add_argument("--plan", metavar="FILE",
                         help="plan.json (quantlab plan) or a JSON {node: precision}: its "
-                        "fp32/fp16 nodes are pinned in implicit builds and checked in the engine")
+                        "fp32/fp16 nodes are pinned in implicit builds and checked in the engine "
+                        "(default: DIR/plan.json if there is one)")
     parser.add_argument("--max-batch", type=int, default=1, metavar="N",
                         help="largest batch of a dynamic sample axis (default: %(default)s)")
     parser.add_argument("--force", action="store_true",
@@ -84,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
                              "quantlab calibrate.")
     if args.max_batch < 1:
         raise ConfigError(f"--max-batch must be at least 1, got {args.max_batch}.")
-    plan = read_plan(args.plan) if args.plan else {}
+    # The planner (`quantlab plan`) leaves plan.json in its folder: used unless --plan says.
+    plan_path = args.plan or (folder / "plan.json" if (folder / "plan.json").is_file() else None)
+    plan = read_plan(plan_path) if plan_path else {}
     model = graph.load_model(folder / "model.onnx")
     unknown = sorted(set(plan) - {node.name for node in model.graph.node})
     if unknown:
