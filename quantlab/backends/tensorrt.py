@@ -154,6 +154,15 @@ def _trt_dtype(trt: ModuleType, precision: str):
     return {"fp32": trt.float32, "fp16": trt.float16, "int8": trt.int8}[precision]
 
 
+def _pin_output_types(network: object, dtypes: Mapping[str, object]) -> None:
+    # A pinned layer's outputs in its precision too (ILayer.set_output_type, 8.x - 10.x), as
+    # trtexec's --layerOutputTypes: else it may write INT8 for an INT8 reader.
+    for layer in network:
+        if layer.name in dtypes:
+            for index in range(layer.num_outputs):
+                layer.set_output_type(index, dtypes[layer.name])
+
+
 def input_profile(model: onnx.ModelProto, max_batch: int,
                   shapes: Mapping[str, Sequence[Sequence[int]]] | None = None):
     """The optimization profile of `model`'s inputs as ``{name: (min, opt, max)}`` shapes.
@@ -206,6 +215,7 @@ def build_engine(
         EngineBytesFromNetwork,
         MarkDebug,
         NetworkFromOnnxPath,
+        PostprocessNetwork,
         Profile,
         SetLayerPrecisions,
     )
@@ -240,8 +250,10 @@ def build_engine(
         mark_unfused_tensors_as_debug_tensors=debug_tensors == UNFUSED,
     )
     if precisions:
-        network = SetLayerPrecisions(
-            network, {node: _trt_dtype(trt, p) for node, p in precisions.items()})
+        dtypes = {node: _trt_dtype(trt, p) for node, p in precisions.items()}
+        network = SetLayerPrecisions(network, dtypes)
+        network = PostprocessNetwork(network, lambda network: _pin_output_types(network, dtypes),
+                                     "pin output types")
     if debug_tensors and debug_tensors != UNFUSED:
         network = MarkDebug(network, list(debug_tensors))
     # DETAILED: the engine inspector then reports each layer's tensors, types and ONNX nodes.
