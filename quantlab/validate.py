@@ -256,21 +256,6 @@ class StageRuns:
     memory: dict
 
 
-class _SegmentBackend(OnnxRuntimeBackend):
-    """ONNX Runtime on one segment, without the CPU arena.
-
-    An arena keeps its peak for the life of the session; with one session per
-    segment the arenas would add up to the whole graph's activations, which is
-    what segmenting avoids.
-    """
-
-    def session_options(self, optimized_model_path: str | None = None):
-        """The backend's options with the CPU memory arena off."""
-        options = super().session_options(optimized_model_path)
-        options.enable_cpu_mem_arena = False
-        return options
-
-
 class _Segmented:
     """A stage run segment by segment: one backend per segment of its graph."""
 
@@ -278,10 +263,12 @@ class _Segmented:
         self.stage = stage
         self.plan = plan
         if isinstance(stage, OnnxRuntimeBackend):
+            # Segment sessions run one after another and share ONNX Runtime's process-wide
+            # arena: memory peaks at the largest segment's, not at the sum over segments.
             self.backends = [
-                _SegmentBackend(s.model, name=stage.name, providers=stage.providers,
-                                threads=stage.threads, optimization=stage.optimization,
-                                check_inputs=False)
+                OnnxRuntimeBackend(s.model, name=stage.name, providers=stage.providers,
+                                   threads=stage.threads, optimization=stage.optimization,
+                                   check_inputs=False, shared_arena=True)
                 if s.outputs else None for s in plan]
         else:
             self.backends = None  # any other backend runs whole, exposing what is asked
