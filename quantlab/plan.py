@@ -13,8 +13,10 @@ search and never pin on their own.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import importlib
+import json
 import os
 import shlex
 import time
@@ -610,6 +612,8 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
                references: Mapping[str, np.ndarray], trials: int = 24,
                int8_share: float = 0.5, ridge: float = 1e-3, seed: int = 0,
                fixed: Mapping[str, str] | None = None,
+               known: Mapping[int, float] | None = None,
+               on_trial: Callable[[int, float], None] | None = None,
                progress: Callable | None = None) -> OutputSensitivity:
     """Output-aware sensitivity from `trials` switchboard passes over one (hard) batch.
 
@@ -622,7 +626,9 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
     (``ridge * trials``) so that a few trials still give a unique answer. The
     all-INT8 plan is always one of the trials.
     Units in `fixed` (hard pins: unit -> precision) keep that precision in every
-    trial and get no contribution.
+    trial and get no contribution. Trials in `known` (index -> nsr, from an
+    interrupted run with the same seed) are not run again; `on_trial(t, nsr)` is
+    called after each trial run.
     """
     fixed = dict(fixed or {})
     units = list(board.flags)
@@ -631,11 +637,17 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
     masks[0] = True
     masks[:, [i for i, u in enumerate(units) if u in fixed]] = False
     nsr = np.empty(trials)
+    known = dict(known or {})
     for t in progress(range(trials)) if progress else range(trials):
+        if t in known:
+            nsr[t] = known[t]
+            continue
         precisions = {u: "int8" if m else "fp32" for u, m in zip(units, masks[t], strict=True)}
         precisions.update(fixed)
         outputs = run(batch, board.feeds(precisions))
         nsr[t] = float(sample_nsr(outputs, references).mean())
+        if on_trial:
+            on_trial(t, nsr[t])
     system = np.vstack([masks.astype(np.float64), np.sqrt(ridge * trials) * np.eye(len(units))])
     target = np.concatenate([nsr, np.zeros(len(units))])
     contribution, _ = optimize.nnls(system, target)
@@ -939,6 +951,60 @@ def run_batched(run: Callable, batch: Mapping[str, np.ndarray], source) -> dict[
     return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
 
+class Checkpoint:
+    """What an interrupted plan run already measured, in a JSON file, so a re-run resumes.
+
+    Holds the switchboard trials (index -> nsr) and the evaluations (front index ->
+    :class:`Evaluation`) of a run identified by `fingerprint` (a hash of the model,
+    the data, the scales and the settings); a file of another run is ignored and
+    replaced. Every update is written atomically.
+    """
+
+    def __init__(self, path: str | os.PathLike | None, fingerprint: str):
+        self.path = Path(path) if path is not None else None
+        self.fingerprint = fingerprint
+        self.trials: dict[int, float] = {}
+        self.evaluations: dict[int, Evaluation] = {}
+        if self.path is None or not self.path.is_file():
+            return
+        try:
+            data = read_json(self.path)
+            if data.get("fingerprint") != fingerprint:
+                return
+            self.trials = {int(t): float(v) for t, v in data["trials"].items()}
+            self.evaluations = {int(i): Evaluation(
+                e["int8_mac_share"], e["predicted"],
+                Certificate(**{**e["certificate"],
+                               "interval": tuple(e["certificate"]["interval"])}),
+                e["seconds"]) for i, e in data["evaluations"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            self.trials, self.evaluations = {}, {}  # unreadable: start over
+
+    def add_trial(self, index: int, nsr: float) -> None:
+        """Record one switchboard trial."""
+        self.trials[index] = nsr
+        self._save()
+
+    def add_evaluation(self, index: int, evaluation: Evaluation) -> None:
+        """Record one evaluation of the front's plan `index`."""
+        self.evaluations[index] = evaluation
+        self._save()
+
+    def _save(self) -> None:
+        if self.path is not None:
+            write_json(self.path, {"format": "quantlab.plan-progress",
+                                   "fingerprint": self.fingerprint, "trials": self.trials,
+                                   "evaluations": {i: asdict(e) for i, e in
+                                                   self.evaluations.items()}})
+
+
+def fingerprint(model: onnx.ModelProto, *parts) -> str:
+    """A hash identifying a plan run: the model and the settings and data descriptions."""
+    digest = hashlib.sha256(model.SerializeToString())
+    digest.update(json.dumps([str(p) for p in parts]).encode())
+    return digest.hexdigest()
+
+
 @dataclass
 class Evaluation:
     """One full evaluation of a plan on the real INT8 model: the ledger entry."""
@@ -977,7 +1043,8 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
               metric: str = "sqnr", max_drop: float | None = None,
               min_sqnr: float | None = None, trials: int = 24, hard_count: int = 64,
               max_evaluations: int = 4, high_precision: str = "fp16", task=None,
-              resamples: int = 200, progress: Callable | None = None) -> PlanResult:
+              resamples: int = 200, checkpoint: Checkpoint | None = None,
+              progress: Callable | None = None) -> PlanResult:
     """Plan `model` (normalized) under a budget: rules, group testing, front, certification.
 
     `calibration` and `evaluation` are BatchSources (measurement on the former's
@@ -990,7 +1057,8 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     fitted model predicts at the budget, re-fitted after each evaluation and
     bisected between the best certified and the smallest failed plan. With a
     :class:`quantlab.tasks.Task` (labels or COCO ground truth of `evaluation`),
-    `metric` may be its primary metric (``top1``, ``map``).
+    `metric` may be its primary metric (``top1``, ``map``). A `checkpoint` of an
+    interrupted run of the same plan skips the trials and evaluations it holds.
     """
     from quantlab import switchboard
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
@@ -1029,13 +1097,18 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         board, lambda batch, flags: run_batched(
             lambda chunk: board_backend.run({**chunk, **flags}), batch, calibration), hard,
         references, trials=trials, fixed=fixed,
+        known=checkpoint.trials if checkpoint else None,
+        on_trial=checkpoint.add_trial if checkpoint else None,
         progress=lambda r: step(r, desc="switchboard trials"))
     contribution = dict(zip(sensitivity.units, sensitivity.contribution, strict=True))
     points = front(units, allowed, contribution, high_precision=high_precision)
 
     fp32_outputs = [fp32.run(batch) for batch in step(evaluation, desc="FP32 evaluation")]
 
-    def evaluate_point(point: FrontPoint) -> Evaluation:
+    def evaluate_point(index: int) -> Evaluation:
+        if checkpoint and index in checkpoint.evaluations:
+            return checkpoint.evaluations[index]
+        point = points[index]
         start = time.perf_counter()
         nodes = {n: point.precisions[u.name] for u in units for n in u.nodes}
         int8 = OnnxRuntimeBackend(qdq.quantize_model(model, amax, nodes), name="int8")
@@ -1047,20 +1120,23 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         else:
             certificate = certify(metric_fn, metric, outputs, fp32_outputs, max_drop=max_drop,
                                   floor=min_sqnr, resamples=resamples)
-        return Evaluation(point.int8_mac_share, point.predicted, certificate,
-                          time.perf_counter() - start)
+        result = Evaluation(point.int8_mac_share, point.predicted, certificate,
+                            time.perf_counter() - start)
+        if checkpoint:
+            checkpoint.add_evaluation(index, result)
+        return result
 
     evaluations: list[Evaluation] = []
     evaluated: dict[int, Evaluation] = {}
     last = len(points) - 1
-    evaluated[last] = evaluate_point(points[last])
+    evaluated[last] = evaluate_point(last)
     evaluations.append(evaluated[last])
     low, high = -1, last  # highest certified index, lowest failed index
     if evaluated[last].certificate.certified:
         low = last
     while low < high - 1 and len(evaluations) < max_evaluations:
         guess = _next_guess(points, evaluated, low, high, max_drop, min_sqnr)
-        evaluated[guess] = evaluate_point(points[guess])
+        evaluated[guess] = evaluate_point(guess)
         evaluations.append(evaluated[guess])
         if evaluated[guess].certificate.certified:
             low = guess

@@ -533,3 +533,39 @@ def test_plan_section_escapes_names_from_the_model():
     html = render_report("t", [plan_section(result)])
     assert "<script>x</script>" not in html and "&lt;script&gt;x&lt;/script&gt;" in html
     assert "<b>x</b>" not in html and "certified" in html
+
+
+def test_interrupted_plan_resumes_from_its_checkpoint(planted_case, tmp_path, monkeypatch):
+    from quantlab import calibrate, collect, qdq
+
+    g, source, *_ = planted_case
+    stats = collect.collect(g.model, source, qdq.activation_tensors_to_calibrate(g.model),
+                            progress=False)
+    amax = calibrate.calibrate(stats, "max").amax
+    path = tmp_path / "progress.json"
+    key = plan.fingerprint(g.model, "planted", 24.0)
+    run = dict(min_sqnr=24.0, trials=16, hard_count=16)
+    first = plan.make_plan(g.model, source, source, amax, amax, amax,
+                           checkpoint=plan.Checkpoint(path, key), **run)
+    saved = plan.Checkpoint(path, key)
+    assert len(saved.trials) == 16 and len(saved.evaluations) == len(first.evaluations)
+    assert plan.Checkpoint(path, "another run").trials == {}
+    # Interrupted after 9 trials and the first evaluation: the rest is measured again.
+    saved.trials = {t: v for t, v in saved.trials.items() if t < 9}
+    saved.evaluations = {i: e for i, e in saved.evaluations.items()
+                         if e is saved.evaluations[max(saved.evaluations)]}
+    added = []
+
+    def recording(name):
+        original = getattr(saved, name)
+        return lambda index, value: added.append((name, index)) or original(index, value)
+
+    for method in ("add_trial", "add_evaluation"):
+        monkeypatch.setattr(saved, method, recording(method))
+    resumed = plan.make_plan(g.model, source, source, amax, amax, amax, checkpoint=saved, **run)
+    np.testing.assert_array_equal(resumed.sensitivity.nsr, first.sensitivity.nsr)
+    assert resumed.plan == first.plan
+    assert [e.certificate for e in resumed.evaluations] == [
+        e.certificate for e in first.evaluations]
+    assert [i for m, i in added if m == "add_trial"] == list(range(9, 16))
+    assert sum(m == "add_evaluation" for m, _ in added) == len(first.evaluations) - 1

@@ -17,6 +17,9 @@ strongly typed for TensorRT 11), calibration.cache without the pinned units'
 tensors and trtexec.txt (TensorRT <= 10), summary.json (certificate, evaluation
 ledger, predicted front), report.html (the front,
 the evaluations, a waterfall of the noise each pin removes, the decision table).
+The switchboard trials and evaluations are checkpointed in --out as they finish:
+run the same command again after an interruption and it resumes (statistics are
+collected again unless --data is a calibration folder).
 
 examples:
   quantlab plan digits-cnn --data calibration_data/digits/calibration.npy \\
@@ -37,6 +40,8 @@ HELP = "choose INT8/FP16/FP32 per layer under an accuracy budget, certified on h
 EPILOG = DATA_HELP
 # The zoo's task metrics (--eval zoo): top-1 for classifiers, COCO mAP@[.5:.95] for detectors.
 TASK_METRICS = ("top1", "map")
+# The checkpoint of a running plan, left in --out when it is interrupted.
+PROGRESS_FILE = ".plan-progress.json"
 PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache", "trtexec.txt",
               "summary.json", "report.html")
 
@@ -117,6 +122,7 @@ def _calibration(args, model):
 def run(args: argparse.Namespace) -> int:
     """Plan, certify and write the plan's folder."""
     from functools import partial
+    from pathlib import Path
 
     from tqdm.auto import tqdm
 
@@ -162,11 +168,19 @@ def run(args: argparse.Namespace) -> int:
     ranges = {name: tensor.amax for name, tensor in stats.tensors.items()}
     p9999 = calibrate.calibrate(stats, "percentile").amax
     progress = None if args.no_progress else partial(tqdm, leave=False)
+    # Trials and evaluations are checkpointed in --out: an interrupted run resumes from there.
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = plan.Checkpoint(out / PROGRESS_FILE, plan.fingerprint(
+        model, source.description, source.num_samples, evaluation.description,
+        evaluation.num_samples, args.metric, args.max_drop, args.min_sqnr, args.trials,
+        args.hard_samples, args.high_precision, args.resamples, sorted(scales.amax.items())))
     result = plan.make_plan(model, source, evaluation, scales.amax, ranges, p9999,
                             metric=args.metric, max_drop=args.max_drop,
                             min_sqnr=args.min_sqnr, trials=args.trials,
                             hard_count=args.hard_samples, high_precision=args.high_precision,
-                            task=task, resamples=args.resamples, progress=progress)
+                            task=task, resamples=args.resamples, checkpoint=checkpoint,
+                            progress=progress)
     certificate = result.certificate
     pinned = plan.pinned_tensors(result.plan, graph.Graph(model))
     with output_folder(args.out, force=args.force, produces=PLAN_FILES) as folder:
@@ -195,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
             "calibration": {"data": source.description, "method": scales.method},
             "eval": {"data": evaluation.description, "num_samples": evaluation.num_samples},
         })
+    (out / PROGRESS_FILE).unlink(missing_ok=True)
     verdict = "certified" if certificate.certified else "NOT certified"
     print(f"plan: {result.plan.int8_mac_share():.1%} of linear-op MACs in INT8; {args.metric} "
           f"{certificate.value:.4g} (FP32 {certificate.reference:.4g}, limit "
