@@ -552,8 +552,8 @@ def sample_nsr(outputs: Mapping[str, np.ndarray],
     return np.mean(ratios, axis=0)
 
 
-def hardest_samples(batches, reference: Callable, candidate: Callable,
-                    count: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def hardest_samples(batches, reference: Callable, candidate: Callable, count: int,
+                    progress: Callable | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The `count` samples where `candidate` disagrees most with `reference`, as one batch.
 
     `batches` is a :class:`quantlab.data.BatchSource`; `reference` and `candidate`
@@ -562,7 +562,7 @@ def hardest_samples(batches, reference: Callable, candidate: Callable,
     """
     kept: list[tuple[float, int, dict]] = []  # a min-heap on disagreement
     start = 0
-    for batch in batches:
+    for batch in progress(batches) if progress else batches:
         length = batches.length(batch)
         nsr = sample_nsr(candidate(batch), reference(batch))
         for index in np.argsort(-nsr, kind="stable")[:count]:
@@ -1090,8 +1090,8 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         return lambda batch: board_backend.run({**batch, **flags})
 
     all_int8 = {u.name: fixed.get(u.name, "int8") for u in units}
-    hard, hard_indices = hardest_samples(step(calibration, desc="hardest samples"), fp32.run,
-                                         board_run(all_int8), hard_count)
+    hard, hard_indices = hardest_samples(calibration, fp32.run, board_run(all_int8), hard_count,
+                                         lambda b: step(b, desc="hardest samples"))
     references = run_batched(fp32.run, hard, calibration)
     sensitivity = group_test(
         board, lambda batch, flags: run_batched(

@@ -293,8 +293,11 @@ def planted_case():
 def test_hardest_samples_are_the_quietest(planted_case):
     g, source, fp32, board, backend, _ = planted_case
     int8 = board.feeds({})
+    seen = []  # a progress wrapper (tqdm) yields the batches but is not the source
     batch, indices = plan.hardest_samples(source, fp32.run,
-                                          lambda b: backend.run({**b, **int8}), count=4)
+                                          lambda b: backend.run({**b, **int8}), count=4,
+                                          progress=lambda b: seen.append(1) or iter(list(b)))
+    assert seen == [1]
     assert {5, 40} <= set(indices.tolist()) and len(indices) == 4
     assert list(indices) == sorted(indices)
     np.testing.assert_array_equal(batch["x"][list(indices).index(40)], next(
