@@ -19,7 +19,7 @@ import pandas as pd
 from markupsafe import escape
 from tqdm.auto import tqdm
 
-from quantlab import calibrate, collect, pipeline, qdq, tasks, zoo
+from quantlab import calibrate, collect, pipeline, tasks, trt_ranges, zoo
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
 from quantlab.data import open_data
 from quantlab.errors import OutputExistsError
@@ -104,7 +104,7 @@ def run_model(
     source = open_data(entry.calibration_set(), inputs, batch_size=32)
     _log(f"[{name}] collect statistics on {source.num_samples} calibration samples")
     stats = collect.collect(
-        model, source, qdq.activation_tensors_to_calibrate(model), progress=progress
+        model, source, trt_ranges.tensors_to_calibrate(model), progress=progress
     )
     eval_set = entry.eval_set(eval_limit)
     metric = tasks.PRIMARY_METRIC[entry.task]
@@ -121,10 +121,7 @@ def run_model(
     }
     results, int8 = {}, {}
     for method in methods:
-        scales = calibrate.calibrate(stats, method)
-        results[method] = pipeline.CalibrationResult(
-            model, qdq.quantize_model(model, scales.amax), stats, scales, source
-        )
+        results[method] = pipeline.calibrate_from_stats(model, stats, source, method)
         int8[method] = OnnxRuntimeBackend(results[method].qdq_model, name=f"int8 {method}")
         metrics = _evaluate(entry, int8[method], eval_set, f"int8 ({method})", progress)
         record["methods"][method] = metrics

@@ -162,11 +162,27 @@ def run_calibration(
     tensors = trt_ranges.tensors_to_calibrate(model)  # Q/DQ inputs + TensorRT <= 10 ranges
     check_cache_names(tensors)
     stats = collect.collect(model, source, tensors, progress=progress, memory_budget=memory_budget)
-    scales = calibrate.calibrate(stats, method, **method_params)
-    result = CalibrationResult(model, qdq.quantize_model(model, scales.amax), stats, scales, source,
-                               preprocess=preprocess)
+    result = calibrate_from_stats(model, stats, source, method, method_params, preprocess)
     write_results(result, out, force=force, trt_version=trt_version)
     return result
+
+
+def calibrate_from_stats(
+    model: onnx.ModelProto,
+    stats: collect.Statistics,
+    source: BatchSource,
+    method: str = calibrate.DEFAULT_METHOD,
+    method_params: Mapping[str, float] | None = None,
+    preprocess: Preprocess | None = None,
+) -> CalibrationResult:
+    """Scales by `method` from statistics already collected, and the Q/DQ model they give.
+
+    `stats` must cover :func:`trt_ranges.tensors_to_calibrate` of the normalized
+    `model`; one collection serves every method (the demo compares them all).
+    """
+    scales = calibrate.calibrate(stats, method, **dict(method_params or {}))
+    return CalibrationResult(model, qdq.quantize_model(model, scales.amax), stats, scales, source,
+                             preprocess=preprocess)
 
 
 def write_results(
