@@ -698,11 +698,11 @@ def build_segments(model: onnx.ModelProto, names: Sequence[str],
         if k == 0:  # exposed graph inputs come back from the first segment
             seg_inputs = list(dict.fromkeys(
                 seg_inputs + [n for n in exposed if n not in produced_by]))
-        segment = Segment(None, seg_inputs, exposed, handed, frozenset(later))
-        sub = _sub_model(model, nodes[a:b], seg_inputs, segment.outputs())
-        segment.backend = OnnxRuntimeBackend(sub, name=f"collect segment {k}",
-                                             check_inputs=False, shared_arena=True)
-        segments.append(segment)
+        outputs = exposed + [name for name in handed if name not in exposed]
+        backend = OnnxRuntimeBackend(_sub_model(model, nodes[a:b], seg_inputs, outputs),
+                                     name=f"collect segment {k}", check_inputs=False,
+                                     shared_arena=True)
+        segments.append(Segment(backend, seg_inputs, exposed, handed, frozenset(later)))
     return segments
 
 
