@@ -252,6 +252,7 @@ def measure(subject: Mapping, name: str, size: int, tool: str, folder: Path,
             args: argparse.Namespace) -> dict:
     """Run one configuration's child; its row."""
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / RESULT_FILE).unlink(missing_ok=True)  # a crashed child leaves none of its own
     spec = {**subject, "tool": tool, "size": size, "out": str(folder),
             "memory_limit": int(args.memory_limit_gb * GIB)}
     stopped, sampled_peak, code = run_child(__file__, spec, folder / "log.txt",

@@ -13,7 +13,7 @@ from quantlab import graph, qdq
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.collect import OVERSAMPLE, Statistics, TensorStats, _fold, collect
 from quantlab.data import BatchSource, open_data
-from quantlab.errors import DataError
+from quantlab.errors import ConfigError, DataError
 
 TENSORS = ["x", "log_out", "relu_out", "zero_out"]
 
@@ -385,3 +385,13 @@ def test_memory_does_not_grow_with_samples():
     # 8x the samples. Measured +9% of a ~150 KiB peak of Python-side objects (statistics,
     # batches); anything kept per batch (64 batches x 4 tensors) would show as growth.
     assert large <= 1.5 * small, (small, large)
+
+
+def test_memory_budget_sizes():
+    assert collect_module.parse_memory(None) == 2 << 30
+    assert collect_module.parse_memory("2G") == collect_module.parse_memory("2GiB") == 2 << 30
+    assert collect_module.parse_memory("512m") == 512 << 20
+    assert collect_module.parse_memory(1000) == 1000
+    for bad in ("2X", "lots", "0", "-1G"):
+        with pytest.raises(ConfigError, match="memory budget"):
+            collect_module.parse_memory(bad)
