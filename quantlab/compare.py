@@ -42,6 +42,7 @@ class TensorError:
         self.sum_err2 = 0.0
         self.max_abs = 0.0
         self.outside = 0
+        self.nonfinite = 0
 
     def update(self, ref: np.ndarray, test: np.ndarray) -> None:
         """Add one batch of a tensor (arrays of equal shape)."""
@@ -55,6 +56,7 @@ class TensorError:
         self.sum_err2 += sums[3]
         self.max_abs = max(self.max_abs, sums[4])
         self.outside += int(sums[5])
+        self.nonfinite += int(sums[6])
 
     @property
     def cosine(self) -> float:
@@ -97,19 +99,21 @@ class TensorError:
 
 @numba.njit(nogil=True, cache=True)
 def _error_sums(ref, test, atol, rtol):
-    """sum ref^2, sum test^2, sum ref*test, sum err^2, max |err|, count outside, in one pass.
+    """sum ref^2, sum test^2, sum ref*test, sum err^2, max |err|, counts outside and non-finite.
 
     Each element is widened to float64 as it is read (no float64 copy of the
     tensor); numpy would need a dozen passes and two float64 temporaries.
     """
     totals = np.zeros(5)
-    outside = 0
+    outside = nonfinite = 0
     for start in range(0, ref.size, BLOCK):
         ref2 = test2 = dot = err2 = 0.0
         for i in range(start, min(start + BLOCK, ref.size)):
             r = np.float64(ref[i])
             t = np.float64(test[i])
             e = t - r
+            if not np.isfinite(e):  # NaN or Inf in either run
+                nonfinite += 1
             ref2 += r * r
             test2 += t * t
             dot += r * t
@@ -122,7 +126,7 @@ def _error_sums(ref, test, atol, rtol):
         totals[1] += test2
         totals[2] += dot
         totals[3] += err2
-    return totals[0], totals[1], totals[2], totals[3], totals[4], outside
+    return totals[0], totals[1], totals[2], totals[3], totals[4], outside, nonfinite
 
 
 class Comparison:
@@ -135,11 +139,12 @@ class Comparison:
         self.errors = {name: TensorError(atol, rtol) for name in self.tensors}
 
     def update(self, reference: Mapping[str, np.ndarray], test: Mapping[str, np.ndarray],
-               tensors: Sequence[str] | None = None) -> None:
+               tensors: Sequence[str] | None = None) -> list[str]:
         """Add one batch of `tensors` (default: every compared tensor), present in both dicts.
 
         A run streamed in segments updates each tensor once per batch, with the
-        segment that produced it.
+        segment that produced it. Returns the tensors whose values in this batch
+        hold NaN or Inf in either run (their metrics are then meaningless).
         """
         names = self.tensors if tensors is None else [t for t in tensors if t in self.errors]
         for side, values in ((self.reference, reference), (self.test, test)):
@@ -149,6 +154,7 @@ class Comparison:
                     f"the '{side}' run has no tensor(s) {missing[:5]} to compare; compare only "
                     "tensors both models produce (see quantlab.graph.Graph.common_tensors)."
                 )
+        nonfinite = []
         for name in names:
             ref, out = reference[name], test[name]
             if np.shape(ref) != np.shape(out):
@@ -157,7 +163,12 @@ class Comparison:
                     f"{np.shape(out)} in '{self.test}'; the two models do not compute the same "
                     "tensor under this name. Check that both come from the same export."
                 )
-            self.errors[name].update(ref, out)
+            error = self.errors[name]
+            before = error.nonfinite
+            error.update(ref, out)
+            if error.nonfinite > before:
+                nonfinite.append(name)
+        return nonfinite
 
     def table(self, info: pd.DataFrame | None = None) -> pd.DataFrame:
         """One row per tensor (compared order): tensor, node, op_type, torch_module, metrics."""

@@ -467,39 +467,51 @@ class _Stream:
         test_live = dict(fp32_live)
         for number, group in enumerate(self.layout.groups):
             fp32_live.update(self.fp32_run.run(number, fp32_live, part))
-            _check_finite(fp32_live, group, f"stage '{self.fp32.name}'")
             if self.local is None:
                 test_live.update(self.test_run.run(number, test_live, part))
                 test_values = test_live
             else:
                 test_values = {self.local.outputs[k]: v
                                for k, v in self.test_run.run(number, fp32_live, part).items()}
-            _check_finite(test_values, group,
-                          f"stage '{self.engine.name}' ({self.engine_pair.mode} mode)")
-            self.engine_pair.comparison.update(fp32_live, test_values,
-                                               [t for t in group if t in test_values])
+            # The comparison kernel counts NaN/Inf as it folds; only then are they searched.
+            flagged = self.engine_pair.comparison.update(
+                fp32_live, test_values, [t for t in group if t in test_values])
             if torch_values is not None:
                 folded = [t for t in group if t in self.torch_pair.comparison.errors]
-                _check_finite(torch_values, folded, f"stage '{self.torch.name}'")
-                self.torch_pair.comparison.update(torch_values, fp32_live, folded)
+                flagged += self.torch_pair.comparison.update(torch_values, fp32_live, folded)
                 for name in folded:
                     if name not in outputs:
                         del torch_values[name]
+            if flagged:
+                self._blame(fp32_live, torch_values or {}, test_values, group,
+                            f" ({self.engine_pair.mode} mode)")
             del test_values
             _drop(fp32_live, self.fp32_last, number, self.inputs)
             _drop(test_live, self.test_last, number, self.inputs)
-        # Checked after the layers, so a NaN is blamed on the first tensor that holds one.
-        _check_finite(engine_outputs, outputs, f"stage '{self.engine.name}'")
         stage_outputs = {self.fp32.name: {o: fp32_live[o] for o in outputs},
                          self.engine.name: engine_outputs}
+        flagged = self.engine_pair.outputs.update(stage_outputs[self.fp32.name], engine_outputs)
         if torch_values is not None:
-            _check_finite(torch_values, outputs, f"stage '{self.torch.name}'")
             stage_outputs[self.torch.name] = {o: torch_values[o] for o in outputs}
-            self.torch_pair.outputs.update(stage_outputs[self.torch.name],
-                                           stage_outputs[self.fp32.name])
-        self.engine_pair.outputs.update(stage_outputs[self.fp32.name], engine_outputs)
+            flagged += self.torch_pair.outputs.update(stage_outputs[self.torch.name],
+                                                      stage_outputs[self.fp32.name])
+        if flagged:
+            self._blame(fp32_live, torch_values or {}, engine_outputs, outputs, "")
         for name, score in self.scores.items():
             score.update(stage_outputs[name], start, stop)
+
+    def _blame(self, fp32: Mapping[str, np.ndarray], torch: Mapping[str, np.ndarray],
+               test: Mapping[str, np.ndarray], group: Sequence[str], test_mode: str) -> None:
+        """Raise DataError naming the first stage and tensor (topological order) with NaN/Inf."""
+        order = [t for t in self.index.order if t in set(group) | set(fp32)]
+        for values, stage in ((fp32, f"stage '{self.fp32.name}'"),
+                              (torch, f"stage '{getattr(self.torch, 'name', '')}'"),
+                              (test, f"stage '{self.engine.name}'{test_mode}")):
+            bad = compare.first_nonfinite(values, order)
+            if bad is not None:
+                raise DataError(
+                    f"{stage}: tensor '{bad}' contains NaN or Inf. It is the first such tensor "
+                    "in topological order; check the input data and the layer that produces it.")
 
 
 def _last_use(*plans: Sequence[segments.Segment]) -> dict[str, int]:
@@ -519,11 +531,3 @@ def _drop(live: dict[str, np.ndarray], last_use: Mapping[str, int], step: int,
     """Forget the tensors no step after `step` reads, except `keep` (the slice's inputs)."""
     for name in [n for n in live if n not in keep and last_use.get(n, step + 1) <= step]:
         del live[name]
-
-
-def _check_finite(values: Mapping[str, np.ndarray], order: Sequence[str], where: str) -> None:
-    bad = compare.first_nonfinite(values, order)
-    if bad is not None:
-        raise DataError(
-            f"{where}: tensor '{bad}' contains NaN or Inf. It is the first such tensor in "
-            "topological order; check the input data and the layer that produces it.")

@@ -148,3 +148,11 @@ def test_first_nonfinite_skips_integer_tensors():
     values = {"ids": np.array([1, 2], np.int64), "a": np.ones(2), "b": np.array([np.nan])}
     assert compare.first_nonfinite(values, ["ids", "a", "b"]) == "b"
     assert compare.first_nonfinite(values, ["ids", "a"]) is None
+
+
+def test_update_names_the_tensors_holding_nan_or_inf():
+    comparison = compare.Comparison(["a", "b", "c"])
+    ref = {"a": np.ones(3), "b": np.array([1.0, np.inf]), "c": np.zeros(2)}
+    test = {"a": np.ones(3), "b": np.ones(2), "c": np.array([np.nan, 0.0])}
+    assert comparison.update(ref, test) == ["b", "c"]
+    assert comparison.update({"a": np.ones(1)}, {"a": np.ones(1)}, ["a"]) == []
