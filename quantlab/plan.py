@@ -1101,6 +1101,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         on_trial=checkpoint.add_trial if checkpoint else None,
         progress=lambda r: step(r, desc="switchboard trials"))
     contribution = dict(zip(sensitivity.units, sensitivity.contribution, strict=True))
+    local = local_int8_sqnr(g, amax, units, calibration.slice(hard, 0, calibration.batch_size))
     points = front(units, allowed, contribution, high_precision=high_precision)
 
     fp32_outputs = [fp32.run(batch) for batch in step(evaluation, desc="FP32 evaluation")]
@@ -1153,6 +1154,8 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         decision.predicted = contribution.get(unit.name, 0.0)
         decision.evidence["output_nsr_contribution"] = decision.predicted
         decision.evidence["output_rank"] = rank[unit.name]
+        if unit.name in local:
+            decision.evidence["local_sqnr_int8_db"] = local[unit.name]
     decided.metric = metric
     decided.budget = max_drop if max_drop is not None else min_sqnr
     qdq_model = qdq.quantize_model(model, amax, decided.node_precisions(),
@@ -1185,3 +1188,40 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
         if fitting and low < fitting[-1] < high:
             guess = fitting[-1]
     return min(max(guess, low + 1), high - 1)
+
+
+# ---------------------------------------------------------------- local error (Stage B1)
+
+
+def local_int8_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
+                    batch: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Each unit's local INT8 SQNR in dB: its nodes run alone on FP32 inputs, one pass.
+
+    Built on :func:`quantlab.sensitivity.local_error_model` of the all-INT8 Q/DQ
+    model; a unit's figure is its worst node output. `batch` should be small (a
+    slice of the hard samples): every tensor the local graph reads is held at once.
+    """
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.sensitivity import local_error_model
+
+    local = local_error_model(Graph(qdq.quantize_model(g.model, amax)), g)
+    inputs = set(g.input_names)
+    compared = list(dict.fromkeys(local.outputs.values()))
+    fp32 = OnnxRuntimeBackend(g.model, name="fp32").run(
+        batch, [t for t in dict.fromkeys([*local.feeds, *compared]) if t not in inputs])
+    fp32.update({name: batch[name] for name in inputs})
+    values = OnnxRuntimeBackend(local.model, name="local", check_inputs=False).run(
+        {name: fp32[name] for name in local.feeds})
+    sqnr = {}
+    for name, tensor in local.outputs.items():
+        reference = fp32[tensor].astype(np.float64)
+        noise = float(((values[name] - reference) ** 2).sum())
+        sqnr[tensor] = (10 * np.log10(float((reference ** 2).sum()) / noise) if noise > 0
+                        else float("inf"))
+    nodes = {node.name: node for node in g.model.graph.node}
+    result = {}
+    for unit in units:
+        figures = [sqnr[o] for n in unit.linear for o in nodes[n].output if o in sqnr]
+        if figures:
+            result[unit.name] = min(figures)
+    return result

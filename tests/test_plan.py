@@ -469,6 +469,8 @@ def test_make_plan_on_the_planted_model(planted_case):
     pinned = {u for u, d in result.plan.units.items() if d.precision != "int8"}
     assert pinned == set(PLANTED)
     assert {result.plan.units[u].evidence["output_rank"] for u in PLANTED} == {1, 2}
+    local = {u: d.evidence["local_sqnr_int8_db"] for u, d in result.plan.units.items()}
+    assert set(sorted(local, key=local.get)[:2]) == set(PLANTED)
     # The written Q/DQ model is the plan: planted units read FP16 casts, the others Q/DQ.
     types = {n.name: [i for i in n.input] for n in result.qdq_model.graph.node}
     assert all(name.endswith("_fp16") for name in types["conv3"][:2])
@@ -572,3 +574,20 @@ def test_interrupted_plan_resumes_from_its_checkpoint(planted_case, tmp_path, mo
         e.certificate for e in first.evaluations]
     assert [i for m, i in added if m == "add_trial"] == list(range(9, 16))
     assert sum(m == "add_evaluation" for m, _ in added) == len(first.evaluations) - 1
+
+
+def test_local_int8_sqnr_singles_out_the_planted_units(planted_case):
+    from quantlab import qdq
+
+    g, source, fp32, *_ = planted_case
+    batch = next(iter(source))
+    units = plan.find_units(g, {"x": list(batch["x"].shape)})
+    names = qdq.activation_tensors_to_calibrate(g.model)
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run(batch, names).items()}
+    local = plan.local_int8_sqnr(g, amax, units, batch)
+    assert set(local) == {u.name for u in units}
+    # The planted units' inputs are quantized with a step ~0.16 for values ~0.3.
+    worst = sorted(local, key=local.get)[:2]
+    assert set(worst) == set(PLANTED)
+    assert max(local[u] for u in PLANTED) + 10 < min(
+        v for u, v in local.items() if u not in PLANTED)
