@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field
 
 import numba
@@ -139,12 +140,14 @@ class Comparison:
         self.errors = {name: TensorError(atol, rtol) for name in self.tensors}
 
     def update(self, reference: Mapping[str, np.ndarray], test: Mapping[str, np.ndarray],
-               tensors: Sequence[str] | None = None) -> list[str]:
+               tensors: Sequence[str] | None = None, pool: Executor | None = None) -> list[str]:
         """Add one batch of `tensors` (default: every compared tensor), present in both dicts.
 
         A run streamed in segments updates each tensor once per batch, with the
-        segment that produced it. Returns the tensors whose values in this batch
-        hold NaN or Inf in either run (their metrics are then meaningless).
+        segment that produced it. With `pool`, tensors are folded in parallel (the
+        kernel releases the GIL; each tensor's sums are updated by one thread).
+        Returns the tensors whose values in this batch hold NaN or Inf in either
+        run (their metrics are then meaningless).
         """
         names = self.tensors if tensors is None else [t for t in tensors if t in self.errors]
         for side, values in ((self.reference, reference), (self.test, test)):
@@ -154,21 +157,23 @@ class Comparison:
                     f"the '{side}' run has no tensor(s) {missing[:5]} to compare; compare only "
                     "tensors both models produce (see quantlab.graph.Graph.common_tensors)."
                 )
-        nonfinite = []
         for name in names:
-            ref, out = reference[name], test[name]
-            if np.shape(ref) != np.shape(out):
+            if np.shape(reference[name]) != np.shape(test[name]):
                 raise ModelError(
-                    f"tensor '{name}' has shape {np.shape(ref)} in '{self.reference}' but "
-                    f"{np.shape(out)} in '{self.test}'; the two models do not compute the same "
-                    "tensor under this name. Check that both come from the same export."
+                    f"tensor '{name}' has shape {np.shape(reference[name])} in "
+                    f"'{self.reference}' but {np.shape(test[name])} in '{self.test}'; the two "
+                    "models do not compute the same tensor under this name. Check that both "
+                    "come from the same export."
                 )
+
+        def fold(name: str) -> bool:
             error = self.errors[name]
             before = error.nonfinite
-            error.update(ref, out)
-            if error.nonfinite > before:
-                nonfinite.append(name)
-        return nonfinite
+            error.update(reference[name], test[name])
+            return error.nonfinite > before
+
+        flags = pool.map(fold, names) if pool is not None else map(fold, names)
+        return [name for name, flagged in zip(names, flags, strict=True) if flagged]
 
     def table(self, info: pd.DataFrame | None = None) -> pd.DataFrame:
         """One row per tensor (compared order): tensor, node, op_type, torch_module, metrics."""

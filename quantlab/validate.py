@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -329,8 +330,10 @@ def run_stages(
                           memory_budget, segmentable=isinstance(fp32, OnnxRuntimeBackend))
     stream = _Stream(index, engine_index, fp32, engine, torch_stage, local, layout, pairs, scores)
     start = 0
-    with tqdm(total=data.num_samples, desc="validate", unit="sample",
-              disable=not progress) as bar:
+    # Tensors are folded in parallel: the comparison kernel releases the GIL.
+    with (ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as stream.pool,
+          tqdm(total=data.num_samples, desc="validate", unit="sample",
+               disable=not progress) as bar):
         for batch in data:
             size = data.length(batch)
             bad = compare.first_nonfinite(batch, index.input_names)
@@ -437,6 +440,7 @@ class _Stream:
         self.index, self.fp32, self.engine, self.torch = index, fp32, engine, torch_stage
         self.local, self.layout, self.scores = local, layout, scores
         self.torch_pair = pairs[0] if torch_stage is not None else None
+        self.pool: ThreadPoolExecutor | None = None
         self.engine_pair = pairs[-1]
         self.outputs = list(index.outputs)
         self.fp32_run = _Segmented(fp32, segments.plan_segments(index, layout.groups,
@@ -475,10 +479,11 @@ class _Stream:
                                for k, v in self.test_run.run(number, fp32_live, part).items()}
             # The comparison kernel counts NaN/Inf as it folds; only then are they searched.
             flagged = self.engine_pair.comparison.update(
-                fp32_live, test_values, [t for t in group if t in test_values])
+                fp32_live, test_values, [t for t in group if t in test_values], self.pool)
             if torch_values is not None:
                 folded = [t for t in group if t in self.torch_pair.comparison.errors]
-                flagged += self.torch_pair.comparison.update(torch_values, fp32_live, folded)
+                flagged += self.torch_pair.comparison.update(torch_values, fp32_live, folded,
+                                                             self.pool)
                 for name in folded:
                     if name not in outputs:
                         del torch_values[name]
