@@ -165,6 +165,7 @@ def test_nan_is_reported_at_the_first_tensor(tmp_path):
     log_output = next(n for n in model.graph.node if n.op_type == "Log").output[0]
     with pytest.raises(DataError, match=f"stage 'onnx_fp32'.*tensor '{log_output}'"):
         validate(model, model, _source(model, x), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()  # a failed run leaves no output folder
 
 
 def test_labels_that_do_not_cover_the_data(four_conv, tmp_path):
@@ -547,3 +548,13 @@ def test_peak_memory_does_not_grow_with_samples(four_conv):
         tracemalloc.stop()
     # 8x the samples: the peak is one batch's, whatever the number of batches.
     assert peaks[256] <= 1.1 * peaks[32] + (64 << 10), peaks
+
+
+def test_backends_handed_in_name_the_stages(four_conv, tmp_path):
+    _, model, _, quantized, x, _ = four_conv
+    result = validate(OnnxRuntimeBackend(model, name="fp32"),
+                      OnnxRuntimeBackend(quantized, name="int8"), _source(model, x), tmp_path,
+                      progress=False)
+    assert list(result.tables) == [("fp32", "int8")]
+    assert (tmp_path / "layers_fp32_vs_int8.csv").is_file()
+    assert read_json(tmp_path / "summary.json")["pairs"][0]["test"] == "int8"
