@@ -60,14 +60,17 @@ def assign_nodes(index: Graph, groups: Sequence[Sequence[str]]) -> list[int | No
     for number, group in enumerate(groups):
         for name in group:
             wanted.setdefault(name, number)
-    position = {id(node): i for i, node in enumerate(nodes)}
+    # Readers include nodes whose subgraphs (If/Loop bodies) use a tensor from outside.
+    readers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for name in node_inputs(node):
+            readers.setdefault(name, []).append(i)
     need: list[int | None] = [None] * len(nodes)
     for i in range(len(nodes) - 1, -1, -1):
         node = nodes[i]
         candidates = [wanted[o] for o in node.output if o in wanted]
         for output in node.output:
-            candidates.extend(need[position[id(c)]] for c in index.consumers.get(output, [])
-                              if need[position[id(c)]] is not None)
+            candidates.extend(need[j] for j in readers.get(output, []) if need[j] is not None)
         need[i] = min(candidates) if candidates else None
     return need
 
