@@ -18,7 +18,6 @@ import heapq
 import importlib
 import json
 import os
-import shlex
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -901,7 +900,7 @@ def task_evaluator(task, outputs: Outputs,
     return lambda pick: (scores[0](pick), scores[1](pick))
 
 
-# ---------------------------------------------------------------- TensorRT <= 10 artifacts
+# ---------------------------------------------------------------- TensorRT <= 10 calibration cache
 
 
 def pinned_tensors(plan: Plan, g: Graph) -> set[str]:
@@ -911,32 +910,6 @@ def pinned_tensors(plan: Plan, g: Graph) -> set[str]:
     names = {name for decision in plan.units.values() if decision.precision != "int8"
              for node in decision.nodes for name in [*nodes[node].input, *nodes[node].output]}
     return {name for name in names if name in g.floats}
-
-
-def trtexec_command(plan: Plan, onnx_path: str = "model.onnx",
-                    cache_path: str = "calibration.cache") -> str:
-    """The trtexec (TensorRT <= 10) command building the plan by implicit INT8.
-
-    Non-INT8 nodes get ``--layerPrecisions``/``--layerOutputTypes`` and
-    ``--precisionConstraints=obey`` (TensorRT 11 removed these flags: use
-    model.int8.onnx there). Layer names are ONNX node names (TensorRT's ONNX parser
-    keeps them); a name holding ',' or ':' cannot be written in these lists.
-    """
-    pinned = {node: d.precision for d in plan.units.values() if d.precision != "int8"
-              for node in d.nodes}
-    bad = [n for n in pinned if "," in n or ":" in n]
-    if bad:
-        raise ModelError(f"node names {bad[:3]} hold ',' or ':', which trtexec's "
-                         "--layerPrecisions cannot express; rename those nodes.")
-    parts = ["trtexec", f"--onnx={shlex.quote(onnx_path)}", "--int8"]
-    if any(p == "fp16" for p in pinned.values()):
-        parts.append("--fp16")
-    parts.append(f"--calib={shlex.quote(cache_path)}")
-    if pinned:
-        spec = ",".join(f"{n}:{p}" for n, p in pinned.items())
-        parts += [f"--layerPrecisions={shlex.quote(spec)}",
-                  f"--layerOutputTypes={shlex.quote(spec)}", "--precisionConstraints=obey"]
-    return " ".join(parts)
 
 
 # ---------------------------------------------------------------- the planning flow

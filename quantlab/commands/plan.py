@@ -14,9 +14,11 @@ Writes into --out: plan.json (every unit: precision, reason codes, evidence,
 predicted contribution), model.onnx (FP32,
 normalized), model.int8.onnx (the plan's Q/DQ model, FP16 units as Cast pairs,
 strongly typed for TensorRT 11), calibration.cache without the pinned units'
-tensors and trtexec.txt (TensorRT <= 10), summary.json (certificate, evaluation
-ledger, predicted front), report.html (the front,
-the evaluations, a waterfall of the noise each pin removes, the decision table).
+tensors (TensorRT <= 10; relabelled EntropyCalibration2 copy calibration.trtexec.cache
+for trtexec when the method is not entropy), trtexec.txt (quantlab.trtexec: TensorRT
+10/11 strongly typed from model.int8.onnx, <= 10 implicit with the plan's pins),
+summary.json (certificate, evaluation ledger, predicted front), report.html (the
+front, the evaluations, a waterfall of the noise each pin removes, the decisions).
 The switchboard trials and evaluations are checkpointed in --out as they finish:
 run the same command again after an interruption and it resumes (statistics are
 collected again unless --data is a calibration folder).
@@ -42,8 +44,8 @@ EPILOG = DATA_HELP
 TASK_METRICS = ("top1", "map")
 # The checkpoint of a running plan, left in --out when it is interrupted.
 PROGRESS_FILE = ".plan-progress.json"
-PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache", "trtexec.txt",
-              "summary.json", "report.html")
+PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache",
+              "calibration.trtexec.cache", "trtexec.txt", "summary.json", "report.html")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
-    from quantlab import cache, calibrate, collect, graph, plan, qdq, trt_ranges
+    from quantlab import cache, calibrate, collect, graph, plan, qdq, trt_ranges, trtexec
+    from quantlab.backends import tensorrt as trt_backend
+    from quantlab.commands.build import TRTEXEC_CACHE
     from quantlab.commands.options import input_options, preprocess_from_args
     from quantlab.data import open_data
     from quantlab.errors import ConfigError, DataError
@@ -143,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--metric {args.metric} needs ground truth: with a zoo model, pass "
                           "--eval zoo (its held-out split).")
     model = prepare_model(args.model, None, **input_options(args))
+    profile = trt_backend.input_profile(model, args.batch_size)  # fails before the work
     source, stats = _calibration(args, model)
     if stats is None:
         stats = collect.collect(model, source, trt_ranges.tensors_to_calibrate(model),
@@ -187,11 +192,18 @@ def run(args: argparse.Namespace) -> int:
         result.plan.save(folder / "plan.json")
         graph.save_model(model, folder / "model.onnx")
         graph.save_model(result.qdq_model, folder / "model.int8.onnx")
-        cache.write_calibration_cache(
-            folder / "calibration.cache",
-            {name: scale for name, scale in scales.scale.items() if name not in pinned},
-            algorithm=CACHE_ALGORITHM[scales.method], trt_version=args.trt_version)
-        write_text(folder / "trtexec.txt", plan.trtexec_command(result.plan) + "\n")
+        kept = {name: scale for name, scale in scales.scale.items() if name not in pinned}
+        cache.write_calibration_cache(folder / "calibration.cache", kept,
+                                      algorithm=CACHE_ALGORITHM[scales.method],
+                                      trt_version=args.trt_version)
+        header, _ = cache.read_calibration_cache(folder / "calibration.cache")
+        cache_name = "calibration.cache"
+        if header.algorithm != "EntropyCalibration2":
+            cache_name = TRTEXEC_CACHE
+            cache.write_calibration_cache(folder / cache_name, kept, "EntropyCalibration2",
+                                          args.trt_version)
+        write_text(folder / "trtexec.txt", trtexec.trtexec_text(
+            result.plan.node_precisions(), profile, cache_name, str(header)))
         write_report(folder / "report.html", f"quantlab plan: {args.model}", [plan_section(result)])
         write_json(folder / "summary.json", {
             "metric": args.metric,
