@@ -35,6 +35,10 @@ from quantlab.experiment import read_json, write_json
 from quantlab.graph import Graph
 
 PLAN_FORMAT = "quantlab.plan"
+# The reason of a unit the search (not a rule) keeps out of INT8.
+SEARCH_CODE = "M-SEARCH"
+SEARCH_SOURCE = ("quantlab: switchboard group testing on the hardest samples, MILP front, "
+                 "certified on held-out data (docs/peers.md section 12, stages B3, D, E)")
 PLAN_VERSION = 1
 # Largest finite float16 (IEEE 754 binary16).
 FP16_MAX = 65504.0
@@ -1129,6 +1133,12 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         decision.evidence["output_rank"] = rank[unit.name]
         if unit.name in local:
             decision.evidence["local_sqnr_int8_db"] = local[unit.name]
+        if decision.precision != "int8" and not any(r.hard for r in decision.reasons):
+            decision.reasons.append(Reason(
+                SEARCH_CODE, False, (decision.precision,),
+                f"rank {rank[unit.name]} of {len(units)} by output-noise contribution "
+                f"{decision.predicted:.3g} (all INT8: {sensitivity.predicted_nsr(contribution):.3g}"
+                f"); the certified plan of the front keeps it out of INT8", SEARCH_SOURCE))
     decided.metric = metric
     decided.budget = max_drop if max_drop is not None else min_sqnr
     qdq_model = qdq.quantize_model(model, amax, decided.node_precisions(),

@@ -461,6 +461,8 @@ def test_make_plan_on_the_planted_model(planted_case):
     pinned = {u for u, d in result.plan.units.items() if d.precision != "int8"}
     assert pinned == set(PLANTED)
     assert {result.plan.units[u].evidence["output_rank"] for u in PLANTED} == {1, 2}
+    assert all([r.code for r in result.plan.units[u].reasons] == ["M-SEARCH"] for u in PLANTED)
+    assert "rank" in result.plan.units["conv5"].reasons[0].evidence
     local = {u: d.evidence["local_sqnr_int8_db"] for u, d in result.plan.units.items()}
     assert set(sorted(local, key=local.get)[:2]) == set(PLANTED)
     # The written Q/DQ model is the plan: planted units read FP16 casts, the others Q/DQ.
