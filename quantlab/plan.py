@@ -1143,6 +1143,11 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     decided.budget = max_drop if max_drop is not None else min_sqnr
     qdq_model = qdq.quantize_model(model, amax, decided.node_precisions(),
                                    high_precision=high_precision)
+    differ = {u: p for u, p in read_back(qdq_model, units).items()
+              if p != decided.units[u].precision}
+    if differ:
+        raise ModelError(f"the Q/DQ model runs units {sorted(differ)[:5]} as {differ} although "
+                         "the plan says otherwise; this is a bug, please report it with the model.")
     return PlanResult(decided, qdq_model, dict(amax), points, sensitivity, evaluations,
                       next(i for i, e in enumerate(evaluations) if e is evaluated[index]),
                       hard_indices.tolist())
@@ -1207,4 +1212,34 @@ def local_int8_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
         figures = [sqnr[o] for n in unit.linear for o in nodes[n].output if o in sqnr]
         if figures:
             result[unit.name] = min(figures)
+    return result
+
+
+def read_back(qdq_model: onnx.ModelProto, units: Sequence[Unit]) -> dict[str, str]:
+    """Each unit's precision as the written model runs it, read from the graph alone.
+
+    INT8 when every linear op of the unit reads its data and weight through
+    DequantizeLinear, FP16 when they read float16 values, FP32 otherwise; what
+    `quantlab plan` checks its model.int8.onnx against before writing it.
+    """
+    g = Graph(onnx.shape_inference.infer_shapes(qdq_model))
+    nodes = {node.name: node for node in qdq_model.graph.node}
+    half = {init.name for init in qdq_model.graph.initializer
+            if init.data_type == onnx.TensorProto.FLOAT16}
+
+    def precision(name: str) -> str:
+        node = nodes[name]
+        data = node.input[:2]
+        producers = [g.producers.get(i) for i in data]
+        if all(p is not None and p.op_type == "DequantizeLinear" for p in producers):
+            return "int8"
+        if all(i in half or g.dtype(i) == np.float16 for i in data):
+            return "fp16"
+        return "fp32"
+
+    result = {}
+    for unit in units:
+        found = {precision(n) for n in unit.linear}
+        if found:
+            result[unit.name] = found.pop() if len(found) == 1 else "mixed"
     return result

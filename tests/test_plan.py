@@ -469,6 +469,8 @@ def test_make_plan_on_the_planted_model(planted_case):
     types = {n.name: [i for i in n.input] for n in result.qdq_model.graph.node}
     assert all(name.endswith("_fp16") for name in types["conv3"][:2])
     assert types["conv4"][0].endswith("_dequantized")
+    assert plan.read_back(result.qdq_model, units) == {
+        u: d.precision for u, d in result.plan.units.items()}
     with pytest.raises(ConfigError, match="does not go with --metric agreement"):
         plan.make_plan(g.model, source, source, amax, amax, p9999, metric="agreement",
                        min_sqnr=10.0)
@@ -590,3 +592,16 @@ def test_local_int8_sqnr_singles_out_the_planted_units(planted_case):
     assert set(worst) == set(PLANTED)
     assert max(local[u] for u in PLANTED) + 10 < min(
         v for u, v in local.items() if u not in PLANTED)
+
+
+def test_read_back_of_a_written_model_matches_its_plan():
+    from quantlab import qdq
+
+    g = residual_block()
+    units = plan.find_units(g, {"x": [2, 3, 8, 8]})
+    amax = dict.fromkeys(qdq.activation_tensors_to_calibrate(g.model), 4.0)
+    wanted = {"conv0": "int8", "conv1": "fp16", "conv2": "fp32", "conv3": "int8"}
+    nodes = {n: wanted[u.name] for u in units for n in u.nodes}
+    assert plan.read_back(qdq.quantize_model(g.model, amax, nodes), units) == wanted
+    as_fp32 = qdq.quantize_model(g.model, amax, nodes, high_precision="fp32")
+    assert plan.read_back(as_fp32, units) == wanted | {"conv1": "fp32"}
