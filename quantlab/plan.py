@@ -1219,7 +1219,7 @@ def read_back(qdq_model: onnx.ModelProto, units: Sequence[Unit]) -> dict[str, st
     """Each unit's precision as the written model runs it, read from the graph alone.
 
     INT8 when every linear op of the unit reads its data and weight through
-    DequantizeLinear, FP16 when they read float16 values, FP32 otherwise; what
+    DequantizeLinear (directly or across pass-through ops), FP16 when they read float16 values, FP32 otherwise; what
     `quantlab plan` checks its model.int8.onnx against before writing it.
     """
     g = Graph(onnx.shape_inference.infer_shapes(qdq_model))
@@ -1227,11 +1227,15 @@ def read_back(qdq_model: onnx.ModelProto, units: Sequence[Unit]) -> dict[str, st
     half = {init.name for init in qdq_model.graph.initializer
             if init.data_type == onnx.TensorProto.FLOAT16}
 
+    def dequantized(tensor: str) -> bool:
+        producer = g.producers.get(tensor)
+        while producer is not None and producer.op_type in qdq.PASS_THROUGH_OPS:
+            producer = g.producers.get(producer.input[0])  # the pair moved across it
+        return producer is not None and producer.op_type == "DequantizeLinear"
+
     def precision(name: str) -> str:
-        node = nodes[name]
-        data = node.input[:2]
-        producers = [g.producers.get(i) for i in data]
-        if all(p is not None and p.op_type == "DequantizeLinear" for p in producers):
+        data = nodes[name].input[:2]
+        if all(dequantized(i) for i in data):
             return "int8"
         if all(i in half or g.dtype(i) == np.float16 for i in data):
             return "fp16"
