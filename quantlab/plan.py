@@ -1219,8 +1219,8 @@ def read_back(qdq_model: onnx.ModelProto, units: Sequence[Unit]) -> dict[str, st
     """Each unit's precision as the written model runs it, read from the graph alone.
 
     INT8 when every linear op of the unit reads its data and weight through
-    DequantizeLinear (directly or across pass-through ops), FP16 when they read float16 values, FP32 otherwise; what
-    `quantlab plan` checks its model.int8.onnx against before writing it.
+    DequantizeLinear (directly or across pass-through ops), FP16 when they read
+    float16 values, FP32 otherwise; make_plan checks the model it returns so.
     """
     g = Graph(onnx.shape_inference.infer_shapes(qdq_model))
     nodes = {node.name: node for node in qdq_model.graph.node}
