@@ -1021,6 +1021,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
               min_sqnr: float | None = None, trials: int = 24, hard_count: int = 64,
               max_evaluations: int = 4, high_precision: str = "fp16", task=None,
               resamples: int = 200, checkpoint: Checkpoint | None = None,
+              candidates: Mapping[str, Mapping[str, float]] | None = None,
               progress: Callable | None = None) -> PlanResult:
     """Plan `model` (normalized) under a budget: rules, group testing, front, certification.
 
@@ -1036,6 +1037,9 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     :class:`quantlab.tasks.Task` (labels or COCO ground truth of `evaluation`),
     `metric` may be its primary metric (``top1``, ``map``). A `checkpoint` of an
     interrupted run of the same plan skips the trials and evaluations it holds.
+    `candidates` (calibration method -> amax) lets each unit take the method whose
+    amax gives it the best local INT8 SQNR on the first calibration batch (a
+    repair that costs no runtime, weighed before any pin).
     """
     from quantlab import switchboard
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
@@ -1058,6 +1062,9 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     fixed = {n: fallback_precision(a, high_precision) for n, a in allowed.items()
              if "int8" not in a}
 
+    calibrators: dict[str, str] = {}
+    if candidates:
+        amax, calibrators = choose_calibrators(g, candidates, units, first, amax)
     fp32 = OnnxRuntimeBackend(model, name="fp32")
     board = switchboard.build(g, units, amax)
     board_backend = OnnxRuntimeBackend(board.model, name="switchboard", check_inputs=False)
@@ -1133,6 +1140,8 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         decision.evidence["output_rank"] = rank[unit.name]
         if unit.name in local:
             decision.evidence["local_sqnr_int8_db"] = local[unit.name]
+        if unit.name in calibrators:
+            decision.evidence["calibrator"] = calibrators[unit.name]
         if decision.precision != "int8" and not any(r.hard for r in decision.reasons):
             decision.reasons.append(Reason(
                 SEARCH_CODE, False, (decision.precision,),
@@ -1247,3 +1256,25 @@ def read_back(qdq_model: onnx.ModelProto, units: Sequence[Unit]) -> dict[str, st
         if found:
             result[unit.name] = found.pop() if len(found) == 1 else "mixed"
     return result
+
+
+def choose_calibrators(g: Graph, candidates: Mapping[str, Mapping[str, float]],
+                       units: Sequence[Unit], batch: Mapping[str, np.ndarray],
+                       default: Mapping[str, float]) -> tuple[dict[str, float], dict[str, str]]:
+    """Per unit, the calibration method whose amax gives it the best local INT8 SQNR.
+
+    A unit's local error depends only on the amax of its own tensors (each pair
+    tensor belongs to one unit), so the choice is made unit by unit from one local
+    pass per method. Returns the merged amax (`default` for tensors of no unit)
+    and unit -> method.
+    """
+    local = {method: local_int8_sqnr(g, amax, units, batch)
+             for method, amax in candidates.items()}
+    merged, chosen = dict(default), {}
+    for unit in units:
+        scored = {m: local[m][unit.name] for m in candidates if unit.name in local[m]}
+        if not scored:
+            continue
+        chosen[unit.name] = max(scored, key=scored.get)
+        merged.update({t: candidates[chosen[unit.name]][t] for t in unit.tensors})
+    return merged, chosen

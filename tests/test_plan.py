@@ -494,6 +494,8 @@ def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "certified at 95% on 64 samples" in printed
     written = plan.Plan.load(out / "plan.json")
+    assert {d.evidence["calibrator"] for d in written.units.values()} <= {
+        "entropy", "max", "percentile", "mse"}
     pinned = {u for u, d in written.units.items() if d.precision != "int8"}
     assert pinned == set(PLANTED)
     trtexec = (out / "trtexec.txt").read_text()
@@ -605,3 +607,20 @@ def test_read_back_of_a_written_model_matches_its_plan():
     assert plan.read_back(qdq.quantize_model(g.model, amax, nodes), units) == wanted
     as_fp32 = qdq.quantize_model(g.model, amax, nodes, high_precision="fp32")
     assert plan.read_back(as_fp32, units) == wanted | {"conv1": "fp32"}
+
+
+def test_choose_calibrators_per_unit_from_local_error(planted_case):
+    from quantlab import qdq
+
+    g, source, fp32, *_ = planted_case
+    batch = next(iter(source))
+    units = plan.find_units(g, {"x": list(batch["x"].shape)})
+    names = qdq.activation_tensors_to_calibrate(g.model)
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run(batch, names).items()}
+    spoiled = {u.name: {t: (amax[t] * 100 if t in u.tensors else amax[t]) for t in amax}
+               for u in units[:2]}
+    # Method "a" spoils the first unit's ranges, "b" the second's: each unit picks the other.
+    candidates = {"a": spoiled[units[0].name], "b": spoiled[units[1].name]}
+    merged, chosen = plan.choose_calibrators(g, candidates, units, batch, amax)
+    assert chosen[units[0].name] == "b" and chosen[units[1].name] == "a"
+    assert all(merged[t] == amax[t] for t in units[0].tensors + units[1].tensors)

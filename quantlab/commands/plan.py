@@ -70,7 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     budget.add_argument("--min-sqnr", type=float, metavar="DB",
                         help="lowest allowed output SQNR in dB (metric sqnr)")
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS,
-                        help="calibrator of the INT8 scales (default: %(default)s)")
+                        help="calibrator of the tensors no unit quantizes (TensorRT <= 10 "
+                             "cache ranges) and the starting scales (default: %(default)s)")
+    parser.add_argument("--calibrators", nargs="+", default=list(METHODS), choices=METHODS,
+                        metavar="METHOD",
+                        help="methods each unit chooses its input scales from, by local INT8 "
+                             "error (a repair tried before pins; default: all of "
+                             f"{', '.join(METHODS)}; give --method alone to keep one)")
     parser.add_argument("--high-precision", default="fp16", choices=("fp16", "fp32"),
                         help="what non-INT8 units run in where the rules allow FP16 "
                              "(default: %(default)s)")
@@ -172,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
     scales = calibrate.calibrate(stats, args.method)
     ranges = {name: tensor.amax for name, tensor in stats.tensors.items()}
     p9999 = calibrate.calibrate(stats, "percentile").amax
+    candidates = {m: scales.amax if m == args.method else calibrate.calibrate(stats, m).amax
+                  for m in dict.fromkeys(args.calibrators)}
     progress = None if args.no_progress else partial(tqdm, leave=False)
     # Trials and evaluations are checkpointed in --out: an interrupted run resumes from there.
     out = Path(args.out)
@@ -179,12 +187,14 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = plan.Checkpoint(out / PROGRESS_FILE, plan.fingerprint(
         model, source.description, source.num_samples, evaluation.description,
         evaluation.num_samples, args.metric, args.max_drop, args.min_sqnr, args.trials,
-        args.hard_samples, args.high_precision, args.resamples, sorted(scales.amax.items())))
+        args.hard_samples, args.high_precision, args.resamples, sorted(scales.amax.items()),
+        sorted(candidates)))
     result = plan.make_plan(model, source, evaluation, scales.amax, ranges, p9999,
                             metric=args.metric, max_drop=args.max_drop,
                             min_sqnr=args.min_sqnr, trials=args.trials,
                             hard_count=args.hard_samples, high_precision=args.high_precision,
                             task=task, resamples=args.resamples, checkpoint=checkpoint,
+                            candidates=candidates if len(candidates) > 1 else None,
                             progress=progress)
     certificate = result.certificate
     pinned = plan.pinned_tensors(result.plan, graph.Graph(model))
@@ -192,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         result.plan.save(folder / "plan.json")
         graph.save_model(model, folder / "model.onnx")
         graph.save_model(result.qdq_model, folder / "model.int8.onnx")
-        kept = {name: scale for name, scale in scales.scale.items() if name not in pinned}
+        kept = {name: amax / 127.0 for name, amax in result.amax.items() if name not in pinned}
         cache.write_calibration_cache(folder / "calibration.cache", kept,
                                       algorithm=CACHE_ALGORITHM[scales.method],
                                       trt_version=args.trt_version)
@@ -218,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
                       for p in result.front],
             "switchboard_trials": len(result.sensitivity.nsr),
             "hard_samples": result.hard_samples,
-            "calibration": {"data": source.description, "method": scales.method},
+            "calibration": {"data": source.description, "method": scales.method,
+                            "calibrators": list(candidates)},
             "eval": {"data": evaluation.description, "num_samples": evaluation.num_samples},
         })
     (out / PROGRESS_FILE).unlink(missing_ok=True)

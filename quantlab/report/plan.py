@@ -57,6 +57,7 @@ def decisions_frame(result: PlanResult) -> pd.DataFrame:
         "output_rank": d.evidence.get("output_rank"),
         "nsr_contribution": d.predicted,
         "local_sqnr_int8_db": d.evidence.get("local_sqnr_int8_db"),
+        "calibrator": d.evidence.get("calibrator", ""),
         "nodes": ", ".join(d.nodes),
     } for name, d in result.plan.units.items()]
     return pd.DataFrame(rows)
