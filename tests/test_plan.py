@@ -501,6 +501,7 @@ def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
     trtexec = (out / "trtexec.txt").read_text()
     # percentile scales: trtexec reads only EntropyCalibration2 caches, so a relabelled copy.
     assert "--calib=calibration.trtexec.cache" in trtexec
+    assert "calibration.trtexec.cache is TRT-" in trtexec and "EntropyCalibration2" in trtexec
     assert "--layerPrecisions=conv3:fp16,conv5:fp16" in trtexec
     assert "--minShapes=x:1x16x6x6" in trtexec
     assert cache.read_calibration_cache(out / "calibration.trtexec.cache")[1] == \

@@ -206,12 +206,12 @@ def run(args: argparse.Namespace) -> int:
         cache.write_calibration_cache(folder / "calibration.cache", kept,
                                       algorithm=CACHE_ALGORITHM[scales.method],
                                       trt_version=args.trt_version)
-        header, _ = cache.read_calibration_cache(folder / "calibration.cache")
         cache_name = "calibration.cache"
-        if header.algorithm != "EntropyCalibration2":
+        if CACHE_ALGORITHM[scales.method] != "EntropyCalibration2":
             cache_name = TRTEXEC_CACHE
             cache.write_calibration_cache(folder / cache_name, kept, "EntropyCalibration2",
                                           args.trt_version)
+        header, _ = cache.read_calibration_cache(folder / cache_name)
         write_text(folder / "trtexec.txt", trtexec.trtexec_text(
             result.plan.node_precisions(), profile, cache_name, str(header)))
         write_report(folder / "report.html", f"quantlab plan: {args.model}", [plan_section(result)])
