@@ -336,6 +336,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--layout-sizes", nargs="+", type=int,
                         help="sizes for the layout model (default: --sizes)")
     parser.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
+    parser.add_argument("--batch-size", type=int,
+                        help="samples per batch for every tool (default: 32, layout 1)")
     parser.add_argument("--peer-max-size", type=int,
                         help="run ONNX Runtime's quantize_static only up to this many samples")
     parser.add_argument("--memory-limit-gb", type=float, default=12.0)
@@ -358,6 +360,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in args.models:
         sizes = args.layout_sizes if name == "layout" and args.layout_sizes else args.sizes
         subjects[name] = prepare(name, workdir / name, max(sizes))
+        if args.batch_size and name != "layout":  # layout's batch is fixed to 1
+            subjects[name]["batch_size"] = args.batch_size
         print(f"{name}: {subjects[name]['tensors']} tensors, "
               f"{subjects[name]['exposed_mb_per_sample']:.0f} MB of them per sample", flush=True)
         # One unmeasured run pays one-time costs (numba's on-disk kernel cache).
