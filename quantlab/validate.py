@@ -420,6 +420,8 @@ class _Layout:
             slice_size = 1
         # Local feeds are exposed where they are produced, not asked for as a group's tensors.
         skipped = set(extra)
+        if fixed:  # the data layer hands over exactly the model's batch: never sliced
+            slice_size = graph.fixed_batch_size(index.model)
         groups = [[t for t in group if t not in skipped] for group in cut]
         groups[-1] = list(dict.fromkeys([*groups[-1], *index.outputs]))
         group_of = {t: k for k, group in enumerate(groups) for t in group}
