@@ -326,7 +326,8 @@ def prepare_shapes_det(folder: Path, count: int) -> Subject:
     eval_set = entry.eval_set()
 
     def score(model: Path) -> float:
-        return tasks.evaluate(entry, OnnxRuntimeBackend(model).run, eval_set)["map"]
+        return tasks.evaluate(tasks.Task.from_zoo(entry, eval_set), OnnxRuntimeBackend(model).run,
+                              tasks.zoo_batches(entry, eval_set))["map"]
 
     return Subject(entry.name, model_path, folder / "calibration.npy", entry.input_name, "mAP",
                    score)

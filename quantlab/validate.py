@@ -307,6 +307,8 @@ def run_stages(
     index = graph.Graph(fp32.model)
     engine_index = graph.Graph(engine.model)
     shared = index.common_tensors(engine_index)
+    if hasattr(engine, "available"):  # TensorRT returns only its outputs and debug tensors
+        shared = engine.available(shared)
     local = local_error_model(engine_index, index) if mode == "local" else None
     pairs: list[_Pair] = []
     if torch_stage is not None:
@@ -368,12 +370,12 @@ def _torch_pair(torch_stage: Backend, reference: str, index: graph.Graph, atol: 
                  compare.Comparison(index.outputs, torch_stage.name, reference, atol, rtol),
                  index.upstream(mapped), not_compared)
     if floats and len(mapped) < TORCH_MAPPED_WARNING * len(floats):
-        scoped = any(p.key == graph.NAME_SCOPES_KEY for n in index.model.graph.node
-                     for p in n.metadata_props)
+        scoped = any(graph.node_module_path(n) for n in index.model.graph.node)
         why = ("their nodes are written inline in a forward() rather than being a module's "
                "output" if scoped else
-               f"the ONNX file carries no torch module scopes ({graph.NAME_SCOPES_KEY} "
-               "metadata), which only the dynamo exporter writes")
+               "the ONNX file records no torch module scopes (neither the dynamo exporter's "
+               f"{graph.NAME_SCOPES_KEY} metadata nor the TorchScript exporter's /module/Op "
+               "node names)")
         pair.warnings.append(
             f"only {len(mapped)} of {len(floats)} float tensors of the ONNX graph are compared "
             f"between {torch_stage.name} and {reference}; {len(not_compared)} could not be mapped "

@@ -81,6 +81,22 @@ def test_every_entry_point_names_what_to_install(tmp_path):
             call()
 
 
+@no_tensorrt
+def test_validate_with_the_tensorrt_engine_stage_says_what_to_install(tmp_path, capsys):
+    from quantlab.cli import main
+
+    path = tmp_path / "model.onnx"
+    onnx.save(small_model(), path)
+    np.save(tmp_path / "x.npy", np.ones((2, 3, 2, 4), np.float32))
+    for engine in (path, tmp_path / "model.plan"):
+        code = main(["validate", "--onnx", str(path), "--engine", str(engine), "--engine-backend",
+                     "tensorrt", "--data", str(tmp_path / "x.npy"), "--out",
+                     str(tmp_path / "out"), "--no-progress"])
+        assert code == 1
+        assert "install quantlab[tensorrt]" in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()
+
+
 def test_make_engine_backend_onnxruntime_runs(tmp_path):
     path = tmp_path / "model.onnx"
     onnx.save(small_model(), path)

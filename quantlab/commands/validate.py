@@ -41,7 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and the preprocessing it recorded (options given here override)")
     parser.add_argument("--onnx", metavar="MODEL.onnx", help="FP32 ONNX model (reference)")
     parser.add_argument("--engine", metavar="MODEL.int8.onnx",
-                        help="Q/DQ INT8 ONNX model made from --onnx (the engine stage)")
+                        help="Q/DQ INT8 ONNX model made from --onnx (the engine stage); with "
+                             "--engine-backend tensorrt also a prebuilt model.plan")
+    parser.add_argument("--engine-backend", choices=("onnxruntime", "tensorrt"),
+                        default="onnxruntime",
+                        help="run the engine stage in ONNX Runtime (default) or as a TensorRT "
+                             "engine (needs quantlab[tensorrt] and an NVIDIA GPU)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--torch", metavar="MODULE:FACTORY",
@@ -154,9 +159,7 @@ def run(args: argparse.Namespace) -> int:
                 method=args.method, batch_size=args.batch_size, progress=not args.no_progress)
         model, engine = calibration.model, calibration.qdq_model
     else:
-        with warnings.catch_warnings():  # the INT8 model's float-only parts are the FP32 one's
-            warnings.simplefilter("ignore")
-            engine = pipeline.prepare_model(engine_path, data, **input_options(args))
+        engine = _engine_stage(engine_path, onnx_path, data, args)
     with warnings.catch_warnings():  # shown below with the results instead
         warnings.simplefilter("ignore")
         result = validate(model, engine, source, args.out, torch_module=torch_module, task=task,
@@ -167,6 +170,22 @@ def run(args: argparse.Namespace) -> int:
         pipeline.write_results(calibration, calibration_out, force=args.force)
     _print_result(result)
     return 0
+
+
+def _engine_stage(engine_path, onnx_path, data, args: argparse.Namespace):
+    """The engine stage: the Q/DQ model for ONNX Runtime, or a TensorRT engine backend."""
+    from quantlab import pipeline
+    from quantlab.backends.tensorrt import ENGINE_SUFFIXES, make_engine_backend
+    from quantlab.commands.options import input_options
+
+    if args.engine_backend == "tensorrt":
+        prebuilt = Path(engine_path).suffix.lower() in ENGINE_SUFFIXES
+        return make_engine_backend("tensorrt", engine_path, max_batch=args.batch_size,
+                                   debug_tensors="unfused",
+                                   **({"model": onnx_path} if prebuilt else {}))
+    with warnings.catch_warnings():  # the INT8 model's float-only parts are the FP32 one's
+        warnings.simplefilter("ignore")
+        return pipeline.prepare_model(engine_path, data, **input_options(args))
 
 
 def _check_counts(args: argparse.Namespace) -> None:
