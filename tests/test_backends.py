@@ -197,3 +197,27 @@ def test_node_module_path_reads_torchscript_scopes_and_ignores_bad_metadata():
     bad = helper.make_node("Relu", ["x"], ["y"], name="n")
     bad.metadata_props.add(key=graph.NAME_SCOPES_KEY, value="__import__('os').system('id')")
     assert graph.node_module_path(bad) is None
+
+
+def test_exposed_inputs_and_their_aliases_outlive_the_run():
+    # ONNX Runtime returns an input exposed as an output (or an Identity of it) as a view of
+    # the feed's memory; a feed sliced on a non-leading axis is a temporary contiguous copy,
+    # freed after the run. The backend must hand back arrays that stay valid (this crashed
+    # collection of recurrent state with a segfault, or read garbage).
+    from onnx import TensorProto, helper
+
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Identity", ["state"], ["same"]),
+         helper.make_node("Relu", ["state"], ["relu"])], "g",
+        [helper.make_tensor_value_info("state", TensorProto.FLOAT, [2, "N", 64])],
+        [helper.make_tensor_value_info("relu", TensorProto.FLOAT, [2, "N", 64])]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    backend = OnnxRuntimeBackend(graph.normalize(model))
+    state = np.random.default_rng(0).standard_normal((2, 40, 64)).astype(np.float32)
+    sliced = state[:, 8:24]  # not contiguous: the backend feeds a temporary copy
+    values = backend.run({"state": sliced}, ["state", "same", "relu"])
+    clobber = [np.full(sliced.shape, 7.0, np.float32) for _ in range(64)]  # reuse freed memory
+    np.testing.assert_array_equal(values["state"], sliced)
+    np.testing.assert_array_equal(values["same"], sliced)
+    np.testing.assert_array_equal(values["relu"], np.maximum(sliced, 0))
+    assert len(clobber) == 64

@@ -111,11 +111,9 @@ class OnnxRuntimeBackend:
                 "quantlab.graph.topological_tensors(model)."
             )
         session = self._session(wanted)
-        feeds = {
-            spec.name: ort.OrtValue.ortvalue_from_numpy(
-                np.ascontiguousarray(batch[spec.name], dtype=spec.dtype))
-            for spec in self.inputs
-        }
+        arrays = {spec.name: np.ascontiguousarray(batch[spec.name], dtype=spec.dtype)
+                  for spec in self.inputs}
+        feeds = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
         # OrtValues, not session.run: their .numpy() views ONNX Runtime's own buffers
         # (kept alive by the array) instead of copying every exposed activation.
         try:
@@ -128,7 +126,23 @@ class OnnxRuntimeBackend:
                 f"{[(s.name, s.shape) for s in self.inputs]} (sample axis, fixed batch size, "
                 "dtype) and that the model runs on such inputs in plain ONNX Runtime."
             ) from None
-        return {name: value.numpy() for name, value in zip(wanted, values, strict=True)}
+        return {name: _owned(value.numpy(), arrays.values())
+                for name, value in zip(wanted, values, strict=True)}
+
+
+def _owned(array: np.ndarray, feeds) -> np.ndarray:
+    """`array`, copied if it lies in a feed's buffer.
+
+    ONNX Runtime hands back an input exposed as an output, or an Identity/Reshape of
+    one, as a view of the feed's memory; the feed may be a temporary contiguous copy
+    (a state sliced on axis 1) that is freed when the run returns.
+    """
+    start = array.__array_interface__["data"][0]
+    for feed in feeds:
+        base = feed.__array_interface__["data"][0]
+        if base <= start < base + max(feed.nbytes, 1):
+            return array.copy()
+    return array
 
 
 # ONNX Runtime reads models of 2 GB or more (protobuf's limit) only from a file with
