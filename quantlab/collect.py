@@ -29,7 +29,7 @@ from pathlib import Path
 import numba
 import numpy as np
 import onnx
-from onnx import helper, shape_inference
+from onnx import helper
 from tqdm import tqdm
 
 from quantlab import graph
@@ -580,27 +580,15 @@ def activation_bytes(model: onnx.ModelProto, names: Sequence[str],
     ONNX shape inference on a copy of the model whose inputs have the batch's
     concrete shapes (dynamic H/W resolved), `unit` samples on each sample axis.
     """
-    concrete = onnx.ModelProto()
-    concrete.CopyFrom(model)
-    by_name = {spec.name: spec for spec in specs}
-    for value in concrete.graph.input:
-        if value.name not in by_name:
-            continue
-        shape = list(np.shape(batch[value.name]))
-        axis = by_name[value.name].batch_axis
-        if axis is not None and axis < len(shape):
-            shape[axis] = unit
-        value.type.tensor_type.shape.ClearField("dim")
-        for dim in shape:
-            value.type.tensor_type.shape.dim.add().dim_value = int(dim)
-    del concrete.graph.value_info[:]
-    for output in concrete.graph.output:
-        output.type.tensor_type.ClearField("shape")
-    try:
-        concrete = shape_inference.infer_shapes(concrete, strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001 - onnx raises many types; every size is then measured
+    input_shapes = {}
+    for spec in specs:
+        shape = list(np.shape(batch[spec.name]))
+        if spec.batch_axis is not None and spec.batch_axis < len(shape):
+            shape[spec.batch_axis] = unit
+        input_shapes[spec.name] = shape
+    values = graph.concrete_types(model, input_shapes)
+    if values is None:  # inference failed: every size is then measured
         return dict.fromkeys(names)
-    values = {v.name: v.type.tensor_type for v in _value_infos(concrete)}
     sizes: dict[str, int | None] = {}
     for name in names:
         tensor_type = values.get(name)

@@ -425,6 +425,33 @@ def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
             for body in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
 
 
+def concrete_types(model: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]]
+                   ) -> dict[str, onnx.TypeProto.Tensor] | None:
+    """Type and shape of every value of `model` when its inputs have `input_shapes`.
+
+    ONNX shape inference with data propagation on a copy whose inputs have those
+    concrete shapes (dynamic H/W and batch resolved), so sizes are the real ones
+    rather than guesses. None when inference fails on the graph.
+    """
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    del copy.graph.value_info[:]
+    for value in copy.graph.input:
+        if value.name in input_shapes:
+            shape = value.type.tensor_type.shape
+            shape.ClearField("dim")
+            for size in input_shapes[value.name]:
+                shape.dim.add().dim_value = int(size)
+    for output in copy.graph.output:
+        output.type.tensor_type.ClearField("shape")
+    try:
+        copy = shape_inference.infer_shapes(copy, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001 - onnx raises InferenceError and others on odd graphs
+        return None
+    values = [*copy.graph.input, *copy.graph.value_info, *copy.graph.output]
+    return {v.name: v.type.tensor_type for v in values}
+
+
 def control_flow_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """Top-level If/Loop/Scan nodes, whose bodies quantlab leaves in float."""
     return [node for node in model.graph.node if node.op_type in CONTROL_FLOW_OPS]
@@ -637,27 +664,16 @@ class Graph:
         ones rather than guesses; a dimension still unknown (a data-dependent
         count such as NMS's) counts `unknown_dim`.
         """
-        copy = onnx.ModelProto()
-        copy.CopyFrom(self.model)
-        del copy.graph.value_info[:]
-        for value in copy.graph.input:
-            if value.name in input_shapes:
-                shape = value.type.tensor_type.shape
-                shape.ClearField("dim")
-                for size in input_shapes[value.name]:
-                    shape.dim.add().dim_value = int(size)
-        try:
-            copy = shape_inference.infer_shapes(copy, strict_mode=False, data_prop=True)
-        except Exception:  # onnx raises InferenceError; the declared shapes are then used
-            copy = self.model
-        values = [*copy.graph.value_info, *copy.graph.output, *copy.graph.input]
+        types = concrete_types(self.model, input_shapes) or {
+            v.name: v.type.tensor_type
+            for v in [*self.model.graph.input, *self.model.graph.value_info,
+                      *self.model.graph.output]}
         sizes = {}
-        for value in values:
-            tensor_type = value.type.tensor_type
-            if not tensor_type.elem_type or value.name not in self.position:
+        for name, tensor_type in types.items():
+            if not tensor_type.elem_type or name not in self.position:
                 continue
             itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)).itemsize
             dims = [d.dim_value if d.HasField("dim_value") else unknown_dim
                     for d in tensor_type.shape.dim]
-            sizes[value.name] = itemsize * int(np.prod(dims, dtype=np.int64))
+            sizes[name] = itemsize * int(np.prod(dims, dtype=np.int64))
         return {name: sizes.get(name, 4 * unknown_dim) for name in self.order}

@@ -26,13 +26,13 @@ from typing import ClassVar
 
 import numpy as np
 import onnx
-from onnx import helper, shape_inference
+from onnx import helper
 from scipy import optimize
 
 from quantlab import qdq
 from quantlab.errors import ConfigError, DataError, ModelError
 from quantlab.experiment import read_json, write_json
-from quantlab.graph import Graph
+from quantlab.graph import Graph, concrete_types
 
 PLAN_FORMAT = "quantlab.plan"
 # The reason of a unit the search (not a rule) keeps out of INT8.
@@ -159,21 +159,11 @@ def _backbone(tensor: str, g: Graph) -> onnx.NodeProto | None:
 def _shapes(g: Graph, input_shapes) -> dict[str, tuple]:
     """Shapes of every tensor and initializer; symbolic dims fixed by `input_shapes`."""
     shapes = dict(g.shapes)
-    if input_shapes:
-        copy = onnx.ModelProto()
-        copy.CopyFrom(g.model)
-        del copy.graph.value_info[:]
-        for value in copy.graph.input:
-            if value.name in input_shapes:
-                shape = value.type.tensor_type.shape
-                shape.ClearField("dim")
-                for size in input_shapes[value.name]:
-                    shape.dim.add().dim_value = int(size)
-        copy = shape_inference.infer_shapes(copy, strict_mode=False, data_prop=True)
-        for value in [*copy.graph.value_info, *copy.graph.output, *copy.graph.input]:
-            dims = value.type.tensor_type.shape.dim
-            shapes[value.name] = tuple(d.dim_value if d.HasField("dim_value") else None
-                                       for d in dims)
+    inferred = concrete_types(g.model, input_shapes) if input_shapes else None
+    for name, tensor_type in (inferred or {}).items():
+        if tensor_type.HasField("shape"):
+            shapes[name] = tuple(d.dim_value if d.HasField("dim_value") else None
+                                 for d in tensor_type.shape.dim)
     shapes.update({init.name: tuple(init.dims) for init in g.model.graph.initializer})
     return shapes
 
