@@ -49,13 +49,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from types import ModuleType
-from unittest import mock
 
 import numpy as np
 import onnx
 import psutil
-from harness import GIB, MIB, format_table, limit_address_space, peak_rss, run_child
+from harness import GIB, MIB, format_table, limit_address_space, peak_rss, run_child, timed
 from onnx import numpy_helper
 
 BATCH_SIZE = 32
@@ -155,22 +153,6 @@ class BatchReader:
 
 
 # ---------------------------------------------------------------- child: one tool, one config
-
-
-@contextlib.contextmanager
-def timed(module: ModuleType, name: str, seconds: dict[str, float]) -> Iterator[None]:
-    """Add the time spent in ``module.name`` to ``seconds[name]`` while the block runs."""
-    original = getattr(module, name)
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
-
-    with mock.patch.object(module, name, wrapper):
-        yield
 
 
 def run_floor(spec: Mapping) -> dict[str, float]:

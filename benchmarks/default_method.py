@@ -26,7 +26,6 @@ Prints one table per model and the verdict; writes benchmarks/results/default_me
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -38,7 +37,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import psutil
@@ -49,63 +47,7 @@ for _path in (str(ROOT), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-
-
-class bench:  # noqa: N801  measurement helpers (same rules as benchmarks/calibration.py)
-    GIB = 1 << 30
-    MIB = 1 << 20
-    MACHINE_RESERVE = int(1.5 * GIB)
-
-    @staticmethod
-    def peak_rss() -> int:
-        """This process's peak RSS (VmHWM; ru_maxrss would carry the parent's over fork)."""
-        status = Path("/proc/self/status").read_text()
-        kib = next(line.split()[1] for line in status.splitlines()
-                   if line.startswith("VmHWM:"))
-        return int(kib) * 1024
-
-    @staticmethod
-    @contextlib.contextmanager
-    def timed(module, name: str, seconds: dict):
-        """Add the time spent in ``module.name`` to ``seconds[name]`` while the block runs."""
-        original = getattr(module, name)
-
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
-
-        with mock.patch.object(module, name, wrapper):
-            yield
-
-    @staticmethod
-    def watch(process, memory_limit: int, time_limit: float):
-        """Wait for `process`; kill it past the RSS or time limit or when the machine runs
-        low on memory. Returns (why it was stopped or None, sampled peak RSS)."""
-        watched = psutil.Process(process.pid)
-        start, peak = time.monotonic(), 0
-        while process.poll() is None:
-            try:
-                rss = watched.memory_info().rss
-            except psutil.NoSuchProcess:
-                break
-            peak = max(peak, rss)
-            reason = None
-            if rss > memory_limit:
-                reason = f"stopped: RSS above {memory_limit / bench.GIB:.0f} GiB"
-            elif psutil.virtual_memory().available < bench.MACHINE_RESERVE:
-                reason = "stopped: machine low on memory"
-            elif time.monotonic() - start > time_limit:
-                reason = f"stopped: over {time_limit:.0f} s"
-            if reason:
-                process.kill()
-                process.wait()
-                return reason, peak
-            time.sleep(0.1)
-        return None, peak
-
+import harness as bench  # noqa: E402  (peak_rss, timed, watch: the benchmarks' measurement rules)
 
 QUANTLAB_METHODS = ("entropy", "max", "percentile", "mse")
 ORT = "ort-MinMax"

@@ -3,18 +3,21 @@
 A child runs under an address-space limit and reports its own peak RSS (VmHWM);
 the parent watches it and stops it past an RSS limit, a time limit, or when the
 machine runs low on memory, so a tool that needs too much is reported instead of
-taking the machine down. Used by ``calibration.py`` and ``collection.py``.
+taking the machine down. Used by every benchmark script here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
+from unittest import mock
 
 import psutil
 
@@ -35,6 +38,22 @@ def peak_rss() -> int:
     status = Path("/proc/self/status").read_text()
     kib = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))
     return int(kib) * 1024
+
+
+@contextlib.contextmanager
+def timed(module: ModuleType, name: str, seconds: dict[str, float]) -> Iterator[None]:
+    """Add the time spent in ``module.name`` to ``seconds[name]`` while the block runs."""
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+
+    with mock.patch.object(module, name, wrapper):
+        yield
 
 
 def limit_address_space(limit: int) -> None:
