@@ -301,3 +301,30 @@ def test_float_data_for_int_input_and_int_data_for_float_input_are_refused(tmp_p
     with pytest.raises(DataError, match=r"raw\.npy.*'x' is float32 but the data is int64.*"
                                         "normalize"):
         open_data(tmp_path / "raw.npy", graph.input_specs(graph.normalize(conv_model())))
+
+
+def test_batch_axis_option_sets_a_layout_detection_cannot_see(tmp_path):
+    # A time-major sequence memory [T, N, 4] has two dynamic axes, so nothing tells which
+    # holds the samples: axis 0 is assumed, and the counts disagree (3 steps vs 6 samples).
+    # --batch-axis memory=1 says so and is recorded in the written model.
+    nodes = [helper.make_node("ReduceSum", ["memory", "axis0"], ["summed"], keepdims=0),
+             helper.make_node("Add", ["hidden", "summed"], ["y"])]
+    model = helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("hidden", 1, ["N", 4]),
+                     helper.make_tensor_value_info("memory", 1, ["T", "N", 4])],
+        [helper.make_tensor_value_info("y", 1, ["N", 4])],
+        [numpy_helper.from_array(np.array([0], np.int64), "axis0")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", hidden=RNG.standard_normal((6, 4)).astype(np.float32),
+             memory=RNG.standard_normal((3, 6, 4)).astype(np.float32))
+    args = ["calibrate", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.npz"),
+            "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "no")]) == 1
+    assert main([*args, "--batch-axis", "memory=1", "--out", str(tmp_path / "ok")]) == 0
+    written = graph.load_model(tmp_path / "ok" / "model.onnx")
+    assert {s.name: s.batch_axis for s in graph.input_specs(written)} == {"hidden": 0, "memory": 1}
+    with pytest.raises(ConfigError, match="input 'mem'.*'hidden', 'memory'"):
+        graph.set_batch_axes(graph.normalize(model), {"mem": 1})
+    with pytest.raises(ConfigError, match="rank 3.*0..2"):
+        graph.set_batch_axes(graph.normalize(model), {"memory": 3})
