@@ -258,15 +258,16 @@ def child_main(spec: Mapping) -> None:
 # ---------------------------------------------------------------- parent: models and data
 
 
-def synthetic_images(count: int, seed: int) -> np.ndarray:
-    """Seeded ``(count, 3, 224, 224)`` inputs that look like ImageNet-normalized photos.
+def synthetic_images(count: int, seed: int,
+                     shape: tuple[int, int] = RESNET_SHAPE[1:]) -> np.ndarray:
+    """Seeded ``(count, 3, H, W)`` inputs that look like ImageNet-normalized photos.
 
     Natural images have an amplitude spectrum falling as 1/f and strongly correlated
     RGB channels, so: 1/f noise shared by the channels (luminance) plus weaker
     per-channel 1/f noise (colour), mapped to [0, 1] pixels, then ImageNet mean/std.
     """
     rng = np.random.default_rng(seed)
-    height, width = RESNET_SHAPE[1:]
+    height, width = shape
     frequency = np.hypot(np.fft.fftfreq(height)[:, None], np.fft.rfftfreq(width)[None, :])
     frequency[0, 0] = np.inf  # no DC term: each image's mean is set below
 

@@ -38,6 +38,7 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+from calibration import synthetic_images
 from harness import GIB, MIB, format_table, limit_address_space, peak_rss, run_child
 
 MODELS = ("ssdlite640", "layout")
@@ -51,8 +52,6 @@ RESULT_FILE = "result.json"
 FLOOR_RATIO_TARGET = 2.0
 PEAK_RSS_TARGET = 2 * 10**9
 FLATNESS_TARGET = 0.10
-IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], np.float32).reshape(1, 3, 1, 1)
-IMAGENET_STD = np.array([0.229, 0.224, 0.225], np.float32).reshape(1, 3, 1, 1)
 
 
 # ---------------------------------------------------------------- data (parent and child)
@@ -160,31 +159,13 @@ def child_main(spec: Mapping) -> None:
 # ---------------------------------------------------------------- parent: models and data
 
 
-def synthetic_images(count: int, shape: tuple[int, int], seed: int) -> np.ndarray:
-    """Seeded ``(count, 3, H, W)`` 1/f-noise images normalized like ImageNet photos."""
-    rng = np.random.default_rng(seed)
-    height, width = shape
-    frequency = np.hypot(np.fft.fftfreq(height)[:, None], np.fft.rfftfreq(width)[None, :])
-    frequency[0, 0] = np.inf
-
-    def pink_noise(channels: int) -> np.ndarray:
-        white = rng.standard_normal((count, channels, height, width), np.float32)
-        return np.fft.irfft2(np.fft.rfft2(white) / frequency, s=(height, width)).astype(np.float32)
-
-    field = pink_noise(1) + 0.4 * pink_noise(3)
-    field /= field.std(axis=(1, 2, 3), keepdims=True)
-    brightness = rng.uniform(0.3, 0.6, (count, 1, 1, 1)).astype(np.float32)
-    pixels = np.clip(brightness + 0.2 * field, 0.0, 1.0)
-    return (pixels - IMAGENET_MEAN) / IMAGENET_STD
-
-
 def write_images(path: Path, count: int, shape: tuple[int, int]) -> None:
     """`count` synthetic images into an ``.npy`` file, generated 16 at a time."""
     out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32,
                                     shape=(count, 3, *shape))
     for start in range(0, count, 16):
         stop = min(start + 16, count)
-        out[start:stop] = synthetic_images(stop - start, shape, SEED + start)
+        out[start:stop] = synthetic_images(stop - start, SEED + start, shape)
     out.flush()
     del out
 
@@ -199,23 +180,12 @@ def prepare(name: str, folder: Path, count: int) -> dict:
         shape, batch_size = (640, 640), BATCH_SIZE
         if not model_path.exists():
             import torch
-            import torchvision
 
-            class SSDLiteRaw(torch.nn.Module):
-                """SSDlite backbone + head raw outputs (as tests/helpers.py)."""
-
-                def __init__(self):
-                    super().__init__()
-                    ssd = torchvision.models.detection.ssdlite320_mobilenet_v3_large(
-                        weights=None, weights_backbone=None)
-                    self.backbone, self.head = ssd.backbone, ssd.head
-
-                def forward(self, x):
-                    out = self.head(list(self.backbone(x).values()))
-                    return out["bbox_regression"], out["cls_logits"]
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from helpers import SSDLiteRaw
 
             torch.manual_seed(SEED)
-            graph.export_torch(SSDLiteRaw(), synthetic_images(2, shape, SEED), model_path,
+            graph.export_torch(SSDLiteRaw(), synthetic_images(2, SEED, shape), model_path,
                                output_names=["bbox_regression", "cls_logits"])
     else:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
