@@ -95,6 +95,11 @@ def test_validate_with_the_tensorrt_engine_stage_says_what_to_install(tmp_path, 
         assert code == 1
         assert "install quantlab[tensorrt]" in capsys.readouterr().err
         assert not (tmp_path / "out").exists()
+    # The zoo path says so before it exports or calibrates anything.
+    assert main(["validate", "--zoo", "digits-cnn", "--engine-backend", "tensorrt", "--out",
+                 str(tmp_path / "zoo"), "--no-progress"]) == 1
+    assert "install quantlab[tensorrt]" in capsys.readouterr().err
+    assert not (tmp_path / "zoo").exists()
 
 
 def test_make_engine_backend_onnxruntime_runs(tmp_path):

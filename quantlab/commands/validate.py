@@ -119,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
     # Every option is checked before any long work (export, calibration, validation).
     check_threshold(args.threshold_db, 10.0)
     _check_counts(args)
+    if args.engine_backend == "tensorrt":
+        from quantlab.backends.tensorrt import require_tensorrt
+
+        require_tensorrt()
     torch_module, task, data, entry = None, None, args.data, None
     onnx_path, engine_path = args.onnx, args.engine
     recorded = None
@@ -157,7 +161,10 @@ def run(args: argparse.Namespace) -> int:
             calibration = pipeline.run_calibration(
                 model, entry.calibration_set(), Path(scratch) / "calibration",
                 method=args.method, batch_size=args.batch_size, progress=not args.no_progress)
-        model, engine = calibration.model, calibration.qdq_model
+            model, engine = calibration.model, calibration.qdq_model
+            if args.engine_backend == "tensorrt":  # the engine is built from the files here
+                engine = _engine_stage(calibration.folder / "model.int8.onnx",
+                                       calibration.folder / "model.onnx", data, args)
     else:
         engine = _engine_stage(engine_path, onnx_path, data, args)
     with warnings.catch_warnings():  # shown below with the results instead
