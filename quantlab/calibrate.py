@@ -21,7 +21,7 @@ import numpy as np
 if TYPE_CHECKING:  # collect imports numba and onnxruntime: not needed to parse options
     from quantlab.collect import Statistics, TensorStats
 from quantlab.errors import ConfigError, DataError
-from quantlab.experiment import read_json, write_json
+from quantlab.experiment import read_artifact, write_json
 
 METHODS = ("entropy", "max", "percentile", "mse")
 # The method `quantlab calibrate` uses unless told otherwise: chosen by measurement on
@@ -73,15 +73,8 @@ class Scales:
     def load(cls, path: str | os.PathLike) -> Scales:
         """Read a ``scales.json`` written by :meth:`save`."""
         path = Path(path)
-        try:
-            data = read_json(path)
-        except (OSError, ValueError) as exc:
-            raise DataError(f"{path} is not a readable scales file ({exc}).") from None
-        if not isinstance(data, dict) or data.get("format") != SCALES_FORMAT:
-            raise DataError(
-                f"{path} is not a quantlab scales file (no \"format\": \"{SCALES_FORMAT}\"); pass "
-                "the scales.json written by `quantlab calibrate`."
-            )
+        data = read_artifact(path, SCALES_FORMAT, "scales",
+                             "the scales.json written by `quantlab calibrate`")
         try:
             amax = {str(name): entry["amax"] for name, entry in data["tensors"].items()}
             for name, value in amax.items():

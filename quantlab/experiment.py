@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from quantlab.errors import ConfigError, OutputExistsError
+from quantlab.errors import ConfigError, DataError, OutputExistsError
 
 # Names of the staging folder, of the old results set aside during a swap and of the
 # lock, all next to the output folder OUT: ".OUT.quantlab-tmp-XXXX", ".OUT.quantlab-old-XXXX",
@@ -445,3 +445,21 @@ def _from_json(value: Any) -> Any:
 def read_json(path: str | os.PathLike) -> Any:
     """Read a JSON file written by :func:`write_json` (``"Infinity"``/``"NaN"`` -> floats)."""
     return _from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def read_artifact(path: str | os.PathLike, file_format: str, what: str, made_by: str) -> dict:
+    """A JSON artifact's content, checked to be a dict marked ``"format": file_format``.
+
+    DataError naming `path` when it cannot be read or is another file; `what`
+    ("scales") and `made_by` ("the scales.json written by `quantlab calibrate`")
+    word the message.
+    """
+    path = Path(path)
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path} is not a readable {what} file ({exc}).") from None
+    if not isinstance(data, dict) or data.get("format") != file_format:
+        raise DataError(f"{path} is not a quantlab {what} file (no \"format\": "
+                        f"\"{file_format}\"); pass {made_by}.")
+    return data

@@ -31,7 +31,7 @@ from scipy import optimize
 
 from quantlab import qdq
 from quantlab.errors import ConfigError, DataError, ModelError
-from quantlab.experiment import read_json, write_json
+from quantlab.experiment import read_artifact, read_json, write_json
 from quantlab.graph import Graph, concrete_types
 
 PLAN_FORMAT = "quantlab.plan"
@@ -494,13 +494,7 @@ class Plan:
     def load(cls, path: str | os.PathLike) -> Plan:
         """Read a plan.json written by :meth:`save`."""
         path = Path(path)
-        try:
-            data = read_json(path)
-        except (OSError, ValueError) as exc:
-            raise DataError(f"{path} is not a readable plan file ({exc}).") from None
-        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
-            raise DataError(f"{path} is not a quantlab plan file (no \"format\": "
-                            f"\"{PLAN_FORMAT}\"); pass the plan.json written by `quantlab plan`.")
+        data = read_artifact(path, PLAN_FORMAT, "plan", "the plan.json written by `quantlab plan`")
         if data.get("version") != PLAN_VERSION:
             raise DataError(f"{path} is plan format version {data.get('version')!r}; this "
                             f"quantlab reads version {PLAN_VERSION}. Plan again to rewrite it.")
