@@ -93,6 +93,10 @@ def test_update_counts_exactly_while_the_grid_grows(dtype):
     # not a multiple of the kernel's lanes, so its tail loop is exercised too.
     rng = np.random.default_rng(7)
     batches = [(rng.standard_normal(1001) * s).astype(dtype) for s in (0.01, 5.0, 1e-3, 300.0)]
+    # A value in the last bin of the grid the earlier batches set (the kernel's signal for
+    # "out of range or NaN"): counted, and the grid kept.
+    top = np.ldexp(1.0, int(np.frexp(np.abs(np.concatenate(batches)).max())[1]))
+    batches.append(np.array([-np.nextafter(dtype(top), dtype(0)), 1.0], dtype))
     stats = TensorStats.empty(256 * OVERSAMPLE)
     for batch in batches:
         assert _fold(stats, batch, "t")
@@ -103,8 +107,10 @@ def test_update_counts_exactly_while_the_grid_grows(dtype):
     assert stats.exponent == exponent
     assert np.array_equal(stats.hist, expected)
     assert stats.count == values.size
-    assert not _fold(stats, np.array([1.0, np.inf], dtype), "t")
-    assert np.array_equal(stats.hist, expected) and stats.count == values.size
+    for bad in (np.inf, -np.inf, np.nan):  # refused, nothing changed
+        assert not _fold(stats, np.array([1.0, bad, 2.0], dtype), "t")
+        assert np.array_equal(stats.hist, expected) and stats.count == values.size
+        assert (stats.min, stats.max) == (-values.max(), np.concatenate(batches).max())
 
 
 def test_two_halves_merged_equal_one_pass_exactly():
