@@ -62,6 +62,24 @@ def trt_version_number(version: str | int) -> str:
     return str(major * (10000 if major >= 10 else 1000) + minor * 100 + patch)
 
 
+def implicit_int8_version(version: str | int) -> str:
+    """`version`'s number (:func:`trt_version_number`), refused from TensorRT 11.0 on.
+
+    TensorRT 11 removed implicit INT8 (calibrators, BuilderFlag.INT8): no cache is read
+    there, it builds from the Q/DQ model (docs/tensorrt.md).
+    """
+    number = trt_version_number(version)
+    major = int(number) // (10000 if len(number) >= 6 else 1000)
+    if major >= 11:
+        raise ConfigError(
+            f"TensorRT {version} has no implicit INT8, so it reads no calibration cache: it "
+            "builds strongly typed from model.int8.onnx (Q/DQ). Leave out --trt-version; pass "
+            "it only with the version of a TensorRT 8.x-10.x that builds implicit INT8 from "
+            "the cache."
+        )
+    return number
+
+
 def scale_to_hex(scale: float) -> str:
     """The 8 lowercase hex digits of `scale` as a big-endian float32 (1/127 -> '3c010204')."""
     return struct.pack(">f", np.float32(scale)).hex()

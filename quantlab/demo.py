@@ -19,7 +19,7 @@ import pandas as pd
 from markupsafe import escape
 from tqdm.auto import tqdm
 
-from quantlab import calibrate, collect, pipeline, tasks, trt_ranges, zoo
+from quantlab import calibrate, collect, pipeline, qdq, tasks, zoo
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
 from quantlab.data import open_data
 from quantlab.errors import OutputExistsError
@@ -104,7 +104,7 @@ def run_model(
     source = open_data(entry.calibration_set(), inputs, batch_size=32)
     _log(f"[{name}] collect statistics on {source.num_samples} calibration samples")
     stats = collect.collect(
-        model, source, trt_ranges.tensors_to_calibrate(model), progress=progress
+        model, source, qdq.activation_tensors_to_calibrate(model), progress=progress
     )
     eval_set = entry.eval_set(eval_limit)
     metric = tasks.PRIMARY_METRIC[entry.task]
@@ -261,7 +261,8 @@ def _sections(records: Sequence[dict]) -> list[Section]:
             f"computed its scales from them; evaluated on {record['eval_samples']} held-out "
             f"samples. The best method, <code>{record['method']}</code>, wrote the artifacts "
             f"in <code>{record['name']}/</code> (model.onnx, model.int8.onnx, scales.json, "
-            "calibration.cache, stats.npz).</p>"
+            "stats.npz; <code>quantlab calibrate --trt-version</code> adds a TensorRT "
+            "calibration cache).</p>"
             + table_html(by_method, caption="INT8 metric by calibration method")
             + table_html(metrics, caption=f"All metrics, FP32 vs INT8 ({record['method']})")
         )

@@ -22,7 +22,7 @@ import onnx
 from quantlab import cache, calibrate, collect, graph, qdq, trt_ranges
 from quantlab.backends.onnxruntime import SESSION_CONFIG
 from quantlab.data import BatchSource, Preprocess, open_data, scalar_arrays
-from quantlab.errors import ModelError
+from quantlab.errors import ConfigError, ModelError
 from quantlab.experiment import check_output, output_folder, write_json
 from quantlab.zoo_names import ZOO_NAMES
 
@@ -128,7 +128,7 @@ def run_calibration(
     preprocess: Preprocess | None = None,
     force: bool = False,
     progress: bool = True,
-    trt_version: str = cache.DEFAULT_TRT_VERSION,
+    trt_version: str | None = None,
     constants: Mapping[str, object] | None = None,
     batch_axes: Mapping[str, int | None] | None = None,
     memory_budget: int | str | None = None,
@@ -140,10 +140,13 @@ def run_calibration(
     axis of inputs whose samples are not on axis 0 (see :func:`prepare_model`).
 
     Writes ``model.onnx`` (normalized FP32), ``stats.npz``, ``scales.json``,
-    ``calibration.cache`` (TensorRT format), ``model.int8.onnx`` (Q/DQ) and
+    ``model.int8.onnx`` (Q/DQ: TensorRT 10/11 explicit quantization, ONNX Runtime) and
     ``calibration.json`` (what was run). Nothing is written if collection fails.
-    `trt_version` goes into the cache header; TensorRT ignores a cache whose
-    version is not its own.
+
+    With `trt_version` (8.x-10.x, the TensorRT that will read it) ``calibration.cache``
+    for implicit INT8 is written too. That cache needs a range for every float tensor,
+    so every float tensor is collected (ONNX Runtime loses its fusions around the
+    exposed tensors; about twice the collection time of the Q/DQ inputs alone).
     """
     method_params = dict(method_params or {})
     calibrate.check_method(method, method_params)
@@ -158,9 +161,12 @@ def run_calibration(
     # unwritable folder, the cache's version and tensor names. The folder is written all or
     # nothing (experiment.output_folder): a failed run leaves no partial output.
     check_output(out, force=force, produces=CALIBRATION_FILES)
-    cache.trt_version_number(trt_version)
-    tensors = trt_ranges.tensors_to_calibrate(model)  # Q/DQ inputs + TensorRT <= 10 ranges
-    check_cache_names(tensors)
+    if trt_version is None:
+        tensors = qdq.activation_tensors_to_calibrate(model)
+    else:
+        cache.implicit_int8_version(trt_version)
+        tensors = trt_ranges.tensors_to_calibrate(model)  # Q/DQ inputs + TensorRT <= 10 ranges
+        check_cache_names(tensors)
     stats = collect.collect(model, source, tensors, progress=progress, memory_budget=memory_budget)
     result = calibrate_from_stats(model, stats, source, method, method_params, preprocess)
     write_results(result, out, force=force, trt_version=trt_version)
@@ -177,8 +183,9 @@ def calibrate_from_stats(
 ) -> CalibrationResult:
     """Scales by `method` from statistics already collected, and the Q/DQ model they give.
 
-    `stats` must cover :func:`trt_ranges.tensors_to_calibrate` of the normalized
-    `model`; one collection serves every method (the demo compares them all).
+    `stats` must cover :func:`qdq.activation_tensors_to_calibrate` of the normalized
+    `model` (and :func:`trt_ranges.tensors_to_calibrate` for a calibration cache); one
+    collection serves every method (the demo compares them all).
     """
     scales = calibrate.calibrate(stats, method, **dict(method_params or {}))
     return CalibrationResult(model, qdq.quantize_model(model, scales.amax), stats, scales, source,
@@ -189,24 +196,38 @@ def write_results(
     result: CalibrationResult,
     out: str | os.PathLike,
     force: bool = False,
-    trt_version: str = cache.DEFAULT_TRT_VERSION,
+    trt_version: str | None = None,
 ) -> Path:
     """Write a calibration's files into `out` (refused if it holds results, unless `force`).
+
+    ``calibration.cache`` is written for TensorRT `trt_version` when given; the
+    statistics must then hold a range for every tensor implicit INT8 needs.
 
     All or nothing: the files are written into a staging folder next to `out` and
     replace the old ones only once all are complete (:func:`experiment.output_folder`).
     """
     scales = result.scales
+    if trt_version is not None:
+        cache.implicit_int8_version(trt_version)
+        missing = trt_ranges.missing_ranges(result.model, scales.scale)
+        if missing:
+            raise ConfigError(
+                f"no calibration.cache for TensorRT {trt_version}: the statistics have no range "
+                f"for {len(missing)} tensor(s) implicit INT8 needs ({missing[:3]}...); they hold "
+                "the Q/DQ model's inputs only. Calibrate again with --trt-version (statistics "
+                "of every float tensor)."
+            )
     with output_folder(out, force=force, produces=CALIBRATION_FILES) as folder:
         graph.save_model(result.model, folder / "model.onnx")
         result.stats.save(folder / "stats.npz")
         scales.save(folder / "scales.json")
-        cache.write_calibration_cache(
-            folder / "calibration.cache",
-            scales.scale,
-            algorithm=CACHE_ALGORITHM[scales.method],
-            trt_version=trt_version,
-        )
+        if trt_version is not None:
+            cache.write_calibration_cache(
+                folder / "calibration.cache",
+                scales.scale,
+                algorithm=CACHE_ALGORITHM[scales.method],
+                trt_version=trt_version,
+            )
         graph.save_model(result.qdq_model, folder / "model.int8.onnx")
         write_json(
             folder / "calibration.json",

@@ -115,10 +115,12 @@ def implicit_command(fp32_model: str | Path, calibration_cache: str | Path, engi
 
 def trtexec_text(plan: Mapping[str, str] | None = None,
                  profile: Mapping[str, Sequence[Sequence[int]]] | None = None,
-                 cache_name: str = "calibration.cache", cache_header: str | None = None) -> str:
+                 cache_name: str | None = "calibration.cache",
+                 cache_header: str | None = None) -> str:
     """The content of ``trtexec.txt``: the commands for TensorRT 10.x / 11.x (strongly typed)
-    and <= 10.x (implicit INT8 from `cache_name`), with paths relative to the calibration
-    folder they are run in."""
+    and <= 10.x (implicit INT8 from `cache_name`; None: the folder has no cache, and a
+    comment says how to get one), with paths relative to the calibration folder they are
+    run in."""
     pins = layer_precisions(plan or {})
     lines = [
         "# trtexec commands that build this folder's engine; run them inside this folder.",
@@ -126,9 +128,13 @@ def trtexec_text(plan: Mapping[str, str] | None = None,
         strongly_typed_command("model.int8.onnx", "model.plan", profile, "layers.json", 10),
         "# TensorRT 11.x: every network is strongly typed (--stronglyTyped is a no-op there)",
         strongly_typed_command("model.int8.onnx", "model.plan", profile, "layers.json", 11),
-        "# TensorRT <= 10.x: implicit INT8 from the FP32 model and the calibration cache"
-        + (", the plan's fp32/fp16 layers obeyed" if pins else ""),
     ]
+    if cache_name is None:
+        lines.append("# TensorRT <= 10.x implicit INT8 needs a calibration cache, which this "
+                     "folder has not: write one with `quantlab calibrate --trt-version X.Y.Z`")
+        return "\n".join(lines) + "\n"
+    lines.append("# TensorRT <= 10.x: implicit INT8 from the FP32 model and the calibration cache"
+                 + (", the plan's fp32/fp16 layers obeyed" if pins else ""))
     if cache_header:
         lines.append(f"# ({cache_name} is {cache_header}: TensorRT uses it only if it is that "
                      "version; another version recalibrates on trtexec's random data)")

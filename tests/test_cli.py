@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import numpy as np
+import onnx
 import pytest
 
+from quantlab import qdq, trt_ranges
 from quantlab.cache import read_calibration_cache
 from quantlab.cli import main
 
@@ -42,11 +44,21 @@ def test_calibrate_command_writes_consistent_artifacts(tiny_model, tmp_path, cap
     out = tmp_path / "run"
     args = ["calibrate", str(path), "--data", str(tmp_path / "calib.npy"), "--out", str(out),
             "--method", "max", "--batch-size", "8", "--no-progress"]
+    # Without --trt-version: the Q/DQ model's inputs only, and no cache.
+    assert main([*args[:5], str(tmp_path / "qdq-only"), *args[6:]]) == 0
+    model = onnx.load(tmp_path / "qdq-only" / "model.onnx")
+    scales = json.loads((tmp_path / "qdq-only" / "scales.json").read_text())
+    assert set(scales["tensors"]) == set(qdq.activation_tensors_to_calibrate(model))
+    assert not (tmp_path / "qdq-only" / "calibration.cache").exists()
+    assert "calibration.cache" not in capsys.readouterr().out
+    # With it: every float tensor implicit INT8 needs, in a cache with that version.
+    args += ["--trt-version", "8.6.1"]
     assert main(args) == 0
     scales = json.loads((out / "scales.json").read_text())
     header, cached = read_calibration_cache(out / "calibration.cache")
-    assert header.algorithm == "MinMaxCalibration"
+    assert (header.algorithm, header.trt_version) == ("MinMaxCalibration", "8601")
     assert set(cached) == set(scales["tensors"])
+    assert trt_ranges.missing_ranges(model, cached) == []
     # max calibration of the graph input is max|x| over the 20 samples, exactly.
     assert scales["tensors"]["input"]["amax"] == pytest.approx(float(np.abs(data).max()), rel=1e-6)
     assert cached["input"] == np.float32(np.abs(data).max() / np.float32(127))

@@ -33,6 +33,8 @@ def small_model(relu_name: str = "relu") -> onnx.ModelProto:
     return helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)])
 
 
+# What a run without trt_version writes: everything but the TensorRT <= 10 cache.
+WITHOUT_CACHE = sorted(set(pipeline.CALIBRATION_FILES) - {"calibration.cache"})
 DATA = np.random.default_rng(1).standard_normal((16, 3, 8, 8)).astype(np.float32)
 
 
@@ -53,7 +55,9 @@ def _no_collection(*args, **kwargs):
     ("out under a file", {"out": "afile/sub"}, ConfigError, r"afile/sub: .*afile is a file"),
     # We run as root: a chmod 0o555 folder would not stop us; sysfs refuses new files to all.
     ("read-only out", {"out": "/sys/quantlab-out"}, ConfigError, "cannot write /sys/quantlab-out"),
-    ("cache name", {"model": small_model("relu\nEVIL: 3f800000")}, ModelError,
+    ("trt 11", {"trt_version": "11.0"}, ConfigError, "TensorRT 11.0 has no implicit INT8"),
+    ("cache name", {"model": small_model("relu\nEVIL: 3f800000"), "trt_version": "8.6.1"},
+     ModelError,
      r"'relu\\nEVIL: 3f800000' cannot be written to a TensorRT calibration cache.*Rename"),
 ])
 def test_checks_that_can_fail_run_before_the_collection_and_write_nothing(
@@ -79,13 +83,22 @@ def test_out_locked_by_a_live_run_is_refused_before_the_collection(tmp_path, mon
 
 def test_run_writes_every_file_and_write_results_keeps_its_signature(tmp_path):
     out = tmp_path / "run"
-    result = pipeline.run_calibration(small_model(), DATA, out, method="max", progress=False)
+    result = pipeline.run_calibration(small_model(), DATA, out, method="max", progress=False,
+                                      trt_version="8.6.1")
     assert result.folder == out
     assert sorted(os.listdir(out)) == sorted(pipeline.CALIBRATION_FILES)
     assert sorted(os.listdir(tmp_path)) == ["run"]  # no staging folder, no lock
     again = tmp_path / "again"
     assert pipeline.write_results(result, again, force=False, trt_version="10.3.0") == again
     assert cache.read_calibration_cache(again / "calibration.cache")[0].trt_version == "100300"
+    # Statistics of the Q/DQ inputs alone (no trt_version) cannot make a whole cache.
+    qdq_only = pipeline.run_calibration(small_model(), DATA, tmp_path / "qdq", method="max",
+                                        progress=False)
+    assert "calibration.cache" not in os.listdir(tmp_path / "qdq")
+    with pytest.raises(ConfigError, match=r"no calibration.cache for TensorRT 10.3.0: .* no range"
+                       r" for 2 tensor\(s\)"):
+        pipeline.write_results(qdq_only, tmp_path / "none", trt_version="10.3.0")
+    assert not (tmp_path / "none").exists()
 
 
 def _fail_on_call(number: int, failure: BaseException, real):
@@ -127,7 +140,7 @@ def test_interrupted_first_run_leaves_no_folder_and_the_rerun_works(tmp_path, mo
     assert _tree(tmp_path) == {}
     monkeypatch.setattr(graph, "save_model", real)
     pipeline.run_calibration(small_model(), DATA, out, progress=False)  # no --force needed
-    assert sorted(os.listdir(out)) == sorted(pipeline.CALIBRATION_FILES)
+    assert sorted(os.listdir(out)) == WITHOUT_CACHE
 
 
 def test_rerun_into_a_folder_a_killed_run_left_works_without_force(tmp_path):
@@ -140,4 +153,4 @@ def test_rerun_into_a_folder_a_killed_run_left_works_without_force(tmp_path):
                                           "started": "then"}))  # above pid_max: not alive
     pipeline.run_calibration(small_model(), DATA, out, progress=False)
     assert sorted(os.listdir(tmp_path)) == ["run"]
-    assert sorted(os.listdir(out)) == sorted(pipeline.CALIBRATION_FILES)
+    assert sorted(os.listdir(out)) == WITHOUT_CACHE

@@ -321,7 +321,7 @@ def test_zoo_cache_has_every_range_tensorrt_needs(name, tmp_path):
 
     data = zoo.get(name).calibration_set()[:16]
     result = pipeline.run_calibration(name, data, tmp_path / "run", batch_size=8,
-                                      progress=False)
+                                      progress=False, trt_version="10.3.0")
     _, scales = cache.read_calibration_cache(tmp_path / "run" / "calibration.cache")
     model = result.model
     assert trt_ranges.missing_ranges(model, scales) == []
@@ -554,7 +554,8 @@ def calibrated_folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("build")
     data = np.random.default_rng(0).standard_normal((8, 3, 6, 6)).astype(np.float32)
     model = graph.export_torch(module, data[:2], root / "cnn.onnx", output_names=["y"])
-    pipeline.run_calibration(model, data, root / "run", progress=False)
+    pipeline.run_calibration(model, data, root / "run", progress=False, trt_version="8.6.1")
+    pipeline.run_calibration(model, data, root / "no-cache", progress=False)
     return root / "run"
 
 
@@ -596,6 +597,19 @@ def test_build_writes_trtexec_lines_and_says_tensorrt_is_missing(calibrated_fold
     if not HAS_TENSORRT:
         assert "engine not built" in err and "install quantlab[tensorrt]" in err
         assert not (folder / "model.plan").exists()
+
+
+def test_build_of_a_folder_without_cache_writes_the_strongly_typed_lines(calibrated_folder,
+                                                                         capsys):
+    from quantlab.cli import main
+
+    folder = calibrated_folder.parent / "no-cache"  # calibrated without --trt-version
+    assert main(["build", str(folder)]) == 0
+    lines = (folder / "trtexec.txt").read_text().splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("trtexec")] == [
+        "--onnx=model.int8.onnx", "--onnx=model.int8.onnx"]
+    assert lines[-1] == ("# TensorRT <= 10.x implicit INT8 needs a calibration cache, which this "
+                         "folder has not: write one with `quantlab calibrate --trt-version X.Y.Z`")
 
 
 def test_build_refuses_a_folder_without_artifacts(tmp_path, capsys):

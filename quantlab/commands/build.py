@@ -1,11 +1,11 @@
 """Build the TensorRT engine of a calibration folder, and write the trtexec commands that
 reproduce it.
 
-DIR is a folder written by `quantlab calibrate` (model.onnx, model.int8.onnx,
-calibration.cache). Always writes DIR/trtexec.txt: the trtexec command lines for
-TensorRT 10.x and 11.x (strongly typed, from model.int8.onnx) and for TensorRT
-<= 10.x (implicit INT8 from model.onnx and the calibration cache, with the
-plan's fp32/fp16 layers pinned by --layerPrecisions, --layerOutputTypes and
+DIR is a folder written by `quantlab calibrate` (model.onnx, model.int8.onnx, and
+calibration.cache if it was run with --trt-version). Always writes DIR/trtexec.txt:
+the trtexec command lines for TensorRT 10.x and 11.x (strongly typed, from
+model.int8.onnx) and, where the folder has a cache, for TensorRT <= 10.x (implicit
+INT8 from model.onnx and the calibration cache, with the plan's fp32/fp16 layers pinned by --layerPrecisions, --layerOutputTypes and
 --precisionConstraints=obey; the plan is DIR/plan.json unless --plan names
 one). Where TensorRT is installed (an NVIDIA GPU and quantlab[tensorrt]) it also
 builds DIR/model.plan -- strongly typed on TensorRT >= 10, implicit INT8 before,
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from quantlab.experiment import write_text
 
     folder = Path(args.folder)
-    for name in ("model.onnx", "model.int8.onnx", "calibration.cache"):
+    for name in ("model.onnx", "model.int8.onnx"):
         if not (folder / name).is_file():
             raise ModelError(f"{folder / name} does not exist; build takes a folder written by "
                              "quantlab calibrate.")
@@ -95,9 +95,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"the plan names {len(unknown)} node(s) that {folder / 'model.onnx'} "
                           f"does not have: {unknown[:5]}; plan this folder's model.")
     profile = trt_backend.input_profile(model, args.max_batch)
-    header, scales = cache.read_calibration_cache(folder / "calibration.cache")
-    cache_name = "calibration.cache" if header.algorithm == "EntropyCalibration2" else TRTEXEC_CACHE
-    text = trtexec.trtexec_text(plan, profile, cache_name, str(header))
+    header = scales = cache_name = None
+    if (folder / "calibration.cache").is_file():
+        header, scales = cache.read_calibration_cache(folder / "calibration.cache")
+        cache_name = ("calibration.cache" if header.algorithm == "EntropyCalibration2"
+                      else TRTEXEC_CACHE)
+    text = trtexec.trtexec_text(plan, profile, cache_name, header and str(header))
     # trtexec.txt is derived from the folder and the plan: rewriting it unchanged is no loss,
     # replacing different lines needs --force like every other result.
     target = folder / TRTEXEC_FILE
@@ -121,6 +124,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     mode = trt_backend.default_mode(version) if args.mode == "auto" else args.mode
     trt_backend.check_mode(mode, version)
+    if mode == "implicit" and header is None:
+        raise ConfigError(
+            f"{folder} has no calibration.cache, which an implicit INT8 build needs: calibrate "
+            f"again with --trt-version {'.'.join(map(str, version))} (the installed TensorRT), "
+            "or build strongly typed from model.int8.onnx (--mode strongly_typed, TensorRT "
+            ">= 10).")
     pins = {node: p for node, p in plan.items() if str(p).lower() != "int8"}
     source = folder / ("model.int8.onnx" if mode == "strongly_typed" else "model.onnx")
     if mode == "strongly_typed":
