@@ -5,13 +5,13 @@ DIR is a folder written by `quantlab calibrate` (model.onnx, model.int8.onnx, an
 calibration.cache if it was run with --trt-version). Always writes DIR/trtexec.txt:
 the trtexec command lines for TensorRT 10.x and 11.x (strongly typed, from
 model.int8.onnx) and, where the folder has a cache, for TensorRT <= 10.x (implicit
-INT8 from model.onnx and the calibration cache, with the plan's fp32/fp16 layers pinned by --layerPrecisions, --layerOutputTypes and
---precisionConstraints=obey; the plan is DIR/plan.json unless --plan names
-one). Where TensorRT is installed (an NVIDIA GPU and quantlab[tensorrt]) it also
-builds DIR/model.plan -- strongly typed on TensorRT >= 10, implicit INT8 before,
-or as --mode says -- and writes the engine's layer information to
-DIR/layers.json, listing the plan's nodes whose engine layer runs in another
-precision.
+INT8 from model.onnx and the calibration cache, with the plan's fp32/fp16 layers
+pinned by --layerPrecisions, --layerOutputTypes and --precisionConstraints=obey; the
+plan is DIR/plan.json unless --plan names one). Where TensorRT is installed (an
+NVIDIA GPU and quantlab[tensorrt]) it also builds DIR/model.plan -- strongly typed
+on TensorRT >= 10, implicit INT8 before, or as --mode says -- and writes the
+engine's layer information to DIR/layers.json, listing the plan's nodes whose engine
+layer runs in another precision.
 
 examples:
   quantlab build runs/cnn
