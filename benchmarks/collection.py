@@ -3,11 +3,13 @@
 One run measures, on the same ONNX model, samples and batches:
 
 - ``floor``: the bare FP32 forward passes in ONNX Runtime (session creation included);
-- ``floor-exposed``: the same passes with the collected tensors as the model's outputs
-  (read as ORT's buffers and dropped): what handing the activations out costs before any
-  statistics;
-- ``quantlab``: ``collect.collect`` over the tensors ``quantlab calibrate`` collects, with
-  the default memory budget (session creation and shape inference included);
+- ``floor-exposed``: the same passes with the tensors ``quantlab calibrate`` collects by
+  default (the Q/DQ model's inputs) as the model's outputs (read as ORT's buffers and
+  dropped): what handing the activations out costs before any statistics;
+- ``quantlab``: ``collect.collect`` over the tensors ``quantlab calibrate`` collects by
+  default, with the default memory budget (session creation and shape inference included);
+- ``quantlab-cache``: the same over what ``quantlab calibrate --trt-version`` collects for a
+  TensorRT <= 10 calibration cache: every float tensor;
 - ``onnxruntime``: ``quantize_static`` with ``CalibrationMethod.MinMax`` and ``Entropy``
   (QDQ, int8 symmetric, per-channel weights), the whole call.
 
@@ -43,7 +45,7 @@ from harness import GIB, MIB, format_table, limit_address_space, peak_rss, run_c
 
 MODELS = ("ssdlite640", "layout")
 SIZES = (64, 512)
-TOOLS = ("floor", "floor-exposed", "quantlab", "MinMax", "Entropy")
+TOOLS = ("floor", "floor-exposed", "quantlab", "quantlab-cache", "MinMax", "Entropy")
 PEERS = ("MinMax", "Entropy")
 BATCH_SIZE = 32
 SEED = 0
@@ -96,13 +98,23 @@ def run_floor(spec: Mapping) -> dict:
     return {}
 
 
+def collected_tensors(model, tool: str) -> list[str]:
+    """What ``quantlab calibrate`` collects: the Q/DQ inputs, or with ``--trt-version``
+    (tool ``quantlab-cache``) every float tensor a TensorRT <= 10 cache needs too."""
+    from quantlab import qdq, trt_ranges
+
+    if tool == "quantlab-cache":
+        return trt_ranges.tensors_to_calibrate(model)
+    return qdq.activation_tensors_to_calibrate(model)
+
+
 def run_quantlab(spec: Mapping) -> dict:
     """``collect.collect`` over the tensors ``quantlab calibrate`` collects (timed alone)."""
-    from quantlab import collect, graph, trt_ranges
+    from quantlab import collect, graph
     from quantlab.data import BatchSource
 
     model = graph.load_model(spec["model"])
-    tensors = trt_ranges.tensors_to_calibrate(model)
+    tensors = collected_tensors(model, spec["tool"])
     data = Path(spec["data"])
 
     def load(start: int, stop: int) -> dict[str, np.ndarray]:
@@ -130,7 +142,8 @@ def run_onnxruntime(spec: Mapping) -> dict:
 
 
 RUNNERS = {"floor": run_floor, "floor-exposed": run_floor, "quantlab": run_quantlab,
-           "MinMax": run_onnxruntime, "Entropy": run_onnxruntime}
+           "quantlab-cache": run_quantlab, "MinMax": run_onnxruntime,
+           "Entropy": run_onnxruntime}
 
 
 def child_main(spec: Mapping) -> None:
@@ -138,7 +151,7 @@ def child_main(spec: Mapping) -> None:
     import psutil
 
     limit_address_space(spec["memory_limit"])
-    if spec["tool"] == "quantlab":
+    if spec["tool"].startswith("quantlab"):
         import quantlab.collect  # noqa: F401 - imports (numba, onnx) are not timed
     else:
         import onnxruntime.quantization  # noqa: F401
@@ -199,10 +212,10 @@ def prepare(name: str, folder: Path, count: int) -> dict:
     data = folder / f"images-{count}.npy"
     if not data.exists():
         write_images(data, count, shape)
-    from quantlab import collect, trt_ranges
+    from quantlab import collect
     from quantlab.backends.onnxruntime import with_outputs
 
-    tensors = trt_ranges.tensors_to_calibrate(model)
+    tensors = collected_tensors(model, "quantlab")
     exposed = folder / "model.exposed.onnx"
     if not exposed.exists():
         graph.save_model(with_outputs(model, tensors), exposed)
@@ -212,6 +225,7 @@ def prepare(name: str, folder: Path, count: int) -> dict:
     return {"model": str(model_path), "exposed_model": str(exposed), "data": str(data),
             "batch_size": batch_size,
             "input_name": spec.name, "shape": shape, "tensors": len(tensors),
+            "cache_tensors": len(collected_tensors(model, "quantlab-cache")),
             "exposed_mb_per_sample": sum(s or 0 for s in sizes.values()) / 1e6}
 
 
@@ -264,6 +278,9 @@ def report(rows: Sequence[dict], subjects: Mapping[str, dict]) -> list[str]:
                 "model": name, "samples": size,
                 "quantlab / floor": _ratio(wall, (_find(rows, name, size, "floor") or {})
                                            .get("wall_s")),
+                "quantlab-cache / floor": _ratio(
+                    (_find(rows, name, size, "quantlab-cache") or {}).get("wall_s"),
+                    (_find(rows, name, size, "floor") or {}).get("wall_s")),
                 "floor-exposed / floor": _ratio(
                     (_find(rows, name, size, "floor-exposed") or {}).get("wall_s"),
                     (_find(rows, name, size, "floor") or {}).get("wall_s")),
@@ -332,8 +349,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         subjects[name] = prepare(name, workdir / name, max(sizes))
         if args.batch_size and name != "layout":  # layout's batch is fixed to 1
             subjects[name]["batch_size"] = args.batch_size
-        print(f"{name}: {subjects[name]['tensors']} tensors, "
-              f"{subjects[name]['exposed_mb_per_sample']:.0f} MB of them per sample", flush=True)
+        print(f"{name}: {subjects[name]['tensors']} tensors collected by default "
+              f"({subjects[name]['exposed_mb_per_sample']:.0f} MB of them per sample), "
+              f"{subjects[name]['cache_tensors']} with --trt-version", flush=True)
         # One unmeasured run pays one-time costs (numba's on-disk kernel cache).
         measure(subjects[name], name, subjects[name]["batch_size"], "quantlab",
                 workdir / "runs" / "warm-up", args)

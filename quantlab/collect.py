@@ -718,8 +718,8 @@ def build_segments(model: onnx.ModelProto, names: Sequence[str],
     """
     inputs = [spec.name for spec in graph.input_specs(model)]
     if len(ranges) == 1 and ranges[0][0] == 0:
-        return [Segment(OnnxRuntimeBackend(model, name="collect"), inputs, list(names), [],
-                        frozenset())]
+        return [Segment(OnnxRuntimeBackend(model, name="collect", spinning=False), inputs,
+                        list(names), [], frozenset())]
     nodes = list(model.graph.node)
     produced_by = {out: i for i, node in enumerate(nodes) for out in node.output if out}
     top_level = set(inputs) | set(produced_by)
@@ -738,7 +738,7 @@ def build_segments(model: onnx.ModelProto, names: Sequence[str],
         outputs = exposed + [name for name in handed if name not in exposed]
         backend = OnnxRuntimeBackend(_sub_model(model, nodes[a:b], seg_inputs, outputs),
                                      name=f"collect segment {k}", check_inputs=False,
-                                     shared_arena=True)
+                                     shared_arena=True, spinning=False)
         segments.append(Segment(backend, seg_inputs, exposed, handed, frozenset(later)))
     return segments
 

@@ -52,6 +52,7 @@ class OnnxRuntimeBackend:
         optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
         check_inputs: bool = True,
         shared_arena: bool = False,
+        spinning: bool = True,
     ):
         self.model = model if isinstance(model, onnx.ModelProto) else graph.load_model(model)
         self.name = name
@@ -63,6 +64,10 @@ class OnnxRuntimeBackend:
         # Sessions run one after another (graph segments) share one process-wide memory
         # arena, so memory peaks at the largest segment's, not at the sum of all of them.
         self.shared_arena = shared_arena
+        # ONNX Runtime's pool threads spin-wait after a run for the next one. A flow that
+        # computes between runs on the same cores (statistics collection) turns that off:
+        # the spinning threads would take the cores its own threads need.
+        self.spinning = spinning
         self.inputs = graph.input_specs(self.model)
         self.outputs = [spec.name for spec in graph.output_specs(self.model)]
         self._known = set(graph.topological_tensors(self.model)) | set(self.outputs)
@@ -77,6 +82,8 @@ class OnnxRuntimeBackend:
             options.add_session_config_entry(key, value)
         if self.threads:
             options.intra_op_num_threads = self.threads
+        if not self.spinning:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.shared_arena:
             _register_shared_arena()
             options.add_session_config_entry("session.use_env_allocators", "1")
