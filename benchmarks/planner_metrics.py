@@ -12,10 +12,10 @@ benchmarks.planner_metrics:layout_agreement_map``), NNCF and the bisection alike
 
 from __future__ import annotations
 
-import collections
 import functools
 import sys
 import types
+import weakref
 import zipfile
 from collections.abc import Mapping, Sequence
 
@@ -64,22 +64,21 @@ def decode(outputs: Mapping[str, np.ndarray]) -> list[tuple[list[list[float]], l
             for i in range(len(maps[0]))]
 
 
-# Decoded batches by the identity of their arrays: a bootstrap hands the same per-sample
-# arrays to the metric again and again, and decoding costs twice the COCO evaluation.
-_DECODED: collections.OrderedDict = collections.OrderedDict()
-_DECODED_SIZE = 4096
+# Decoded batches by the identity of their arrays, while those arrays live: a bootstrap
+# hands the same per-sample arrays to the metric again and again, and decoding costs
+# twice the COCO evaluation. An entry goes when any of its arrays is freed (so an id is
+# never reused while its entry exists, and the cache holds no outputs alive).
+_DECODED: dict[tuple, list] = {}
 
 
 def _decode_cached(batch: Mapping[str, np.ndarray]) -> list:
-    key = tuple((id(a), a.__array_interface__["data"][0], a.shape) for a in batch.values())
-    if key in _DECODED:
-        _DECODED.move_to_end(key)
-        return _DECODED[key][0]
-    decoded = decode(batch)
-    _DECODED[key] = (decoded, list(batch.values()))  # holding the arrays keeps the ids unique
-    if len(_DECODED) > _DECODED_SIZE:
-        _DECODED.popitem(last=False)
-    return decoded
+    arrays = list(batch.values())
+    key = tuple((id(a), a.shape) for a in arrays)
+    if key not in _DECODED:
+        _DECODED[key] = decode(batch)
+        for array in arrays:
+            weakref.finalize(array, _DECODED.pop, key, None)
+    return _DECODED[key]
 
 
 def _detections(batches: Sequence[Mapping[str, np.ndarray]]) -> list:
