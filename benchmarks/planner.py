@@ -472,7 +472,7 @@ def cell_rows(rows: list[dict]) -> list[dict]:
         status = r.get("stopped") or ("FAILED" if r.get("error") else "")
         other = "-"
         if r["tool"] == "quantlab" and "switchboard_trials" in r:
-            other = f"{r['switchboard_trials']} trials x {r['hard_samples']}"
+            other = f"{r['switchboard_trials']} trials x {r.get('hard_samples', '?')}"
         elif r.get("partial_runs"):
             other = f"{r['partial_runs']} runs, {r['partial_samples']} items"
         table.append({
@@ -586,6 +586,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if result is None and not stopped:
                     lines = (folder / "log.txt").read_text().strip().splitlines()
                     error = lines[-1] if lines else f"exit code {code}"
+                checkpoint = Path(spec["out"]) / ".plan-progress.json"
+                if result is None and tool == "quantlab" and checkpoint.is_file():
+                    # A stopped `quantlab plan` leaves its checkpoint: what it had run so far.
+                    done = json.loads(checkpoint.read_text())
+                    Path(spec["progress"]).write_text(json.dumps({
+                        "evaluations": len(done["evaluations"]) + bool(done["evaluations"]),
+                        "switchboard_trials": len(done["trials"])}))
                 if result is None and Path(spec["progress"]).is_file():
                     partial = json.loads(Path(spec["progress"]).read_text())
                     result = None
