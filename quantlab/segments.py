@@ -131,6 +131,7 @@ def _sub_model(index: Graph, nodes: Sequence[onnx.NodeProto], inputs: Sequence[s
         [_typed_output(index, o) for o in outputs], initializers)
     model = helper.make_model(graph, opset_imports=index.model.opset_import)
     model.ir_version = index.model.ir_version
+    model.functions.extend(index.model.functions)  # model-local functions the nodes may call
     return model
 
 
