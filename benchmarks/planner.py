@@ -526,6 +526,22 @@ def verdicts(rows: list[dict], models: Sequence[str], budgets: Sequence[float]) 
     return lines
 
 
+def markdown(paths: Sequence[Path]) -> str:
+    """The rows of result files (merged in order; a later row replaces an earlier one of the
+    same model, budget and tool) as a markdown table, then the verdicts."""
+    merged: dict[tuple, dict] = {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["rows"]:
+            merged[(row["model"], row["budget"], row["tool"])] = row
+    rows = list(merged.values())
+    table = cell_rows(rows)
+    lines = ["| " + " | ".join(table[0]) + " |", "|" + " --- |" * len(table[0])]
+    lines += ["| " + " | ".join(str(v) for v in r.values()) + " |" for r in table]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    budgets = sorted({r["budget"] for r in rows})
+    return "\n".join(lines + [""] + [f"- {v}" for v in verdicts(rows, models, budgets)])
+
+
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -545,6 +561,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--memory-limit-gb", type=float, default=12)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--tag", default="", help="suffix of the results file name")
+    parser.add_argument("--markdown", nargs="+", type=Path, metavar="RESULT",
+                        help="print the rows of result files as a markdown table and stop")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -554,6 +572,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         child(json.loads(args.child))
+        return 0
+    if args.markdown:
+        print(markdown(args.markdown))
         return 0
     work = args.workdir or Path(tempfile.mkdtemp(prefix="quantlab-planner-"))
     work.mkdir(parents=True, exist_ok=True)
