@@ -489,7 +489,8 @@ def _runs(index: graph.Graph, groups: Sequence[Sequence[str]]) -> list[Run]:
     if len(groups) == 1:
         outputs = [name for name in groups[0] if name not in index.input_names]
         whole = segments.Segment(0, index.model, index.input_names, outputs, list(groups[0]))
-        return [Run(OnnxRuntimeBackend(index.model, name="collect", spinning=False), whole)]
+        return [Run(OnnxRuntimeBackend(index.model, name="collect", spinning=False)
+                    if outputs else None, whole)]
     return [Run(OnnxRuntimeBackend(segment.model, name=f"collect segment {segment.index}",
                                    check_inputs=False, shared_arena=True, spinning=False)
                 if segment.outputs else None, segment)

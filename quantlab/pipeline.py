@@ -163,6 +163,13 @@ def run_calibration(
     check_output(out, force=force, produces=CALIBRATION_FILES)
     if trt_version is None:
         tensors = qdq.activation_tensors_to_calibrate(model)
+        if not tensors:
+            raise ModelError(
+                f"{_describe(model)} has no operator quantlab quantizes (Conv, ConvTranspose, "
+                "Gemm, MatMul with float inputs, outside If/Loop bodies), so there is nothing to "
+                "calibrate for its Q/DQ model. For TensorRT <= 10's implicit INT8, pass "
+                "--trt-version to calibrate every float tensor into calibration.cache."
+            )
     else:
         cache.implicit_int8_version(trt_version)
         tensors = trt_ranges.tensors_to_calibrate(model)  # Q/DQ inputs + TensorRT <= 10 ranges
@@ -171,6 +178,11 @@ def run_calibration(
     result = calibrate_from_stats(model, stats, source, method, method_params, preprocess)
     write_results(result, out, force=force, trt_version=trt_version)
     return result
+
+
+def _describe(model: onnx.ModelProto) -> str:
+    """The model as a message names it: its graph name."""
+    return f"the model '{model.graph.name}'" if model.graph.name else "the model"
 
 
 def calibrate_from_stats(

@@ -90,18 +90,26 @@ def weight_amax(weight: np.ndarray, axis: int | None) -> np.ndarray:
     return np.maximum(amax, _MIN_AMAX).astype(np.float32)
 
 
+def indexed(model: onnx.ModelProto | graph.Graph) -> graph.Graph:
+    """The index of `model`, normalized first; a Graph (of a normalized model) as it is.
+
+    Every function here takes either: a caller quantizing one model many times (the
+    planner) builds its index once and passes it.
+    """
+    return model if isinstance(model, graph.Graph) else graph.Graph(graph.normalize(model))
+
+
 def activation_tensors_to_calibrate(
-    model: onnx.ModelProto, plan: Mapping[str, str] | None = None
+    model: onnx.ModelProto | graph.Graph, plan: Mapping[str, str] | None = None
 ) -> list[str]:
     """ONNX tensor names whose amax the Q/DQ model needs, in topological order."""
-    model = graph.normalize(model)
-    placement = place(model, plan)
-    wanted = set(placement.source.values())
-    return [name for name in graph.topological_tensors(model) if name in wanted]
+    index = indexed(model)
+    wanted = set(place(index, plan).source.values())
+    return [name for name in index.order if name in wanted]
 
 
 def quantize_model(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | graph.Graph,
     amax: Mapping[str, float],
     plan: Mapping[str, str] | None = None,
     per_channel: bool = True,
@@ -120,8 +128,9 @@ def quantize_model(
     if high_precision not in HIGH_PRECISIONS:
         raise ConfigError(f"high precision '{high_precision}' is not one of "
                           f"{', '.join(HIGH_PRECISIONS)}.")
-    model = graph.normalize(model)
-    placement = place(model, plan)
+    index = indexed(model)
+    model = index.model
+    placement = place(index, plan)
     scales = {t: activation_scale(t, amax) for t in set(placement.source.values())}
     result = _build(model, placement, scales, per_channel)
     if high_precision == "fp16":
@@ -220,20 +229,22 @@ def _precisions(model: onnx.ModelProto, plan: Mapping[str, str] | None) -> dict[
     return result
 
 
-def place(model: onnx.ModelProto, plan: Mapping[str, str] | None = None) -> Placement:
+def place(model: onnx.ModelProto | graph.Graph,
+          plan: Mapping[str, str] | None = None) -> Placement:
     """Where TensorRT's rules put the Q/DQ pairs of a normalized `model` under `plan`."""
+    g = model if isinstance(model, graph.Graph) else graph.Graph(model)
+    model = g.model
     precision = _precisions(model, plan)
-    initializers = {init.name for init in model.graph.initializer}
-    producers = graph.producers(model)
-    consumers = graph.consumers(model)
-    outputs = {out.name for out in model.graph.output}
+    initializers = g.initializers
+    producers, consumers = g.producers, g.consumers
+    outputs = set(g.outputs)
     placement = Placement()
 
     def request(tensor: str, node: onnx.NodeProto, index: int, source: str) -> None:
         placement.source.setdefault(tensor, source)
         placement.readers.setdefault(tensor, []).append((node.name, index))
 
-    floats = graph.float_tensors(model) | {
+    floats = g.floats | {
         init.name for init in model.graph.initializer if init.data_type == onnx.TensorProto.FLOAT}
     for node in model.graph.node:
         if precision[node.name] != "int8" or node.domain not in _ONNX_DOMAINS:
@@ -253,7 +264,8 @@ def place(model: onnx.ModelProto, plan: Mapping[str, str] | None = None) -> Plac
             if index is not None:
                 request(node.input[index], node, index, node.input[index])
 
-    _propagate_backward(model, placement, precision, producers, consumers, outputs, initializers)
+    _propagate_backward(g.order, placement, precision, producers, consumers, outputs,
+                        initializers)
     tensors = {init.name: init for init in model.graph.initializer}
     _pair_linear_outputs_before_relu(model, placement, precision, consumers, outputs, tensors)
     return placement
@@ -268,13 +280,14 @@ def _all_readers(tensor: str, placement: Placement, consumers, outputs) -> bool:
     return edges == set(placement.readers.get(tensor, []))
 
 
-def _propagate_backward(model, placement, precision, producers, consumers, outputs, initializers):
+def _propagate_backward(order, placement, precision, producers, consumers, outputs,
+                        initializers):
     """Move each pair backward through pass-through ops, keeping the consumer's scale.
 
     Q(op(u)) == op(Q(u)) for these ops, so the move is exact. When the op's input
     already carries a pair, the op reads that DQ output and no second pair is made.
     """
-    for tensor in reversed(graph.topological_tensors(model)):
+    for tensor in reversed(order):
         while tensor in placement.readers:
             producer = producers.get(tensor)
             if (

@@ -308,12 +308,14 @@ def test_batch_axis_option_sets_a_layout_detection_cannot_see(tmp_path):
     # holds the samples: axis 0 is assumed, and the counts disagree (3 steps vs 6 samples).
     # --batch-axis memory=1 says so and is recorded in the written model.
     nodes = [helper.make_node("ReduceSum", ["memory", "axis0"], ["summed"], keepdims=0),
-             helper.make_node("Add", ["hidden", "summed"], ["y"])]
+             helper.make_node("Add", ["hidden", "summed"], ["added"]),
+             helper.make_node("MatMul", ["added", "w"], ["y"])]
     model = helper.make_model(helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info("hidden", 1, ["N", 4]),
                      helper.make_tensor_value_info("memory", 1, ["T", "N", 4])],
         [helper.make_tensor_value_info("y", 1, ["N", 4])],
-        [numpy_helper.from_array(np.array([0], np.int64), "axis0")]),
+        [numpy_helper.from_array(np.array([0], np.int64), "axis0"),
+         numpy_helper.from_array(RNG.standard_normal((4, 4)).astype(np.float32), "w")]),
         opset_imports=[helper.make_opsetid("", 17)])
     onnx.save(model, tmp_path / "m.onnx")
     np.savez(tmp_path / "d.npz", hidden=RNG.standard_normal((6, 4)).astype(np.float32),

@@ -33,6 +33,15 @@ def small_model(relu_name: str = "relu") -> onnx.ModelProto:
     return helper.make_model(graph_proto, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def relu_model() -> onnx.ModelProto:
+    """A graph without a linear op: nothing for a Q/DQ model to quantize."""
+    return helper.make_model(helper.make_graph(
+        [helper.make_node("Relu", ["input"], ["output"])], "relu",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 8, 8])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 3, 8, 8])]),
+        opset_imports=[helper.make_opsetid("", 17)])
+
+
 # What a run without trt_version writes: everything but the TensorRT <= 10 cache.
 WITHOUT_CACHE = sorted(set(pipeline.CALIBRATION_FILES) - {"calibration.cache"})
 DATA = np.random.default_rng(1).standard_normal((16, 3, 8, 8)).astype(np.float32)
@@ -56,6 +65,8 @@ def _no_collection(*args, **kwargs):
     # We run as root: a chmod 0o555 folder would not stop us; sysfs refuses new files to all.
     ("read-only out", {"out": "/sys/quantlab-out"}, ConfigError, "cannot write /sys/quantlab-out"),
     ("trt 11", {"trt_version": "11.0"}, ConfigError, "TensorRT 11.0 has no implicit INT8"),
+    ("nothing to quantize", {"model": relu_model()}, ModelError,
+     "the model 'relu' has no operator quantlab quantizes.*pass --trt-version"),
     ("cache name", {"model": small_model("relu\nEVIL: 3f800000"), "trt_version": "8.6.1"},
      ModelError,
      r"'relu\\nEVIL: 3f800000' cannot be written to a TensorRT calibration cache.*Rename"),
