@@ -268,7 +268,8 @@ class Progress:
         self.path.write_text(json.dumps(self.counts))
 
 
-def run_quantlab(args: list[str], unit: float, budget: float, out: Path, progress: Progress):
+def run_quantlab(args: list[str], unit: float, budget: float, out: Path, progress: Progress,
+                 resamples: int | None = None):
     """`quantlab plan` in process; counts samples run per ONNX Runtime backend name."""
     import onnx
 
@@ -284,7 +285,8 @@ def run_quantlab(args: list[str], unit: float, budget: float, out: Path, progres
         return original(self, feeds, *args, **kwargs)
 
     argv = ["plan", *args, "--max-drop", f"{budget * unit:.6g}",
-            "--high-precision", "fp32", "--out", str(out), "--force", "--no-progress"]
+            "--high-precision", "fp32", "--out", str(out), "--force", "--no-progress",
+            *([] if resamples is None else ["--resamples", str(resamples)])]
     with mock.patch.object(OnnxRuntimeBackend, "run", counted):
         code = cli.main(argv)
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() \
@@ -333,7 +335,11 @@ def run_nncf(case: Case, budget: float, progress: Progress):
         refs = [references[i] for i in indices]
         calls.append(len(items))
         progress.add(len(items))
-        return (case.score(outputs, refs, indices), case.per_item(outputs, refs, indices))
+        # Per-item values only where NNCF reads them (runs over the whole set: they pick
+        # its ranking subset); its ranking runs on a subset use the metric alone.
+        whole = len(items) == len(case.evaluation)
+        return (case.score(outputs, refs, indices),
+                case.per_item(outputs, refs, indices) if whole else None)
 
     calibration = nncf.Dataset([case.calibration[i:i + 1] for i in range(len(case.calibration))],
                                lambda x: {case.input_name: x})
@@ -421,7 +427,8 @@ def child(spec: dict) -> None:
         import nncf  # noqa: F401
     start = time.perf_counter()
     if spec["tool"] == "quantlab":
-        model = run_quantlab(*quantlab_args(spec), spec["budget"], out, progress)
+        model = run_quantlab(*quantlab_args(spec), spec["budget"], out, progress,
+                             spec.get("quantlab_resamples"))
         seconds, rss = time.perf_counter() - start, peak_rss()
         case = load_case(spec)
     else:
@@ -558,6 +565,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="seconds per tool, model and budget (default: %(default)s)")
     parser.add_argument("--layout-time-limit", type=float, default=300,
                         help="seconds per tool and budget on layout (default: %(default)s)")
+    parser.add_argument("--quantlab-resamples", type=int, default=None, metavar="B",
+                        help="quantlab plan --resamples (default: quantlab's own, 200)")
     parser.add_argument("--memory-limit-gb", type=float, default=12)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--tag", default="", help="suffix of the results file name")
@@ -594,7 +603,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 spec = {"model": model, "budget": budget, "tool": tool,
                         "out": str(folder / "out"), "result": str(folder / "result.json"),
                         "progress": str(folder / "progress.json"),
-                        "memory_limit": memory_limit, "layout_data": layout_data}
+                        "memory_limit": memory_limit, "layout_data": layout_data,
+                        "quantlab_resamples": args.quantlab_resamples}
                 for name in ("result", "progress"):
                     Path(spec[name]).unlink(missing_ok=True)
                 begin = time.monotonic()
