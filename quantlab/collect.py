@@ -384,7 +384,7 @@ class Run:
 
 
 def collect(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | graph.Graph,
     batches: BatchSource,
     tensors: Sequence[str],
     num_bins: int = 2048,
@@ -392,6 +392,8 @@ def collect(
     memory_budget: int | str | None = None,
 ) -> Statistics:
     """Run the FP32 graph once over every sample of `batches`; stream statistics of `tensors`.
+
+    `model` is a normalized model or its :class:`graph.Graph` index.
 
     Batches run in slices whose exposed activations fit RUN_BYTES (one sample at
     least; a model with a fixed batch dimension runs its batches whole). Sizes
@@ -407,14 +409,15 @@ def collect(
     if not tensors:
         raise ConfigError("no tensors to collect statistics for; pass at least one tensor name.")
     cap = parse_memory(memory_budget) // 2
-    order = {name: i for i, name in enumerate(graph.topological_tensors(model))}
-    names = sorted(dict.fromkeys(tensors), key=lambda n: order.get(n, len(order)))
-    specs = graph.input_specs(model)
+    index = model if isinstance(model, graph.Graph) else graph.Graph(model)
+    model = index.model
+    names = sorted(dict.fromkeys(tensors),
+                   key=lambda n: index.position.get(n, len(index.position)))
+    specs = index.inputs
     axes = sample_axes(specs)
     fixed = graph.fixed_batch_size(model)
     tensor_axes = tensor_sample_axes(model, names, fixed)
     stats = {name: TensorStats.empty(num_bins * OVERSAMPLE) for name in names}
-    index = graph.Graph(model)
     runs: list[Run] = []
     groups: list[list[str]] = []
     sizes: dict[str, int] = {}

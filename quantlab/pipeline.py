@@ -161,8 +161,9 @@ def run_calibration(
     # unwritable folder, the cache's version and tensor names. The folder is written all or
     # nothing (experiment.output_folder): a failed run leaves no partial output.
     check_output(out, force=force, produces=CALIBRATION_FILES)
+    index = graph.Graph(model)  # built once: every step below reads it
     if trt_version is None:
-        tensors = qdq.activation_tensors_to_calibrate(model)
+        tensors = qdq.activation_tensors_to_calibrate(index)
         if not tensors:
             raise ModelError(
                 f"{_describe(model)} has no operator quantlab quantizes (Conv, ConvTranspose, "
@@ -172,10 +173,10 @@ def run_calibration(
             )
     else:
         cache.implicit_int8_version(trt_version)
-        tensors = trt_ranges.tensors_to_calibrate(model)  # Q/DQ inputs + TensorRT <= 10 ranges
+        tensors = trt_ranges.tensors_to_calibrate(index)  # Q/DQ inputs + TensorRT <= 10 ranges
         check_cache_names(tensors)
-    stats = collect.collect(model, source, tensors, progress=progress, memory_budget=memory_budget)
-    result = calibrate_from_stats(model, stats, source, method, method_params, preprocess)
+    stats = collect.collect(index, source, tensors, progress=progress, memory_budget=memory_budget)
+    result = calibrate_from_stats(index, stats, source, method, method_params, preprocess)
     write_results(result, out, force=force, trt_version=trt_version)
     return result
 
@@ -186,7 +187,7 @@ def _describe(model: onnx.ModelProto) -> str:
 
 
 def calibrate_from_stats(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | graph.Graph,
     stats: collect.Statistics,
     source: BatchSource,
     method: str = calibrate.DEFAULT_METHOD,
@@ -200,8 +201,9 @@ def calibrate_from_stats(
     collection serves every method (the demo compares them all).
     """
     scales = calibrate.calibrate(stats, method, **dict(method_params or {}))
-    return CalibrationResult(model, qdq.quantize_model(model, scales.amax), stats, scales, source,
-                             preprocess=preprocess)
+    index = qdq.indexed(model)
+    return CalibrationResult(index.model, qdq.quantize_model(index, scales.amax), stats, scales,
+                             source, preprocess=preprocess)
 
 
 def write_results(

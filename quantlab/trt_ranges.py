@@ -24,18 +24,19 @@ import onnx
 from quantlab import graph, qdq
 
 
-def tensors_needing_ranges(model: onnx.ModelProto) -> list[str]:
+def tensors_needing_ranges(model: onnx.ModelProto | graph.Graph) -> list[str]:
     """Float graph inputs and float node outputs of `model`, in topological order."""
-    floats = graph.float_tensors(model)
-    return [name for name in graph.topological_tensors(model) if name in floats]
+    index = model if isinstance(model, graph.Graph) else graph.Graph(model)
+    return [name for name in index.order if name in index.floats]
 
 
-def tensors_to_calibrate(model: onnx.ModelProto) -> list[str]:
+def tensors_to_calibrate(model: onnx.ModelProto | graph.Graph) -> list[str]:
     """Tensors to collect statistics for: the Q/DQ model's activation inputs and every tensor
     :func:`tensors_needing_ranges` lists, once each, in topological order."""
-    wanted = set(qdq.activation_tensors_to_calibrate(model))
-    wanted.update(tensors_needing_ranges(model))
-    return [name for name in graph.topological_tensors(model) if name in wanted]
+    index = qdq.indexed(model)
+    wanted = set(qdq.activation_tensors_to_calibrate(index))
+    wanted.update(tensors_needing_ranges(index))
+    return [name for name in index.order if name in wanted]
 
 
 def missing_ranges(model: onnx.ModelProto, scales: Mapping[str, float]) -> list[str]:
