@@ -266,10 +266,11 @@ class _Segmented:
         if isinstance(stage, OnnxRuntimeBackend):
             # Segment sessions run one after another and share ONNX Runtime's process-wide
             # arena: memory peaks at the largest segment's, not at the sum over segments.
+            # Comparisons run between the runs: ORT's threads must not spin-wait on the cores.
             self.backends = [
                 OnnxRuntimeBackend(s.model, name=stage.name, providers=stage.providers,
                                    threads=stage.threads, optimization=stage.optimization,
-                                   check_inputs=False, shared_arena=True)
+                                   check_inputs=False, shared_arena=True, spinning=False)
                 if s.outputs else None for s in plan]
         else:
             self.backends = None  # any other backend runs whole, exposing what is asked
