@@ -661,12 +661,15 @@ def fallback_precision(allowed: Sequence[str], high_precision: str = "fp16") -> 
 
 def solve(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
           contribution: Mapping[str, float], budget: float,
-          high_precision: str = "fp16") -> FrontPoint:
-    """Maximize the INT8 share of MACs subject to sum of INT8 contributions <= `budget`.
+          high_precision: str = "fp16",
+          fp16_contribution: Mapping[str, float] | None = None) -> FrontPoint:
+    """Maximize the INT8 share of MACs subject to the predicted noise staying <= `budget`.
 
-    A 0/1 knapsack solved exactly by ``scipy.optimize.milp``; units whose hard
-    reasons exclude INT8 are fixed to their fallback precision. Non-INT8 units are
-    taken to add no noise (FP16's error is orders below INT8's).
+    Each unit runs INT8 (adding `contribution`), FP16 (adding `fp16_contribution`,
+    where its hard reasons and `high_precision` allow FP16; units missing from it
+    add none, an infinite figure forbids FP16) or FP32 (adding none). Two 0/1
+    knapsacks solved exactly by ``scipy.optimize.milp``: the most INT8 MACs within
+    the budget, then the most FP16 MACs among the other units within what is left.
     """
     if not budget >= 0:
         raise ConfigError(f"the noise budget must be a number >= 0, got {budget}.")
@@ -674,38 +677,54 @@ def solve(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
     macs = np.array([u.macs for u in units], dtype=np.float64)
     total = macs.sum()
     cost = np.array([float(contribution.get(n, 0.0)) for n in names])
-    upper = np.array([1.0 if "int8" in allowed.get(n, qdq.PRECISIONS) else 0.0 for n in names])
+    half = np.array([float((fp16_contribution or {}).get(n, 0.0)) for n in names])
+    can_int8 = np.array(["int8" in allowed.get(n, qdq.PRECISIONS) for n in names], bool)
+    can_fp16 = np.array([high_precision == "fp16" and "fp16" in allowed.get(n, qdq.PRECISIONS)
+                         for n in names], bool) & np.isfinite(half)
     # Units without MACs (or all of them, for a model without) still prefer INT8 when free.
-    gain = macs / total if total else np.zeros(len(names))
-    result = optimize.milp(
-        -(gain + 1e-9), integrality=np.ones(len(names)), bounds=optimize.Bounds(0.0, upper),
-        constraints=[optimize.LinearConstraint(cost[None, :], -np.inf, budget)]
-        if len(names) else [])
-    chosen = np.round(result.x).astype(bool) if len(names) else np.zeros(0, bool)
-    precisions = {n: "int8" if c else fallback_precision(allowed.get(n, qdq.PRECISIONS),
-                                                         high_precision)
-                  for n, c in zip(names, chosen, strict=True)}
+    gain = (macs / total if total else np.zeros(len(names))) + 1e-9
+    chosen = _knapsack(gain, cost, budget, can_int8)
+    rounded = _knapsack(gain, half, budget - cost[chosen].sum(), can_fp16 & ~chosen)
+    precisions = {n: "int8" if c else "fp16" if r else "fp32"
+                  for n, c, r in zip(names, chosen, rounded, strict=True)}
     share = float(macs[chosen].sum() / total) if total else 1.0
-    return FrontPoint(budget, float(cost[chosen].sum()), share, precisions)
+    return FrontPoint(budget, float(cost[chosen].sum() + half[rounded].sum()), share, precisions)
+
+
+def _knapsack(value: np.ndarray, weight: np.ndarray, capacity: float,
+              allowed: np.ndarray) -> np.ndarray:
+    """The 0/1 choice of `allowed` items with the most value whose weight fits `capacity`."""
+    if not allowed.any():
+        return np.zeros(len(value), bool)
+    weight = np.where(allowed, weight, 0.0)
+    result = optimize.milp(-value, integrality=np.ones(len(value)),
+                           bounds=optimize.Bounds(0.0, allowed.astype(np.float64)),
+                           constraints=[optimize.LinearConstraint(weight[None, :], -np.inf,
+                                                                  max(capacity, 0.0))],
+                           options={"mip_rel_gap": 0.0})
+    return np.round(result.x).astype(bool)
 
 
 def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
           contribution: Mapping[str, float], points: int = 24,
-          high_precision: str = "fp16") -> list[FrontPoint]:
+          high_precision: str = "fp16",
+          fp16_contribution: Mapping[str, float] | None = None) -> list[FrontPoint]:
     """The predicted INT8-share-vs-noise front: the best plan at `points` budgets.
 
-    Budgets run from 0 to the all-INT8 prediction, log-spaced from the smallest
-    nonzero contribution, so both the cheap pins and the last units show.
+    Budgets run from 0 to the sum of all contributions, log-spaced from the smallest
+    nonzero contribution (INT8 or FP16), so both the cheap pins and the last units
+    show. Per INT8 share the plan of the largest budget is kept: the budget its INT8
+    units leave goes to FP16 instead of FP32.
     """
-    costs = np.array([c for c in contribution.values() if c > 0])
+    costs = [c for c in [*contribution.values(), *(fp16_contribution or {}).values()]
+             if 0 < c < np.inf]
     budgets = [0.0]
-    if len(costs):
-        budgets += list(np.geomspace(costs.min(), costs.sum(), points - 1))
-    best: dict[float, FrontPoint] = {}  # per INT8 share, the plan predicted to lose least
-    for point in (solve(units, allowed, contribution, b, high_precision) for b in budgets):
-        known = best.get(point.int8_mac_share)
-        if known is None or point.predicted < known.predicted:
-            best[point.int8_mac_share] = point
+    if costs:  # up to every unit in INT8 and every other one in FP16
+        budgets += list(np.geomspace(min(costs), sum(costs), points - 1))
+    best = {}  # INT8 share -> plan; budgets ascend, so the last plan of a share wins
+    for budget in budgets:
+        point = solve(units, allowed, contribution, budget, high_precision, fp16_contribution)
+        best[point.int8_mac_share] = point
     return [best[share] for share in sorted(best)]
 
 
@@ -1069,8 +1088,10 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         on_trial=checkpoint.add_trial if checkpoint else None,
         progress=lambda r: step(r, desc="switchboard trials"))
     contribution = dict(zip(sensitivity.units, sensitivity.contribution, strict=True))
-    local = local_int8_sqnr(g, amax, units, calibration.slice(hard, 0, calibration.batch_size))
-    points = front(units, allowed, contribution, high_precision=high_precision)
+    local = local_sqnr(g, amax, units, calibration.slice(hard, 0, calibration.batch_size))
+    fp16_contribution = fp16_contributions(contribution, local, fixed)
+    points = front(units, allowed, contribution, high_precision=high_precision,
+                   fp16_contribution=fp16_contribution)
 
     fp32_outputs = [fp32.run(batch) for batch in step(evaluation, desc="FP32 evaluation")]
 
@@ -1122,8 +1143,10 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         decision.predicted = contribution.get(unit.name, 0.0)
         decision.evidence["output_nsr_contribution"] = decision.predicted
         decision.evidence["output_rank"] = rank[unit.name]
-        if unit.name in local:
-            decision.evidence["local_sqnr_int8_db"] = local[unit.name]
+        for precision, figure in local.get(unit.name, {}).items():
+            decision.evidence[f"local_sqnr_{precision}_db"] = figure
+        if unit.name in fp16_contribution:
+            decision.evidence["fp16_nsr_contribution"] = fp16_contribution[unit.name]
         if unit.name in calibrators:
             decision.evidence["calibrator"] = calibrators[unit.name]
         if decision.precision != "int8" and not any(r.hard for r in decision.reasons):
@@ -1132,6 +1155,14 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
                 f"rank {rank[unit.name]} of {len(units)} by output-noise contribution "
                 f"{decision.predicted:.3g} (all INT8: {sensitivity.predicted_nsr(contribution):.3g}"
                 f"); the certified plan of the front keeps it out of INT8", SEARCH_SOURCE))
+        if decision.precision == "fp32" and "fp16" in allowed[unit.name] and \
+                high_precision == "fp16":
+            decision.reasons.append(Reason(
+                SEARCH_CODE, False, ("fp32",),
+                f"FP16 would add predicted output NSR "
+                f"{fp16_contribution.get(unit.name, 0.0):.3g} (local FP16 SQNR "
+                f"{local.get(unit.name, {}).get('fp16', float('nan')):.3g} dB); the budget left "
+                "by the INT8 units does not hold it", SEARCH_SOURCE))
     decided.metric = metric
     decided.budget = max_drop if max_drop is not None else min_sqnr
     qdq_model = qdq.quantize_model(model, amax, decided.node_precisions(),
@@ -1174,18 +1205,24 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
 # ---------------------------------------------------------------- local error (Stage B1)
 
 
-def local_int8_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
-                    batch: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """Each unit's local INT8 SQNR in dB: its nodes run alone on FP32 inputs, one pass.
+def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
+               batch: Mapping[str, np.ndarray],
+               precisions: Sequence[str] = ("int8", "fp16")) -> dict[str, dict[str, float]]:
+    """Each unit's local SQNR in dB per precision: its nodes run alone on FP32 inputs.
 
-    Built on :func:`quantlab.sensitivity.local_error_model` of the all-INT8 Q/DQ
-    model; a unit's figure is its worst node output. `batch` should be small (a
-    slice of the hard samples): every tensor the local graph reads is held at once.
+    One pass of :func:`quantlab.sensitivity.local_error_model` over the Q/DQ models
+    that run every unit in each of `precisions` ("int8", "fp16"), side by side; a
+    unit's figure is its worst node output (-inf when FP16 overflows). `batch`
+    should be small (a slice of the hard samples): every tensor the local graph
+    reads is held at once. Returns unit -> precision -> dB.
     """
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.sensitivity import local_error_model
 
-    local = local_error_model(Graph(qdq.quantize_model(g.model, amax)), g)
+    everything = [n for u in units for n in u.nodes]
+    local = local_error_model(
+        [Graph(qdq.quantize_model(g.model, amax, dict.fromkeys(everything, precision)))
+         for precision in precisions], g)
     inputs = set(g.input_names)
     compared = list(dict.fromkeys(local.outputs.values()))
     fp32 = OnnxRuntimeBackend(g.model, name="fp32").run(
@@ -1193,18 +1230,48 @@ def local_int8_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
     fp32.update({name: batch[name] for name in inputs})
     values = OnnxRuntimeBackend(local.model, name="local", check_inputs=False).run(
         {name: fp32[name] for name in local.feeds})
-    sqnr = {}
+    sqnr: dict[tuple[str, str], float] = {}
     for name, tensor in local.outputs.items():
         reference = fp32[tensor].astype(np.float64)
-        noise = float(((values[name] - reference) ** 2).sum())
-        sqnr[tensor] = (10 * np.log10(float((reference ** 2).sum()) / noise) if noise > 0
-                        else float("inf"))
+        with np.errstate(over="ignore", invalid="ignore"):
+            noise = float(((values[name] - reference) ** 2).sum())
+        sqnr[(tensor, local.precisions[name])] = (
+            -np.inf if not np.isfinite(noise) else
+            10 * np.log10(float((reference ** 2).sum()) / noise) if noise > 0 else np.inf)
     nodes = {node.name: node for node in g.model.graph.node}
-    result = {}
+    result: dict[str, dict[str, float]] = {}
     for unit in units:
-        figures = [sqnr[o] for n in unit.linear for o in nodes[n].output if o in sqnr]
-        if figures:
-            result[unit.name] = min(figures)
+        for precision in precisions:
+            figures = [sqnr[(o, precision)] for n in unit.linear for o in nodes[n].output
+                       if (o, precision) in sqnr]
+            if figures:
+                result.setdefault(unit.name, {})[precision] = float(min(figures))
+    return result
+
+
+def fp16_contributions(contribution: Mapping[str, float],
+                       local: Mapping[str, Mapping[str, float]],
+                       unmeasured: Iterable[str] = ()) -> dict[str, float]:
+    """Each unit's predicted output-noise contribution in FP16, from its local errors.
+
+    To first order a unit's output contribution is its local noise power times a
+    gain (how much of it reaches the output). The gain is measured in INT8
+    (contribution / local INT8 NSR) and applied to the local FP16 NSR; `unmeasured`
+    units (hard pins, kept out of the trials) and units whose INT8 error is nil take
+    the median gain of the others. Infinite when FP16 overflows (local SQNR -inf).
+    """
+    def nsr(db: float) -> float:
+        return float(10.0 ** (-db / 10.0)) if db > -np.inf else np.inf
+
+    skipped = set(unmeasured)
+    gains = {u: contribution.get(u, 0.0) / nsr(f["int8"]) for u, f in local.items()
+             if u not in skipped and 0 < nsr(f.get("int8", np.inf)) < np.inf}
+    typical = float(np.median([g for g in gains.values() if g > 0] or [1.0]))
+    result = {}
+    for unit, figures in local.items():
+        if "fp16" in figures:
+            noise = nsr(figures["fp16"])
+            result[unit] = np.inf if noise == np.inf else noise * gains.get(unit, typical)
     return result
 
 
@@ -1252,11 +1319,11 @@ def choose_calibrators(g: Graph, candidates: Mapping[str, Mapping[str, float]],
     pass per method. Returns the merged amax (`default` for tensors of no unit)
     and unit -> method.
     """
-    local = {method: local_int8_sqnr(g, amax, units, batch)
+    local = {method: local_sqnr(g, amax, units, batch, ("int8",))
              for method, amax in candidates.items()}
     merged, chosen = dict(default), {}
     for unit in units:
-        scored = {m: local[m][unit.name] for m in candidates if unit.name in local[m]}
+        scored = {m: local[m][unit.name]["int8"] for m in candidates if unit.name in local[m]}
         if not scored:
             continue
         chosen[unit.name] = max(scored, key=scored.get)

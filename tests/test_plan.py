@@ -465,6 +465,11 @@ def test_make_plan_on_the_planted_model(planted_case):
     assert "rank" in result.plan.units["conv5"].reasons[0].evidence
     local = {u: d.evidence["local_sqnr_int8_db"] for u, d in result.plan.units.items()}
     assert set(sorted(local, key=local.get)[:2]) == set(PLANTED)
+    # The planted units' FP16 error is tiny: the budget INT8 leaves holds them in FP16.
+    assert all(result.plan.units[u].precision == "fp16" for u in PLANTED)
+    assert all(d.evidence["local_sqnr_fp16_db"] > d.evidence["local_sqnr_int8_db"] + 20 and
+               0 <= d.evidence["fp16_nsr_contribution"] < 1e-4 * d.predicted
+               for u, d in result.plan.units.items() if u in PLANTED)
     # The written Q/DQ model is the plan: planted units read FP16 casts, the others Q/DQ.
     types = {n.name: [i for i in n.input] for n in result.qdq_model.graph.node}
     assert all(name.endswith("_fp16") for name in types["conv3"][:2])
@@ -580,7 +585,7 @@ def test_interrupted_plan_resumes_from_its_checkpoint(planted_case, tmp_path, mo
     assert sum(m == "add_evaluation" for m, _ in added) == len(first.evaluations) - 1
 
 
-def test_local_int8_sqnr_singles_out_the_planted_units(planted_case):
+def test_local_sqnr_singles_out_the_planted_units_in_int8_not_fp16(planted_case):
     from quantlab import qdq
 
     g, source, fp32, *_ = planted_case
@@ -588,13 +593,59 @@ def test_local_int8_sqnr_singles_out_the_planted_units(planted_case):
     units = plan.find_units(g, {"x": list(batch["x"].shape)})
     names = qdq.activation_tensors_to_calibrate(g.model)
     amax = {n: float(np.abs(v).max()) for n, v in fp32.run(batch, names).items()}
-    local = plan.local_int8_sqnr(g, amax, units, batch)
+    local = plan.local_sqnr(g, amax, units, batch)
     assert set(local) == {u.name for u in units}
+    int8 = {u: f["int8"] for u, f in local.items()}
     # The planted units' inputs are quantized with a step ~0.16 for values ~0.3.
-    worst = sorted(local, key=local.get)[:2]
+    worst = sorted(int8, key=int8.get)[:2]
     assert set(worst) == set(PLANTED)
-    assert max(local[u] for u in PLANTED) + 10 < min(
-        v for u, v in local.items() if u not in PLANTED)
+    assert max(int8[u] for u in PLANTED) + 10 < min(
+        v for u, v in int8.items() if u not in PLANTED)
+    # FP16 rounds to 11 significant bits whatever the range: about 60-75 dB for every unit
+    # (a relative error of 2**-11 per value, ~66 dB, give or take the accumulation).
+    assert all(60 < f["fp16"] < 80 for f in local.values())
+    assert plan.local_sqnr(g, amax, units, batch, ("int8",))["conv3"] == {"int8": int8["conv3"]}
+
+
+def test_fp16_overflow_gives_minus_infinite_local_sqnr():
+    g = depthwise(1.0)
+    batch = {"x": np.full((1, 16, 4, 4), 3e4, np.float32)}  # 9 taps of 3e4 overflow float16
+    units = plan.find_units(g)
+    local = plan.local_sqnr(g, {"x": 3e4, "a": 3e5}, units, batch)
+    assert local["dw"]["fp16"] == -np.inf and np.isfinite(local["dw"]["int8"])
+
+
+def test_fp16_contributions_scale_the_int8_gain_to_the_fp16_local_noise():
+    contribution = {"a": 0.01, "b": 0.004, "pinned": 0.0, "quiet": 0.0}
+    local = {"a": {"int8": 20.0, "fp16": 70.0}, "b": {"int8": 30.0, "fp16": 60.0},
+             "pinned": {"int8": 25.0, "fp16": 65.0}, "quiet": {"int8": 40.0, "fp16": -np.inf}}
+    found = plan.fp16_contributions(contribution, local, unmeasured=["pinned"])
+    # gains: a 0.01 / 1e-2 = 1, b 0.004 / 1e-3 = 4; the pinned unit takes their median, 2.5.
+    assert found["a"] == pytest.approx(1.0 * 1e-7)
+    assert found["b"] == pytest.approx(4.0 * 1e-6)
+    assert found["pinned"] == pytest.approx(2.5 * 10 ** -6.5)
+    assert found["quiet"] == np.inf
+
+
+def test_solve_spends_the_budget_left_on_fp16_and_never_fp16_past_overflow():
+    units = [plan.Unit(n, [n], [n], [], [], macs) for n, macs in
+             [("a", 100), ("b", 50), ("c", 40), ("pinned", 10)]]
+    contribution = {"a": 0.5, "b": 0.2, "c": 0.2, "pinned": 0.0}
+    allowed = {"pinned": ("fp16", "fp32")}
+    fp16 = {"a": 0.04, "b": 0.01, "c": 0.01, "pinned": 0.02}
+    # b + c in INT8 (0.4); 0.05 left: a's FP16 (0.04) fits, then not the pin's (0.02).
+    best = plan.solve(units, allowed, contribution, 0.45, fp16_contribution=fp16)
+    assert best.precisions == {"a": "fp16", "b": "int8", "c": "int8", "pinned": "fp32"}
+    assert best.predicted == pytest.approx(0.44) and best.int8_mac_share == pytest.approx(0.45)
+    # FP16 never costs an INT8 unit: at 0.4 exactly, both FP16 candidates go FP32.
+    assert plan.solve(units, allowed, contribution, 0.4, fp16_contribution=fp16).precisions == {
+        "a": "fp32", "b": "int8", "c": "int8", "pinned": "fp32"}
+    overflow = fp16 | {"pinned": np.inf}
+    assert plan.solve(units, allowed, contribution, 10.0,
+                      fp16_contribution=overflow).precisions["pinned"] == "fp32"
+    points = plan.front(units, allowed, contribution, fp16_contribution=fp16)
+    # The last plan of each INT8 share spends what is left on FP16: all INT8 + the pin in FP16.
+    assert points[-1].precisions == {"a": "int8", "b": "int8", "c": "int8", "pinned": "fp16"}
 
 
 def test_read_back_of_a_written_model_matches_its_plan():

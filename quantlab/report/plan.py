@@ -46,7 +46,8 @@ def plan_section(result: PlanResult) -> Section:
 
 
 def decisions_frame(result: PlanResult) -> pd.DataFrame:
-    """One row per unit: precision, MAC share, reasons, output-noise rank and contribution."""
+    """One row per unit: precision, MAC share, reasons, output-noise rank and contribution,
+    local INT8 and FP16 SQNR and the predicted FP16 contribution."""
     total = sum(d.macs for d in result.plan.units.values()) or 1
     rows = [{
         "unit": name,
@@ -57,6 +58,8 @@ def decisions_frame(result: PlanResult) -> pd.DataFrame:
         "output_rank": d.evidence.get("output_rank"),
         "nsr_contribution": d.predicted,
         "local_sqnr_int8_db": d.evidence.get("local_sqnr_int8_db"),
+        "local_sqnr_fp16_db": d.evidence.get("local_sqnr_fp16_db"),
+        "fp16_nsr_contribution": d.evidence.get("fp16_nsr_contribution"),
         "calibrator": d.evidence.get("calibrator", ""),
         "nodes": ", ".join(d.nodes),
     } for name, d in result.plan.units.items()]
