@@ -412,6 +412,16 @@ def quantlab_args(spec: dict) -> tuple[list[str], float]:
     return [spec["model"], "--data", "zoo", "--eval", "zoo", "--metric", metric], 0.01
 
 
+def code_version() -> dict:
+    """quantlab's commit and a hash of the plan.py this child ran (the work tree may be ahead)."""
+    import hashlib
+
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    plan_py = hashlib.sha256((ROOT / "quantlab" / "plan.py").read_bytes()).hexdigest()[:10]
+    return {"commit": commit, "plan_py_sha256": plan_py}
+
+
 def child(spec: dict) -> None:
     """Run one tool on one model and budget; write the result JSON to spec['result'].
 
@@ -439,7 +449,7 @@ def child(spec: dict) -> None:
         else:
             model = run_bisect(case, spec["budget"], progress, reverse=spec["tool"] == "bisect-rev")
         seconds, rss = time.perf_counter() - start, peak_rss()
-    result = {"wall_s": seconds, "peak_rss": rss, **progress.counts,
+    result = {"wall_s": seconds, "peak_rss": rss, **code_version(), **progress.counts,
               **judge(model, case, spec["budget"])}
     Path(spec["result"]).write_text(json.dumps(result))
 
