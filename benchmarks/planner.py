@@ -432,7 +432,8 @@ def child(spec: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     progress = Progress(Path(spec["progress"]), 0)
     limit_address_space(int(spec["memory_limit"]))
-    from quantlab import cli, pipeline  # noqa: F401
+    from quantlab import cli, pipeline, plan  # noqa: F401
+    version = code_version()  # of the plan.py just imported
     if spec["tool"] == "nncf":
         import nncf  # noqa: F401
     start = time.perf_counter()
@@ -449,7 +450,7 @@ def child(spec: dict) -> None:
         else:
             model = run_bisect(case, spec["budget"], progress, reverse=spec["tool"] == "bisect-rev")
         seconds, rss = time.perf_counter() - start, peak_rss()
-    result = {"wall_s": seconds, "peak_rss": rss, **code_version(), **progress.counts,
+    result = {"wall_s": seconds, "peak_rss": rss, **version, **progress.counts,
               **judge(model, case, spec["budget"])}
     Path(spec["result"]).write_text(json.dumps(result))
 
