@@ -1,0 +1,851 @@
+"""Repairs that change weights, not precisions: equalization, bias correction, SmoothQuant.
+
+Stage C of the planner design (docs/peers.md section 12): each repair rewrites a
+model so that INT8 loses less, at no runtime cost (SmoothQuant's inserted Mul
+excepted), and competes with pins in the planner. Every function works on
+``onnx.ModelProto`` (the normalized FP32 model, or the Q/DQ model
+:func:`quantlab.qdq.quantize_model` built from it) and plain data, and returns
+the repaired copy with a :class:`RepairReport` saying what changed and what was
+left alone and why. docs/repairs.md gives the formulas, their sources and the
+measured effect on the zoo models.
+
+Costs, in forward passes per calibration sample:
+
+- :func:`cross_layer_equalization`: none (weights only).
+- :func:`bias_correction`: one FP32 pass and `rounds` Q/DQ passes.
+- :func:`smooth_quant`: one FP32 pass for the per-channel ranges (none when given).
+
+Passes stream: batches run in slices whose exposed tensors fit `run_bytes`, and
+each run is folded into per-channel sums or maxima and dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from quantlab import graph
+from quantlab.collect import RUN_BYTES
+from quantlab.data import batch_length, sample_axes, slice_batch
+from quantlab.errors import ConfigError, DataError, ModelError
+from quantlab.graph import Graph
+from quantlab.qdq import FreshNames, weight_axis
+
+_ONNX_DOMAINS = ("", "ai.onnx")
+# Ops f with f(x / s) == f(x) / s per channel for every s > 0 (positive homogeneity,
+# DFQ section 4.1), acting on each channel alone: a per-channel scale passes through
+# them. Clip (ReLU6) does not (its bounds are scalars), nor HardSwish, Sigmoid, etc.
+HOMOGENEOUS_OPS = frozenset({"Relu", "LeakyRelu", "MaxPool", "Identity"})
+# Scale factors are kept in [1 / LIMIT, LIMIT]: beyond that a channel is dead in one
+# layer (range ~0) and equalizing it would only amplify float rounding.
+SCALE_LIMIT = 1e5
+
+
+@dataclass
+class RepairReport:
+    """What one repair did: the places it changed, the candidates it skipped, its cost.
+
+    `applied` and `skipped` hold one plain dict per place (tensor and node names,
+    figures before/after, the reason for a skip); `passes` is the number of forward
+    passes per calibration sample the repair ran (FP32 and Q/DQ together);
+    `summary` holds repair-wide figures (sweeps, rounds, samples).
+    """
+
+    repair: str
+    applied: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    passes: int = 0
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for JSON."""
+        return asdict(self)
+
+
+# ------------------------------------------------------------------ shared helpers
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
+def _initializer_uses(model: onnx.ModelProto) -> dict[str, int]:
+    uses: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            uses[name] = uses.get(name, 0) + 1
+    return uses
+
+
+class _Weights:
+    """Float initializers of a model copy, read as float64 arrays and written back once."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.stored = {init.name: init for init in model.graph.initializer}
+        self.uses = _initializer_uses(model)
+        self.fresh = FreshNames(model)
+        self.values: dict[str, np.ndarray] = {}
+
+    def float_initializer(self, name: str) -> bool:
+        return name in self.stored and self.stored[name].data_type == onnx.TensorProto.FLOAT
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.values:
+            value = numpy_helper.to_array(self.stored[name]).astype(np.float64)
+            if not np.isfinite(value).all():
+                raise ModelError(
+                    f"initializer '{name}' holds NaN or Inf; a repair cannot rescale it. Fix "
+                    "the weights of the exported model (re-export from a finite checkpoint).")
+            self.values[name] = value
+        return self.values[name]
+
+    def own(self, node: onnx.NodeProto, index: int) -> str:
+        """The name of input `index` of `node`, first copied if another node reads it too."""
+        name = node.input[index]
+        if self.uses.get(name, 0) > 1:
+            copy = self.fresh(f"{name}_repaired")
+            self.values[copy] = self.get(name).copy()
+            self.stored[copy] = self._append(copy)
+            self.uses[name] -= 1
+            self.uses[copy] = 1
+            node.input[index] = copy
+            name = copy
+        return name
+
+    def add(self, base: str, value: np.ndarray) -> str:
+        name = self.fresh(base)
+        self.values[name] = np.asarray(value, np.float64)
+        self.stored[name] = self._append(name)
+        self.uses[name] = 1
+        return name
+
+    def _append(self, name: str) -> onnx.TensorProto:
+        # A repeated protobuf field stores a copy of what is appended: return the stored one.
+        self.model.graph.initializer.add(name=name, data_type=onnx.TensorProto.FLOAT)
+        return self.model.graph.initializer[-1]
+
+    def write(self) -> None:
+        for name, value in self.values.items():
+            self.stored[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
+
+
+def _attribute(node: onnx.NodeProto, name: str, default):
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return helper.get_attribute_value(attribute)
+    return default
+
+
+def _runs(batches: Iterable[Mapping[str, np.ndarray]], index: Graph, tensors: Sequence[str],
+          run_bytes: int) -> Iterator[dict[str, np.ndarray]]:
+    """The samples of `batches` in runs whose exposed `tensors` fit `run_bytes` (one sample min).
+
+    A model with a fixed batch size runs its batches whole.
+    """
+    axes = sample_axes(index.inputs)
+    fixed = graph.fixed_batch_size(index.model)
+    run_size = None
+    count = 0
+    for batch in batches:
+        count += 1
+        if fixed:
+            yield dict(batch)
+            continue
+        size = batch_length(batch, axes)
+        if run_size is None:
+            one = slice_batch(batch, axes, 0, 1)
+            sizes = index.sample_bytes({name: np.shape(value) for name, value in one.items()})
+            per_sample = sum(sizes.get(name, 0) for name in tensors)
+            run_size = max(1, run_bytes // max(1, per_sample))
+        for start in range(0, size, run_size):
+            yield slice_batch(batch, axes, start, min(size, start + run_size))
+    if not count:
+        raise DataError("the calibration data holds no batches; a repair that measures needs "
+                        "at least one sample.")
+
+
+def _channel_reduce(value: np.ndarray, axis: int, name: str, how: str) -> np.ndarray:
+    """Per-channel float64 sum (how="sum") or max |x| (how="amax") of `value` along `axis`."""
+    value = np.asarray(value)
+    moved = np.moveaxis(value, axis, -1).reshape(-1, value.shape[axis])
+    if how == "sum":
+        result = moved.sum(axis=0, dtype=np.float64)
+    else:
+        result = np.abs(moved).max(axis=0, initial=0.0).astype(np.float64)
+    if not np.isfinite(result).all():
+        raise DataError(f"tensor '{name}' holds NaN or Inf on the calibration data; fix the "
+                        "data or the layer producing it before repairing the model.")
+    return result
+
+
+# ------------------------------------------------------------ cross-layer equalization
+
+
+@dataclass
+class _Pair:
+    first: onnx.NodeProto
+    second: onnx.NodeProto
+    through: list[str]
+
+
+def _weight_in_axis(node: onnx.NodeProto) -> int:
+    """Input-channel axis of a Conv / Gemm / MatMul weight."""
+    if node.op_type == "Conv":
+        return 1
+    if node.op_type == "Gemm":
+        return 1 if _attribute(node, "transB", 0) else 0
+    return 0
+
+
+def _equalizable(node: onnx.NodeProto, weights: _Weights) -> bool:
+    if node.domain not in _ONNX_DOMAINS or len(node.input) < 2:
+        return False
+    if node.op_type == "Gemm":
+        if _attribute(node, "transA", 0):
+            return False
+    elif node.op_type not in ("Conv", "MatMul"):
+        return False
+    if not weights.float_initializer(node.input[1]):
+        return False
+    rank = len(weights.stored[node.input[1]].dims)
+    if node.op_type == "MatMul" and rank != 2:
+        return False
+    return len(node.input) < 3 or not node.input[2] or weights.float_initializer(node.input[2])
+
+
+def _family(node: onnx.NodeProto) -> str:
+    # Conv's channels are axis 1 of its output, Gemm's and MatMul's the last axis.
+    return "conv" if node.op_type == "Conv" else "matrix"
+
+
+def _cle_pairs(index: Graph, weights: _Weights) -> tuple[list[_Pair], list[dict]]:
+    """Linear op -> (homogeneous ops) -> linear op chains CLE can rescale, and the blocked ones."""
+    outputs = set(index.outputs)
+    pairs, skipped = [], []
+    for node in index.model.graph.node:
+        if not _equalizable(node, weights):
+            continue
+        tensor, through = node.output[0], []
+        while True:
+            readers = index.consumers.get(tensor, [])
+            if tensor in outputs or len(readers) != 1:
+                if len(readers) > 1 and any(_equalizable(r, weights) for r in readers):
+                    skipped.append({"first": node.name,
+                                    "reason": f"'{tensor}' has {len(readers)} readers; a pair "
+                                              "needs the second op to be the only one"})
+                break
+            reader = readers[0]
+            if reader.op_type in HOMOGENEOUS_OPS and reader.domain in _ONNX_DOMAINS:
+                through.append(reader.name)
+                tensor = reader.output[0]
+                continue
+            if _equalizable(reader, weights) and reader.input[0] == tensor and \
+                    _family(reader) == _family(node):
+                pairs.append(_Pair(node, reader, through))
+            elif reader.op_type in ("Conv", "Gemm", "MatMul"):
+                skipped.append({"first": node.name, "second": reader.name,
+                                "reason": "the second op is not a float Conv/Gemm/MatMul of the "
+                                          "same channel layout with constant weights"})
+            else:
+                following = index.consumers.get(reader.output[0], []) if reader.output else []
+                if any(_equalizable(f, weights) for f in following):
+                    skipped.append({
+                        "first": node.name, "second": following[0].name,
+                        "reason": f"{reader.op_type} '{reader.name}' between them is not "
+                                  "positive-homogeneous per channel (f(x/s) != f(x)/s); "
+                                  "Clip/ReLU6 would have to become Relu (AIMET does so, at an "
+                                  "accuracy cost)"})
+            break
+    return pairs, skipped
+
+
+def _out_view(node: onnx.NodeProto, weight: np.ndarray) -> np.ndarray:
+    """`weight` as [output channels, -1] (a view order; reshape back with _from_out)."""
+    axis = weight_axis(node, 1)
+    return np.moveaxis(weight, axis, 0).reshape(weight.shape[axis], -1)
+
+
+def _scale_out(node: onnx.NodeProto, weight: np.ndarray, factor: np.ndarray) -> np.ndarray:
+    """`weight` with output channel c multiplied by factor[c]."""
+    shape = [1] * weight.ndim
+    shape[weight_axis(node, 1)] = -1
+    return weight * factor.reshape(shape)
+
+
+def _in_groups(node: onnx.NodeProto, weight: np.ndarray, channels: int) -> np.ndarray | None:
+    """`weight` as [groups, outputs per group, inputs per group, -1], None if it mismatches.
+
+    Input channel c of a (grouped) Conv is read by group c // (C / g) at column
+    c % (C / g); Gemm/MatMul weights are one group.
+    """
+    if node.op_type == "Conv":
+        groups = int(_attribute(node, "group", 1))
+        per_group = weight.shape[1]
+        if per_group * groups != channels or weight.shape[0] % groups:
+            return None
+        return weight.reshape(groups, weight.shape[0] // groups, per_group, -1)
+    in_axis = _weight_in_axis(node)
+    if weight.shape[in_axis] != channels:
+        return None
+    moved = np.moveaxis(weight, in_axis, 1)
+    return moved.reshape(1, moved.shape[0], channels, 1)
+
+
+def _scale_in(node: onnx.NodeProto, weight: np.ndarray, factor: np.ndarray) -> np.ndarray:
+    """`weight` with input channel c multiplied by factor[c]."""
+    grouped = _in_groups(node, weight, factor.size)
+    scaled = grouped * factor.reshape(grouped.shape[0], 1, grouped.shape[2], 1)
+    if node.op_type == "Conv":
+        return scaled.reshape(weight.shape)
+    in_axis = _weight_in_axis(node)
+    moved_shape = np.moveaxis(weight, in_axis, 1).shape
+    return np.moveaxis(scaled.reshape(moved_shape), 1, in_axis)
+
+
+def _in_ranges(node: onnx.NodeProto, weight: np.ndarray, channels: int) -> np.ndarray:
+    grouped = _in_groups(node, weight, channels)
+    return np.abs(grouped).max(axis=(1, 3)).reshape(-1)
+
+
+def _spread(ranges: np.ndarray) -> float:
+    """max / min of the non-zero per-channel ranges (1.0 when all equal)."""
+    live = ranges[ranges > 0]
+    return float(live.max() / live.min()) if live.size else 1.0
+
+
+def cross_layer_equalization(model: onnx.ModelProto, max_sweeps: int = 50,
+                             tolerance: float = 1e-4) -> tuple[onnx.ModelProto, RepairReport]:
+    """Equalize per-channel weight ranges of consecutive linear ops (DFQ, Nagel et al. 2019).
+
+    For every Conv -> Conv (and Gemm/MatMul -> Gemm/MatMul) whose intermediate
+    tensor reaches only the second op, directly or through positive-homogeneous
+    per-channel ops (Relu, LeakyRelu, MaxPool, Identity), channel c of the first
+    op's output is divided by ``s_c = sqrt(r1_c * r2_c) / r2_c`` (its weights and
+    bias) and the second op's weights reading channel c are multiplied by s_c;
+    r1 is the first op's max |w| per output channel, r2 the second's max |w| per
+    input channel, grouped and depthwise convs included. Both then have range
+    ``sqrt(r1 * r2)`` per channel and the FP32 function is unchanged. Chains are
+    swept until no factor moves by more than `tolerance` (at most `max_sweeps`).
+    Data-free: no forward pass. Returns the equalized copy and the report (one
+    entry per pair with the range spreads before/after; skipped chains with why).
+    Raises ModelError when a weight to rescale holds NaN or Inf.
+    """
+    if max_sweeps < 1 or not tolerance > 0:
+        raise ConfigError(f"max_sweeps must be >= 1 and tolerance > 0, got {max_sweeps}, "
+                          f"{tolerance}.")
+    result = _copy(model)
+    weights = _Weights(result)
+    index = Graph(result)
+    pairs, skipped = _cle_pairs(index, weights)
+    report = RepairReport("cross_layer_equalization", skipped=skipped)
+    usable = []
+    for pair in pairs:
+        first_w, second_w = weights.get(pair.first.input[1]), weights.get(pair.second.input[1])
+        channels = first_w.shape[weight_axis(pair.first, 1)]
+        if _in_groups(pair.second, second_w, channels) is None:
+            report.skipped.append({"first": pair.first.name, "second": pair.second.name,
+                                   "reason": f"{channels} output channels do not match the "
+                                             "second op's input channels"})
+            continue
+        usable.append(pair)
+    # Weights shared with another node are copied first, so rescaling touches only the pair.
+    for pair in usable:
+        for node in (pair.first, pair.second):
+            for i in range(1, min(len(node.input), 3)):
+                if node.input[i]:
+                    weights.own(node, i)
+    before = {id(p): _pair_ranges(p, weights) for p in usable}
+    total = {id(p): np.ones(before[id(p)][0].size) for p in usable}
+    sweeps = 0
+    while usable and sweeps < max_sweeps:
+        sweeps += 1
+        largest = 0.0
+        for pair in usable:
+            r1, r2 = _pair_ranges(pair, weights)
+            live = (r1 > 0) & (r2 > 0)
+            factor = np.ones_like(r1)
+            factor[live] = np.sqrt(r1[live] * r2[live]) / r2[live]
+            factor = np.clip(factor, 1 / SCALE_LIMIT, SCALE_LIMIT)
+            _apply_factor(pair, weights, factor)
+            total[id(pair)] *= factor
+            largest = max(largest, float(np.abs(np.log(factor)).max(initial=0.0)))
+        if largest <= tolerance:
+            break
+    for pair in usable:
+        r1, r2 = before[id(pair)]
+        a1, a2 = _pair_ranges(pair, weights)
+        report.applied.append({
+            "first": pair.first.name, "second": pair.second.name, "through": pair.through,
+            "channels": int(r1.size),
+            "first_range_spread": [_spread(r1), _spread(a1)],
+            "second_range_spread": [_spread(r2), _spread(a2)],
+            "scale_min": float(total[id(pair)].min()), "scale_max": float(total[id(pair)].max()),
+        })
+    report.summary["sweeps"] = sweeps
+    weights.write()
+    return result, report
+
+
+def _pair_ranges(pair: _Pair, weights: _Weights) -> tuple[np.ndarray, np.ndarray]:
+    first_w = weights.get(pair.first.input[1])
+    r1 = np.abs(_out_view(pair.first, first_w)).max(axis=1)
+    r2 = _in_ranges(pair.second, weights.get(pair.second.input[1]), r1.size)
+    return r1, r2
+
+
+def _apply_factor(pair: _Pair, weights: _Weights, factor: np.ndarray) -> None:
+    """Divide the first op's output channels by `factor`, multiply the second's inputs by it."""
+    first_w = pair.first.input[1]
+    weights.values[first_w] = _scale_out(pair.first, weights.get(first_w), 1 / factor)
+    if len(pair.first.input) > 2 and pair.first.input[2]:
+        bias = pair.first.input[2]
+        # A Conv bias is [C]; Gemm's C broadcasts along its last axis (a scalar becomes [N]).
+        weights.values[bias] = weights.get(bias) / factor
+    second_w = pair.second.input[1]
+    weights.values[second_w] = _scale_in(pair.second, weights.get(second_w), factor)
+
+
+# --------------------------------------------------------------------- bias correction
+
+
+@dataclass
+class _Target:
+    node: str
+    output: str
+    axis: int  # channel axis of the output
+    channels: int
+    bias: str  # float initializer holding the bias (made when the op had none)
+    gain: float  # Gemm's beta: the bias enters the output as gain * C
+    added: bool
+    measured: str  # the op's own output in the Q/DQ model given (what "local" compares)
+
+
+def _output_channels(node: onnx.NodeProto, shape: Sequence[int]) -> tuple[int, int] | None:
+    """(channels, channel axis of the output) of a linear op with weight `shape`, None if unsure."""
+    if node.op_type == "Conv":
+        return shape[0], 1
+    if node.op_type == "ConvTranspose":
+        return shape[1] * int(_attribute(node, "group", 1)), 1
+    if len(shape) != 2:
+        return None
+    if node.op_type == "Gemm":
+        return (shape[0] if _attribute(node, "transB", 0) else shape[1]), -1
+    return shape[1], -1
+
+
+def _correction_targets(result: onnx.ModelProto, weights: _Weights, reference: Graph
+                        ) -> tuple[list[_Target], list[dict]]:
+    """INT8 linear ops of a Q/DQ model whose bias can take a correction (biases made if absent)."""
+    producers = graph.producers(result)
+    consumers = graph.consumers(result)
+    known = set(reference.order) | set(reference.outputs)
+    targets, skipped = [], []
+    inserted: dict[str, onnx.NodeProto] = {}
+    for node in result.graph.node:
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul") or \
+                node.domain not in _ONNX_DOMAINS or len(node.input) < 2:
+            continue
+        dequantize = producers.get(node.input[1])
+        if dequantize is None or dequantize.op_type != "DequantizeLinear" or \
+                dequantize.input[0] not in weights.stored:
+            continue  # not INT8 in this model: no quantization error of its own
+        measured = node.output[0]
+        found = _output_channels(node, list(weights.stored[dequantize.input[0]].dims))
+        channels, axis = found if found is not None else (0, 0)
+        bias_add = _bias_add(node, consumers, weights, channels) if found else None
+        output = bias_add[0].output[0] if bias_add else node.output[0]
+        if found is None or output not in known or reference.dtype(output) != np.float32:
+            skipped.append({"node": node.name, "reason": f"output '{output}' is not a float32 "
+                            "tensor of the FP32 model with a known channel axis"})
+            continue
+        gain = float(_attribute(node, "beta", 1.0)) if node.op_type == "Gemm" else 1.0
+        if gain == 0.0:
+            skipped.append({"node": node.name, "reason": "Gemm with beta = 0 ignores its bias"})
+            continue
+        has_bias = bias_add is not None or (
+            node.op_type != "MatMul" and len(node.input) > 2 and bool(node.input[2]))
+        if bias_add is not None:
+            bias = weights.own(*bias_add)
+        elif has_bias:
+            if not weights.float_initializer(node.input[2]) or \
+                    weights.get(node.input[2]).size not in (1, channels) or \
+                    (node.op_type != "Gemm" and weights.get(node.input[2]).size != channels):
+                skipped.append({"node": node.name, "reason": f"bias '{node.input[2]}' is not a "
+                                f"float32 constant of {channels} channels"})
+                continue
+            bias = weights.own(node, 2)
+            # Gemm's C may be a scalar or [1, N]: spelled out per channel, it broadcasts the same.
+            weights.values[bias] = np.broadcast_to(weights.get(bias).reshape(-1),
+                                                   (channels,)).copy()
+        else:
+            bias = weights.add(f"{node.name}_bias", np.zeros(channels))
+            if node.op_type == "MatMul":
+                # y = MatMul(x, W) + b, the Add writing the MatMul's old output name.
+                plain = weights.fresh(f"{output}_without_bias")
+                node.output[0] = plain
+                inserted[node.name] = helper.make_node(
+                    "Add", [plain, bias], [output], name=weights.fresh(f"{node.name}_bias_add"))
+            elif len(node.input) > 2:
+                node.input[2] = bias
+            else:
+                node.input.append(bias)
+        targets.append(_Target(node.name, output, axis, channels, bias, gain, not has_bias,
+                               measured))
+    if inserted:
+        nodes = []
+        for node in result.graph.node:
+            nodes.append(node)
+            if node.name in inserted:
+                nodes.append(inserted[node.name])
+        del result.graph.node[:]
+        result.graph.node.extend(nodes)
+    return targets, skipped
+
+
+def _bias_add(node: onnx.NodeProto, consumers: Mapping[str, list[onnx.NodeProto]],
+              weights: _Weights, channels: int) -> tuple[onnx.NodeProto, int] | None:
+    """(Add, input index) of the bias a MatMul's only reader adds ([channels] constant), or None.
+
+    torch exports a Linear on 3-D inputs as MatMul followed by such an Add.
+    """
+    readers = consumers.get(node.output[0], [])
+    if node.op_type != "MatMul" or len(readers) != 1 or readers[0].op_type != "Add" or \
+            len(readers[0].input) != 2:
+        return None
+    add = readers[0]
+    for index, name in enumerate(add.input):
+        if add.input[1 - index] == node.output[0] and weights.float_initializer(name) and \
+                weights.get(name).shape == (channels,):
+            return add, index
+    return None
+
+
+def _reiterable(batches: Iterable, uses: int) -> None:
+    if uses > 1 and iter(batches) is batches:
+        raise ConfigError("the calibration batches are a one-shot iterator, but this repair "
+                          f"reads them {uses} times; pass a BatchSource (quantlab.data.open_data) "
+                          "or a list of batches.")
+
+
+BIAS_CORRECTION_MODES = ("local", "global")
+
+
+def bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
+                    batches: Iterable[Mapping[str, np.ndarray]], mode: str = "local",
+                    rounds: int = 2, run_bytes: int = RUN_BYTES,
+                    ) -> tuple[onnx.ModelProto, RepairReport]:
+    """Empirical bias correction (DFQ section 4.2; AIMET's empirical variant) of a Q/DQ model.
+
+    For every INT8 linear op of `qdq_model` (weight read through DequantizeLinear)
+    the mean over `batches` of (quantized output - FP32 output) per output
+    channel is subtracted from its bias; a Conv/Gemm without bias gets one, a
+    MatMul an Add after it (the output keeps its name), a MatMul already followed
+    by a bias Add has that Add's constant corrected.
+
+    ``mode="local"`` (default, one pass): each op runs quantized on the FP32
+    inputs (:func:`quantlab.sensitivity.local_error_model`), so its error is its
+    own and all ops are corrected at once without counting an upstream error
+    twice (NNCF's FastBiasCorrection measures the same way). Cost per sample:
+    one FP32 pass and one pass of the local graph (each INT8 op once).
+
+    ``mode="global"``: errors are measured on the whole Q/DQ model, as AIMET
+    does, so what reaches an op from quantized upstream layers (Relu
+    rectification included) is corrected too. AIMET corrects layer after layer
+    (one pass per layer); here all ops are corrected together in `rounds`
+    rounds, each re-measuring the corrected model (Jacobi iteration towards the
+    sequential solution; exact after as many rounds as the longest chain of
+    ops, and it can overshoot before: measured on the zoo in docs/repairs.md).
+    Cost per sample: one FP32 pass and `rounds` Q/DQ passes.
+
+    Memory: runs sized to `run_bytes`, folded into per-channel sums. `batches` is
+    read once ("local") or `rounds` times (a BatchSource or a list). Returns the
+    corrected copy and the report (per op: max |mean error| per round, largest
+    correction).
+    """
+    if mode not in BIAS_CORRECTION_MODES:
+        raise ConfigError(f"mode '{mode}' is not one of {', '.join(BIAS_CORRECTION_MODES)}.")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ConfigError(f"rounds must be a whole number >= 1, got {rounds!r}.")
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    rounds = rounds if mode == "global" else 1
+    _reiterable(batches, rounds)
+    result = _copy(qdq_model)
+    weights = _Weights(result)
+    reference = Graph(fp32_model)
+    targets, skipped = _correction_targets(result, weights, reference)
+    report = RepairReport("bias_correction", skipped=skipped)
+    local = None
+    if mode == "local" and targets:
+        from quantlab.sensitivity import local_error_model
+
+        local = local_error_model(Graph(qdq_model), reference)
+        cut = {tensor: name for name, tensor in local.outputs.items()
+               if local.precisions.get(name) == "int8"}
+        for t in [t for t in targets if t.measured not in cut]:
+            report.skipped.append({"node": t.node, "reason": "its INT8 inputs could not be cut "
+                                   "out for a local measurement"})
+        targets = [t for t in targets if t.measured in cut]
+    if not targets:
+        return _copy(qdq_model), report
+    weights.write()
+    fp32 = OnnxRuntimeBackend(fp32_model, name="fp32")
+    inputs = set(reference.input_names)
+    if local is not None:
+        feeds = [name for name in local.feeds if name not in inputs]
+        names = list(dict.fromkeys([*feeds, *(t.measured for t in targets)]))
+        local_backend = OnnxRuntimeBackend(local.model, name="local", check_inputs=False)
+    else:
+        names = [t.output for t in targets]
+    fp32_sums = {t.node: np.zeros(t.channels) for t in targets}
+    counts = dict.fromkeys(fp32_sums, 0)
+    errors: dict[str, list[float]] = {t.node: [] for t in targets}
+    corrections = {t.node: np.zeros(t.channels) for t in targets}
+    for round_index in range(rounds):
+        quantized = OnnxRuntimeBackend(result, name="int8") if local is None else None
+        sums = {t.node: np.zeros(t.channels) for t in targets}
+        for run in _runs(batches, reference, names, run_bytes):
+            if round_index == 0:
+                reference_values = fp32.run(run, names)
+                for t in targets:
+                    tensor = t.measured if local is not None else t.output
+                    fp32_sums[t.node] += _channel_reduce(reference_values[tensor], t.axis,
+                                                         tensor, "sum")
+                    counts[t.node] += reference_values[tensor].size // t.channels
+            if local is not None:
+                fed = {**run, **reference_values}
+                values = local_backend.run({name: fed[name] for name in local.feeds},
+                                           [cut[t.measured] for t in targets])
+                values = {t.output: values[cut[t.measured]] for t in targets}
+            else:
+                values = quantized.run(run, names)
+            reference_values = None
+            for t in targets:
+                sums[t.node] += _channel_reduce(values[t.output], t.axis, t.output, "sum")
+            del values
+        for t in targets:
+            error = (sums[t.node] - fp32_sums[t.node]) / max(counts[t.node], 1)
+            errors[t.node].append(float(np.abs(error).max()))
+            corrections[t.node] -= error
+            weights.values[t.bias] = weights.get(t.bias) - error / t.gain
+        weights.write()
+    for t in targets:
+        report.applied.append({
+            "node": t.node, "tensor": t.output, "channels": t.channels, "bias_added": t.added,
+            "mean_error_max_per_round": errors[t.node],
+            "correction_max": float(np.abs(corrections[t.node]).max()),
+        })
+    report.passes = 2 if local is not None else 1 + rounds
+    report.summary.update({"mode": mode, "rounds": rounds})
+    return result, report
+
+
+# ------------------------------------------------------------------------ SmoothQuant
+
+# SmoothQuant applies where the largest channel max of the activation is at least this
+# many times its median channel max (the paper's motivating outliers are ~100x).
+DEFAULT_MIN_SPREAD = 4.0
+
+
+def channel_amax(model: onnx.ModelProto, batches: Iterable[Mapping[str, np.ndarray]],
+                 tensors: Sequence[str], run_bytes: int = RUN_BYTES) -> dict[str, np.ndarray]:
+    """Max |x| per channel (last axis) of each of `tensors` over all samples: one FP32 pass.
+
+    Streams: each run's tensors are reduced to per-channel maxima and dropped.
+    """
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    index = Graph(model)
+    names = list(dict.fromkeys(tensors))
+    unknown = [name for name in names if name not in index.position and name not in index.outputs]
+    if unknown:
+        raise ConfigError(f"tensor(s) {unknown[:5]} are not computed by the model.")
+    backend = OnnxRuntimeBackend(model, name="fp32")
+    result: dict[str, np.ndarray] = {}
+    for run in _runs(batches, index, names, run_bytes):
+        values = backend.run(run, names)
+        for name in names:
+            amax = _channel_reduce(values[name], -1, name, "amax")
+            result[name] = np.maximum(result[name], amax) if name in result else amax
+        del values
+    return result
+
+
+def _smoothable(node: onnx.NodeProto, weights: _Weights, index: Graph) -> bool:
+    if node.domain not in _ONNX_DOMAINS or node.op_type not in ("MatMul", "Gemm"):
+        return False
+    if node.input[0] in index.constants or not weights.float_initializer(node.input[1]):
+        return False
+    if len(weights.stored[node.input[1]].dims) != 2:
+        return False
+    return node.op_type == "MatMul" or not _attribute(node, "transA", 0)
+
+
+def _median_spread(amax: np.ndarray) -> float:
+    """Largest channel max over the median channel max (inf when the median is 0)."""
+    median = float(np.median(amax))
+    return float(amax.max()) / median if median > 0 else float("inf")
+
+
+def smooth_quant(model: onnx.ModelProto,
+                 data: Iterable[Mapping[str, np.ndarray]] | Mapping[str, np.ndarray],
+                 alpha: float = 0.5, min_spread: float = DEFAULT_MIN_SPREAD,
+                 insert_mul: bool = True, run_bytes: int = RUN_BYTES,
+                 ) -> tuple[onnx.ModelProto, RepairReport]:
+    """SmoothQuant (Xiao et al. 2023): move activation outliers of MatMul/Gemm inputs into weights.
+
+    For each activation X read by MatMul/Gemm ops with constant 2-D weights, with
+    per-input-channel maxima ``a_j`` whose largest is at least `min_spread` times
+    their median, ``s_j = a_j**alpha / w_j**(1 - alpha)`` (``w_j``: max |W| of input
+    channel j over all those ops) divides channel j of X and multiplies the
+    weights' row j, so the FP32 function is unchanged and X's per-tensor range
+    shrinks. The division is folded into X's producer when X feeds only those
+    ops: a LayerNormalization's scale and bias, or a MatMul/Gemm (with its bias
+    Add) with constant weights; otherwise a Mul by 1/s is inserted before them
+    (`insert_mul`), one FP32 elementwise op. `data` is either the calibration
+    batches (one FP32 pass, :func:`channel_amax`) or ``{tensor: per-channel max}``
+    already measured (no pass). Returns the smoothed copy and the report (per
+    tensor: readers, where 1/s went, spread and amax before/after).
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ConfigError(f"alpha must be in [0, 1], got {alpha}.")
+    if not min_spread >= 1.0:
+        raise ConfigError(f"min_spread must be >= 1, got {min_spread}.")
+    result = _copy(model)
+    weights = _Weights(result)
+    index = Graph(result)
+    groups: dict[str, list[onnx.NodeProto]] = {}
+    for node in result.graph.node:
+        if _smoothable(node, weights, index):
+            groups.setdefault(node.input[0], []).append(node)
+    report = RepairReport("smooth_quant")
+    if not groups:
+        return result, report
+    if isinstance(data, Mapping) and all(np.ndim(v) == 1 for v in data.values()):
+        stats = {name: np.asarray(value, np.float64) for name, value in data.items()}
+    else:
+        stats = channel_amax(model, data, list(groups), run_bytes)
+        report.passes = 1
+    outputs = set(index.outputs)
+    muls: dict[str, onnx.NodeProto] = {}
+    for tensor, nodes in groups.items():
+        names = [n.name for n in nodes]
+        act = stats.get(tensor)
+        if act is None or not np.isfinite(act).all():
+            report.skipped.append({"tensor": tensor, "readers": names,
+                                   "reason": "no finite per-channel statistics"})
+            continue
+        channels = act.size
+        ranges = [_in_groups(n, weights.get(n.input[1]), channels) for n in nodes]
+        if any(r is None for r in ranges):
+            report.skipped.append({"tensor": tensor, "readers": names,
+                                   "reason": f"{channels} channels do not match the weights"})
+            continue
+        spread = _median_spread(act)
+        if spread < min_spread:
+            report.skipped.append({"tensor": tensor, "readers": names, "spread": spread,
+                                   "reason": f"channel maxima spread {spread:.2f} < {min_spread}"})
+            continue
+        w_max = np.max([np.abs(r).max(axis=(1, 3)).reshape(-1) for r in ranges], axis=0)
+        live = (act > 0) & (w_max > 0)
+        factor = np.ones(channels)
+        factor[live] = act[live] ** alpha / w_max[live] ** (1.0 - alpha)
+        factor = np.clip(factor, 1 / SCALE_LIMIT, SCALE_LIMIT)
+        sole = tensor not in outputs and {id(n) for n in index.consumers.get(tensor, [])} == \
+            {id(n) for n in nodes}
+        folded = _fold_into_producer(index, weights, tensor, factor) if sole else None
+        if folded is None:
+            if not insert_mul:
+                report.skipped.append({"tensor": tensor, "readers": names, "spread": spread,
+                                       "reason": "the producer cannot absorb 1/s and insert_mul "
+                                                 "is off"})
+                continue
+            scaled = weights.fresh(f"{tensor}_smoothed")
+            inverse = weights.add(f"{tensor}_smooth_inverse", 1.0 / factor)
+            muls[names[0]] = helper.make_node("Mul", [tensor, inverse], [scaled],
+                                              name=weights.fresh(f"{tensor}_SmoothQuant_Mul"))
+            for node in nodes:
+                node.input[0] = scaled
+            folded = f"Mul '{muls[names[0]].name}' (inserted)"
+        w_before = float(w_max.max())
+        for node in nodes:
+            name = weights.own(node, 1)
+            weights.values[name] = _scale_in(node, weights.get(name), factor)
+        w_after = max(float(np.abs(weights.get(n.input[1])).max()) for n in nodes)
+        report.applied.append({
+            "tensor": tensor, "readers": names, "folded_into": folded,
+            "spread": [spread, _median_spread(act / factor)],
+            "amax": [float(act.max()), float((act / factor).max())],
+            "weight_amax": [w_before, w_after],
+        })
+    if muls:
+        nodes = []
+        for node in result.graph.node:
+            if node.name in muls:
+                nodes.append(muls[node.name])
+            nodes.append(node)
+        del result.graph.node[:]
+        result.graph.node.extend(nodes)
+    weights.write()
+    return result, report
+
+
+def _fold_into_producer(index: Graph, weights: _Weights, tensor: str,
+                        factor: np.ndarray) -> str | None:
+    """Divide channel j of `tensor` by factor[j] inside its producer; its name, None if it can't.
+
+    Exact for a LayerNormalization over the last axis (scale and bias are per
+    channel) and for a MatMul/Gemm with constant weights, directly or through its
+    bias Add (a Linear exported as MatMul + Add).
+    """
+    producer = index.producers.get(tensor)
+    if producer is None or producer.domain not in _ONNX_DOMAINS:
+        return None
+    channels = factor.size
+    if producer.op_type == "LayerNormalization":
+        rank = len(index.shapes.get(producer.input[0], ()))
+        axis = int(_attribute(producer, "axis", -1))
+        params = [i for i in (1, 2) if i < len(producer.input) and producer.input[i]]
+        if axis not in (-1, rank - 1) or any(
+                not weights.float_initializer(producer.input[i]) or
+                weights.get(producer.input[i]).shape != (channels,) for i in params):
+            return None
+        for i in params:
+            name = weights.own(producer, i)
+            weights.values[name] = weights.get(name) / factor
+        return producer.name
+    linear, bias_add = producer, None
+    if producer.op_type == "Add":
+        inputs = list(producer.input)
+        constant = [i for i, name in enumerate(inputs) if weights.float_initializer(name)]
+        if len(inputs) != 2 or len(constant) != 1 or \
+                weights.get(inputs[constant[0]]).shape != (channels,):
+            return None
+        linear = index.producers.get(inputs[1 - constant[0]])
+        if linear is None or len(index.consumers.get(linear.output[0], [])) != 1:
+            return None
+        bias_add = (producer, constant[0])
+    if linear.op_type not in ("MatMul", "Gemm") or not _smoothable(linear, weights, index) or \
+            _output_channels(linear, weights.get(linear.input[1]).shape) != (channels, -1):
+        return None
+    if linear.op_type == "Gemm" and len(linear.input) > 2 and linear.input[2] and \
+            (not weights.float_initializer(linear.input[2]) or
+             weights.get(linear.input[2]).size not in (1, channels)):
+        return None
+    name = weights.own(linear, 1)
+    weights.values[name] = _scale_out(linear, weights.get(name), 1.0 / factor)
+    if linear.op_type == "Gemm" and len(linear.input) > 2 and linear.input[2]:
+        bias = weights.own(linear, 2)
+        weights.values[bias] = weights.get(bias) / factor
+    if bias_add is not None:
+        bias = weights.own(bias_add[0], bias_add[1])
+        weights.values[bias] = weights.get(bias) / factor
+    return linear.name if bias_add is None else f"{linear.name} + {bias_add[0].name}"
