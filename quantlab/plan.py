@@ -100,6 +100,12 @@ def find_units(g: Graph, input_shapes: Mapping[str, Sequence[int]] | None = None
         for owner in others:
             union(first, owner)
         tensors_of.setdefault(first, []).append(tensor)
+    owner_of = {t: owner for owner, tensors in tensors_of.items() for t in tensors}
+    for group in scale_groups(g, placement):
+        # Pairs joined by a Concat share one scale (see scale_groups): one decision.
+        first, *others = [owner_of[t] for t in group if t in owner_of]
+        for owner in others:
+            union(first, owner)
     weights_of: dict[str, list[str]] = {}
     for (node_name, _), (weight, _) in placement.weights.items():
         weights_of.setdefault(node_name, []).append(weight)
@@ -128,6 +134,63 @@ def find_units(g: Graph, input_shapes: Mapping[str, Sequence[int]] | None = None
         units.append(Unit((linear or names)[0], linear, names, tensors, weights, macs))
     units.sort(key=lambda u: order[u.nodes[0]])
     return units
+
+
+def scale_groups(g: Graph, placement: qdq.Placement | None = None) -> list[list[str]]:
+    """Pair tensors that must share one scale: those joined by a Concat, and its output's.
+
+    TensorRT moves Q/DQ through commuting ops, Concat among them (docs/tensorrt.md,
+    "Q/DQ rules TensorRT expects"): the pair on a Concat's output moves onto each
+    of its inputs, so an input that carries its own pair for another reader gets a
+    second quantization at another scale unless the two scales are equal, and the
+    Concat cannot be a plain copy of INT8 inputs (NVIDIA/TensorRT#4366, #3861;
+    NNCF unifies Concat scales for the same reason, openvinotoolkit/nncf#646).
+    Members are found through pass-through ops (a pair moved back across a Reshape)
+    and nested Concats. Groups of two or more pair tensors, in topological order.
+    """
+    placement = placement or qdq.place(g.model)
+    parent: dict[str, str] = {}
+
+    def find(name: str) -> str:
+        parent.setdefault(name, name)
+        while parent[name] != name:
+            parent[name] = parent[parent[name]]
+            name = parent[name]
+        return name
+
+    def paired(tensor: str) -> str:
+        """The tensor carrying the pair `tensor` is quantized with, across pass-through ops."""
+        while tensor not in placement.readers and \
+                (producer := g.producers.get(tensor)) is not None and \
+                producer.op_type in qdq.PASS_THROUGH_OPS:
+            tensor = producer.input[0]
+        return tensor
+
+    for node in g.model.graph.node:
+        if node.op_type == "Concat":
+            members = [paired(t) for t in [node.output[0], *node.input] if t in g.floats]
+            for member in members[1:]:
+                parent[find(member)] = find(members[0])
+    groups: dict[str, list[str]] = {}
+    for tensor in sorted(parent, key=lambda t: g.position.get(t, -1)):
+        if tensor in placement.readers:
+            groups.setdefault(find(tensor), []).append(tensor)
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def share_scales(g: Graph, amax: Mapping[str, float]) -> dict[str, float]:
+    """`amax` with every scale group (:func:`scale_groups`) at its widest member's amax.
+
+    The widest range, so no member clips more than its own calibration allowed.
+    """
+    placement = qdq.place(g.model)
+    shared = dict(amax)
+    for group in scale_groups(g, placement):
+        sources = {placement.source[t] for t in group} & set(amax)
+        if sources:
+            widest = max(amax[t] for t in sources)
+            shared.update(dict.fromkeys(sources, widest))
+    return shared
 
 
 def _owners(edges, nodes, g: Graph) -> dict[str, int]:
@@ -1068,6 +1131,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     calibrators: dict[str, str] = {}
     if candidates:
         amax, calibrators = choose_calibrators(g, candidates, units, first, amax)
+    amax = share_scales(g, amax)
     fp32 = OnnxRuntimeBackend(model, name="fp32")
     board = switchboard.build(g, units, amax)
     board_backend = OnnxRuntimeBackend(board.model, name="switchboard", check_inputs=False)

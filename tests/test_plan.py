@@ -67,6 +67,51 @@ def test_units_merge_readers_of_one_pair_and_residual_skip():
     assert units["conv0"].tensors == ["x"]
 
 
+def concat_block() -> graph.Graph:
+    """a (Relu of conv_a) and cb (conv_b) each have a reader of their own (conv_c, conv_d)
+    and are joined, cb through a Reshape, by a Concat read by conv_e; conv_f reads x."""
+    nodes = [
+        helper.make_node("Conv", ["x", "wa"], ["ca"], name="conv_a", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["ca"], ["a"], name="relu_a"),
+        helper.make_node("Conv", ["x", "wb"], ["cb"], name="conv_b", pads=[1, 1, 1, 1]),
+        helper.make_node("Reshape", ["cb", "shape"], ["b"], name="reshape_b"),
+        helper.make_node("Conv", ["a", "wc"], ["yc"], name="conv_c"),
+        helper.make_node("Conv", ["cb", "wd"], ["yd"], name="conv_d"),
+        helper.make_node("Concat", ["a", "b"], ["cat"], name="concat", axis=1),
+        helper.make_node("Conv", ["cat", "we"], ["ye"], name="conv_e"),
+        helper.make_node("Conv", ["x", "wf"], ["yf"], name="conv_f"),
+    ]
+    inits = {"wa": weights(16, 16, 3, 3), "wb": weights(16, 16, 3, 3, seed=1),
+             "wc": weights(16, 16, 1, 1, seed=2), "wd": weights(16, 16, 1, 1, seed=3),
+             "we": weights(16, 32, 1, 1, seed=4), "wf": weights(16, 16, 1, 1, seed=5),
+             "shape": np.array([1, 16, 4, 4])}
+    return make_graph(nodes, [("x", [1, 16, 4, 4])], inits, outputs=("yc", "yd", "ye", "yf"))
+
+
+def test_pairs_joined_by_a_concat_are_one_unit_with_one_scale():
+    from quantlab import qdq
+
+    g = concat_block()
+    # The Concat reads cb through the Reshape: Q moved back across both lands on cb.
+    assert plan.scale_groups(g) == [["a", "cb", "cat"]]
+    units = units_by_name(g)
+    assert list(units) == ["conv_a", "conv_c"]
+    assert units["conv_a"].nodes == ["conv_a", "conv_b", "conv_f"]  # one pair on x
+    assert units["conv_c"].nodes == ["conv_c", "conv_d", "conv_e"]
+    assert units["conv_c"].tensors == ["a", "cb", "cat"]
+    assert units["conv_c"].macs == 2 * 16 * 4 * 4 * 16 + 16 * 4 * 4 * 32
+    amax = {"x": 1.0, "a": 2.0, "cb": 5.0, "cat": 4.0}
+    shared = plan.share_scales(g, amax)
+    assert shared == {"x": 1.0, "a": 5.0, "cb": 5.0, "cat": 5.0}
+    # The written Q/DQ model quantizes the three tensors with one scale.
+    model = qdq.quantize_model(g.model, shared)
+    scales = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    quantizers = {n.input[0]: float(scales[n.input[1]]) for n in model.graph.node
+                  if n.op_type == "QuantizeLinear"}
+    assert {quantizers[t] for t in ("a", "cb", "cat")} == {np.float32(5.0) / np.float32(127)}
+    assert quantizers["x"] == pytest.approx(1.0 / 127)
+
+
 def test_macs_from_real_shapes():
     units = units_by_name(residual_block(), {"x": [2, 3, 8, 8]})
     assert units["conv0"].macs == 2 * 16 * 8 * 8 * 3 * 3 * 3
