@@ -19,6 +19,7 @@ import importlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -876,6 +877,19 @@ class Certificate:
     too_small: bool
     needed_samples: int | None
 
+    def too_small_message(self) -> str:
+        """What to do when the evaluation set is too small to certify the budget ('' if not)."""
+        if not self.too_small:
+            return ""
+        drop = self.reference - self.limit
+        half_width = (self.interval[1] - self.interval[0]) / 2
+        needed = f"about {self.needed_samples}" if self.needed_samples else "many more"
+        return (f"the evaluation set is too small to certify a drop of {drop:.4g} in "
+                f"{self.metric}: on its {self.samples} samples the paired-bootstrap interval of "
+                f"the margin is +-{half_width:.3g} wide, more than half the budget "
+                f"({drop / 2:.3g}); {needed} samples are needed. Pass more held-out data with "
+                "--eval, or allow a larger --max-drop.")
+
 
 def certify(metric: Callable, name: str, outputs: Outputs, references: Outputs, *,
             max_drop: float | None = None, floor: float | None = None,
@@ -1119,6 +1133,9 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     if task is not None:
         task.check_samples(evaluation.num_samples)
     metric_fn = None if task_metric else resolve_metric(metric)
+    for message in data_shortfalls(calibration.num_samples, evaluation.num_samples, hard_count,
+                                   metric, max_drop, task):
+        warnings.warn(message, stacklevel=2)
     step = progress or (lambda items, **_: items)
     g = Graph(model)
     first = next(iter(calibration))
@@ -1185,6 +1202,8 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     last = len(points) - 1
     evaluated[last] = evaluate_point(last)
     evaluations.append(evaluated[last])
+    if evaluated[last].certificate.too_small:  # said now, not after the other evaluations
+        warnings.warn(evaluated[last].certificate.too_small_message(), stacklevel=2)
     low, high = -1, last  # highest certified index, lowest failed index
     if evaluated[last].certificate.certified:
         low = last
@@ -1239,6 +1258,34 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     return PlanResult(decided, qdq_model, dict(amax), points, sensitivity, evaluations,
                       next(i for i, e in enumerate(evaluations) if e is evaluated[index]),
                       hard_indices.tolist())
+
+
+def data_shortfalls(calibration_samples: int, evaluation_samples: int, hard_count: int,
+                    metric: str, max_drop: float | None, task=None) -> list[str]:
+    """What the data cannot do for this plan, known before any model run (one message each).
+
+    Fewer calibration samples than the hardest-sample count, and a budget smaller
+    than one sample's worth of a share metric (top-1, argmax agreement) on the
+    evaluation set: then only a plan that changes no prediction can be certified.
+    """
+    messages = []
+    if calibration_samples < hard_count:
+        messages.append(
+            f"the calibration data hold {calibration_samples} samples, fewer than the "
+            f"{hard_count} hardest samples requested (--hard-samples): the switchboard passes "
+            f"run on all {calibration_samples}, none singled out as hard. Pass more "
+            f"calibration data (several times {hard_count} samples) or --hard-samples "
+            f"below {calibration_samples}.")
+    share = metric == "agreement" or (task is not None and task.kind == "classification"
+                                       and metric == task.primary_metric)
+    if share and max_drop is not None and max_drop * evaluation_samples < 1:
+        messages.append(
+            f"a drop of {max_drop:g} in {metric} is less than one sample of the "
+            f"{evaluation_samples} in the evaluation set (1/{evaluation_samples} = "
+            f"{1 / evaluation_samples:.3g}): only a plan that changes no prediction can be "
+            f"certified. Pass at least {int(np.ceil(1 / max_drop))} samples with --eval (more "
+            "the more predictions a plan changes), or allow a larger --max-drop.")
+    return messages
 
 
 def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], low: int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -475,6 +476,51 @@ def test_too_small_eval_set_is_reported():
     result = plan.certify(plan.argmax_agreement, "agreement", outputs, references, max_drop=0.02)
     assert result.too_small and not result.certified
     assert result.needed_samples > 10 * 100
+    half_width = (result.interval[1] - result.interval[0]) / 2
+    message = result.too_small_message()
+    assert "a drop of 0.02 in agreement: on its 10 samples" in message
+    assert f"+-{half_width:.3g}" in message and f"about {result.needed_samples} samples" in message
+    assert "--eval" in message and "--max-drop" in message
+
+
+def test_data_shortfalls_are_named_before_any_model_run():
+    messages = plan.data_shortfalls(48, 64, 64, "agreement", 0.01)
+    assert len(messages) == 2
+    assert "calibration data hold 48 samples, fewer than the 64 hardest" in messages[0]
+    assert "--hard-samples below 48" in messages[0]
+    assert "less than one sample of the 64 in the evaluation set (1/64 = 0.0156)" in messages[1]
+    assert "at least 100 samples with --eval" in messages[1]
+    # Output SQNR is not a share of samples; 640 samples resolve a 0.01 drop.
+    assert plan.data_shortfalls(64, 64, 64, "sqnr", 0.01) == []
+    assert plan.data_shortfalls(64, 640, 64, "agreement", 0.01) == []
+
+
+def test_make_plan_warns_of_a_too_small_eval_set_after_its_first_evaluation(planted_case):
+    from quantlab import qdq
+
+    g, source, fp32, *_ = planted_case
+    names = qdq.activation_tensors_to_calibrate(g.model)
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run(
+        {"x": np.concatenate([b["x"] for b in source])}, names).items()}
+    seen = []
+
+    def progress(items, desc):
+        seen.append((desc, [str(w.message)[:40] for w in caught]))
+        return items
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = plan.make_plan(g.model, source, source, amax, amax, amax, metric="agreement",
+                                max_drop=0.01, trials=4, hard_count=100, progress=progress)
+    assert str(caught[0].message).startswith("the calibration data hold 64 samples")
+    assert str(caught[1].message).startswith("a drop of 0.01 in agreement is less than one")
+    assert seen[0] == ("hardest samples", [str(w.message)[:40] for w in caught[:2]])
+    # The first evaluation (all INT8) already shows the set is too small: said before the next.
+    first = result.evaluations[0].certificate
+    assert first.too_small and len(result.evaluations) > 1
+    assert str(caught[2].message) == first.too_small_message()
+    evaluations = [warned for desc, warned in seen if desc == "INT8 evaluation"]
+    assert len(evaluations[0]) == 2 and len(evaluations[1]) == 3
 
 
 def test_pinned_tensors_leave_the_calibration_cache():

@@ -240,6 +240,5 @@ def run(args: argparse.Namespace) -> int:
           f"{certificate.samples} samples after {len(result.evaluations)} evaluations; wrote "
           f"{args.out}/")
     if certificate.too_small:
-        print(f"the evaluation set is too small to certify a drop of {args.max_drop}: about "
-              f"{certificate.needed_samples} samples are needed.")
+        print(certificate.too_small_message())
     return 0 if certificate.certified else 1

@@ -27,9 +27,8 @@ def plan_section(result: PlanResult) -> Section:
         f"{certificate.samples} samples, after {len(result.evaluations)} evaluations of the real "
         f"INT8 model and {len(result.sensitivity.nsr)} switchboard passes on "
         f"{len(result.hard_samples)} hardest calibration samples.")
-    too_small = (f"The evaluation set is too small to certify this budget: the interval is wider "
-                 f"than half the budget; about {certificate.needed_samples} samples are needed."
-                 if certificate.too_small else "")
+    too_small = certificate.too_small_message()
+    too_small = too_small[:1].upper() + too_small[1:]
     html = _ENV.get_template("plan.html").render(
         summary=summary, too_small=too_small,
         front_figure=Markup(figure_html(front_figure(result), "Predicted front: output noise "
