@@ -1,0 +1,231 @@
+"""Metrics and certification (Stage E): label-free and user metrics, the paired bootstrap,
+and what the data are too few to certify."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from quantlab.errors import ConfigError, DataError
+from quantlab.planner.measure import sample_nsr
+
+Outputs = list[dict[str, np.ndarray]]
+
+
+def output_sqnr(outputs: Outputs, references: Outputs) -> float:
+    """Output SQNR in dB over all samples: -10 log10 of the mean per-sample NSR."""
+    nsr = np.concatenate([sample_nsr(o, r) for o, r in zip(outputs, references, strict=True)])
+    mean = float(nsr.mean())
+    return float(-10.0 * np.log10(mean)) if mean > 0 else float("inf")
+
+
+def argmax_agreement(outputs: Outputs, references: Outputs) -> float:
+    """Share of samples whose argmax over axis 1 of the first output agrees with the reference."""
+    name = next(iter(references[0]))
+    same = [np.argmax(o[name], axis=1) == np.argmax(r[name], axis=1)
+            for o, r in zip(outputs, references, strict=True)]
+    return float(np.concatenate([s.reshape(len(s), -1).all(axis=1) for s in same]).mean())
+
+
+METRICS: dict[str, Callable[[Outputs, Outputs], float]] = {
+    "sqnr": output_sqnr, "agreement": argmax_agreement}
+
+
+def resolve_metric(name: str) -> Callable[[Outputs, Outputs], float]:
+    """A built-in label-free metric by name, or ``module:function`` imported."""
+    if name in METRICS:
+        return METRICS[name]
+    if ":" not in name:
+        raise ConfigError(f"unknown metric '{name}'; use one of {', '.join(METRICS)} or "
+                          "module:function (function(outputs, references) -> float, higher "
+                          "is better).")
+    module_name, _, function_name = name.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot load metric '{name}': {exc}. Pass module:function with the "
+                          "module importable (on PYTHONPATH) and the function defined in it."
+                          ) from None
+    if not callable(function):
+        raise ConfigError(f"metric '{name}' is not a function.")
+    return function
+
+
+def metric_value(metric: Callable, name: str, outputs: Outputs, references: Outputs) -> float:
+    """`metric` on the outputs, checked to be a real number (NaN is refused, not compared)."""
+    value = metric(outputs, references)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise DataError(f"metric '{name}' returned {value!r}; it must return a number "
+                        "(higher is better).") from None
+    if np.isnan(value):
+        raise DataError(f"metric '{name}' returned NaN on {len(outputs)} batches; it must "
+                        "return a number for any non-empty list of batches (check for a "
+                        "division by zero or an empty selection in it).")
+    return value
+
+
+def split_samples(batches: Outputs) -> Outputs:
+    """One entry per sample (axis 0 of every output) from entries per batch."""
+    return [{name: value[i:i + 1] for name, value in batch.items()}
+            for batch in batches for i in range(len(next(iter(batch.values()))))]
+
+
+
+@dataclass
+class Certificate:
+    """Whether a plan's measured metric meets the budget, with a paired bootstrap interval.
+
+    ``limit`` is the lowest acceptable metric value (FP32's minus the allowed drop,
+    or the floor); ``interval`` the bootstrap interval of the candidate's margin over
+    it on resampled samples (paired: FP32 is scored on the same resample).
+    """
+
+    metric: str
+    reference: float
+    value: float
+    limit: float
+    interval: tuple[float, float]
+    confidence: float
+    samples: int
+    certified: bool
+    too_small: bool
+    needed_samples: int | None
+
+    def too_small_message(self) -> str:
+        """What to do when the evaluation set is too small to certify the budget ('' if not)."""
+        if not self.too_small:
+            return ""
+        drop = self.reference - self.limit
+        half_width = (self.interval[1] - self.interval[0]) / 2
+        needed = f"about {self.needed_samples}" if self.needed_samples else "many more"
+        return (f"the evaluation set is too small to certify a drop of {drop:.4g} in "
+                f"{self.metric}: on its {self.samples} samples the paired-bootstrap interval of "
+                f"the margin is +-{half_width:.3g} wide, more than half the budget "
+                f"({drop / 2:.3g}); {needed} samples are needed. Pass more held-out data with "
+                "--eval, or allow a larger --max-drop.")
+
+
+def certify(metric: Callable, name: str, outputs: Outputs, references: Outputs, *,
+            max_drop: float | None = None, floor: float | None = None,
+            resamples: int = 200, confidence: float = 0.95, seed: int = 0) -> Certificate:
+    """Check a candidate's outputs against FP32's with a metric function (see certify_paired).
+
+    Resamples hand the metric one entry per sample, FP32 scored on the same ones.
+    """
+    samples, refs = split_samples(outputs), split_samples(references)
+
+    def evaluate(pick: np.ndarray) -> tuple[float, float]:
+        chosen, fp32 = [samples[i] for i in pick], [refs[i] for i in pick]
+        return (metric_value(metric, name, chosen, fp32),
+                metric_value(metric, name, fp32, fp32))
+
+    reference = metric_value(metric, name, references, references)
+    value = metric_value(metric, name, outputs, references)
+    return certify_paired(name, evaluate, len(samples), (value, reference), max_drop=max_drop,
+                          floor=floor, resamples=resamples, confidence=confidence, seed=seed)
+
+
+def certify_paired(name: str, evaluate: Callable[[np.ndarray], tuple[float, float]],
+                   count: int, full: tuple[float, float] | None = None, *,
+                   max_drop: float | None = None, floor: float | None = None,
+                   resamples: int = 200, confidence: float = 0.95,
+                   seed: int = 0) -> Certificate:
+    """Certify a plan from ``evaluate(sample indices) -> (candidate value, FP32 value)``.
+
+    The margin (value minus limit) is bootstrapped over the `count` samples, FP32
+    scored on the same resample (paired); the plan is certified when the lower end
+    of the one-sided `confidence` interval is >= 0. With ``max_drop``, an interval
+    half-width over max_drop / 2 means the evaluation set is too small to certify
+    that budget; the size needed follows from the half-width shrinking as
+    1 / sqrt(samples). `full` is evaluate on all samples when already known.
+    """
+    if (max_drop is None) == (floor is None):
+        raise ConfigError("give exactly one of a maximum drop or a metric floor.")
+    if max_drop is not None and not max_drop >= 0:
+        raise ConfigError(f"the maximum drop must be >= 0, got {max_drop}: impossible even in "
+                          "FP32, which is the reference every plan is compared with.")
+    value, reference = full if full is not None else evaluate(np.arange(count))
+    if floor is not None and floor > reference:
+        raise ConfigError(f"the floor {floor} of metric '{name}' is above its value for the FP32 "
+                          f"model itself ({reference:.6g}): impossible even in FP32. Lower it.")
+    if max_drop is not None and not np.isfinite(reference):
+        raise ConfigError(f"metric '{name}' of the FP32 model against itself is {reference}; a "
+                          "drop from it means nothing. Use a floor (--min-sqnr) instead.")
+    rng = np.random.default_rng(seed)
+    margins = np.empty(resamples)
+    for b in range(resamples):
+        got, fp32 = evaluate(rng.integers(0, count, count))
+        margins[b] = got - (fp32 - max_drop if max_drop is not None else floor)
+    low, high = np.quantile(margins, [1 - confidence, confidence])
+    limit = reference - max_drop if max_drop is not None else floor
+    half_width = (high - low) / 2
+    too_small = max_drop is not None and half_width > max_drop / 2
+    needed = (int(np.ceil(count * (half_width / (max_drop / 2)) ** 2))
+              if too_small and max_drop > 0 else None)
+    return Certificate(name, reference, value, limit, (float(low), float(high)), confidence,
+                       count, bool(low >= 0), bool(too_small), needed)
+
+
+def task_evaluator(task, outputs: Outputs,
+                   references: Outputs) -> Callable[[np.ndarray], tuple[float, float]]:
+    """``evaluate(indices)`` of a task's primary metric (top-1, COCO mAP) for certify_paired.
+
+    Predictions are made once per batch; a resample of images re-accumulates COCO's
+    per-image matches (:func:`quantlab.tasks.coco_map_resampler`).
+    """
+    from quantlab.tasks import coco_map_resampler
+
+    ids = task.ids()
+
+    def predictions(batches: Outputs) -> list:
+        found, start = [], 0
+        for batch in batches:
+            stop = start + len(next(iter(batch.values())))
+            predicted = task.postprocess(dict(batch), ids[start:stop])
+            if task.kind == "classification":
+                found.extend(np.argmax(predicted, axis=1) == np.asarray(task.labels)[start:stop])
+            else:
+                found.extend(predicted)
+            start = stop
+        return found
+
+    candidate, fp32 = predictions(outputs), predictions(references)
+    if task.kind == "classification":
+        hits, ref_hits = np.array(candidate, float), np.array(fp32, float)
+        return lambda pick: (float(hits[pick].mean()), float(ref_hits[pick].mean()))
+    count = len(np.concatenate([next(iter(b.values())) for b in outputs]))
+    scores = [coco_map_resampler(task.coco, found, ids[:count]) for found in (candidate, fp32)]
+    return lambda pick: (scores[0](pick), scores[1](pick))
+
+
+def data_shortfalls(calibration_samples: int, evaluation_samples: int, hard_count: int,
+                    metric: str, max_drop: float | None, task=None) -> list[str]:
+    """What the data cannot do for this plan, known before any model run (one message each).
+
+    Fewer calibration samples than the hardest-sample count, and a budget smaller
+    than one sample's worth of a share metric (top-1, argmax agreement) on the
+    evaluation set: then only a plan that changes no prediction can be certified.
+    """
+    messages = []
+    if calibration_samples < hard_count:
+        messages.append(
+            f"the calibration data hold {calibration_samples} samples, fewer than the "
+            f"{hard_count} hardest samples requested (--hard-samples): the switchboard passes "
+            f"run on all {calibration_samples}, none singled out as hard. Pass more "
+            f"calibration data (several times {hard_count} samples) or --hard-samples "
+            f"below {calibration_samples}.")
+    share = metric == "agreement" or (task is not None and task.kind == "classification"
+                                       and metric == task.primary_metric)
+    if share and max_drop is not None and max_drop * evaluation_samples < 1:
+        messages.append(
+            f"a drop of {max_drop:g} in {metric} is less than one sample of the "
+            f"{evaluation_samples} in the evaluation set (1/{evaluation_samples} = "
+            f"{1 / evaluation_samples:.3g}): only a plan that changes no prediction can be "
+            f"certified. Pass at least {int(np.ceil(1 / max_drop))} samples with --eval (more "
+            "the more predictions a plan changes), or allow a larger --max-drop.")
+    return messages

@@ -1,0 +1,246 @@
+"""Measured sensitivity (Stage B): hardest samples, switchboard group testing, local errors.
+
+Every measurement is a fixed number of passes, whatever the number of units:
+one pass for the hardest samples, `trials` switchboard passes on them, one local
+pass for every unit's INT8 and FP16 error (one per candidate calibrator).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import optimize
+
+from quantlab import qdq
+from quantlab.errors import ModelError
+from quantlab.graph import Graph
+from quantlab.planner.units import Unit
+
+
+def sample_nsr(outputs: Mapping[str, np.ndarray],
+               references: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Per-sample output noise-to-signal ratio: mean over float outputs of |y - r|^2 / |r|^2.
+
+    Samples are on axis 0 of every output. Output SQNR in dB is -10 log10 of the mean.
+    """
+    ratios = []
+    for name, reference in references.items():
+        reference = np.asarray(reference)
+        if not np.issubdtype(reference.dtype, np.floating):
+            continue
+        count = len(reference)
+        ref = reference.reshape(count, -1).astype(np.float64)
+        diff = np.asarray(outputs[name]).reshape(count, -1).astype(np.float64) - ref
+        power = np.maximum((ref * ref).sum(axis=1), np.finfo(np.float64).tiny)
+        ratios.append((diff * diff).sum(axis=1) / power)
+    if not ratios:
+        raise ModelError(f"the model has no float outputs to compare ({sorted(references)}); "
+                         "pass a metric that reads its outputs (--metric module:function).")
+    return np.mean(ratios, axis=0)
+
+
+def hardest_samples(batches, reference: Callable, candidate: Callable, count: int,
+                    progress: Callable | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The `count` samples where `candidate` disagrees most with `reference`, as one batch.
+
+    `batches` is a :class:`quantlab.data.BatchSource`; `reference` and `candidate`
+    run one batch (a backend's ``run``). Returns the batch (samples in data order)
+    and their indices in the data. Only the kept samples stay in memory.
+    """
+    kept: list[tuple[float, int, dict]] = []  # a min-heap on disagreement
+    start = 0
+    for batch in progress(batches) if progress else batches:
+        length = batches.length(batch)
+        nsr = sample_nsr(candidate(batch), reference(batch))
+        for index in np.argsort(-nsr, kind="stable")[:count]:
+            item = (float(nsr[index]), start + int(index),
+                    {k: np.array(v) for k, v in batches.slice(batch, index, index + 1).items()})
+            if len(kept) < count:
+                heapq.heappush(kept, item)
+            elif item[0] > kept[0][0]:
+                heapq.heapreplace(kept, item)
+        start += length
+    kept.sort(key=lambda item: item[1])
+    samples = [item[2] for item in kept]
+    merged = {}
+    for name, first in samples[0].items():
+        axis = batches.axes.get(name, 0)
+        merged[name] = first if axis is None else np.concatenate([s[name] for s in samples],
+                                                                 axis=axis)
+    return merged, np.array([item[1] for item in kept])
+
+
+
+@dataclass
+class OutputSensitivity:
+    """Each unit's contribution to the output noise when it runs INT8, fitted from trials.
+
+    ``masks[t, i]`` is True when unit ``units[i]`` ran INT8 in trial ``t``, ``nsr[t]``
+    the measured output noise-to-signal ratio of that trial, ``contribution`` the
+    nonnegative a_i of nsr ~ sum of a_i over the INT8 units.
+    """
+
+    units: list[str]
+    masks: np.ndarray
+    nsr: np.ndarray
+    contribution: np.ndarray
+
+    def predicted_nsr(self, int8: Iterable[str]) -> float:
+        """Predicted output noise-to-signal ratio when the units `int8` run INT8."""
+        chosen = set(int8)
+        return float(sum(a for u, a in zip(self.units, self.contribution, strict=True)
+                         if u in chosen))
+
+    def ranking(self) -> list[str]:
+        """Units, largest contribution first."""
+        return [self.units[i] for i in np.argsort(-self.contribution, kind="stable")]
+
+
+def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
+               references: Mapping[str, np.ndarray], trials: int = 24,
+               int8_share: float = 0.5, ridge: float = 1e-3, seed: int = 0,
+               fixed: Mapping[str, str] | None = None,
+               known: Mapping[int, float] | None = None,
+               on_trial: Callable[[int, float], None] | None = None,
+               progress: Callable | None = None) -> OutputSensitivity:
+    """Output-aware sensitivity from `trials` switchboard passes over one (hard) batch.
+
+    Each trial runs a random plan (each unit INT8 with probability `int8_share`,
+    else FP32) through ``run(batch, flags)`` (the switchboard backend run on the
+    batch with the plan's flag inputs), and measures the output noise against
+    `references` (the FP32 outputs on `batch`). Quantization noise of separate
+    layers adds in power to first order, so nsr(S) ~ sum of a_i over the INT8
+    units S, fitted by nonnegative least squares with a small ridge
+    (``ridge * trials``) so that a few trials still give a unique answer. The
+    all-INT8 plan is always one of the trials.
+    Units in `fixed` (hard pins: unit -> precision) keep that precision in every
+    trial and get no contribution. Trials in `known` (index -> nsr, from an
+    interrupted run with the same seed) are not run again; `on_trial(t, nsr)` is
+    called after each trial run.
+    """
+    fixed = dict(fixed or {})
+    units = list(board.flags)
+    rng = np.random.default_rng(seed)
+    masks = rng.random((trials, len(units))) < int8_share
+    masks[0] = True
+    masks[:, [i for i, u in enumerate(units) if u in fixed]] = False
+    nsr = np.empty(trials)
+    known = dict(known or {})
+    for t in progress(range(trials)) if progress else range(trials):
+        if t in known:
+            nsr[t] = known[t]
+            continue
+        precisions = {u: "int8" if m else "fp32" for u, m in zip(units, masks[t], strict=True)}
+        precisions.update(fixed)
+        outputs = run(batch, board.feeds(precisions))
+        nsr[t] = float(sample_nsr(outputs, references).mean())
+        if on_trial:
+            on_trial(t, nsr[t])
+    system = np.vstack([masks.astype(np.float64), np.sqrt(ridge * trials) * np.eye(len(units))])
+    target = np.concatenate([nsr, np.zeros(len(units))])
+    contribution, _ = optimize.nnls(system, target)
+    return OutputSensitivity(units, masks, nsr, contribution)
+
+
+def run_batched(run: Callable, batch: Mapping[str, np.ndarray], source) -> dict[str, np.ndarray]:
+    """`run` over `batch` in chunks of the source's batch size (fixed-batch models), outputs
+    joined on axis 0."""
+    length, parts = source.length(batch), []
+    for start in range(0, length, source.batch_size):
+        parts.append(run(source.slice(batch, start, min(start + source.batch_size, length))))
+    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+
+def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
+               batch: Mapping[str, np.ndarray],
+               precisions: Sequence[str] = ("int8", "fp16")) -> dict[str, dict[str, float]]:
+    """Each unit's local SQNR in dB per precision: its nodes run alone on FP32 inputs.
+
+    One pass of :func:`quantlab.sensitivity.local_error_model` over the Q/DQ models
+    that run every unit in each of `precisions` ("int8", "fp16"), side by side; a
+    unit's figure is its worst node output (-inf when FP16 overflows). `batch`
+    should be small (a slice of the hard samples): every tensor the local graph
+    reads is held at once. Returns unit -> precision -> dB.
+    """
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.sensitivity import local_error_model
+
+    everything = [n for u in units for n in u.nodes]
+    local = local_error_model(
+        [Graph(qdq.quantize_model(g.model, amax, dict.fromkeys(everything, precision)))
+         for precision in precisions], g)
+    inputs = set(g.input_names)
+    compared = list(dict.fromkeys(local.outputs.values()))
+    fp32 = OnnxRuntimeBackend(g.model, name="fp32").run(
+        batch, [t for t in dict.fromkeys([*local.feeds, *compared]) if t not in inputs])
+    fp32.update({name: batch[name] for name in inputs})
+    values = OnnxRuntimeBackend(local.model, name="local", check_inputs=False).run(
+        {name: fp32[name] for name in local.feeds})
+    sqnr: dict[tuple[str, str], float] = {}
+    for name, tensor in local.outputs.items():
+        reference = fp32[tensor].astype(np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            noise = float(((values[name] - reference) ** 2).sum())
+        sqnr[(tensor, local.precisions[name])] = (
+            -np.inf if not np.isfinite(noise) else
+            10 * np.log10(float((reference ** 2).sum()) / noise) if noise > 0 else np.inf)
+    nodes = {node.name: node for node in g.model.graph.node}
+    result: dict[str, dict[str, float]] = {}
+    for unit in units:
+        for precision in precisions:
+            figures = [sqnr[(o, precision)] for n in unit.linear for o in nodes[n].output
+                       if (o, precision) in sqnr]
+            if figures:
+                result.setdefault(unit.name, {})[precision] = float(min(figures))
+    return result
+
+
+def fp16_contributions(contribution: Mapping[str, float],
+                       local: Mapping[str, Mapping[str, float]],
+                       unmeasured: Iterable[str] = ()) -> dict[str, float]:
+    """Each unit's predicted output-noise contribution in FP16, from its local errors.
+
+    To first order a unit's output contribution is its local noise power times a
+    gain (how much of it reaches the output). The gain is measured in INT8
+    (contribution / local INT8 NSR) and applied to the local FP16 NSR; `unmeasured`
+    units (hard pins, kept out of the trials) and units whose INT8 error is nil take
+    the median gain of the others. Infinite when FP16 overflows (local SQNR -inf).
+    """
+    def nsr(db: float) -> float:
+        return float(10.0 ** (-db / 10.0)) if db > -np.inf else np.inf
+
+    skipped = set(unmeasured)
+    gains = {u: contribution.get(u, 0.0) / nsr(f["int8"]) for u, f in local.items()
+             if u not in skipped and 0 < nsr(f.get("int8", np.inf)) < np.inf}
+    typical = float(np.median([g for g in gains.values() if g > 0] or [1.0]))
+    result = {}
+    for unit, figures in local.items():
+        if "fp16" in figures:
+            noise = nsr(figures["fp16"])
+            result[unit] = np.inf if noise == np.inf else noise * gains.get(unit, typical)
+    return result
+
+
+def choose_calibrators(g: Graph, candidates: Mapping[str, Mapping[str, float]],
+                       units: Sequence[Unit], batch: Mapping[str, np.ndarray],
+                       default: Mapping[str, float]) -> tuple[dict[str, float], dict[str, str]]:
+    """Per unit, the calibration method whose amax gives it the best local INT8 SQNR.
+
+    A unit's local error depends only on the amax of its own tensors (each pair
+    tensor belongs to one unit), so the choice is made unit by unit from one local
+    pass per method. Returns the merged amax (`default` for tensors of no unit)
+    and unit -> method.
+    """
+    local = {method: local_sqnr(g, amax, units, batch, ("int8",))
+             for method, amax in candidates.items()}
+    merged, chosen = dict(default), {}
+    for unit in units:
+        scored = {m: local[m][unit.name]["int8"] for m in candidates if unit.name in local[m]}
+        if not scored:
+            continue
+        chosen[unit.name] = max(scored, key=scored.get)
+        merged.update({t: candidates[chosen[unit.name]][t] for t in unit.tensors})
+    return merged, chosen

@@ -1,0 +1,97 @@
+"""The search (Stage D): the most INT8 MACs within a predicted-noise budget, and the front."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import optimize
+
+from quantlab import qdq
+from quantlab.errors import ConfigError
+from quantlab.planner.units import Unit
+
+
+@dataclass
+class FrontPoint:
+    """The plan with the most INT8 MACs whose predicted noise stays within `budget`."""
+
+    budget: float
+    predicted: float
+    int8_mac_share: float
+    precisions: dict[str, str]
+
+
+def fallback_precision(allowed: Sequence[str], high_precision: str = "fp16") -> str:
+    """The precision a unit runs in when not INT8: FP16 where allowed and wanted, else FP32."""
+    return "fp16" if high_precision == "fp16" and "fp16" in allowed else "fp32"
+
+
+def solve(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
+          contribution: Mapping[str, float], budget: float,
+          high_precision: str = "fp16",
+          fp16_contribution: Mapping[str, float] | None = None) -> FrontPoint:
+    """Maximize the INT8 share of MACs subject to the predicted noise staying <= `budget`.
+
+    Each unit runs INT8 (adding `contribution`), FP16 (adding `fp16_contribution`,
+    where its hard reasons and `high_precision` allow FP16; units missing from it
+    add none, an infinite figure forbids FP16) or FP32 (adding none). Two 0/1
+    knapsacks solved exactly by ``scipy.optimize.milp``: the most INT8 MACs within
+    the budget, then the most FP16 MACs among the other units within what is left.
+    """
+    if not budget >= 0:
+        raise ConfigError(f"the noise budget must be a number >= 0, got {budget}.")
+    names = [u.name for u in units]
+    macs = np.array([u.macs for u in units], dtype=np.float64)
+    total = macs.sum()
+    cost = np.array([float(contribution.get(n, 0.0)) for n in names])
+    half = np.array([float((fp16_contribution or {}).get(n, 0.0)) for n in names])
+    can_int8 = np.array(["int8" in allowed.get(n, qdq.PRECISIONS) for n in names], bool)
+    can_fp16 = np.array([high_precision == "fp16" and "fp16" in allowed.get(n, qdq.PRECISIONS)
+                         for n in names], bool) & np.isfinite(half)
+    # Units without MACs (or all of them, for a model without) still prefer INT8 when free.
+    gain = (macs / total if total else np.zeros(len(names))) + 1e-9
+    chosen = _knapsack(gain, cost, budget, can_int8)
+    rounded = _knapsack(gain, half, budget - cost[chosen].sum(), can_fp16 & ~chosen)
+    precisions = {n: "int8" if c else "fp16" if r else "fp32"
+                  for n, c, r in zip(names, chosen, rounded, strict=True)}
+    share = float(macs[chosen].sum() / total) if total else 1.0
+    return FrontPoint(budget, float(cost[chosen].sum() + half[rounded].sum()), share, precisions)
+
+
+def _knapsack(value: np.ndarray, weight: np.ndarray, capacity: float,
+              allowed: np.ndarray) -> np.ndarray:
+    """The 0/1 choice of `allowed` items with the most value whose weight fits `capacity`."""
+    if not allowed.any():
+        return np.zeros(len(value), bool)
+    weight = np.where(allowed, weight, 0.0)
+    result = optimize.milp(-value, integrality=np.ones(len(value)),
+                           bounds=optimize.Bounds(0.0, allowed.astype(np.float64)),
+                           constraints=[optimize.LinearConstraint(weight[None, :], -np.inf,
+                                                                  max(capacity, 0.0))],
+                           options={"mip_rel_gap": 0.0})
+    return np.round(result.x).astype(bool)
+
+
+def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
+          contribution: Mapping[str, float], points: int = 24,
+          high_precision: str = "fp16",
+          fp16_contribution: Mapping[str, float] | None = None) -> list[FrontPoint]:
+    """The predicted INT8-share-vs-noise front: the best plan at `points` budgets.
+
+    Budgets run from 0 to the sum of all contributions, log-spaced from the smallest
+    nonzero contribution (INT8 or FP16), so both the cheap pins and the last units
+    show. Per INT8 share the plan of the largest budget is kept: the budget its INT8
+    units leave goes to FP16 instead of FP32.
+    """
+    costs = [c for c in [*contribution.values(), *(fp16_contribution or {}).values()]
+             if 0 < c < np.inf]
+    budgets = [0.0]
+    if costs:  # up to every unit in INT8 and every other one in FP16
+        budgets += list(np.geomspace(min(costs), sum(costs), points - 1))
+    best = {}  # INT8 share -> plan; budgets ascend, so the last plan of a share wins
+    for budget in budgets:
+        point = solve(units, allowed, contribution, budget, high_precision, fp16_contribution)
+        best[point.int8_mac_share] = point
+    return [best[share] for share in sorted(best)]
