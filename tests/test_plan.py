@@ -767,3 +767,23 @@ def test_choose_calibrators_per_unit_from_local_error(planted_case):
     merged, chosen = plan.choose_calibrators(g, candidates, units, batch, amax)
     assert chosen[units[0].name] == "b" and chosen[units[1].name] == "a"
     assert all(merged[t] == amax[t] for t in units[0].tensors + units[1].tensors)
+
+
+def test_choose_calibrators_replaces_the_amax_a_moved_pair_is_scaled_by():
+    from quantlab import qdq
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    g = residual_block()
+    batch = {"x": np.random.default_rng(2).standard_normal((2, 3, 8, 8)).astype(np.float32)}
+    units = plan.find_units(g, {"x": [2, 3, 8, 8]})
+    names = qdq.activation_tensors_to_calibrate(g.model)
+    amax = {n: float(np.abs(v).max()) for n, v in OnnxRuntimeBackend(g.model).run(
+        batch, names).items()}
+    # conv3's pair sits on s (moved back across the MaxPool) but is scaled by p's amax.
+    assert "p" in amax and "s" not in amax
+    candidates = {"spoiled": {t: v * 100 for t, v in amax.items()}, "calibrated": amax}
+    merged, chosen = plan.choose_calibrators(g, candidates, units, batch,
+                                             candidates["spoiled"])
+    assert chosen["conv3"] == "calibrated"
+    assert merged == amax
+

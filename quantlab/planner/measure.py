@@ -232,15 +232,19 @@ def choose_calibrators(g: Graph, candidates: Mapping[str, Mapping[str, float]],
     A unit's local error depends only on the amax of its own tensors (each pair
     tensor belongs to one unit), so the choice is made unit by unit from one local
     pass per method. Returns the merged amax (`default` for tensors of no unit)
-    and unit -> method.
+    and unit -> method. A pair moved backward across a pass-through op takes the
+    amax of the tensor it was calibrated for (qdq's placement source), which is
+    the one replaced.
     """
     local = {method: local_sqnr(g, amax, units, batch, ("int8",))
              for method, amax in candidates.items()}
+    source = qdq.place(g.model).source
     merged, chosen = dict(default), {}
     for unit in units:
         scored = {m: local[m][unit.name]["int8"] for m in candidates if unit.name in local[m]}
         if not scored:
             continue
         chosen[unit.name] = max(scored, key=scored.get)
-        merged.update({t: candidates[chosen[unit.name]][t] for t in unit.tensors})
+        merged.update({source[t]: candidates[chosen[unit.name]][source[t]]
+                       for t in unit.tensors})
     return merged, chosen
