@@ -12,7 +12,8 @@ measured effect on the zoo models.
 Costs, in forward passes per calibration sample:
 
 - :func:`cross_layer_equalization`: none (weights only).
-- :func:`bias_correction`: one FP32 pass and `rounds` Q/DQ passes.
+- :func:`bias_correction`: one FP32 pass and one pass of the local graph (``mode="local"``),
+  or one FP32 pass and `rounds` Q/DQ passes (``mode="global"``).
 - :func:`smooth_quant`: one FP32 pass for the per-channel ranges (none when given).
 
 Passes stream: batches run in slices whose exposed tensors fit `run_bytes`, and
