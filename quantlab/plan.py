@@ -50,6 +50,8 @@ from quantlab.planner.decisions import (  # noqa: F401 (public API)
 )
 from quantlab.planner.measure import (  # noqa: F401 (public API)
     OutputSensitivity,
+    RepairedModel,
+    all_int8_nsr,
     choose_calibrators,
     fp16_contributions,
     group_test,
@@ -178,6 +180,8 @@ class PlanResult:
     evaluations: list[Evaluation]
     chosen: int
     hard_samples: list[int]
+    # The FP32 model planned: the input model, or its repaired copy (plan.repairs says which).
+    model: onnx.ModelProto | None = None
 
     @property
     def certificate(self) -> Certificate:
@@ -192,6 +196,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
               max_evaluations: int = 4, high_precision: str = "fp16", task=None,
               resamples: int = 200, checkpoint: Checkpoint | None = None,
               candidates: Mapping[str, Mapping[str, float]] | None = None,
+              repairs: Mapping[str, RepairedModel] | None = None,
               progress: Callable | None = None) -> PlanResult:
     """Plan `model` (normalized) under a budget: rules, group testing, front, certification.
 
@@ -209,7 +214,12 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     interrupted run of the same plan skips the trials and evaluations it holds.
     `candidates` (calibration method -> amax) lets each unit take the method whose
     amax gives it the best local INT8 SQNR on the first calibration batch (a
-    repair that costs no runtime, weighed before any pin).
+    repair that costs no runtime, weighed before any pin). `repairs` (name ->
+    :class:`RepairedModel`, e.g. cross-layer equalization) are weighed first, one
+    pass each on the first calibration batch: the option whose all-INT8 model
+    has the least output noise is planned (the FP32 model stays the reference),
+    and ``plan.repairs`` records every option's noise and, for the chosen repair,
+    its effect on the hardest samples.
     """
     from quantlab import switchboard
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
@@ -227,8 +237,16 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
                                    metric, max_drop, task):
         warnings.warn(message, stacklevel=2)
     step = progress or (lambda items, **_: items)
-    g = Graph(model)
+    fp32 = OnnxRuntimeBackend(model, name="fp32")
     first = next(iter(calibration))
+    original = RepairedModel(model, amax, ranges, p9999, candidates)
+    options = {"none": original, **(repairs or {})}
+    weighed = all_int8_nsr(options, first, fp32.run(first), calibration) if repairs else {}
+    repair = min(weighed, key=weighed.get) if weighed else "none"
+    model, amax, ranges, p9999, candidates = (
+        options[repair].model, options[repair].amax, options[repair].ranges,
+        options[repair].p9999, options[repair].candidates)
+    g = Graph(model)
     units = find_units(g, {name: np.shape(value) for name, value in first.items()})
     reasons = apply_rules(units, RuleContext(g, ranges, p9999))
     allowed = {u.name: allowed_precisions(reasons.get(u.name, [])) for u in units}
@@ -239,7 +257,6 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     if candidates:
         amax, calibrators = choose_calibrators(g, candidates, units, first, amax)
     amax = share_scales(g, amax)
-    fp32 = OnnxRuntimeBackend(model, name="fp32")
     board = switchboard.build(g, units, amax)
     board_backend = OnnxRuntimeBackend(board.model, name="switchboard", check_inputs=False)
 
@@ -259,6 +276,14 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         on_trial=checkpoint.add_trial if checkpoint else None,
         progress=lambda r: step(r, desc="switchboard trials"))
     contribution = dict(zip(sensitivity.units, sensitivity.contribution, strict=True))
+    repair_records = [{"repair": name, "chosen": name == repair,
+                       "all_int8_nsr_first_batch": nsr, **_repair_summary(options[name].report)}
+                      for name, nsr in weighed.items()]
+    if repair != "none":  # its effect where the pins' is measured: the hardest samples
+        fixed_nodes = {n: fixed[u.name] for u in units if u.name in fixed for n in u.nodes}
+        before = all_int8_nsr({"none": original}, hard, references, calibration, fixed_nodes)
+        repair_records[list(weighed).index(repair)].update(
+            hard_nsr_before=before["none"], hard_nsr_after=float(sensitivity.nsr[0]))
     local = local_sqnr(g, amax, units, calibration.slice(hard, 0, calibration.batch_size))
     fp16_contribution = fp16_contributions(contribution, local, fixed)
     points = front(units, allowed, contribution, high_precision=high_precision,
@@ -337,6 +362,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
                 f"{local.get(unit.name, {}).get('fp16', float('nan')):.3g} dB); the budget left "
                 "by the INT8 units does not hold it", SEARCH_SOURCE))
     decided.metric = metric
+    decided.repairs = repair_records
     decided.budget = max_drop if max_drop is not None else min_sqnr
     qdq_model = qdq.quantize_model(model, amax, decided.node_precisions(),
                                    high_precision=high_precision)
@@ -347,7 +373,13 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
                          "the plan says otherwise; this is a bug, please report it with the model.")
     return PlanResult(decided, qdq_model, dict(amax), points, sensitivity, evaluations,
                       next(i for i, e in enumerate(evaluations) if e is evaluated[index]),
-                      hard_indices.tolist())
+                      hard_indices.tolist(), model)
+
+
+def _repair_summary(report: Mapping) -> dict:
+    """The plain figures of a RepairReport dict that plan.json keeps: places changed, skipped."""
+    return {"applied": len(report.get("applied", [])), "skipped": len(report.get("skipped", [])),
+            "passes": report.get("passes", 0), **report.get("summary", {})}
 
 
 def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], low: int,

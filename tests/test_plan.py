@@ -787,3 +787,65 @@ def test_choose_calibrators_replaces_the_amax_a_moved_pair_is_scaled_by():
     assert chosen["conv3"] == "calibrated"
     assert merged == amax
 
+
+
+def unbalanced_model() -> graph.Graph:
+    """conv1 writes channel 0 ~100x larger than the others, conv2 reads it with ~1/100 weights.
+
+    The function does not care, but the per-tensor INT8 scale of r (conv1's Relu output) is
+    set by channel 0, so every other channel is quantized coarsely: the case cross-layer
+    equalization (Nagel et al. 2019) repairs by moving the factor into conv2's weights.
+    """
+    rng = np.random.default_rng(3)
+    w1 = rng.standard_normal((16, 16, 3, 3)) / 12
+    w1[0] *= 100
+    w2 = rng.standard_normal((16, 16, 1, 1)) / 4
+    w2[:, 0] /= 100
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2"], ["d"], name="conv2"),
+             helper.make_node("Relu", ["d"], ["rd"], name="relu2"),
+             helper.make_node("Conv", ["rd", "w3"], ["y"], name="conv3")]
+    return make_graph(nodes, [("x", ["N", 16, 6, 6])],
+                      {"w1": w1, "w2": w2, "w3": rng.standard_normal((16, 16, 1, 1)) / 4})
+
+
+def test_make_plan_weighs_a_repair_before_pins_and_plans_the_better_model(tmp_path):
+    from quantlab import data, qdq, repairs
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    g = unbalanced_model()
+    samples = np.random.default_rng(4).standard_normal((32, 16, 6, 6)).astype(np.float32)
+    source = data.open_data(samples, g.inputs, batch_size=16)
+
+    def calibrated(model):
+        names = qdq.activation_tensors_to_calibrate(model)
+        return {n: float(np.abs(v).max())
+                for n, v in OnnxRuntimeBackend(model).run({"x": samples}, names).items()}
+
+    equalized, report = repairs.cross_layer_equalization(g.model)
+    amax, amax_cle = calibrated(g.model), calibrated(equalized)
+    # Reference: output NSR of each all-INT8 Q/DQ model on the first batch, in numpy.
+    first = samples[:16]
+    fp32 = OnnxRuntimeBackend(g.model).run({"x": first})["y"].astype(np.float64)
+
+    def nsr(model, scales):
+        got = OnnxRuntimeBackend(qdq.quantize_model(model, scales)).run({"x": first})["y"]
+        return np.mean(((got - fp32) ** 2).sum(axis=(1, 2, 3)) / (fp32 ** 2).sum(axis=(1, 2, 3)))
+
+    want = {"none": nsr(g.model, amax), "cle": nsr(equalized, amax_cle)}
+    assert want["cle"] < want["none"] / 4  # the repair is worth it on this model
+    result = plan.make_plan(
+        g.model, source, source, amax, amax, amax, min_sqnr=10.0, trials=6, hard_count=16,
+        repairs={"cle": plan.RepairedModel(equalized, amax_cle, amax_cle, amax_cle,
+                                           report=report.to_dict())})
+    records = {r["repair"]: r for r in result.plan.repairs}
+    assert {n: r["all_int8_nsr_first_batch"] for n, r in records.items()} == pytest.approx(
+        want, rel=1e-6)
+    assert records["cle"]["chosen"] and not records["none"]["chosen"]
+    assert records["cle"]["applied"] == len(report.applied) > 0
+    # Measured where the pins are, on the hardest samples, it removes most of the noise.
+    assert records["cle"]["hard_nsr_before"] > 4 * records["cle"]["hard_nsr_after"]
+    assert result.model is equalized and result.amax["r"] == pytest.approx(amax_cle["r"])
+    assert plan.Plan.load(result.plan.save(tmp_path / "plan.json")).repairs == \
+        result.plan.repairs

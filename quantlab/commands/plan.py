@@ -44,6 +44,9 @@ EPILOG = DATA_HELP
 TASK_METRICS = ("top1", "map")
 # The checkpoint of a running plan, left in --out when it is interrupted.
 PROGRESS_FILE = ".plan-progress.json"
+# quantlab.repairs applied to the FP32 model and weighed by the planner (bias correction, which
+# rewrites the Q/DQ model per INT8 op, is not one yet: the switchboard cannot switch it per unit).
+REPAIRS = ("cle", "smoothquant")
 PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache",
               "calibration.trtexec.cache", "trtexec.txt", "summary.json", "report.html")
 
@@ -77,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="methods each unit chooses its input scales from, by local INT8 "
                              "error (a repair tried before pins; default: all of "
                              f"{', '.join(METHODS)}; give --method alone to keep one)")
+    parser.add_argument("--repairs", nargs="+", default=[], choices=REPAIRS, metavar="REPAIR",
+                        help="repairs weighed before pins: cle (cross-layer equalization, "
+                             "data-free), smoothquant (activation outliers into weights); each "
+                             "costs one calibration pass and one pass on a batch; the one whose "
+                             "all-INT8 model is least noisy is planned (default: none)")
     parser.add_argument("--high-precision", default="fp16", choices=("fp16", "fp32"),
                         help="what non-INT8 units run in where the rules allow FP16 "
                              "(default: %(default)s)")
@@ -127,6 +135,18 @@ def _calibration(args, model):
                      preprocess_from_args(args)), None
 
 
+def _calibrated(stats, args):
+    """(scales of --method, max |x|, 99.99th percentile, --calibrators' amax) of statistics."""
+    from quantlab import calibrate
+
+    scales = calibrate.calibrate(stats, args.method)
+    ranges = {name: tensor.amax for name, tensor in stats.tensors.items()}
+    p9999 = calibrate.calibrate(stats, "percentile").amax
+    candidates = {m: scales.amax if m == args.method else calibrate.calibrate(stats, m).amax
+                  for m in dict.fromkeys(args.calibrators)}
+    return scales, ranges, p9999, candidates
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan, certify and write the plan's folder."""
     from functools import partial
@@ -134,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
-    from quantlab import cache, calibrate, collect, graph, plan, qdq, trt_ranges, trtexec
+    from quantlab import cache, collect, graph, plan, qdq, repairs, trt_ranges, trtexec
     from quantlab.backends import tensorrt as trt_backend
     from quantlab.commands.build import TRTEXEC_CACHE
     from quantlab.commands.options import input_options, preprocess_from_args
@@ -175,11 +195,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
                                args.max_samples, preprocess_from_args(args))
-    scales = calibrate.calibrate(stats, args.method)
-    ranges = {name: tensor.amax for name, tensor in stats.tensors.items()}
-    p9999 = calibrate.calibrate(stats, "percentile").amax
-    candidates = {m: scales.amax if m == args.method else calibrate.calibrate(stats, m).amax
-                  for m in dict.fromkeys(args.calibrators)}
+    scales, ranges, p9999, candidates = _calibrated(stats, args)
+    repaired = {}
+    for name in args.repairs:
+        changed, report = (repairs.cross_layer_equalization(model) if name == "cle"
+                           else repairs.smooth_quant(model, source))
+        if not report.applied:
+            print(f"repair {name}: nothing to change in this model ({len(report.skipped)} "
+                  "candidates skipped); not weighed.")
+            continue
+        changed_stats = collect.collect(changed, source, trt_ranges.tensors_to_calibrate(changed),
+                                        progress=not args.no_progress)
+        changed_scales, changed_ranges, changed_p9999, changed_candidates = _calibrated(
+            changed_stats, args)
+        repaired[name] = plan.RepairedModel(
+            changed, changed_scales.amax, changed_ranges, changed_p9999,
+            changed_candidates if len(changed_candidates) > 1 else None, report.to_dict())
     progress = None if args.no_progress else partial(tqdm, leave=False)
     # Trials and evaluations are checkpointed in --out: an interrupted run resumes from there.
     out = Path(args.out)
@@ -188,19 +219,19 @@ def run(args: argparse.Namespace) -> int:
         model, source.description, source.num_samples, evaluation.description,
         evaluation.num_samples, args.metric, args.max_drop, args.min_sqnr, args.trials,
         args.hard_samples, args.high_precision, args.resamples, sorted(scales.amax.items()),
-        sorted(candidates)))
+        sorted(candidates), sorted(repaired)))
     result = plan.make_plan(model, source, evaluation, scales.amax, ranges, p9999,
                             metric=args.metric, max_drop=args.max_drop,
                             min_sqnr=args.min_sqnr, trials=args.trials,
                             hard_count=args.hard_samples, high_precision=args.high_precision,
                             task=task, resamples=args.resamples, checkpoint=checkpoint,
                             candidates=candidates if len(candidates) > 1 else None,
-                            progress=progress)
+                            repairs=repaired, progress=progress)
     certificate = result.certificate
-    pinned = plan.pinned_tensors(result.plan, graph.Graph(model))
+    pinned = plan.pinned_tensors(result.plan, graph.Graph(result.model))
     with output_folder(args.out, force=args.force, produces=PLAN_FILES) as folder:
         result.plan.save(folder / "plan.json")
-        graph.save_model(model, folder / "model.onnx")
+        graph.save_model(result.model, folder / "model.onnx")  # repaired when plan.json says
         graph.save_model(result.qdq_model, folder / "model.int8.onnx")
         kept = {name: amax / 127.0 for name, amax in result.amax.items() if name not in pinned}
         cache.write_calibration_cache(folder / "calibration.cache", kept,
@@ -231,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
             "calibration": {"data": source.description, "method": scales.method,
                             "calibrators": list(candidates)},
             "eval": {"data": evaluation.description, "num_samples": evaluation.num_samples},
+            "repairs": result.plan.repairs,
         })
     (out / PROGRESS_FILE).unlink(missing_ok=True)
     verdict = "certified" if certificate.certified else "NOT certified"

@@ -42,6 +42,8 @@ class Plan:
     units: dict[str, UnitDecision]
     metric: str = ""
     budget: float | None = None
+    # The repairs weighed before pins: one plain dict each (see make_plan).
+    repairs: list[dict] = field(default_factory=list)
 
     @classmethod
     def from_rules(cls, units: Sequence[Unit], reasons: Mapping[str, Sequence[Reason]]) -> Plan:
@@ -65,7 +67,8 @@ class Plan:
         return write_json(path, {"format": PLAN_FORMAT, "version": PLAN_VERSION,
                                  "metric": self.metric, "budget": self.budget,
                                  "int8_mac_share": self.int8_mac_share(),
-                                 "units": {name: asdict(d) for name, d in self.units.items()}})
+                                 "units": {name: asdict(d) for name, d in self.units.items()},
+                                 "repairs": self.repairs})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
@@ -85,7 +88,8 @@ class Plan:
                 units[str(name)] = UnitDecision(
                     entry["precision"], list(entry["nodes"]), int(entry["macs"]), reasons,
                     dict(entry["evidence"]), entry["predicted"], entry["measured"])
-            return cls(units, str(data["metric"]), data["budget"])
+            return cls(units, str(data["metric"]), data["budget"],
+                       [dict(r) for r in data.get("repairs", [])])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DataError(f"{path} is a damaged plan file (field {exc}); plan again to "
                             "rewrite it.") from None

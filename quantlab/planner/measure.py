@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+import onnx
 from scipy import optimize
 
 from quantlab import qdq
@@ -248,3 +249,42 @@ def choose_calibrators(g: Graph, candidates: Mapping[str, Mapping[str, float]],
         merged.update({source[t]: candidates[chosen[unit.name]][source[t]]
                        for t in unit.tensors})
     return merged, chosen
+
+
+@dataclass
+class RepairedModel:
+    """A repaired FP32 model (same function, other weights) and its calibration: an option
+    the planner weighs before any pin (Stage C; :mod:`quantlab.repairs` makes them).
+
+    `amax`, `ranges`, `p9999` and `candidates` are what :func:`quantlab.plan.make_plan`
+    takes for the unrepaired model, calibrated on the repaired one; `report` is the
+    repair's :class:`quantlab.repairs.RepairReport` as plain data.
+    """
+
+    model: onnx.ModelProto
+    amax: Mapping[str, float]
+    ranges: Mapping[str, float]
+    p9999: Mapping[str, float]
+    candidates: Mapping[str, Mapping[str, float]] | None = None
+    report: dict = field(default_factory=dict)
+
+
+def all_int8_nsr(options: Mapping[str, RepairedModel], batch: Mapping[str, np.ndarray],
+                 references: Mapping[str, np.ndarray], source,
+                 plan: Mapping[str, str] | None = None) -> dict[str, float]:
+    """Output NSR of each option's Q/DQ model (all INT8 but `plan`'s nodes) on `batch`.
+
+    One pass per option, against `references` (the FP32 outputs on `batch`); run in
+    chunks of the source's batch size. Nodes of `plan` an option lacks are skipped.
+    """
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    result = {}
+    for name, option in options.items():
+        nodes = {n.name for n in option.model.graph.node}
+        model = qdq.quantize_model(option.model, option.amax,
+                                   {n: p for n, p in (plan or {}).items() if n in nodes})
+        run = OnnxRuntimeBackend(model, name=f"int8 {name}").run
+        result[name] = float(sample_nsr(run_batched(run, batch, source), references).mean())
+    return result
+

@@ -27,6 +27,12 @@ def plan_section(result: PlanResult) -> Section:
         f"{certificate.samples} samples, after {len(result.evaluations)} evaluations of the real "
         f"INT8 model and {len(result.sensitivity.nsr)} switchboard passes on "
         f"{len(result.hard_samples)} hardest calibration samples.")
+    if result.plan.repairs:
+        weighed = ", ".join(f"{r['repair']} {r['all_int8_nsr_first_batch']:.3g}"
+                            for r in result.plan.repairs)
+        chosen = next(r["repair"] for r in result.plan.repairs if r["chosen"])
+        summary += (f" Repairs weighed before pins by all-INT8 output NSR on the first "
+                    f"calibration batch: {weighed}; planned: {chosen}.")
     too_small = certificate.too_small_message()
     too_small = too_small[:1].upper() + too_small[1:]
     html = _ENV.get_template("plan.html").render(
@@ -101,13 +107,16 @@ def front_figure(result: PlanResult):
 
 
 def waterfall_figure(result: PlanResult):
-    """Bars from the all-INT8 predicted noise down by each non-INT8 unit's contribution."""
+    """Bars from the all-INT8 predicted noise down by the chosen repair's measured effect
+    (hardest samples, before and after) and each non-INT8 unit's contribution."""
     import matplotlib.pyplot as plt
 
     decisions = result.plan.units
-    start = sum(d.predicted or 0.0 for d in decisions.values())
-    pins = sorted(((n, d.predicted or 0.0) for n, d in decisions.items()
-                   if d.precision != "int8"), key=lambda item: -item[1])
+    repairs = [(f"repair: {r['repair']}", max(r["hard_nsr_before"] - r["hard_nsr_after"], 0.0))
+               for r in result.plan.repairs if "hard_nsr_before" in r]
+    pins = repairs + sorted(((n, d.predicted or 0.0) for n, d in decisions.items()
+                             if d.precision != "int8"), key=lambda item: -item[1])
+    start = sum(d.predicted or 0.0 for d in decisions.values()) + sum(a for _, a in repairs)
     levels = start - np.cumsum([0.0] + [a for _, a in pins])
     figure, axis = plt.subplots(figsize=(7, 3.5))
     axis.bar(0, start, color="tab:gray")
