@@ -4,15 +4,17 @@ MODEL is an .onnx file or a zoo model name. Statistics come from --data: a
 calibration folder written by `quantlab calibrate` (its stats.npz is reused and
 its data re-read with the recorded preprocessing) or calibration data (collected
 here). The planner seeds the plan with rules (TensorRT kernel limits, heads and
-decode arithmetic, depthwise weight spread, outlier ranges, FP16 range), measures
+decode arithmetic, depthwise weight spread, outlier ranges, FP16 range), weighs
+the --repairs asked for (the least noisy all-INT8 model is planned), measures
 every unit's share of the output noise with a few randomized passes of one
-"switchboard" ONNX Runtime session on the hardest calibration samples, solves the
-INT8-share-vs-noise front, and certifies the chosen plan on --eval with the real
-INT8 model (integer kernels) and a paired bootstrap interval.
+"switchboard" ONNX Runtime session on the hardest calibration samples and its
+local INT8 and FP16 error in one pass, solves the INT8-share-vs-noise front (FP16
+where the budget left holds it, else FP32), and certifies the chosen plan on
+--eval with the real INT8 model (integer kernels) and a paired bootstrap interval.
 
 Writes into --out: plan.json (every unit: precision, reason codes, evidence,
-predicted contribution), model.onnx (FP32,
-normalized), model.int8.onnx (the plan's Q/DQ model, FP16 units as Cast pairs,
+predicted contribution; the repairs weighed), model.onnx (FP32, normalized,
+repaired when plan.json says so), model.int8.onnx (the plan's Q/DQ model, FP16 units as Cast pairs,
 strongly typed for TensorRT 11), calibration.cache without the pinned units'
 tensors (TensorRT <= 10; relabelled EntropyCalibration2 copy calibration.trtexec.cache
 for trtexec when the method is not entropy), trtexec.txt (quantlab.trtexec: TensorRT
