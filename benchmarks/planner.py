@@ -549,7 +549,12 @@ def markdown(paths: Sequence[Path]) -> str:
     same model, budget and tool) as a markdown table, then the verdicts."""
     merged: dict[tuple, dict] = {}
     for path in paths:
-        for row in json.loads(Path(path).read_text())["rows"]:
+        text = Path(path).read_text()
+        if path.suffix == ".json":
+            found = json.loads(text)["rows"]
+        else:  # a run's printed output: one JSON row per line as each child ends
+            found = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        for row in found:
             merged[(row["model"], row["budget"], row["tool"])] = row
     rows = list(merged.values())
     table = cell_rows(rows)
@@ -582,7 +587,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--tag", default="", help="suffix of the results file name")
     parser.add_argument("--markdown", nargs="+", type=Path, metavar="RESULT",
-                        help="print the rows of result files as a markdown table and stop")
+                        help="print the rows of result files (or of a run's printed output) "
+                             "as a markdown table and stop")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
