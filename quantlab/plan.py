@@ -317,7 +317,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     last = len(points) - 1
     evaluated[last] = evaluate_point(last)
     evaluations.append(evaluated[last])
-    if evaluated[last].certificate.too_small:  # said now, not after the other evaluations
+    if evaluated[last].certificate.inconclusive:  # said now, not after the other evaluations
         warnings.warn(evaluated[last].certificate.too_small_message(), stacklevel=2)
     low, high = -1, last  # highest certified index, lowest failed index
     if evaluated[last].certificate.certified:

@@ -495,7 +495,7 @@ def test_data_shortfalls_are_named_before_any_model_run():
     assert plan.data_shortfalls(64, 640, 64, "agreement", 0.01) == []
 
 
-def test_make_plan_warns_of_a_too_small_eval_set_after_its_first_evaluation(planted_case):
+def test_make_plan_names_data_shortfalls_before_any_model_run(planted_case):
     from quantlab import qdq
 
     g, source, fp32, *_ = planted_case
@@ -515,12 +515,21 @@ def test_make_plan_warns_of_a_too_small_eval_set_after_its_first_evaluation(plan
     assert str(caught[0].message).startswith("the calibration data hold 64 samples")
     assert str(caught[1].message).startswith("a drop of 0.01 in agreement is less than one")
     assert seen[0] == ("hardest samples", [str(w.message)[:40] for w in caught[:2]])
-    # The first evaluation (all INT8) already shows the set is too small: said before the next.
+    # All INT8 fails whatever the set's size (its whole interval is below the limit): its
+    # width says nothing about the plans nearer the budget, so no early warning.
     first = result.evaluations[0].certificate
-    assert first.too_small and len(result.evaluations) > 1
-    assert str(caught[2].message) == first.too_small_message()
-    evaluations = [warned for desc, warned in seen if desc == "INT8 evaluation"]
-    assert len(evaluations[0]) == 2 and len(evaluations[1]) == 3
+    assert first.too_small and first.interval[1] < 0 and not first.inconclusive
+    assert len(caught) == 2
+
+
+def test_inconclusive_when_the_interval_is_too_wide_and_reaches_the_budget():
+    def certificate(interval):
+        return plan.Certificate("map", 0.66, 0.655, 0.65, interval, 0.95, 500, False, True, 2103)
+
+    assert certificate((-0.004, 0.016)).inconclusive
+    assert not certificate((-0.03, -0.01)).inconclusive
+    assert not plan.Certificate("map", 0.66, 0.66, 0.65, (0.001, 0.02), 0.95, 500, True, False,
+                                None).inconclusive
 
 
 def test_pinned_tensors_leave_the_calibration_cache():

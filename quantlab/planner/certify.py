@@ -96,6 +96,15 @@ class Certificate:
     too_small: bool
     needed_samples: int | None
 
+    @property
+    def inconclusive(self) -> bool:
+        """Too small a set to decide: the interval is too wide and reaches the budget.
+
+        A plan whose whole interval is below the limit fails whatever the set's
+        size, and its wide interval says little about plans nearer the budget.
+        """
+        return self.too_small and self.interval[1] >= 0
+
     def too_small_message(self) -> str:
         """What to do when the evaluation set is too small to certify the budget ('' if not)."""
         if not self.too_small:
