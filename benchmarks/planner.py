@@ -559,7 +559,7 @@ def verdicts(rows: list[dict], models: Sequence[str], budgets: Sequence[float]) 
                 f"{model} budget {budget}: {verdict}: share {100 * ours['int8_mac_share']:.1f}% "
                 f"({'within' if ours['within_budget'] else 'OUTSIDE'} budget) vs best peer "
                 f"{best['tool']} {100 * best['int8_mac_share']:.1f}% "
-                f"[{'ok' if share_ok else 'short' if ours['within_budget'] else 'not a plan'}]; "
+                f"[{'ok' if share_ok else 'short' if ours['within_budget'] else 'outside'}]; "
                 f"evaluations {ours['evaluations']} vs "
                 f"fewest peer {fewest['tool']} {fewest['evaluations']} (target <= "
                 f"{EVALUATION_RATIO_TARGET * fewest['evaluations']:.1f}) "
