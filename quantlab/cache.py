@@ -23,9 +23,6 @@ import numpy as np
 from quantlab.errors import ConfigError, DataError
 from quantlab.experiment import write_text
 
-# The last TensorRT with implicit (calibrated) INT8 as its main path; pass the
-# version of the TensorRT that will read the cache (`quantlab calibrate --trt-version`).
-DEFAULT_TRT_VERSION = "8.6.1"
 ALGORITHMS = ("EntropyCalibration2", "EntropyCalibration", "MinMaxCalibration",
               "LegacyCalibration")
 _HEADER = re.compile(r"TRT-([0-9A-Za-z]+)-([A-Za-z0-9]+)")
@@ -94,7 +91,8 @@ def write_calibration_cache(
     path: str | os.PathLike,
     scales: Mapping[str, float],
     algorithm: str = "EntropyCalibration2",
-    trt_version: str | int = DEFAULT_TRT_VERSION,
+    *,
+    trt_version: str | int,
 ) -> Path:
     """Atomically write a TensorRT calibration cache of `scales` (tensor -> amax / 127).
 

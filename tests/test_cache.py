@@ -105,9 +105,10 @@ def test_version_numbers_and_writer_checks(tmp_path):
     with pytest.raises(ConfigError):
         trt_version_number("eight")
     with pytest.raises(DataError, match="'bad'"):
-        write_calibration_cache(tmp_path / "c.cache", {"bad": 0.0})
+        write_calibration_cache(tmp_path / "c.cache", {"bad": 0.0}, trt_version="8.6.1")
     with pytest.raises(ConfigError):
-        write_calibration_cache(tmp_path / "c.cache", {"x": 1.0}, algorithm="KL")
+        write_calibration_cache(tmp_path / "c.cache", {"x": 1.0}, algorithm="KL",
+                                trt_version="8.6.1")
     assert not (tmp_path / "c.cache").exists()
 
 

@@ -594,7 +594,8 @@ def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
     out = tmp_path / "plan"
     argv = [str(onnx_path), "--data", str(tmp_path / "calib.npy"), "--eval",
             str(tmp_path / "eval.npy"), "--min-sqnr", "24", "--out", str(out), "--trials", "16",
-            "--hard-samples", "16", "--batch-size", "16", "--no-progress"]
+            "--hard-samples", "16", "--batch-size", "16", "--no-progress", "--trt-version",
+            "8.6.1"]
     assert main(["plan", *argv]) == 0
     printed = capsys.readouterr().out
     assert "certified at 95% on 64 samples" in printed
@@ -624,6 +625,39 @@ def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
     assert "--force" in capsys.readouterr().err
     assert main(["plan", *argv, "--force", "--metric", "nope"]) == 1
     assert "unknown metric 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("trt_version", [None, "10.3.0"])
+def test_plan_completes_reused_statistics_with_what_it_reads(trt_version):
+    # x -> Conv (c1) -> swish (s1 = Sigmoid(c1), m1 = c1 * s1) -> Conv (y). A calibration
+    # folder holds the Q/DQ inputs x, m1; the FP16 range rule reads the conv outputs c1, y;
+    # a calibration cache (--trt-version) needs s1 too.
+    from argparse import Namespace
+
+    from quantlab import collect, data
+    from quantlab.commands import plan as command
+
+    g = make_graph([helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1"),
+                    helper.make_node("Sigmoid", ["c1"], ["s1"], name="sigmoid"),
+                    helper.make_node("Mul", ["c1", "s1"], ["m1"], name="swish"),
+                    helper.make_node("Conv", ["m1", "w2"], ["y"], name="conv2")],
+                   [("x", ["N", 3, 5, 5])], {"w1": weights(4, 3, 1, 1), "w2": weights(2, 4, 1, 1)})
+    expected = ["x", "c1", "s1", "m1", "y"] if trt_version else ["x", "c1", "m1", "y"]
+    assert command._needed_tensors(g.model, trt_version is not None) == expected
+    samples = np.random.default_rng(2).standard_normal((10, 3, 5, 5)).astype(np.float32)
+    source = data.open_data(samples, g.inputs, batch_size=4)
+    reused = collect.collect(g.model, source, ["x", "m1"], progress=False)
+    args = Namespace(trt_version=trt_version, data="calib", no_progress=True)
+    completed = command._statistics(g.model, source, reused, args)
+    direct = collect.collect(g.model, source, expected, progress=False)
+    assert sorted(completed.tensors) == sorted(expected)
+    assert completed.tensors["x"] is reused.tensors["x"]  # reused as they are
+    for name in expected:
+        mine, theirs = completed.tensors[name], direct.tensors[name]
+        assert (mine.min, mine.max, mine.count) == (theirs.min, theirs.max, theirs.count)
+        assert np.array_equal(mine.hist, theirs.hist), name
+    assert completed.num_samples == 10
+    assert command._statistics(g.model, source, completed, args) is completed  # nothing missing
 
 
 def test_plan_section_escapes_names_from_the_model():

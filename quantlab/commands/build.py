@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         raise OutputExistsError(f"{engine_path} exists; pass --force to build it again.")
     if cache_name == TRTEXEC_CACHE:
         cache.write_calibration_cache(folder / cache_name, scales, "EntropyCalibration2",
-                                      header.trt_version)
+                                      trt_version=header.trt_version)
     write_text(target, text)
     print(f"wrote {target}")
     if version is None:

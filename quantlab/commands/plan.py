@@ -13,14 +13,16 @@ where the budget left holds it, else FP32), and certifies the chosen plan on
 --eval with the real INT8 model (integer kernels) and a paired bootstrap interval.
 
 Writes into --out: plan.json (every unit: precision, reason codes, evidence,
-predicted contribution; the repairs weighed), model.onnx (FP32, normalized,
-repaired when plan.json says so), model.int8.onnx (the plan's Q/DQ model, FP16 units as Cast pairs,
-strongly typed for TensorRT 11), calibration.cache without the pinned units'
-tensors (TensorRT <= 10; relabelled EntropyCalibration2 copy calibration.trtexec.cache
-for trtexec when the method is not entropy), trtexec.txt (quantlab.trtexec: TensorRT
-10/11 strongly typed from model.int8.onnx, <= 10 implicit with the plan's pins),
-summary.json (certificate, evaluation ledger, predicted front), report.html (the
-front, the evaluations, a waterfall of the noise each pin removes, the decisions).
+predicted contribution; the repairs weighed), model.onnx (FP32, normalized, repaired
+when plan.json says so), model.int8.onnx (the plan's Q/DQ model, FP16 units as Cast
+pairs, strongly typed for TensorRT 11), trtexec.txt (quantlab.trtexec: TensorRT
+10/11 strongly typed from model.int8.onnx), summary.json (certificate, evaluation
+ledger, predicted front), report.html (the front, the evaluations, a waterfall of
+the noise each pin removes, the decisions). With --trt-version (TensorRT 8.x-10.x)
+also calibration.cache without the pinned units' tensors (relabelled
+EntropyCalibration2 copy calibration.trtexec.cache for trtexec when the method is
+not entropy) and the implicit INT8 trtexec line with the plan's pins.
+
 The switchboard trials and evaluations are checkpointed in --out as they finish:
 run the same command again after an interruption and it resumes (statistics are
 collected again unless --data is a calibration folder).
@@ -55,7 +57,6 @@ PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab plan`."""
-    from quantlab.cache import DEFAULT_TRT_VERSION
     from quantlab.calibrate import DEFAULT_METHOD, METHODS
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
@@ -98,9 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resamples", type=int, default=200, metavar="B",
                         help="paired bootstrap resamples of the certificate (default: "
                              "%(default)s)")
-    parser.add_argument("--trt-version", default=DEFAULT_TRT_VERSION, metavar="X.Y.Z",
-                        help="TensorRT version written into calibration.cache (default: "
-                             "%(default)s)")
+    parser.add_argument("--trt-version", metavar="X.Y.Z",
+                        help="also write calibration.cache (without the pinned units' tensors) "
+                             "and the implicit trtexec line for this TensorRT's implicit INT8 "
+                             "(8.x-10.x, the version that reads it); collects every float "
+                             "tensor. Not needed for TensorRT 10/11 builds from "
+                             "model.int8.onnx"),
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_data_arguments(parser, data_help="calibration folder (stats.npz reused), calibration "
@@ -137,6 +141,41 @@ def _calibration(args, model):
                      preprocess_from_args(args)), None
 
 
+def _needed_tensors(model, implicit: bool) -> list[str]:
+    """Tensors the planner needs statistics of: the Q/DQ inputs, the linear ops' float outputs
+    (the FP16 range rule reads them) and, for a calibration cache (`implicit`), every float
+    tensor TensorRT <= 10's implicit INT8 needs a range for."""
+    from quantlab import qdq, trt_ranges
+
+    index = qdq.indexed(model)
+    wanted = set(trt_ranges.tensors_to_calibrate(index) if implicit
+                 else qdq.activation_tensors_to_calibrate(index))
+    wanted.update(out for node in index.model.graph.node if node.op_type in qdq.LINEAR_OPS
+                  for out in node.output if out in index.floats)
+    return [name for name in index.order if name in wanted]
+
+
+def _statistics(model, source, stats, args):
+    """Statistics of every tensor :func:`_needed_tensors` lists: `stats` (reused from a
+    calibration folder, or None) completed by one collection pass over the ones it lacks."""
+    from quantlab import collect
+
+    needed = _needed_tensors(model, args.trt_version is not None)
+    missing = [name for name in needed if stats is None or name not in stats.tensors]
+    if not missing:
+        return stats
+    if stats is not None:
+        print(f"plan: {args.data}'s statistics lack {len(missing)} tensor(s) the planner reads "
+              "(linear-op outputs for the FP16 range rule, or the cache's ranges); collecting "
+              "them in one pass over its data.")
+    extra = collect.collect(model, source, missing, progress=not args.no_progress,
+                            **({"num_bins": stats.num_bins} if stats is not None else {}))
+    if stats is None:
+        return extra
+    return collect.Statistics({**stats.tensors, **extra.tensors}, stats.num_samples,
+                              stats.num_bins)
+
+
 def _calibrated(stats, args):
     """(scales of --method, max |x|, 99.99th percentile, --calibrators' amax) of statistics."""
     from quantlab import calibrate
@@ -156,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
-    from quantlab import cache, collect, graph, plan, qdq, repairs, trt_ranges, trtexec
+    from quantlab import cache, graph, plan, qdq, repairs, trtexec
     from quantlab.backends import tensorrt as trt_backend
     from quantlab.commands.build import TRTEXEC_CACHE
     from quantlab.commands.options import input_options, preprocess_from_args
@@ -168,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
     from quantlab.report.plan import plan_section
 
     check_output(args.out, force=args.force, produces=PLAN_FILES)
-    cache.trt_version_number(args.trt_version)
+    if args.trt_version is not None:
+        cache.implicit_int8_version(args.trt_version)
     if args.metric not in TASK_METRICS:
         plan.resolve_metric(args.metric)  # an unknown metric fails before any work
     elif args.eval != "zoo":
@@ -177,14 +217,13 @@ def run(args: argparse.Namespace) -> int:
     model = prepare_model(args.model, None, **input_options(args))
     profile = trt_backend.input_profile(model, args.batch_size)  # fails before the work
     source, stats = _calibration(args, model)
-    if stats is None:
-        stats = collect.collect(model, source, trt_ranges.tensors_to_calibrate(model),
-                                progress=not args.no_progress)
-    missing = sorted(set(qdq.activation_tensors_to_calibrate(model)) - set(stats.tensors))
-    if missing:
-        raise DataError(f"the statistics of {args.data} lack tensors {missing[:5]} the Q/DQ "
-                        "model quantizes; they were collected on another model. Calibrate this "
-                        "model, or pass its calibration data with --data.")
+    if stats is not None:
+        missing = sorted(set(qdq.activation_tensors_to_calibrate(model)) - set(stats.tensors))
+        if missing:
+            raise DataError(f"the statistics of {args.data} lack tensors {missing[:5]} the Q/DQ "
+                            "model quantizes; they were collected on another model. Calibrate "
+                            "this model, or pass its calibration data with --data.")
+    stats = _statistics(model, source, stats, args)
     task = None
     if args.eval == "zoo":
         from quantlab import zoo
@@ -206,8 +245,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"repair {name}: nothing to change in this model ({len(report.skipped)} "
                   "candidates skipped); not weighed.")
             continue
-        changed_stats = collect.collect(changed, source, trt_ranges.tensors_to_calibrate(changed),
-                                        progress=not args.no_progress)
+        changed_stats = _statistics(changed, source, None, args)
         changed_scales, changed_ranges, changed_p9999, changed_candidates = _calibrated(
             changed_stats, args)
         repaired[name] = plan.RepairedModel(
@@ -235,18 +273,21 @@ def run(args: argparse.Namespace) -> int:
         result.plan.save(folder / "plan.json")
         graph.save_model(result.model, folder / "model.onnx")  # repaired when plan.json says
         graph.save_model(result.qdq_model, folder / "model.int8.onnx")
-        kept = {name: amax / 127.0 for name, amax in result.amax.items() if name not in pinned}
-        cache.write_calibration_cache(folder / "calibration.cache", kept,
-                                      algorithm=CACHE_ALGORITHM[scales.method],
-                                      trt_version=args.trt_version)
-        cache_name = "calibration.cache"
-        if CACHE_ALGORITHM[scales.method] != "EntropyCalibration2":
-            cache_name = TRTEXEC_CACHE
-            cache.write_calibration_cache(folder / cache_name, kept, "EntropyCalibration2",
-                                          args.trt_version)
-        header, _ = cache.read_calibration_cache(folder / cache_name)
+        cache_name = header = None
+        if args.trt_version is not None:
+            kept = {name: amax / 127.0 for name, amax in result.amax.items()
+                    if name not in pinned}
+            cache.write_calibration_cache(folder / "calibration.cache", kept,
+                                          algorithm=CACHE_ALGORITHM[scales.method],
+                                          trt_version=args.trt_version)
+            cache_name = "calibration.cache"
+            if CACHE_ALGORITHM[scales.method] != "EntropyCalibration2":
+                cache_name = TRTEXEC_CACHE
+                cache.write_calibration_cache(folder / cache_name, kept, "EntropyCalibration2",
+                                              trt_version=args.trt_version)
+            header, _ = cache.read_calibration_cache(folder / cache_name)
         write_text(folder / "trtexec.txt", trtexec.trtexec_text(
-            result.plan.node_precisions(), profile, cache_name, str(header)))
+            result.plan.node_precisions(), profile, cache_name, header and str(header)))
         write_report(folder / "report.html", f"quantlab plan: {args.model}", [plan_section(result)])
         write_json(folder / "summary.json", {
             "metric": args.metric,
