@@ -131,7 +131,8 @@ def trtexec_text(plan: Mapping[str, str] | None = None,
     ]
     if cache_name is None:
         lines.append("# TensorRT <= 10.x implicit INT8 needs a calibration cache, which this "
-                     "folder has not: write one with `quantlab calibrate --trt-version X.Y.Z`")
+                     "folder has not: write one with --trt-version X.Y.Z "
+                     "(quantlab calibrate or plan)")
         return "\n".join(lines) + "\n"
     lines.append("# TensorRT <= 10.x: implicit INT8 from the FP32 model and the calibration cache"
                  + (", the plan's fp32/fp16 layers obeyed" if pins else ""))

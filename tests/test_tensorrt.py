@@ -609,7 +609,8 @@ def test_build_of_a_folder_without_cache_writes_the_strongly_typed_lines(calibra
     assert [line.split()[1] for line in lines if line.startswith("trtexec")] == [
         "--onnx=model.int8.onnx", "--onnx=model.int8.onnx"]
     assert lines[-1] == ("# TensorRT <= 10.x implicit INT8 needs a calibration cache, which this "
-                         "folder has not: write one with `quantlab calibrate --trt-version X.Y.Z`")
+                         "folder has not: write one with --trt-version X.Y.Z "
+                         "(quantlab calibrate or plan)")
 
 
 def test_build_refuses_a_folder_without_artifacts(tmp_path, capsys):

@@ -29,7 +29,7 @@ collected again unless --data is a calibration folder).
 
 examples:
   quantlab plan digits-cnn --data calibration_data/digits/calibration.npy \\
-      --eval calibration_data/digits/eval.npy --min-sqnr 30 --out runs/cnn-plan
+      --eval zoo --min-sqnr 30 --out runs/cnn-plan
   quantlab plan shapes-det --data zoo --eval zoo --metric map --max-drop 0.01 \\
       --out runs/det-plan
   quantlab plan model.onnx --data runs/calib --eval images/ --metric mymetrics:f1 \\
@@ -223,8 +223,7 @@ def run(args: argparse.Namespace) -> int:
             raise DataError(f"the statistics of {args.data} lack tensors {missing[:5]} the Q/DQ "
                             "model quantizes; they were collected on another model. Calibrate "
                             "this model, or pass its calibration data with --data.")
-    stats = _statistics(model, source, stats, args)
-    task = None
+    task = None  # the evaluation data are opened (and checked) before any long work
     if args.eval == "zoo":
         from quantlab import zoo
         from quantlab.tasks import Task
@@ -236,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
                                args.max_samples, preprocess_from_args(args))
+    stats = _statistics(model, source, stats, args)
     scales, ranges, p9999, candidates = _calibrated(stats, args)
     repaired = {}
     for name in args.repairs:
