@@ -67,8 +67,8 @@ if str(ROOT) not in sys.path:
 
 MODELS = ("digits-vit", "shapes-det", "layout")
 BUDGETS = (0.5, 1.0, 2.0)
-TOOLS = ("quantlab", "nncf", "bisect-fwd", "bisect-rev")
-PEERS = ("nncf", "bisect-fwd", "bisect-rev")
+TOOLS = ("quantlab", "nncf", "nncf-trt", "bisect-fwd", "bisect-rev")
+PEERS = ("nncf", "nncf-trt", "bisect-fwd", "bisect-rev")
 LAYOUT_METRIC = "benchmarks.planner_metrics:layout_agreement_map"
 # NNCF's default ranking subset (AdvancedAccuracyRestorerParameters.ranking_subset_size is
 # None, so quantize_with_accuracy_control uses subset_size, 300 by default); kept at 300
@@ -313,10 +313,20 @@ def run_quantlab(args: list[str], unit: float, budget: float, out: Path, progres
     return onnx.load(out / "model.int8.onnx")
 
 
-def run_nncf(case: Case, budget: float, progress: Progress):
-    """nncf.quantize_with_accuracy_control with a counting validation_fn."""
+def run_nncf(case: Case, budget: float, progress: Progress, tensorrt: bool = False):
+    """nncf.quantize_with_accuracy_control with a counting validation_fn.
+
+    `tensorrt` (tool ``nncf-trt``): activations quantized per tensor, and the uint8
+    quantizers NNCF writes for non-negative tensors read as int8 zero-point-0 ones of the
+    same amax (:func:`int8_activations`) -- the only INT8 activations TensorRT builds.
+    NNCF's defaults quantize depthwise-conv inputs per channel (its ONNX backend).
+    """
     import nncf
-    from nncf.quantization.advanced_parameters import AdvancedAccuracyRestorerParameters
+    from nncf.quantization.advanced_parameters import (
+        AdvancedAccuracyRestorerParameters,
+        AdvancedQuantizationParameters,
+        QuantizationParameters,
+    )
 
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
@@ -350,10 +360,40 @@ def run_nncf(case: Case, budget: float, progress: Progress):
         case.model, calibration, validation, validation_fn, max_drop=budget,
         drop_type=nncf.DropType.ABSOLUTE, subset_size=len(case.calibration),
         advanced_accuracy_restorer_parameters=AdvancedAccuracyRestorerParameters(
-            ranking_subset_size=NNCF_RANKING_SUBSET))
+            ranking_subset_size=NNCF_RANKING_SUBSET),
+        **({"advanced_quantization_parameters": AdvancedQuantizationParameters(
+            activations_quantization_params=QuantizationParameters(per_channel=False))}
+           if tensorrt else {}))
+    if tensorrt:
+        model = int8_activations(model)
     progress.counts["validation_fn_calls"] = len(calls)
     progress.counts["items_per_call"] = calls
     progress.save()
+    return model
+
+
+def int8_activations(model):
+    """`model` with every uint8 zero-point-0 Q/DQ pair made int8 zero point 0 over the same
+    amax (scale x 255/127): TensorRT's form of NNCF's unsigned activation quantizers."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    initializers = {init.name: init for init in model.graph.initializer}
+    pairs = [node for node in model.graph.node
+             if node.op_type in ("QuantizeLinear", "DequantizeLinear") and len(node.input) > 2
+             and initializers[node.input[2]].data_type == onnx.TensorProto.UINT8]
+    for name in {node.input[1] for node in pairs}:
+        scale = initializers[name]
+        scale.CopyFrom(numpy_helper.from_array(
+            numpy_helper.to_array(scale) * np.float32(255 / 127), name))
+    for name in {node.input[2] for node in pairs}:
+        zero = initializers[name]
+        if numpy_helper.to_array(zero).any():
+            raise ValueError(f"NNCF wrote a nonzero uint8 zero point '{name}'")
+        zero.CopyFrom(numpy_helper.from_array(
+            np.zeros(numpy_helper.to_array(zero).shape, np.int8), name))
+    del model.graph.value_info[:]  # the Q outputs' declared uint8 type
     return model
 
 
@@ -440,7 +480,7 @@ def child(spec: dict) -> None:
     limit_address_space(int(spec["memory_limit"]))
     from quantlab import cli, pipeline, plan  # noqa: F401
     version = code_version()  # of the plan.py just imported
-    if spec["tool"] == "nncf":
+    if spec["tool"].startswith("nncf"):
         import nncf  # noqa: F401
     start = time.perf_counter()
     if spec["tool"] == "quantlab":
@@ -451,8 +491,8 @@ def child(spec: dict) -> None:
     else:
         case = load_case(spec)
         progress.samples = len(case.evaluation)
-        if spec["tool"] == "nncf":
-            model = run_nncf(case, spec["budget"], progress)
+        if spec["tool"].startswith("nncf"):
+            model = run_nncf(case, spec["budget"], progress, tensorrt=spec["tool"] == "nncf-trt")
         else:
             model = run_bisect(case, spec["budget"], progress, reverse=spec["tool"] == "bisect-rev")
         seconds, rss = time.perf_counter() - start, peak_rss()
