@@ -409,7 +409,7 @@ def collect(
     if not tensors:
         raise ConfigError("no tensors to collect statistics for; pass at least one tensor name.")
     cap = parse_memory(memory_budget) // 2
-    index = model if isinstance(model, graph.Graph) else graph.Graph(model)
+    index = graph.Graph.of(model)
     model = index.model
     names = sorted(dict.fromkeys(tensors),
                    key=lambda n: index.position.get(n, len(index.position)))

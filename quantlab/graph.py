@@ -575,6 +575,11 @@ class Graph:
         self.shapes = {name: _spec(value).shape for name, value in self.values.items()
                        if value.type.tensor_type.HasField("shape")}
 
+    @classmethod
+    def of(cls, model: onnx.ModelProto | Graph) -> Graph:
+        """The index of `model`; an index is taken as it is (functions accept either)."""
+        return model if isinstance(model, Graph) else cls(model)
+
     @property
     def input_names(self) -> list[str]:
         """Names of the graph inputs (initializers excluded)."""

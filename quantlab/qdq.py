@@ -232,7 +232,7 @@ def _precisions(model: onnx.ModelProto, plan: Mapping[str, str] | None) -> dict[
 def place(model: onnx.ModelProto | graph.Graph,
           plan: Mapping[str, str] | None = None) -> Placement:
     """Where TensorRT's rules put the Q/DQ pairs of a normalized `model` under `plan`."""
-    g = model if isinstance(model, graph.Graph) else graph.Graph(model)
+    g = graph.Graph.of(model)
     model = g.model
     precision = _precisions(model, plan)
     initializers = g.initializers

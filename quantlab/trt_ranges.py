@@ -26,7 +26,7 @@ from quantlab import graph, qdq
 
 def tensors_needing_ranges(model: onnx.ModelProto | graph.Graph) -> list[str]:
     """Float graph inputs and float node outputs of `model`, in topological order."""
-    index = model if isinstance(model, graph.Graph) else graph.Graph(model)
+    index = graph.Graph.of(model)
     return [name for name in index.order if name in index.floats]
 
 
