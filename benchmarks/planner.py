@@ -296,7 +296,7 @@ def run_quantlab(args: list[str], unit: float, budget: float, out: Path, progres
         raise RuntimeError(f"quantlab plan exited {code} without summary.json")
     progress.counts.update({
         # The ledger's evaluations plus the FP32 pass over the evaluation set.
-        "evaluations": len(summary["evaluations"]) + 1,
+        "evaluations": sum(e.get("model_run", True) for e in summary["evaluations"]) + 1,
         "switchboard_trials": summary["switchboard_trials"],
         "hard_samples": len(summary["hard_samples"]),
         "samples_by_backend": samples, "exit_code": code,

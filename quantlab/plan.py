@@ -123,7 +123,8 @@ class Checkpoint:
                 e["int8_mac_share"], e["predicted"],
                 Certificate(**{**e["certificate"],
                                "interval": tuple(e["certificate"]["interval"])}),
-                e["seconds"]) for i, e in data["evaluations"].items()}
+                e["seconds"], e.get("model_run", True))
+                for i, e in data["evaluations"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             self.trials, self.evaluations = {}, {}  # unreadable: start over
 
@@ -161,6 +162,8 @@ class Evaluation:
     predicted: float
     certificate: Certificate
     seconds: float
+    # False for the plan with every unit in FP32: it is the FP32 model, whose outputs are known.
+    model_run: bool = True
 
 
 
@@ -169,7 +172,8 @@ class PlanResult:
     """Everything `make_plan` produced; ``evaluations[chosen]`` certifies ``plan``.
 
     The chosen plan is the certified one with the most INT8 MACs or, when none is
-    certified, the most conservative plan evaluated (its certificate says so).
+    certified (not even the plan without INT8: FP16 breaks it, or a budget of 0
+    with FP16), the most conservative plan evaluated (its certificate says so).
     """
 
     plan: Plan
@@ -208,7 +212,10 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     of the front are evaluated on the real INT8 model (ONNX Runtime integer
     kernels): all-INT8 first (kept when within budget), then the front's plan the
     fitted model predicts at the budget, re-fitted after each evaluation and
-    bisected between the best certified and the smallest failed plan. With a
+    bisected between the best certified and the smallest failed plan. When none
+    of them certifies, the plan without INT8 is evaluated too (one more; with
+    ``high_precision="fp32"`` it is the FP32 model, certified without a model
+    run), so that a certified plan is returned wherever one exists. With a
     :class:`quantlab.tasks.Task` (labels or COCO ground truth of `evaluation`),
     `metric` may be its primary metric (``top1``, ``map``). A `checkpoint` of an
     interrupted run of the same plan skips the trials and evaluations it holds.
@@ -268,13 +275,15 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     hard, hard_indices = hardest_samples(calibration, fp32.run, board_run(all_int8), hard_count,
                                          lambda b: step(b, desc="hardest samples"))
     references = run_batched(fp32.run, hard, calibration)
+    local = local_sqnr(g, amax, units, calibration.slice(hard, 0, calibration.batch_size))
     sensitivity = group_test(
         board, lambda batch, flags: run_batched(
             lambda chunk: board_backend.run({**chunk, **flags}), batch, calibration), hard,
         references, trials=trials, fixed=fixed,
         known=checkpoint.trials if checkpoint else None,
         on_trial=checkpoint.add_trial if checkpoint else None,
-        progress=lambda r: step(r, desc="switchboard trials"))
+        progress=lambda r: step(r, desc="switchboard trials"),
+        local_nsr={u: 10.0 ** (-f["int8"] / 10.0) for u, f in local.items() if "int8" in f})
     contribution = dict(zip(sensitivity.units, sensitivity.contribution, strict=True))
     repair_records = [{"repair": name, "chosen": name == repair,
                        "all_int8_nsr_first_batch": nsr, **_repair_summary(options[name].report)}
@@ -284,7 +293,6 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         before = all_int8_nsr({"none": original}, hard, references, calibration, fixed_nodes)
         repair_records[list(weighed).index(repair)].update(
             hard_nsr_before=before["none"], hard_nsr_after=float(sensitivity.nsr[0]))
-    local = local_sqnr(g, amax, units, calibration.slice(hard, 0, calibration.batch_size))
     fp16_contribution = fp16_contributions(contribution, local, fixed)
     points = front(units, allowed, contribution, high_precision=high_precision,
                    fp16_contribution=fp16_contribution)
@@ -296,9 +304,13 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
             return checkpoint.evaluations[index]
         point = points[index]
         start = time.perf_counter()
-        nodes = {n: point.precisions[u.name] for u in units for n in u.nodes}
-        int8 = OnnxRuntimeBackend(qdq.quantize_model(model, amax, nodes), name="int8")
-        outputs = [int8.run(batch) for batch in step(evaluation, desc="INT8 evaluation")]
+        model_run = any(p != "fp32" for p in point.precisions.values())
+        if model_run:
+            nodes = {n: point.precisions[u.name] for u in units for n in u.nodes}
+            int8 = OnnxRuntimeBackend(qdq.quantize_model(model, amax, nodes), name="int8")
+            outputs = [int8.run(batch) for batch in step(evaluation, desc="INT8 evaluation")]
+        else:
+            outputs = fp32_outputs
         if task_metric:
             certificate = certify_paired(
                 metric, task_evaluator(task, outputs, fp32_outputs), evaluation.num_samples,
@@ -307,7 +319,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
             certificate = certify(metric_fn, metric, outputs, fp32_outputs, max_drop=max_drop,
                                   floor=min_sqnr, resamples=resamples)
         result = Evaluation(point.int8_mac_share, point.predicted, certificate,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, model_run)
         if checkpoint:
             checkpoint.add_evaluation(index, result)
         return result
@@ -330,6 +342,9 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
             low = guess
         else:
             high = guess
+    if low < 0 and 0 not in evaluated:  # nothing certified: the plan without INT8, last resort
+        evaluated[0] = evaluate_point(0)
+        evaluations.append(evaluated[0])
 
     certified = [i for i in evaluated if evaluated[i].certificate.certified]
     index = max(certified) if certified else min(evaluated)
@@ -386,9 +401,10 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
                 high: int, max_drop: float | None, min_sqnr: float | None) -> int:
     """The front index to evaluate next, strictly between `low` and `high`.
 
-    The metric's shortfall is taken proportional to the predicted noise, with the
-    factor fitted on the evaluation nearest the budget (re-fitting, not assuming,
-    AIMET's monotone curve); bisection when that guess leaves the open interval.
+    The metric's shortfall is taken to grow as a power of the predicted noise
+    (:func:`_shortfall_power`; proportional for an SQNR floor), its factor fitted on
+    the evaluation nearest the bracket's middle (re-fitting, not assuming, AIMET's
+    monotone curve); bisection when that guess leaves the open interval.
     """
     def shortfall(e: Evaluation) -> tuple[float, float]:
         c = e.certificate
@@ -400,8 +416,26 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
     measured, allowed = shortfall(nearest)
     guess = (low + high) // 2
     if measured > 0 and nearest.predicted > 0:
-        budget = allowed * nearest.predicted / measured
+        power = 1.0 if min_sqnr is not None else _shortfall_power(
+            [(e.predicted, shortfall(e)[0]) for e in evaluated.values()])
+        budget = nearest.predicted * (allowed / measured) ** (1.0 / power)
         fitting = [i for i, p in enumerate(points) if p.predicted <= budget]
         if fitting and low < fitting[-1] < high:
             guess = fitting[-1]
     return min(max(guess, low + 1), high - 1)
+
+
+def _shortfall_power(measured: list[tuple[float, float]]) -> float:
+    """The power p of ``drop = k * noise ** p`` through the evaluations with a drop.
+
+    From the two with the largest drops and distinct predicted noise, clamped to
+    [0.5, 1]; 0.5 with fewer. Power 1 is a metric that degrades with the noise's
+    power (SQNR-like), 0.5 one that degrades with its amplitude, as thresholded
+    metrics do near their thresholds (boxes kept or lost, argmax flips): the
+    cautious assumption when extrapolating down from a single failure.
+    """
+    found = sorted((d, n) for n, d in measured if d > 0 and n > 0)[::-1]
+    for (d1, n1), (d2, n2) in zip(found, found[1:]):
+        if n1 != n2:
+            return float(np.clip(np.log(d1 / d2) / np.log(n1 / n2), 0.5, 1.0))
+    return 0.5

@@ -365,6 +365,29 @@ def test_group_test_ranks_planted_units_first(planted_case):
     assert planted_share > 0.8 * found.contribution.sum()
 
 
+def test_group_test_prior_ranks_units_the_trials_cannot_tell_apart(planted_case):
+    """With the all-INT8 trial alone every split of its noise fits; the prior picks one.
+
+    The ridge then pulls to the prior exactly: local NSR times one gain, adding up
+    to the trial's noise; a pinned unit gets none, a unit without a local figure the
+    median. Without the prior such units were fitted at zero (free in every plan).
+    """
+    g, source, fp32, board, backend, units = planted_case
+    batch = next(iter(source))
+    names = list(board.flags)
+    local = {u: 1e-4 * (i + 1) for i, u in enumerate(names[:-2])}  # names[-2] has none
+    fixed = {names[-1]: "fp32"}
+    found = plan.group_test(board, lambda b, f: backend.run({**b, **f}), batch, fp32.run(batch),
+                            trials=1, fixed=fixed, local_nsr=local)
+    figures = [*local.values(), float(np.median(list(local.values())))]
+    expected = np.array([*figures, 0.0]) * found.nsr[0] / sum(figures)
+    np.testing.assert_allclose(found.contribution, expected, rtol=1e-6)
+    without = plan.group_test(board, lambda b, f: backend.run({**b, **f}), batch,
+                              fp32.run(batch), trials=1)
+    assert without.contribution.sum() <= found.nsr[0]  # the old fit: split evenly, shrunk
+    assert np.ptp(without.contribution) < 1e-12
+
+
 # ---------------------------------------------------------------- search and certification
 
 
@@ -579,6 +602,47 @@ def test_make_plan_on_the_planted_model(planted_case):
     with pytest.raises(ConfigError, match="does not go with --metric agreement"):
         plan.make_plan(g.model, source, source, amax, amax, p9999, metric="agreement",
                        min_sqnr=10.0)
+
+
+def test_make_plan_falls_back_to_fp32_when_no_int8_plan_certifies(planted_case, monkeypatch):
+    """A metric every INT8 plan fails: the plan without INT8 is returned, certified.
+
+    With --high-precision fp32 that plan is the FP32 model itself, so it is certified
+    without a model run (before, the most conservative plan evaluated was returned,
+    uncertified, even where that still ran most units in INT8).
+    """
+    from quantlab import qdq
+    from quantlab.planner import certify
+
+    g, source, fp32, board, backend, units = planted_case
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run(
+        next(iter(source)), qdq.activation_tensors_to_calibrate(g.model)).items()}
+
+    def identical(outputs, references):  # share of samples whose outputs are bit-identical
+        return float(np.mean([all(np.array_equal(o[k], r[k]) for k in r)
+                              for o, r in zip(outputs, references, strict=True)]))
+
+    monkeypatch.setitem(certify.METRICS, "identical", identical)
+    result = plan.make_plan(g.model, source, source, amax, amax, amax, metric="identical",
+                            max_drop=0.01, trials=8, hard_count=16, max_evaluations=2,
+                            high_precision="fp32")
+    assert [e.model_run for e in result.evaluations] == [True, True, False]
+    assert not any(e.certificate.certified for e in result.evaluations[:2])
+    assert result.certificate.certified and result.chosen == 2
+    assert result.certificate.value == result.certificate.reference == 1.0
+    assert result.front[0].int8_mac_share == 0.0
+    assert {d.precision for d in result.plan.units.values()} == {"fp32"}
+    assert all(any(r.code == "M-SEARCH" for r in d.reasons) or any(r.hard for r in d.reasons)
+               for d in result.plan.units.values())
+
+
+def test_shortfall_power_through_the_two_largest_drops():
+    # drop = 2 * noise ** 0.75 through (0.16, 0.5657) and (0.01, 0.0632): p = 0.75.
+    points = [(0.16, 2 * 0.16 ** 0.75), (0.01, 2 * 0.01 ** 0.75), (0.001, -0.1)]
+    assert plan._shortfall_power(points) == pytest.approx(0.75)
+    assert plan._shortfall_power(points[:1]) == 0.5  # one failure: the cautious amplitude law
+    assert plan._shortfall_power([(0.1, 1.0), (0.01, 0.01)]) == 1.0  # p = 2, clamped
+    assert plan._shortfall_power([(0.1, 1.0), (0.1, 2.0)]) == 0.5  # same noise: no fit
 
 
 def test_plan_command_writes_the_plan_folder(tmp_path, capsys):

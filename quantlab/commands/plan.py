@@ -296,7 +296,8 @@ def run(args: argparse.Namespace) -> int:
             "certificate": certificate.__dict__,
             "evaluations": [{"int8_mac_share": e.int8_mac_share, "predicted": e.predicted,
                              "value": e.certificate.value, "certified": e.certificate.certified,
-                             "interval": e.certificate.interval, "seconds": e.seconds}
+                             "interval": e.certificate.interval, "seconds": e.seconds,
+                             "model_run": e.model_run}
                             for e in result.evaluations],
             "front": [{"int8_mac_share": p.int8_mac_share, "predicted": p.predicted}
                       for p in result.front],
@@ -312,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"plan: {result.plan.int8_mac_share():.1%} of linear-op MACs in INT8; {args.metric} "
           f"{certificate.value:.4g} (FP32 {certificate.reference:.4g}, limit "
           f"{certificate.limit:.4g}) {verdict} at {certificate.confidence:.0%} on "
-          f"{certificate.samples} samples after {len(result.evaluations)} evaluations; wrote "
+          f"{certificate.samples} samples after {sum(e.model_run for e in result.evaluations)} "
+          f"evaluations of a model; wrote "
           f"{args.out}/")
     if certificate.too_small:
         print(certificate.too_small_message())

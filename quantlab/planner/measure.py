@@ -106,7 +106,8 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
                fixed: Mapping[str, str] | None = None,
                known: Mapping[int, float] | None = None,
                on_trial: Callable[[int, float], None] | None = None,
-               progress: Callable | None = None) -> OutputSensitivity:
+               progress: Callable | None = None,
+               local_nsr: Mapping[str, float] | None = None) -> OutputSensitivity:
     """Output-aware sensitivity from `trials` switchboard passes over one (hard) batch.
 
     Each trial runs a random plan (each unit INT8 with probability `int8_share`,
@@ -117,6 +118,13 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
     units S, fitted by nonnegative least squares with a small ridge
     (``ridge * trials``) so that a few trials still give a unique answer. The
     all-INT8 plan is always one of the trials.
+    The ridge pulls toward a prior: with `local_nsr` (unit -> its local INT8
+    noise-to-signal ratio, :func:`local_sqnr`) each unit's local noise scaled by one
+    gain so that the priors add up to the all-INT8 trial's noise (every unit's noise
+    reaching the output alike), else zero. With fewer trials than units the trials
+    cannot tell most units apart; the prior then ranks them by their own error
+    instead of calling them free (a unit fitted at zero would be INT8 in every plan
+    of the front, so the front could not reach the plans with little INT8).
     Units in `fixed` (hard pins: unit -> precision) keep that precision in every
     trial and get no contribution. Trials in `known` (index -> nsr, from an
     interrupted run with the same seed) are not run again; `on_trial(t, nsr)` is
@@ -140,10 +148,31 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
         nsr[t] = float(sample_nsr(outputs, references).mean())
         if on_trial:
             on_trial(t, nsr[t])
+    prior = _prior(units, fixed, local_nsr or {}, nsr[0])
     system = np.vstack([masks.astype(np.float64), np.sqrt(ridge * trials) * np.eye(len(units))])
-    target = np.concatenate([nsr, np.zeros(len(units))])
-    contribution, _ = optimize.nnls(system, target)
+    target = np.concatenate([nsr, np.sqrt(ridge * trials) * prior])
+    contribution = optimize.lsq_linear(system, target, bounds=(0.0, np.inf)).x
     return OutputSensitivity(units, masks, nsr, contribution)
+
+
+def _prior(units: Sequence[str], fixed: Mapping[str, str], local_nsr: Mapping[str, float],
+           all_int8: float) -> np.ndarray:
+    """The contributions expected before any trial: local INT8 noise times one common gain.
+
+    The gain makes the free units' priors add up to `all_int8` (the all-INT8 trial's
+    noise); a free unit without a finite local figure takes the median of the
+    others'. Zero for pinned units, and for all when no local figure is known.
+    """
+    free = [u not in fixed for u in units]
+    known = [local_nsr[u] for u, f in zip(units, free, strict=True)
+             if f and 0 <= local_nsr.get(u, np.nan) < np.inf]
+    if not known or sum(known) <= 0 or not all_int8 > 0:
+        return np.zeros(len(units))
+    typical = float(np.median(known))
+    local = np.array([local_nsr.get(u, typical) if f else 0.0
+                      for u, f in zip(units, free, strict=True)], dtype=np.float64)
+    local[~(local >= 0) | ~np.isfinite(local)] = typical
+    return local * (all_int8 / local.sum())
 
 
 def run_batched(run: Callable, batch: Mapping[str, np.ndarray], source) -> dict[str, np.ndarray]:

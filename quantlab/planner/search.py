@@ -83,7 +83,9 @@ def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
     Budgets run from 0 to the sum of all contributions, log-spaced from the smallest
     nonzero contribution (INT8 or FP16), so both the cheap pins and the last units
     show. Per INT8 share the plan of the largest budget is kept: the budget its INT8
-    units leave goes to FP16 instead of FP32.
+    units leave goes to FP16 instead of FP32. The front always starts with the plan
+    without INT8 (every unit in its fallback precision): the plan of last resort,
+    even where units predicted free make the budget-0 plan partly INT8.
     """
     costs = [c for c in [*contribution.values(), *(fp16_contribution or {}).values()]
              if 0 < c < np.inf]
@@ -94,4 +96,11 @@ def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
     for budget in budgets:
         point = solve(units, allowed, contribution, budget, high_precision, fp16_contribution)
         best[point.int8_mac_share] = point
-    return [best[share] for share in sorted(best)]
+    points = [best[share] for share in sorted(best)]
+    if any(p == "int8" for p in points[0].precisions.values()):
+        none = {u.name: fallback_precision(allowed.get(u.name, qdq.PRECISIONS), high_precision)
+                for u in units}
+        half = sum(float((fp16_contribution or {}).get(n, 0.0)) for n, p in none.items()
+                   if p == "fp16")
+        points.insert(0, FrontPoint(0.0, half, 0.0, none))
+    return points

@@ -24,7 +24,8 @@ def plan_section(result: PlanResult) -> Section:
         f"{certificate.metric}: {certificate.value:.4g} (FP32 {certificate.reference:.4g}, "
         f"lowest acceptable {certificate.limit:.4g}); {verdict}: the {certificate.confidence:.0%} "
         f"one-sided paired-bootstrap bound of the margin is {certificate.interval[0]:.4g} on "
-        f"{certificate.samples} samples, after {len(result.evaluations)} evaluations of the real "
+        f"{certificate.samples} samples, after "
+        f"{sum(e.model_run for e in result.evaluations)} evaluations of the real "
         f"INT8 model and {len(result.sensitivity.nsr)} switchboard passes on "
         f"{len(result.hard_samples)} hardest calibration samples.")
     if result.plan.repairs:
@@ -81,6 +82,7 @@ def ledger_frame(result: PlanResult) -> pd.DataFrame:
         "certified": "yes" if e.certificate.certified else "no",
         "chosen": "yes" if i == result.chosen else "",
         "seconds": e.seconds,
+        "model_run": "yes" if e.model_run else "no (the FP32 model)",
     } for i, e in enumerate(result.evaluations)])
 
 
