@@ -201,6 +201,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
               resamples: int = 200, checkpoint: Checkpoint | None = None,
               candidates: Mapping[str, Mapping[str, float]] | None = None,
               repairs: Mapping[str, RepairedModel] | None = None,
+              bias_correction: bool = True,
               progress: Callable | None = None) -> PlanResult:
     """Plan `model` (normalized) under a budget: rules, group testing, front, certification.
 
@@ -226,8 +227,13 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     pass each on the first calibration batch: the option whose all-INT8 model
     has the least output noise is planned (the FP32 model stays the reference),
     and ``plan.repairs`` records every option's noise and, for the chosen repair,
-    its effect on the hardest samples.
+    its effect on the hardest samples. With `bias_correction`, each INT8 op's
+    output shift is measured once (:func:`quantlab.repairs.bias_shifts`, one pass
+    over the calibration data) and applied to the INT8 units of every plan (gated
+    per unit in the switchboard) when it lowers the all-INT8 noise on the hardest
+    samples; ``plan.repairs`` records both figures.
     """
+    from quantlab.repairs import bias_shifts, shift_biases
     from quantlab import switchboard
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
@@ -264,17 +270,32 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     if candidates:
         amax, calibrators = choose_calibrators(g, candidates, units, first, amax)
     amax = share_scales(g, amax)
-    board = switchboard.build(g, units, amax)
+    all_int8 = {u.name: fixed.get(u.name, "int8") for u in units}
+    shifts, shift_report = {}, None
+    if bias_correction:
+        shifts, shift_report = bias_shifts(model, qdq.quantize_model(
+            model, amax, {n: all_int8[u.name] for u in units for n in u.nodes}), calibration)
+    board = switchboard.build(g, units, amax, shifts=shifts)
     board_backend = OnnxRuntimeBackend(board.model, name="switchboard", check_inputs=False)
 
     def board_run(precisions):
         flags = board.feeds(precisions)
         return lambda batch: board_backend.run({**batch, **flags})
 
-    all_int8 = {u.name: fixed.get(u.name, "int8") for u in units}
     hard, hard_indices = hardest_samples(calibration, fp32.run, board_run(all_int8), hard_count,
                                          lambda b: step(b, desc="hardest samples"))
     references = run_batched(fp32.run, hard, calibration)
+    shift_record = None
+    if board.bias_flag:  # weighed on the hardest samples: kept only where it lowers the noise
+        noise = {}
+        for on in (False, True):
+            board.bias_corrected = on
+            noise[on] = float(sample_nsr(run_batched(board_run(all_int8), hard, calibration),
+                                         references).mean())
+        board.bias_corrected = noise[True] < noise[False]
+        shift_record = {"repair": "bias_correction", "chosen": board.bias_corrected,
+                        "hard_nsr_before": noise[False], "hard_nsr_after": noise[True],
+                        **_repair_summary(shift_report.to_dict())}
     local = local_sqnr(g, amax, units, calibration.slice(hard, 0, calibration.batch_size))
     sensitivity = group_test(
         board, lambda batch, flags: run_batched(
@@ -288,11 +309,19 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     repair_records = [{"repair": name, "chosen": name == repair,
                        "all_int8_nsr_first_batch": nsr, **_repair_summary(options[name].report)}
                       for name, nsr in weighed.items()]
+    repair_records += [shift_record] if shift_record else []
+    applied = shifts if board.bias_corrected else {}
+
+    def quantized(nodes: Mapping[str, str], **options) -> onnx.ModelProto:
+        built = qdq.quantize_model(model, amax, nodes, **options)
+        return shift_biases(g, built, applied) if applied else built
+
     if repair != "none":  # its effect where the pins' is measured: the hardest samples
         fixed_nodes = {n: fixed[u.name] for u in units if u.name in fixed for n in u.nodes}
         before = all_int8_nsr({"none": original}, hard, references, calibration, fixed_nodes)
+        after = shift_record["hard_nsr_before"] if shift_record else float(sensitivity.nsr[0])
         repair_records[list(weighed).index(repair)].update(
-            hard_nsr_before=before["none"], hard_nsr_after=float(sensitivity.nsr[0]))
+            hard_nsr_before=before["none"], hard_nsr_after=after)
     fp16_contribution = fp16_contributions(contribution, local, fixed)
     points = front(units, allowed, contribution, high_precision=high_precision,
                    fp16_contribution=fp16_contribution)
@@ -307,7 +336,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         model_run = any(p != "fp32" for p in point.precisions.values())
         if model_run:
             nodes = {n: point.precisions[u.name] for u in units for n in u.nodes}
-            int8 = OnnxRuntimeBackend(qdq.quantize_model(model, amax, nodes), name="int8")
+            int8 = OnnxRuntimeBackend(quantized(nodes), name="int8")
             outputs = [int8.run(batch) for batch in step(evaluation, desc="INT8 evaluation")]
         else:
             outputs = fp32_outputs
@@ -362,6 +391,9 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
             decision.evidence["fp16_nsr_contribution"] = fp16_contribution[unit.name]
         if unit.name in calibrators:
             decision.evidence["calibrator"] = calibrators[unit.name]
+        if decision.precision == "int8" and any(n in applied for n in unit.linear):
+            decision.evidence["bias_shift_max"] = max(float(np.abs(applied[n]).max())
+                                                      for n in unit.linear if n in applied)
         if decision.precision != "int8" and not any(r.hard for r in decision.reasons):
             decision.reasons.append(Reason(
                 SEARCH_CODE, False, (decision.precision,),
@@ -379,8 +411,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     decided.metric = metric
     decided.repairs = repair_records
     decided.budget = max_drop if max_drop is not None else min_sqnr
-    qdq_model = qdq.quantize_model(model, amax, decided.node_precisions(),
-                                   high_precision=high_precision)
+    qdq_model = quantized(decided.node_precisions(), high_precision=high_precision)
     differ = {u: p for u, p in read_back(qdq_model, units).items()
               if p != decided.units[u].precision}
     if differ:

@@ -13,7 +13,9 @@ Costs, in forward passes per calibration sample:
 
 - :func:`cross_layer_equalization`: none (weights only).
 - :func:`bias_correction`: one FP32 pass and one pass of the local graph (``mode="local"``),
-  or one FP32 pass and `rounds` Q/DQ passes (``mode="global"``).
+  or one FP32 pass and `rounds` Q/DQ passes (``mode="global"``); :func:`bias_shifts`
+  measures as the local mode does and :func:`shift_biases` applies its shifts to any
+  plan's INT8 ops.
 - :func:`smooth_quant`: one FP32 pass for the per-channel ranges (none when given).
 
 Passes stream: batches run in slices whose exposed tensors fit `run_bytes`, and
@@ -442,9 +444,13 @@ def _output_channels(node: onnx.NodeProto, shape: Sequence[int]) -> tuple[int, i
     return shape[1], -1
 
 
-def _correction_targets(result: onnx.ModelProto, weights: _Weights, reference: Graph
-                        ) -> tuple[list[_Target], list[dict]]:
-    """INT8 linear ops of a Q/DQ model whose bias can take a correction (biases made if absent)."""
+def _correction_targets(result: onnx.ModelProto, weights: _Weights, reference: Graph,
+                        only: Iterable[str] | None = None) -> tuple[list[_Target], list[dict]]:
+    """INT8 linear ops of a Q/DQ model whose bias can take a correction (biases made if absent).
+
+    With `only`, the ops of those names alone.
+    """
+    only = None if only is None else set(only)
     producers = graph.producers(result)
     consumers = graph.consumers(result)
     known = set(reference.order) | set(reference.outputs)
@@ -452,7 +458,8 @@ def _correction_targets(result: onnx.ModelProto, weights: _Weights, reference: G
     inserted: dict[str, onnx.NodeProto] = {}
     for node in result.graph.node:
         if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul") or \
-                node.domain not in _ONNX_DOMAINS or len(node.input) < 2:
+                node.domain not in _ONNX_DOMAINS or len(node.input) < 2 or \
+                (only is not None and node.name not in only):
             continue
         dequantize = producers.get(node.input[1])
         if dequantize is None or dequantize.op_type != "DequantizeLinear" or \
@@ -571,6 +578,50 @@ def bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     corrected copy and the report (per op: max |mean error| per round, largest
     correction).
     """
+    corrected, report, _ = _bias_correction(fp32_model, qdq_model, batches, mode, rounds,
+                                            run_bytes)
+    return corrected, report
+
+
+def bias_shifts(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
+                batches: Iterable[Mapping[str, np.ndarray]], run_bytes: int = RUN_BYTES,
+                ) -> tuple[dict[str, np.ndarray], RepairReport]:
+    """Local bias correction's output shift per channel of every INT8 linear op of `qdq_model`.
+
+    Measured as :func:`bias_correction` ``mode="local"`` measures (each op quantized
+    on FP32 inputs), so an op's shift is its own error's and holds whatever
+    precision the other ops run in: the planner measures it once on the all-INT8
+    model and applies it to the INT8 ops of any plan (:func:`shift_biases`; per
+    unit in :func:`quantlab.switchboard.build`). Returns node -> shift (added to the
+    op's output, -mean error) and the report.
+    """
+    _, report, shifts = _bias_correction(fp32_model, qdq_model, batches, "local", 1, run_bytes)
+    return shifts, report
+
+
+def shift_biases(fp32_model: onnx.ModelProto | Graph, qdq_model: onnx.ModelProto,
+                 shifts: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """A copy of `qdq_model` whose INT8 linear ops in `shifts` have their output shifted by it.
+
+    The shift (node -> per output channel, :func:`bias_shifts`) goes into the op's
+    bias (made when absent; a Gemm's divided by its beta). Ops that are not INT8 in
+    `qdq_model` keep their bias: the shift corrects INT8's error only.
+    """
+    result = _copy(qdq_model)
+    weights = _Weights(result)
+    reference = fp32_model if isinstance(fp32_model, Graph) else Graph(fp32_model)
+    targets, _ = _correction_targets(result, weights, reference, only=shifts)
+    for t in targets:
+        weights.values[t.bias] = weights.get(t.bias) + shifts[t.node] / t.gain
+    weights.write()
+    return result
+
+
+def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
+                     batches: Iterable[Mapping[str, np.ndarray]], mode: str, rounds: int,
+                     run_bytes: int) -> tuple[onnx.ModelProto, RepairReport,
+                                              dict[str, np.ndarray]]:
+    """bias_correction, also returning each op's total output shift (node -> per channel)."""
     if mode not in BIAS_CORRECTION_MODES:
         raise ConfigError(f"mode '{mode}' is not one of {', '.join(BIAS_CORRECTION_MODES)}.")
     if not isinstance(rounds, int) or rounds < 1:
@@ -596,7 +647,7 @@ def bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
                                    "out for a local measurement"})
         targets = [t for t in targets if t.measured in cut]
     if not targets:
-        return _copy(qdq_model), report
+        return _copy(qdq_model), report, {}
     weights.write()
     fp32 = OnnxRuntimeBackend(fp32_model, name="fp32")
     inputs = set(reference.input_names)
@@ -646,7 +697,7 @@ def bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
         })
     report.passes = 2 if local is not None else 1 + rounds
     report.summary.update({"mode": mode, "rounds": rounds})
-    return result, report
+    return result, report, corrections
 
 
 # ------------------------------------------------------------------------ SmoothQuant

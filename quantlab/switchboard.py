@@ -3,9 +3,11 @@
 Every Q/DQ pair the all-INT8 placement puts on a unit's tensor becomes
 ``Where(int8_u, DQ(Q(x)), x)`` and every float input and output of the unit's
 nodes ``Where(fp16_u, Cast32(Cast16(x)), x)``, with ``int8_u`` and ``fp16_u``
-boolean scalar graph inputs per unit (weights likewise). In fake-quant (float)
+boolean scalar graph inputs per unit (weights likewise). With bias-correction
+shifts, a linear op's output adds ``Where(int8_u and bias_correction, shift, 0)``,
+``bias_correction`` one more boolean input. In fake-quant (float)
 arithmetic, feeding a plan's flags computes what :func:`qdq.quantize_model`
-builds for that plan; the FP16 path rounds a unit's inputs and outputs to
+builds for that plan (and :func:`quantlab.repairs.shift_biases` with the shifts); the FP16 path rounds a unit's inputs and outputs to
 float16 but accumulates in float32. The idea is section 12 of docs/peers.md.
 """
 
@@ -26,10 +28,16 @@ from quantlab.plan import Unit
 
 @dataclass
 class Switchboard:
-    """The switchboard model and, per unit, the names of its int8 and fp16 flag inputs."""
+    """The switchboard model and, per unit, the names of its int8 and fp16 flag inputs.
+
+    ``bias_flag`` is the input that turns the bias-correction shifts on (None when
+    built without); :meth:`feeds` sets it to ``bias_corrected``.
+    """
 
     model: onnx.ModelProto
     flags: dict[str, tuple[str, str]]
+    bias_flag: str | None = None
+    bias_corrected: bool = True
 
     def feeds(self, precisions: Mapping[str, str]) -> dict[str, np.ndarray]:
         """Flag inputs for unit name -> precision; units left out run in INT8."""
@@ -45,12 +53,20 @@ class Switchboard:
                                   f"{', '.join(qdq.PRECISIONS)}.")
             result[int8] = np.array(precision == "int8")
             result[fp16] = np.array(precision == "fp16")
+        if self.bias_flag is not None:
+            result[self.bias_flag] = np.array(self.bias_corrected)
         return result
 
 
 def build(g: Graph, units: list[Unit], amax: Mapping[str, float],
-          per_channel: bool = True) -> Switchboard:
-    """The switchboard of a normalized model for `units` (from plan.find_units) and `amax`."""
+          per_channel: bool = True,
+          shifts: Mapping[str, np.ndarray] | None = None) -> Switchboard:
+    """The switchboard of a normalized model for `units` (from plan.find_units) and `amax`.
+
+    `shifts` (linear node -> output shift per channel, from
+    :func:`quantlab.repairs.bias_shifts`) are added to those nodes' outputs while
+    their unit runs INT8 and the bias-correction flag is on.
+    """
     model = onnx.ModelProto()
     model.CopyFrom(g.model)
     graph = model.graph
@@ -65,6 +81,12 @@ def build(g: Graph, units: list[Unit], amax: Mapping[str, float],
                            for flag in flags[unit.name])
     zero_point = names("quantlab_zero_point_int8")
     graph.initializer.append(numpy_helper.from_array(np.array(0, np.int8), zero_point))
+    shifts = {n: v for n, v in (shifts or {}).items() if n in unit_of}
+    bias_flag = names("quantlab::bias_correction") if shifts else None
+    if bias_flag:
+        graph.input.append(helper.make_tensor_value_info(bias_flag, onnx.TensorProto.BOOL, []))
+        no_shift = names("quantlab_no_shift")
+        graph.initializer.append(numpy_helper.from_array(np.array(0, np.float32), no_shift))
 
     def where(flag: str, chosen: str, otherwise: str, base: str) -> tuple[onnx.NodeProto, str]:
         out = names(f"{base}_switched")
@@ -107,6 +129,12 @@ def build(g: Graph, units: list[Unit], amax: Mapping[str, float],
         rewired[edge] = gated_weights[key]
 
     floats = g.floats | {n for n, w in weights.items() if w.dtype == np.float32}
+    for node in graph.node:  # shifts broadcast on the output's channel axis (1, or last)
+        if node.name in shifts:
+            rank = weights[node.input[1]].ndim if node.op_type in ("Conv", "ConvTranspose") \
+                else 1
+            shifts[node.name] = np.asarray(shifts[node.name], np.float32).reshape(
+                (-1, *[1] * (rank - 2)))
     rounded: dict[tuple[str, str], str] = {}  # (tensor, unit) -> tensor through the fp16 gate
 
     def fp16_gate(tensor: str, unit: Unit, nodes: list[onnx.NodeProto]) -> str:
@@ -122,6 +150,22 @@ def build(g: Graph, units: list[Unit], amax: Mapping[str, float],
             ]
             rounded[(tensor, unit.name)] = gated
         return rounded[(tensor, unit.name)]
+
+    def shift_output(node: onnx.NodeProto, unit: Unit) -> list[onnx.NodeProto]:
+        """output[0] := output[0] + Where(int8_u and bias_correction, shift, 0)."""
+        shifted = node.output[0]
+        node.output[0] = names(f"{shifted}_unshifted")
+        shift = names(f"{node.name}_bias_shift")
+        graph.initializer.append(numpy_helper.from_array(shifts[node.name], shift))
+        on, gated = names(f"{node.name}_shift_on"), names(f"{node.name}_shift_gated")
+        return [
+            helper.make_node("And", [flags[unit.name][0], bias_flag], [on],
+                             name=names(f"{node.name}_shift_And")),
+            helper.make_node("Where", [on, shift, no_shift], [gated],
+                             name=names(f"{node.name}_shift_Where")),
+            helper.make_node("Add", [node.output[0], gated], [shifted],
+                             name=names(f"{node.name}_shift_Add")),
+        ]
 
     floats |= set(rewired.values())
     nodes = list(prelude)
@@ -141,6 +185,8 @@ def build(g: Graph, units: list[Unit], amax: Mapping[str, float],
                     node.output[index] = names(f"{name}_unrounded")
                     outputs.append((node.output[index], name))
         nodes.append(node)
+        if node.name in shifts:
+            nodes += shift_output(node, unit)
         for unrounded, name in outputs:
             nodes.append(helper.make_node("Identity", [fp16_gate(unrounded, unit, nodes)],
                                           [name], name=names(f"{name}_rounded")))
@@ -148,4 +194,4 @@ def build(g: Graph, units: list[Unit], amax: Mapping[str, float],
             nodes += after.get(name, [])
     del graph.node[:]
     graph.node.extend(nodes)
-    return Switchboard(model, flags)
+    return Switchboard(model, flags, bias_flag)

@@ -410,6 +410,29 @@ def test_solve_knapsack_and_front_with_hard_pins():
         plan.solve(units, allowed, contribution, float("nan"))
 
 
+def test_solve_equals_brute_force_with_contributions_over_many_decades():
+    """Contributions from 1e-13 to 1 (fits with a prior leave such spreads): the MILP's
+    choice is at least as good as the best subset by exhaustive search, and over the
+    budget by at most HiGHS's feasibility tolerance (1e-7) on the constraint scaled to
+    the largest contribution, summed over the units: 1e-6 of the largest. Unscaled,
+    HiGHS returned choices over the budget by far more."""
+    import itertools
+
+    rng = np.random.default_rng(5)
+    count = 12
+    macs = rng.integers(1_000, 1_000_000, count)
+    weights = 10.0 ** rng.uniform(-13, 0, count)
+    units = [plan.Unit(f"u{i}", [f"u{i}"], [f"u{i}"], [], [], int(m)) for i, m in enumerate(macs)]
+    contribution = {u.name: float(w) for u, w in zip(units, weights, strict=True)}
+    subsets = [np.array(bits, bool) for bits in itertools.product([0, 1], repeat=count)]
+    for budget in [0.0, *np.sort(weights)[:: 2].cumsum(), weights.sum() / 3]:
+        best = max(macs[s].sum() for s in subsets if weights[s].sum() <= budget)
+        point = plan.solve(units, {}, contribution, float(budget), "fp32")
+        chosen = np.array([point.precisions[u.name] == "int8" for u in units])
+        assert weights[chosen].sum() <= budget + 1e-6 * weights.max()
+        assert macs[chosen].sum() >= best
+
+
 def test_search_meets_the_budget_on_the_planted_model_and_certifies_real_int8(planted_case):
     from quantlab import qdq
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
@@ -945,7 +968,7 @@ def test_make_plan_weighs_a_repair_before_pins_and_plans_the_better_model(tmp_pa
     result = plan.make_plan(
         g.model, source, source, amax, amax, amax, min_sqnr=10.0, trials=6, hard_count=16,
         repairs={"cle": plan.RepairedModel(equalized, amax_cle, amax_cle, amax_cle,
-                                           report=report.to_dict())})
+                                           report=report.to_dict())}, bias_correction=False)
     records = {r["repair"]: r for r in result.plan.repairs}
     assert {n: r["all_int8_nsr_first_batch"] for n, r in records.items()} == pytest.approx(
         want, rel=1e-6)
@@ -956,3 +979,44 @@ def test_make_plan_weighs_a_repair_before_pins_and_plans_the_better_model(tmp_pa
     assert result.model is equalized and result.amax["r"] == pytest.approx(amax_cle["r"])
     assert plan.Plan.load(result.plan.save(tmp_path / "plan.json")).repairs == \
         result.plan.repairs
+
+
+def test_make_plan_weighs_bias_correction_and_applies_it_to_the_int8_units(planted_case):
+    """The shifts are measured once on the all-INT8 model and follow each unit's precision.
+
+    Reference: repairs.bias_shifts run directly on the all-INT8 model of the plan's
+    scales; the written Q/DQ model must carry exactly those shifts in the biases of
+    its INT8 convs (float32 storage: 1e-6 relative) and none in its other units.
+    """
+    from onnx import numpy_helper
+
+    from quantlab import qdq, repairs
+
+    g, source, fp32, board, backend, units = planted_case
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run(
+        next(iter(source)), qdq.activation_tensors_to_calibrate(g.model)).items()}
+    result = plan.make_plan(g.model, source, source, amax, amax, amax, min_sqnr=24.0,
+                            trials=16, hard_count=16, high_precision="fp32")
+    record = next(r for r in result.plan.repairs if r["repair"] == "bias_correction")
+    assert record["chosen"] == (record["hard_nsr_after"] < record["hard_nsr_before"])
+    assert record["applied"] == sum(len(u.linear) for u in units)
+    shifts, _ = repairs.bias_shifts(g.model, qdq.quantize_model(g.model, result.amax), source)
+    original = {i.name: numpy_helper.to_array(i) for i in g.model.graph.initializer}
+    written = {i.name: numpy_helper.to_array(i) for i in result.qdq_model.graph.initializer}
+    convs = {n.name: n for n in result.qdq_model.graph.node if n.op_type == "Conv"}
+    checked = 0
+    for name, decision in result.plan.units.items():
+        conv = convs[name]
+        bias = written[conv.input[2]] if len(conv.input) > 2 else 0.0
+        before = original[f"b{name[4:]}"] if name.startswith("conv") else 0.0
+        if decision.precision == "int8" and record["chosen"]:
+            np.testing.assert_allclose(bias, before + shifts[name], rtol=1e-6, atol=1e-7)
+            assert decision.evidence["bias_shift_max"] == pytest.approx(
+                np.abs(shifts[name]).max(), rel=1e-6)
+            checked += 1
+        else:
+            np.testing.assert_array_equal(bias, before)
+            assert "bias_shift_max" not in decision.evidence
+    assert checked or not record["chosen"]
+    assert plan.read_back(result.qdq_model, units) == {
+        u: d.precision for u, d in result.plan.units.items()}

@@ -73,6 +73,44 @@ def test_switchboard_equals_qdq_model_for_int8_fp32_plans(case, request):
             np.testing.assert_array_equal(got[name], want[name], err_msg=str(precisions))
 
 
+@pytest.mark.parametrize("case", ["residual_case", "digits_case"])
+def test_switchboard_bias_shifts_equal_shifted_qdq_models(case, request):
+    """Per unit, the shift acts only while the unit runs INT8 and the flag is on.
+
+    The switchboard adds the shift to the op's output, the Q/DQ model to its bias
+    (repairs.shift_biases): the same sum in another order, so equal to float32
+    rounding of the output (2 ** -20 of its largest magnitude, a few ulps of
+    float32's 2 ** -24 accumulated over the later layers), not bit for bit.
+    With the flag off the board is the unshifted Q/DQ model bit for bit.
+    """
+    from quantlab import repairs
+
+    g, feeds, units, amax = request.getfixturevalue(case)
+    measured, _ = repairs.bias_shifts(g.model, qdq.quantize_model(g.model, amax), [feeds])
+    assert set(measured) == {n for u in units for n in u.linear}
+    # Larger than measured (and random), so that a shift in the wrong place shows.
+    rng = np.random.default_rng(3)
+    shifts = {n: rng.normal(0, 0.05, v.shape) for n, v in measured.items()}
+    board = switchboard.build(g, units, amax, shifts=shifts)
+    session = OnnxRuntimeBackend(board.model, optimization=NO_OPTIMIZATION, check_inputs=False)
+    for precisions in random_plans(units, ["int8", "fp32"], 4, seed=1):
+        built = qdq.quantize_model(g.model, amax, node_plan(units, precisions))
+        board.bias_corrected = True
+        got = session.run({**feeds, **board.feeds(precisions)})
+        want = fake_quant_run(repairs.shift_biases(g.model, built, shifts), feeds)
+        for name in want:
+            scale = float(np.abs(want[name]).max())
+            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=2.0 ** -20 * scale,
+                                       err_msg=str(precisions))
+        if any(p == "int8" for p in precisions.values()):
+            plain = fake_quant_run(built, feeds)
+            assert any(np.abs(want[n] - plain[n]).max() > 1e-3 for n in want)
+        board.bias_corrected = False
+        got = session.run({**feeds, **board.feeds(precisions)})
+        for name, value in fake_quant_run(built, feeds).items():
+            np.testing.assert_array_equal(got[name], value)
+
+
 FP16_UNIT_ROUNDOFF = 2.0 ** -11
 
 

@@ -5,7 +5,8 @@ calibration folder written by `quantlab calibrate` (its stats.npz is reused and
 its data re-read with the recorded preprocessing) or calibration data (collected
 here). The planner seeds the plan with rules (TensorRT kernel limits, heads and
 decode arithmetic, depthwise weight spread, outlier ranges, FP16 range), weighs
-the --repairs asked for (the least noisy all-INT8 model is planned), measures
+the --repairs asked for (the least noisy all-INT8 model is planned) and bias
+correction of the INT8 ops (unless --no-bias-correction), measures
 every unit's share of the output noise with a few randomized passes of one
 "switchboard" ONNX Runtime session on the hardest calibration samples and its
 local INT8 and FP16 error in one pass, solves the INT8-share-vs-noise front (FP16
@@ -49,7 +50,7 @@ TASK_METRICS = ("top1", "map")
 # The checkpoint of a running plan, left in --out when it is interrupted.
 PROGRESS_FILE = ".plan-progress.json"
 # quantlab.repairs applied to the FP32 model and weighed by the planner (bias correction, which
-# rewrites the Q/DQ model per INT8 op, is not one yet: the switchboard cannot switch it per unit).
+# changes the INT8 ops alone, is weighed on its own: --no-bias-correction).
 REPAIRS = ("cle", "smoothquant")
 PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache",
               "calibration.trtexec.cache", "trtexec.txt", "summary.json", "report.html")
@@ -88,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "data-free), smoothquant (activation outliers into weights); each "
                              "costs one calibration pass and one pass on a batch; the one whose "
                              "all-INT8 model is least noisy is planned (default: none)")
+    parser.add_argument("--no-bias-correction", dest="bias_correction", action="store_false",
+                        help="do not weigh bias correction (by default each INT8 op's mean "
+                             "output error is measured in one pass over the calibration data "
+                             "and subtracted from its bias in the INT8 units of every plan, "
+                             "when that lowers the all-INT8 noise on the hardest samples; it "
+                             "lives in model.int8.onnx, not in model.onnx and the implicit "
+                             "INT8 build from it)")
     parser.add_argument("--high-precision", default="fp16", choices=("fp16", "fp32"),
                         help="what non-INT8 units run in where the rules allow FP16 "
                              "(default: %(default)s)")
@@ -259,14 +267,15 @@ def run(args: argparse.Namespace) -> int:
         model, source.description, source.num_samples, evaluation.description,
         evaluation.num_samples, args.metric, args.max_drop, args.min_sqnr, args.trials,
         args.hard_samples, args.high_precision, args.resamples, sorted(scales.amax.items()),
-        sorted(candidates), sorted(repaired)))
+        sorted(candidates), sorted(repaired), args.bias_correction))
     result = plan.make_plan(model, source, evaluation, scales.amax, ranges, p9999,
                             metric=args.metric, max_drop=args.max_drop,
                             min_sqnr=args.min_sqnr, trials=args.trials,
                             hard_count=args.hard_samples, high_precision=args.high_precision,
                             task=task, resamples=args.resamples, checkpoint=checkpoint,
                             candidates=candidates if len(candidates) > 1 else None,
-                            repairs=repaired, progress=progress)
+                            repairs=repaired, bias_correction=args.bias_correction,
+                            progress=progress)
     certificate = result.certificate
     pinned = plan.pinned_tensors(result.plan, graph.Graph(result.model))
     with output_folder(args.out, force=args.force, produces=PLAN_FILES) as folder:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -11,6 +14,10 @@ from scipy import optimize
 from quantlab import qdq
 from quantlab.errors import ConfigError
 from quantlab.planner.units import Unit
+
+
+# Budgets of the front past which the small steps are thinned (see front).
+FRONT_STEPS = 32
 
 
 @dataclass
@@ -62,43 +69,76 @@ def solve(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
 
 def _knapsack(value: np.ndarray, weight: np.ndarray, capacity: float,
               allowed: np.ndarray) -> np.ndarray:
-    """The 0/1 choice of `allowed` items with the most value whose weight fits `capacity`."""
+    """The 0/1 choice of `allowed` items with the most value whose weight fits `capacity`.
+
+    Weights are scaled to the largest: HiGHS's feasibility tolerance (1e-7) then
+    lets items lighter than 1e-7 of the largest count as free (noise contributions
+    below any measurement's resolution), where unscaled it overfilled the budget.
+    """
     if not allowed.any():
         return np.zeros(len(value), bool)
     weight = np.where(allowed, weight, 0.0)
-    result = optimize.milp(-value, integrality=np.ones(len(value)),
-                           bounds=optimize.Bounds(0.0, allowed.astype(np.float64)),
-                           constraints=[optimize.LinearConstraint(weight[None, :], -np.inf,
-                                                                  max(capacity, 0.0))],
-                           options={"mip_rel_gap": 0.0})
+    # Scaled to [0, 1] (HiGHS mis-handles constraints spanning 1e-13..1: stray prints, repairs).
+    unit = float(weight.max()) if weight.max() > 0 else 1.0
+    weight, capacity = weight / unit, max(capacity, 0.0) / unit
+    with _native_stdout_silenced():  # HiGHS <= 1.12 prints a debug line now and then
+        result = optimize.milp(-value / value.max(), integrality=np.ones(len(value)),
+                               bounds=optimize.Bounds(0.0, allowed.astype(np.float64)),
+                               constraints=[optimize.LinearConstraint(weight[None, :], -np.inf,
+                                                                      capacity)],
+                               options={"mip_rel_gap": 0.0})
     return np.round(result.x).astype(bool)
 
 
-def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
-          contribution: Mapping[str, float], points: int = 24,
-          high_precision: str = "fp16",
-          fp16_contribution: Mapping[str, float] | None = None) -> list[FrontPoint]:
-    """The predicted INT8-share-vs-noise front: the best plan at `points` budgets.
+@contextlib.contextmanager
+def _native_stdout_silenced():
+    """File descriptor 1 to /dev/null meanwhile: HiGHS prints
+    "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();" from C++
+    whatever its output options (ERGO-Code/HiGHS#2783), which would land in the middle
+    of the progress bars."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
-    Budgets run from 0 to the sum of all contributions, log-spaced from the smallest
-    nonzero contribution (INT8 or FP16), so both the cheap pins and the last units
-    show. Per INT8 share the plan of the largest budget is kept: the budget its INT8
-    units leave goes to FP16 instead of FP32. The front always starts with the plan
-    without INT8 (every unit in its fallback precision): the plan of last resort,
-    even where units predicted free make the budget-0 plan partly INT8.
+
+def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
+          contribution: Mapping[str, float], high_precision: str = "fp16",
+          fp16_contribution: Mapping[str, float] | None = None) -> list[FrontPoint]:
+    """The predicted INT8-share-vs-noise front: the best plan at every budget that matters.
+
+    The budgets are 0 and the running sums of the INT8 contributions in ascending
+    order (the budget each next-cheapest unit needs), so that every unit can step
+    in and the front has a point per INT8 share the knapsack reaches (log-spaced
+    budgets crowd where the contributions are tiny and skip the large steps); past
+    2 * FRONT_STEPS units, the FRONT_STEPS largest steps and as many evenly spaced
+    among the others. Each step is solved again with room for all FP16
+    contributions on top (two MILPs per budget). Per INT8 share the plan of the
+    largest budget is kept: the budget its INT8 units leave goes to FP16 instead
+    of FP32. The front always starts with a plan without INT8, every unit FP32
+    where its rules allow: the plan of last resort (the FP32 model itself), even
+    where units predicted free make the budget-0 plan partly INT8.
     """
-    costs = [c for c in [*contribution.values(), *(fp16_contribution or {}).values()]
-             if 0 < c < np.inf]
-    budgets = [0.0]
-    if costs:  # up to every unit in INT8 and every other one in FP16
-        budgets += list(np.geomspace(min(costs), sum(costs), points - 1))
+    steps = np.cumsum(sorted(c for c in contribution.values() if 0 < c < np.inf))
+    if len(steps) > 2 * FRONT_STEPS:  # the largest steps all, evenly spaced among the others
+        steps = np.concatenate([steps[np.linspace(0, len(steps) - FRONT_STEPS - 1, FRONT_STEPS,
+                                                  dtype=int)], steps[-FRONT_STEPS:]])
+    steps = np.concatenate([[0.0], steps])
+    half = sum(c for c in (fp16_contribution or {}).values() if 0 < c < np.inf)
+    # Each step also with room for every FP16 unit: per INT8 share, its plan with most FP16.
+    budgets = np.unique(np.concatenate([steps, steps + half]))
     best = {}  # INT8 share -> plan; budgets ascend, so the last plan of a share wins
     for budget in budgets:
         point = solve(units, allowed, contribution, budget, high_precision, fp16_contribution)
         best[point.int8_mac_share] = point
     points = [best[share] for share in sorted(best)]
     if any(p == "int8" for p in points[0].precisions.values()):
-        none = {u.name: fallback_precision(allowed.get(u.name, qdq.PRECISIONS), high_precision)
+        none = {u.name: fallback_precision(allowed.get(u.name, qdq.PRECISIONS), "fp32")
                 for u in units}
         half = sum(float((fp16_contribution or {}).get(n, 0.0)) for n, p in none.items()
                    if p == "fp16")

@@ -28,12 +28,18 @@ def plan_section(result: PlanResult) -> Section:
         f"{sum(e.model_run for e in result.evaluations)} evaluations of the real "
         f"INT8 model and {len(result.sensitivity.nsr)} switchboard passes on "
         f"{len(result.hard_samples)} hardest calibration samples.")
-    if result.plan.repairs:
-        weighed = ", ".join(f"{r['repair']} {r['all_int8_nsr_first_batch']:.3g}"
-                            for r in result.plan.repairs)
-        chosen = next(r["repair"] for r in result.plan.repairs if r["chosen"])
+    models = [r for r in result.plan.repairs if "all_int8_nsr_first_batch" in r]
+    if models:
+        weighed = ", ".join(f"{r['repair']} {r['all_int8_nsr_first_batch']:.3g}" for r in models)
+        chosen = next(r["repair"] for r in models if r["chosen"])
         summary += (f" Repairs weighed before pins by all-INT8 output NSR on the first "
                     f"calibration batch: {weighed}; planned: {chosen}.")
+    for r in result.plan.repairs:
+        if r["repair"] == "bias_correction":
+            summary += (f" Bias correction ({r['applied']} INT8 ops, measured in one pass on "
+                        f"the calibration data) {'applied' if r['chosen'] else 'not applied'}: "
+                        f"all-INT8 output NSR on the hardest samples {r['hard_nsr_before']:.3g} "
+                        f"without, {r['hard_nsr_after']:.3g} with.")
     too_small = certificate.too_small_message()
     too_small = too_small[:1].upper() + too_small[1:]
     html = _ENV.get_template("plan.html").render(
@@ -115,7 +121,7 @@ def waterfall_figure(result: PlanResult):
 
     decisions = result.plan.units
     repairs = [(f"repair: {r['repair']}", max(r["hard_nsr_before"] - r["hard_nsr_after"], 0.0))
-               for r in result.plan.repairs if "hard_nsr_before" in r]
+               for r in result.plan.repairs if "hard_nsr_before" in r and r["chosen"]]
     pins = repairs + sorted(((n, d.predicted or 0.0) for n, d in decisions.items()
                              if d.precision != "int8"), key=lambda item: -item[1])
     start = sum(d.predicted or 0.0 for d in decisions.values()) + sum(a for _, a in repairs)
