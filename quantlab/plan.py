@@ -92,6 +92,8 @@ from quantlab.planner.units import (  # noqa: F401 (public API)
     share_scales,
 )
 
+# Front plans measured on the switchboard per round of checks before any evaluation.
+FRONT_CHECKS = 4
 # The reason of a unit the search (not a rule) keeps out of INT8.
 SEARCH_CODE = "M-SEARCH"
 SEARCH_SOURCE = ("quantlab: switchboard group testing on the hardest samples, MILP front, "
@@ -201,7 +203,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
               resamples: int = 200, checkpoint: Checkpoint | None = None,
               candidates: Mapping[str, Mapping[str, float]] | None = None,
               repairs: Mapping[str, RepairedModel] | None = None,
-              bias_correction: bool = True,
+              bias_correction: bool = True, verify_rounds: int = 2,
               progress: Callable | None = None) -> PlanResult:
     """Plan `model` (normalized) under a budget: rules, group testing, front, certification.
 
@@ -209,7 +211,10 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     hardest samples, certification on the latter); `amax` are the calibrated
     scales' amax, `ranges` max |x| and `p9999` the 99.99th percentile per tensor
     (for the rules). The budget is ``max_drop`` of `metric` from FP32, or
-    ``min_sqnr`` (dB of output SQNR, metric "sqnr"). Up to `max_evaluations` plans
+    ``min_sqnr`` (dB of output SQNR, metric "sqnr"). Before any evaluation, up to
+    `verify_rounds` rounds measure FRONT_CHECKS plans of the front on the
+    switchboard (hardest samples) and refit, until their predicted noise is
+    within a factor 2 of the measured. Up to `max_evaluations` plans
     of the front are evaluated on the real INT8 model (ONNX Runtime integer
     kernels): all-INT8 first (kept when within budget), then the front's plan the
     fitted model predicts at the budget, re-fitted after each evaluation and
@@ -233,9 +238,9 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     per unit in the switchboard) when it lowers the all-INT8 noise on the hardest
     samples; ``plan.repairs`` records both figures.
     """
-    from quantlab.repairs import bias_shifts, shift_biases
     from quantlab import switchboard
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.repairs import bias_shifts, shift_biases
 
     if (max_drop is None) == (min_sqnr is None):
         raise ConfigError("give exactly one budget: --max-drop X or --min-sqnr DB.")
@@ -297,15 +302,16 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
                         "hard_nsr_before": noise[False], "hard_nsr_after": noise[True],
                         **_repair_summary(shift_report.to_dict())}
     local = local_sqnr(g, amax, units, calibration.slice(hard, 0, calibration.batch_size))
+
+    def board_nsr(batch, flags):
+        return run_batched(lambda chunk: board_backend.run({**chunk, **flags}), batch, calibration)
+
     sensitivity = group_test(
-        board, lambda batch, flags: run_batched(
-            lambda chunk: board_backend.run({**chunk, **flags}), batch, calibration), hard,
-        references, trials=trials, fixed=fixed,
+        board, board_nsr, hard, references, trials=trials, fixed=fixed,
         known=checkpoint.trials if checkpoint else None,
         on_trial=checkpoint.add_trial if checkpoint else None,
         progress=lambda r: step(r, desc="switchboard trials"),
         local_nsr={u: 10.0 ** (-f["int8"] / 10.0) for u, f in local.items() if "int8" in f})
-    contribution = dict(zip(sensitivity.units, sensitivity.contribution, strict=True))
     repair_records = [{"repair": name, "chosen": name == repair,
                        "all_int8_nsr_first_batch": nsr, **_repair_summary(options[name].report)}
                       for name, nsr in weighed.items()]
@@ -322,9 +328,36 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         after = shift_record["hard_nsr_before"] if shift_record else float(sensitivity.nsr[0])
         repair_records[list(weighed).index(repair)].update(
             hard_nsr_before=before["none"], hard_nsr_after=after)
-    fp16_contribution = fp16_contributions(contribution, local, fixed)
-    points = front(units, allowed, contribution, high_precision=high_precision,
-                   fp16_contribution=fp16_contribution)
+
+    def fitted(sensitivity: OutputSensitivity):
+        contribution = dict(zip(sensitivity.units, sensitivity.contribution, strict=True))
+        fp16_contribution = fp16_contributions(contribution, local, fixed)
+        return contribution, fp16_contribution, front(
+            units, allowed, contribution, high_precision=high_precision,
+            fp16_contribution=fp16_contribution)
+
+    def verify_trial(index: int, mask: np.ndarray) -> float:
+        if checkpoint and index in checkpoint.trials:
+            return checkpoint.trials[index]
+        precisions = {u: "int8" if m else fixed.get(u, "fp32")
+                      for u, m in zip(sensitivity.units, mask, strict=True)}
+        nsr = float(sample_nsr(board_nsr(hard, board.feeds(precisions)), references).mean())
+        if checkpoint:
+            checkpoint.add_trial(index, nsr)
+        return nsr
+
+    contribution, fp16_contribution, points = fitted(sensitivity)
+    for _ in step(range(verify_rounds), desc="front checks"):
+        masks = _front_checks(points, sensitivity)
+        if not len(masks):
+            break
+        predicted = masks @ sensitivity.contribution
+        measured = np.array([verify_trial(len(sensitivity.nsr) + k, mask)
+                             for k, mask in enumerate(masks)])
+        sensitivity = sensitivity.with_trials(masks, measured)
+        contribution, fp16_contribution, points = fitted(sensitivity)
+        if np.all((measured <= 2 * predicted) & (predicted <= 2 * measured)):
+            break
 
     fp32_outputs = [fp32.run(batch) for batch in step(evaluation, desc="FP32 evaluation")]
 
@@ -422,6 +455,26 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
                       hard_indices.tolist(), model)
 
 
+def _front_checks(points: list[FrontPoint], sensitivity: OutputSensitivity,
+                  count: int = FRONT_CHECKS) -> np.ndarray:
+    """INT8 masks of up to `count` front plans to measure on the switchboard, evenly spread.
+
+    Plans strictly between no INT8 and all INT8 whose set of INT8 units no trial ran
+    yet. Measured and refitted (:meth:`OutputSensitivity.with_trials`), they test the
+    fit where the search will look: random half-and-half trials cannot tell many
+    small contributors apart, and a fit that calls them free puts them all in INT8.
+    """
+    seen = {mask.tobytes() for mask in sensitivity.masks}
+    masks = []
+    for point in points:
+        mask = np.array([point.precisions.get(u) == "int8" for u in sensitivity.units])
+        if mask.any() and not mask.all() and mask.tobytes() not in seen:
+            seen.add(mask.tobytes())
+            masks.append(mask)
+    picked = np.unique(np.linspace(0, len(masks) - 1, min(count, len(masks))).astype(int))
+    return np.array([masks[i] for i in picked]).reshape(-1, len(sensitivity.units))
+
+
 def _repair_summary(report: Mapping) -> dict:
     """The plain figures of a RepairReport dict that plan.json keeps: places changed, skipped."""
     return {"applied": len(report.get("applied", [])), "skipped": len(report.get("skipped", [])),
@@ -466,7 +519,7 @@ def _shortfall_power(measured: list[tuple[float, float]]) -> float:
     cautious assumption when extrapolating down from a single failure.
     """
     found = sorted((d, n) for n, d in measured if d > 0 and n > 0)[::-1]
-    for (d1, n1), (d2, n2) in zip(found, found[1:]):
+    for (d1, n1), (d2, n2) in zip(found, found[1:], strict=False):
         if n1 != n2:
             return float(np.clip(np.log(d1 / d2) / np.log(n1 / n2), 0.5, 1.0))
     return 0.5

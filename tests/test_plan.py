@@ -433,6 +433,31 @@ def test_solve_equals_brute_force_with_contributions_over_many_decades():
         assert macs[chosen].sum() >= best
 
 
+def test_front_checks_measure_the_plans_a_sparse_fit_calls_free_and_the_refit_learns():
+    """Saturated trials (every one runs the big unit u0 in INT8; output noise tops out
+    at 0.3) say nothing about the nine small units: the fit gives them ~0 and the
+    front puts them all in INT8 at ~no predicted noise. The checks measure such
+    front plans (unsaturated there: the additive noise 9 * 0.004), and the refit
+    predicts every checked plan within the factor 2 the planner stops at."""
+    names = [f"u{i}" for i in range(10)]
+    true = np.array([1.0, *[0.004] * 9])
+    units = [plan.Unit(n, [n], [n], [], [], 100) for n in names]
+    masks = np.array([[True] * 10, [True] * 5 + [False] * 5, [True] + [False] * 4 + [True] * 5])
+    fit = plan.OutputSensitivity(names, masks, np.minimum(masks @ true, 0.3), np.zeros(10))
+    fit = fit.with_trials(np.zeros((0, 10), bool), np.zeros(0))  # the fit of these trials
+    assert fit.contribution[1:].max() < 0.2 * true[1]
+    points = plan.front(units, {}, dict(zip(names, fit.contribution, strict=True)), "fp32")
+    checks = plan._front_checks(points, fit)
+    assert 0 < len(checks) <= plan.FRONT_CHECKS
+    assert not any((c == m).all() for c in checks for m in masks)  # only plans not yet run
+    measured = np.minimum(checks @ true, 0.3)
+    assert np.any(checks @ fit.contribution < measured / 2)  # the sparse fit was wrong there
+    refit = fit.with_trials(checks, measured)
+    predicted = checks @ refit.contribution
+    assert np.all((predicted <= 2 * measured) & (measured <= 2 * predicted))
+    assert len(refit.nsr) == len(masks) + len(checks)
+
+
 def test_search_meets_the_budget_on_the_planted_model_and_certifies_real_int8(planted_case):
     from quantlab import qdq
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
@@ -649,9 +674,11 @@ def test_make_plan_falls_back_to_fp32_when_no_int8_plan_certifies(planted_case, 
     result = plan.make_plan(g.model, source, source, amax, amax, amax, metric="identical",
                             max_drop=0.01, trials=8, hard_count=16, max_evaluations=2,
                             high_precision="fp32")
-    assert [e.model_run for e in result.evaluations] == [True, True, False]
-    assert not any(e.certificate.certified for e in result.evaluations[:2])
-    assert result.certificate.certified and result.chosen == 2
+    # Reached by the search's guess or after its evaluations run out: last, never run.
+    *failed, last = result.evaluations
+    assert failed and all(e.model_run and not e.certificate.certified for e in failed)
+    assert not last.model_run and result.chosen == len(failed)
+    assert result.certificate.certified
     assert result.certificate.value == result.certificate.reference == 1.0
     assert result.front[0].int8_mac_share == 0.0
     assert {d.precision for d in result.plan.units.values()} == {"fp32"}
@@ -783,7 +810,10 @@ def test_interrupted_plan_resumes_from_its_checkpoint(planted_case, tmp_path, mo
     first = plan.make_plan(g.model, source, source, amax, amax, amax,
                            checkpoint=plan.Checkpoint(path, key), **run)
     saved = plan.Checkpoint(path, key)
-    assert len(saved.trials) == 16 and len(saved.evaluations) == len(first.evaluations)
+    # 16 random trials, then the front checks (switchboard passes of front plans).
+    total = len(first.sensitivity.nsr)
+    assert 16 < total <= 16 + 2 * plan.FRONT_CHECKS
+    assert len(saved.trials) == total and len(saved.evaluations) == len(first.evaluations)
     assert plan.Checkpoint(path, "another run").trials == {}
     # Interrupted after 9 trials and the first evaluation: the rest is measured again.
     saved.trials = {t: v for t, v in saved.trials.items() if t < 9}
@@ -802,7 +832,7 @@ def test_interrupted_plan_resumes_from_its_checkpoint(planted_case, tmp_path, mo
     assert resumed.plan == first.plan
     assert [e.certificate for e in resumed.evaluations] == [
         e.certificate for e in first.evaluations]
-    assert [i for m, i in added if m == "add_trial"] == list(range(9, 16))
+    assert [i for m, i in added if m == "add_trial"] == list(range(9, total))
     assert sum(m == "add_evaluation" for m, _ in added) == len(first.evaluations) - 1
 
 

@@ -88,6 +88,17 @@ class OutputSensitivity:
     masks: np.ndarray
     nsr: np.ndarray
     contribution: np.ndarray
+    # What the fit is pulled to where the trials leave it free (see group_test), and how hard.
+    prior: np.ndarray | None = None
+    ridge: float = 1e-3
+
+    def with_trials(self, masks: np.ndarray, nsr: np.ndarray) -> OutputSensitivity:
+        """These trials added (rows of INT8 masks and their measured noise), refitted."""
+        masks = np.vstack([self.masks, masks])
+        nsr = np.concatenate([self.nsr, nsr])
+        prior = self.prior if self.prior is not None else np.zeros(len(self.units))
+        return OutputSensitivity(self.units, masks, nsr, _fit(masks, nsr, prior, self.ridge),
+                                 prior, self.ridge)
 
     def predicted_nsr(self, int8: Iterable[str]) -> float:
         """Predicted output noise-to-signal ratio when the units `int8` run INT8."""
@@ -149,10 +160,24 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
         if on_trial:
             on_trial(t, nsr[t])
     prior = _prior(units, fixed, local_nsr or {}, nsr[0])
-    system = np.vstack([masks.astype(np.float64), np.sqrt(ridge * trials) * np.eye(len(units))])
-    target = np.concatenate([nsr, np.sqrt(ridge * trials) * prior])
-    contribution = optimize.lsq_linear(system, target, bounds=(0.0, np.inf)).x
-    return OutputSensitivity(units, masks, nsr, contribution)
+    return OutputSensitivity(units, masks, nsr, _fit(masks, nsr, prior, ridge), prior, ridge)
+
+
+def _fit(masks: np.ndarray, nsr: np.ndarray, prior: np.ndarray, ridge: float) -> np.ndarray:
+    """Nonnegative a with masks @ a ~ nsr in relative terms, pulled to `prior`.
+
+    Each trial's residual is divided by its measured noise: trials span orders of
+    magnitude (half the units in INT8 against a few), and in absolute terms the
+    noisiest ones would decide the fit while the search needs it where the noise
+    is small. The pull is ``ridge * trials`` on (a - prior) over the largest trial
+    noise (dimensionless alike).
+    """
+    scale = np.maximum(nsr, np.finfo(np.float64).tiny)
+    weight = np.sqrt(ridge * len(nsr)) / max(float(nsr.max(initial=0.0)),
+                                             np.finfo(np.float64).tiny)
+    system = np.vstack([masks / scale[:, None], weight * np.eye(masks.shape[1])])
+    target = np.concatenate([nsr / scale, weight * prior])
+    return optimize.lsq_linear(system, target, bounds=(0.0, np.inf)).x
 
 
 def _prior(units: Sequence[str], fixed: Mapping[str, str], local_nsr: Mapping[str, float],

@@ -15,7 +15,6 @@ from quantlab import qdq
 from quantlab.errors import ConfigError
 from quantlab.planner.units import Unit
 
-
 # Budgets of the front past which the small steps are thinned (see front).
 FRONT_STEPS = 32
 
