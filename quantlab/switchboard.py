@@ -5,10 +5,11 @@ Every Q/DQ pair the all-INT8 placement puts on a unit's tensor becomes
 nodes ``Where(fp16_u, Cast32(Cast16(x)), x)``, with ``int8_u`` and ``fp16_u``
 boolean scalar graph inputs per unit (weights likewise). With bias-correction
 shifts, a linear op's output adds ``Where(int8_u and bias_correction, shift, 0)``,
-``bias_correction`` one more boolean input. In fake-quant (float)
-arithmetic, feeding a plan's flags computes what :func:`qdq.quantize_model`
-builds for that plan (and :func:`quantlab.repairs.shift_biases` with the shifts); the FP16 path rounds a unit's inputs and outputs to
-float16 but accumulates in float32. The idea is section 12 of docs/peers.md.
+``bias_correction`` one more boolean input. In fake-quant (float) arithmetic,
+feeding a plan's flags computes what :func:`qdq.quantize_model` builds for that
+plan (and :func:`quantlab.repairs.shift_biases` with the shifts); the FP16 path
+rounds a unit's inputs and outputs to float16 but accumulates in float32. The
+idea is section 12 of docs/peers.md.
 """
 
 from __future__ import annotations
