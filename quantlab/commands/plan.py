@@ -100,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what non-INT8 units run in where the rules allow FP16 "
                              "(default: %(default)s)")
     parser.add_argument("--trials", type=int, default=24, metavar="K",
-                        help="randomized switchboard passes (default: %(default)s)")
+                        help="randomized switchboard passes (default: %(default)s); up to 8 "
+                             "more then check plans of the predicted front and refit")
     parser.add_argument("--hard-samples", type=int, default=64, metavar="N",
                         help="hardest calibration samples the passes run on (default: "
                              "%(default)s)")
