@@ -75,6 +75,10 @@ def hardest_samples(batches, reference: Callable, candidate: Callable, count: in
 
 
 
+# Bound of the log-gains of the fitted contributions (exp(30) ~ 1e13 either way).
+LOG_GAIN_LIMIT = 30.0
+
+
 @dataclass
 class OutputSensitivity:
     """Each unit's contribution to the output noise when it runs INT8, fitted from trials.
@@ -126,16 +130,18 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
     batch with the plan's flag inputs), and measures the output noise against
     `references` (the FP32 outputs on `batch`). Quantization noise of separate
     layers adds in power to first order, so nsr(S) ~ sum of a_i over the INT8
-    units S, fitted by nonnegative least squares with a small ridge
+    units S. Each a_i is a prior times a gain, a_i = prior_i * exp(z_i), fitted
+    (:func:`_fit`) in relative terms with a small ridge on the log-gains z
     (``ridge * trials``) so that a few trials still give a unique answer. The
     all-INT8 plan is always one of the trials.
-    The ridge pulls toward a prior: with `local_nsr` (unit -> its local INT8
-    noise-to-signal ratio, :func:`local_sqnr`) each unit's local noise scaled by one
-    gain so that the priors add up to the all-INT8 trial's noise (every unit's noise
-    reaching the output alike), else zero. With fewer trials than units the trials
-    cannot tell most units apart; the prior then ranks them by their own error
-    instead of calling them free (a unit fitted at zero would be INT8 in every plan
-    of the front, so the front could not reach the plans with little INT8).
+    The prior: with `local_nsr` (unit -> its local INT8 noise-to-signal ratio,
+    :func:`local_sqnr`) each unit's local noise scaled by one gain so that the
+    priors add up to the all-INT8 trial's noise (every unit's noise reaching the
+    output alike), else that noise split evenly. With fewer trials than units the
+    trials cannot tell most units apart; they then keep one common gain, ranked
+    by their own error. An additive fit (nonnegative least squares) instead
+    lowered them all by the same amount until the smaller ones sat at zero: free
+    in every plan of the front, which then jumped from no INT8 to most of it.
     Units in `fixed` (hard pins: unit -> precision) keep that precision in every
     trial and get no contribution. Trials in `known` (index -> nsr, from an
     interrupted run with the same seed) are not run again; `on_trial(t, nsr)` is
@@ -164,20 +170,39 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
 
 
 def _fit(masks: np.ndarray, nsr: np.ndarray, prior: np.ndarray, ridge: float) -> np.ndarray:
-    """Nonnegative a with masks @ a ~ nsr in relative terms, pulled to `prior`.
+    """a = prior * exp(z) with masks @ a ~ nsr in relative terms, z pulled to 0.
 
     Each trial's residual is divided by its measured noise: trials span orders of
     magnitude (half the units in INT8 against a few), and in absolute terms the
     noisiest ones would decide the fit while the search needs it where the noise
-    is small. The pull is ``ridge * trials`` on (a - prior) over the largest trial
-    noise (dimensionless alike).
+    is small. The pull is ``ridge * trials`` on the log-gains z, bounded to
+    [-LOG_GAIN_LIMIT, LOG_GAIN_LIMIT]. Units with a zero prior stay at zero
+    (pinned, or no local error); with no positive prior at all, the largest
+    trial's noise split evenly over the units some trial ran in INT8 is used.
     """
+    masks = masks.astype(np.float64)
+    if not (prior > 0).any():
+        ran = masks.any(axis=0)
+        prior = np.where(ran, float(nsr.max(initial=0.0)) / max(int(ran.sum()), 1), 0.0)
+    free = prior > 0
+    result = np.zeros(len(prior))
+    if not free.any():
+        return result
+    base, rows = prior[free], masks[:, free]
     scale = np.maximum(nsr, np.finfo(np.float64).tiny)
-    weight = np.sqrt(ridge * len(nsr)) / max(float(nsr.max(initial=0.0)),
-                                             np.finfo(np.float64).tiny)
-    system = np.vstack([masks / scale[:, None], weight * np.eye(masks.shape[1])])
-    target = np.concatenate([nsr / scale, weight * prior])
-    return optimize.lsq_linear(system, target, bounds=(0.0, np.inf)).x
+    weight = np.sqrt(ridge * len(nsr))
+
+    def residuals(z: np.ndarray) -> np.ndarray:
+        return np.concatenate([(rows @ (base * np.exp(z)) - nsr) / scale, weight * z])
+
+    def jacobian(z: np.ndarray) -> np.ndarray:
+        return np.vstack([rows * (base * np.exp(z)) / scale[:, None],
+                          weight * np.eye(len(base))])
+
+    z = optimize.least_squares(residuals, np.zeros(len(base)), jac=jacobian,
+                               bounds=(-LOG_GAIN_LIMIT, LOG_GAIN_LIMIT)).x
+    result[free] = base * np.exp(z)
+    return result
 
 
 def _prior(units: Sequence[str], fixed: Mapping[str, str], local_nsr: Mapping[str, float],
@@ -186,7 +211,8 @@ def _prior(units: Sequence[str], fixed: Mapping[str, str], local_nsr: Mapping[st
 
     The gain makes the free units' priors add up to `all_int8` (the all-INT8 trial's
     noise); a free unit without a finite local figure takes the median of the
-    others'. Zero for pinned units, and for all when no local figure is known.
+    others'. Zero for pinned units, and for all when no local figure is known
+    (:func:`_fit` then splits the noise evenly).
     """
     free = [u not in fixed for u in units]
     known = [local_nsr[u] for u, f in zip(units, free, strict=True)
