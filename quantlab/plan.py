@@ -410,6 +410,14 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
 
     certified = [i for i in evaluated if evaluated[i].certificate.certified]
     index = max(certified) if certified else min(evaluated)
+    undecided = [i for i in evaluated if i > index and evaluated[i].certificate.inconclusive]
+    if undecided and not evaluated[last].certificate.inconclusive:  # else said already
+        best = evaluated[max(undecided)]
+        warnings.warn(f"the plan with {best.int8_mac_share:.1%} of MACs in INT8 scored "
+                      f"{best.certificate.value:.4g} (limit {best.certificate.limit:.4g}) but "
+                      f"could not be certified: {best.certificate.too_small_message()} The plan "
+                      f"written keeps {evaluated[index].int8_mac_share:.1%} in INT8.",
+                      stacklevel=2)
     decided = Plan.from_rules(units, reasons)
     rank = {u: i + 1 for i, u in enumerate(sensitivity.ranking())}
     for unit in units:

@@ -686,6 +686,33 @@ def test_make_plan_falls_back_to_fp32_when_no_int8_plan_certifies(planted_case, 
                for d in result.plan.units.values())
 
 
+def test_make_plan_warns_when_a_better_plan_was_only_inconclusive(planted_case, monkeypatch):
+    """Certification outcomes set by a stand-in for certify (by output noise): all-INT8
+    fails outright, plans with a little noise are inconclusive (interval too wide,
+    reaching the budget), only FP32 certifies. The written plan is the FP32 one and
+    the warning names the better plan and what the data lack."""
+    from quantlab import qdq
+
+    g, source, fp32, board, backend, units = planted_case
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run(
+        next(iter(source)), qdq.activation_tensors_to_calibrate(g.model)).items()}
+
+    def certify(metric, name, outputs, references, *, max_drop, floor, resamples):
+        noise = plan.output_sqnr(outputs, references)
+        low, high = ((max_drop, max_drop) if noise == np.inf else
+                     (-0.5, -0.1) if noise < 15 else (-0.2, 0.9))
+        return plan.Certificate(name, 1.0, 1.0 - max_drop + (low + high) / 2, 1.0 - max_drop,
+                                (low, high), 0.95, 64, low >= 0, high - low > max_drop, 400)
+
+    monkeypatch.setattr(plan, "certify", certify)
+    with pytest.warns(UserWarning, match=r"scored .* but could not be certified: the "
+                      r"evaluation set is too small.* The plan written keeps 0.0% in INT8"):
+        result = plan.make_plan(g.model, source, source, amax, amax, amax, metric="sqnr",
+                                max_drop=0.5, trials=8, hard_count=16, high_precision="fp32")
+    assert result.plan.int8_mac_share() == 0.0 and result.certificate.certified
+    assert any(e.certificate.inconclusive for e in result.evaluations)
+
+
 def test_shortfall_power_through_the_two_largest_drops():
     # drop = 2 * noise ** 0.75 through (0.16, 0.5657) and (0.01, 0.0632): p = 0.75.
     points = [(0.16, 2 * 0.16 ** 0.75), (0.01, 2 * 0.01 ** 0.75), (0.001, -0.1)]
