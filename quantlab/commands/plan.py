@@ -320,11 +320,12 @@ def run(args: argparse.Namespace) -> int:
         })
     (out / PROGRESS_FILE).unlink(missing_ok=True)
     verdict = "certified" if certificate.certified else "NOT certified"
+    runs = sum(e.model_run for e in result.evaluations)
     print(f"plan: {result.plan.int8_mac_share():.1%} of linear-op MACs in INT8; {args.metric} "
           f"{certificate.value:.4g} (FP32 {certificate.reference:.4g}, limit "
           f"{certificate.limit:.4g}) {verdict} at {certificate.confidence:.0%} on "
-          f"{certificate.samples} samples after {sum(e.model_run for e in result.evaluations)} "
-          f"evaluations of a model; wrote "
+          f"{certificate.samples} samples after {runs} evaluation{'' if runs == 1 else 's'} of a "
+          f"model; wrote "
           f"{args.out}/")
     if certificate.too_small:
         print(certificate.too_small_message())
