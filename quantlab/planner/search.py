@@ -96,7 +96,11 @@ def _native_stdout_silenced():
     whatever its output options (ERGO-Code/HiGHS#2783), which would land in the middle
     of the progress bars."""
     sys.stdout.flush()
-    saved = os.dup(1)
+    try:
+        saved = os.dup(1)
+    except OSError:  # no standard output to silence
+        yield
+        return
     try:
         with open(os.devnull, "w") as null:
             os.dup2(null.fileno(), 1)
