@@ -58,6 +58,7 @@ from quantlab.planner.measure import (  # noqa: F401 (public API)
     hardest_samples,
     local_sqnr,
     run_batched,
+    run_trials,
     sample_nsr,
 )
 from quantlab.planner.rules import (  # noqa: F401 (public API)
@@ -193,6 +194,11 @@ class PlanResult:
     def certificate(self) -> Certificate:
         """The certificate of the chosen plan."""
         return self.evaluations[self.chosen].certificate
+
+    @property
+    def model_runs(self) -> int:
+        """Evaluations that ran a model (the FP32 plan's outputs are known without one)."""
+        return sum(e.model_run for e in self.evaluations)
 
 
 def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str, float],
@@ -336,24 +342,16 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
             units, allowed, contribution, high_precision=high_precision,
             fp16_contribution=fp16_contribution)
 
-    def verify_trial(index: int, mask: np.ndarray) -> float:
-        if checkpoint and index in checkpoint.trials:
-            return checkpoint.trials[index]
-        precisions = {u: "int8" if m else fixed.get(u, "fp32")
-                      for u, m in zip(sensitivity.units, mask, strict=True)}
-        nsr = float(sample_nsr(board_nsr(hard, board.feeds(precisions)), references).mean())
-        if checkpoint:
-            checkpoint.add_trial(index, nsr)
-        return nsr
-
     contribution, fp16_contribution, points = fitted(sensitivity)
     for _ in step(range(verify_rounds), desc="front checks"):
         masks = _front_checks(points, sensitivity)
         if not len(masks):
             break
         predicted = masks @ sensitivity.contribution
-        measured = np.array([verify_trial(len(sensitivity.nsr) + k, mask)
-                             for k, mask in enumerate(masks)])
+        measured = run_trials(board, board_nsr, hard, references, masks, fixed=fixed,
+                              first=len(sensitivity.nsr),
+                              known=checkpoint.trials if checkpoint else None,
+                              on_trial=checkpoint.add_trial if checkpoint else None)
         sensitivity = sensitivity.with_trials(masks, measured)
         contribution, fp16_contribution, points = fitted(sensitivity)
         if np.all((measured <= 2 * predicted) & (predicted <= 2 * measured)):

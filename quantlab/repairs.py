@@ -609,8 +609,7 @@ def shift_biases(fp32_model: onnx.ModelProto | Graph, qdq_model: onnx.ModelProto
     """
     result = _copy(qdq_model)
     weights = _Weights(result)
-    reference = fp32_model if isinstance(fp32_model, Graph) else Graph(fp32_model)
-    targets, _ = _correction_targets(result, weights, reference, only=shifts)
+    targets, _ = _correction_targets(result, weights, Graph.of(fp32_model), only=shifts)
     for t in targets:
         weights.values[t.bias] = weights.get(t.bias) + shifts[t.node] / t.gain
     weights.write()

@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and the implicit trtexec line for this TensorRT's implicit INT8 "
                              "(8.x-10.x, the version that reads it); collects every float "
                              "tensor. Not needed for TensorRT 10/11 builds from "
-                             "model.int8.onnx"),
+                             "model.int8.onnx")
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_data_arguments(parser, data_help="calibration folder (stats.npz reused), calibration "
@@ -320,13 +320,12 @@ def run(args: argparse.Namespace) -> int:
         })
     (out / PROGRESS_FILE).unlink(missing_ok=True)
     verdict = "certified" if certificate.certified else "NOT certified"
-    runs = sum(e.model_run for e in result.evaluations)
+    runs = result.model_runs
     print(f"plan: {result.plan.int8_mac_share():.1%} of linear-op MACs in INT8; {args.metric} "
           f"{certificate.value:.4g} (FP32 {certificate.reference:.4g}, limit "
           f"{certificate.limit:.4g}) {verdict} at {certificate.confidence:.0%} on "
           f"{certificate.samples} samples after {runs} evaluation{'' if runs == 1 else 's'} of a "
-          f"model; wrote "
-          f"{args.out}/")
+          f"model; wrote {args.out}/")
     if certificate.too_small:
         print(certificate.too_small_message())
     return 0 if certificate.certified else 1

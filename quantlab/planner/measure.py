@@ -153,20 +153,39 @@ def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
     masks = rng.random((trials, len(units))) < int8_share
     masks[0] = True
     masks[:, [i for i, u in enumerate(units) if u in fixed]] = False
-    nsr = np.empty(trials)
-    known = dict(known or {})
-    for t in progress(range(trials)) if progress else range(trials):
-        if t in known:
-            nsr[t] = known[t]
+    nsr = run_trials(board, run, batch, references, masks, fixed=fixed, known=known,
+                     on_trial=on_trial, progress=progress)
+    prior = _prior(units, fixed, local_nsr or {}, nsr[0])
+    return OutputSensitivity(units, masks, nsr, _fit(masks, nsr, prior, ridge), prior, ridge)
+
+
+def run_trials(board, run: Callable, batch: Mapping[str, np.ndarray],
+               references: Mapping[str, np.ndarray], masks: np.ndarray, *,
+               fixed: Mapping[str, str] | None = None, first: int = 0,
+               known: Mapping[int, float] | None = None,
+               on_trial: Callable[[int, float], None] | None = None,
+               progress: Callable | None = None) -> np.ndarray:
+    """The output NSR of each plan of `masks` on the switchboard, mean over `batch`.
+
+    Row ``t`` runs the units of ``board.flags`` in INT8 where True, else FP32, the
+    units in `fixed` in their precision; it is trial ``first + t``: taken from
+    `known` when there, else run with ``run(batch, flags)`` and passed to
+    ``on_trial(index, nsr)``.
+    """
+    fixed, known = dict(fixed or {}), dict(known or {})
+    units = list(board.flags)
+    nsr = np.empty(len(masks))
+    rows = range(len(masks))
+    for t in progress(rows) if progress else rows:
+        if first + t in known:
+            nsr[t] = known[first + t]
             continue
         precisions = {u: "int8" if m else "fp32" for u, m in zip(units, masks[t], strict=True)}
         precisions.update(fixed)
-        outputs = run(batch, board.feeds(precisions))
-        nsr[t] = float(sample_nsr(outputs, references).mean())
+        nsr[t] = float(sample_nsr(run(batch, board.feeds(precisions)), references).mean())
         if on_trial:
-            on_trial(t, nsr[t])
-    prior = _prior(units, fixed, local_nsr or {}, nsr[0])
-    return OutputSensitivity(units, masks, nsr, _fit(masks, nsr, prior, ridge), prior, ridge)
+            on_trial(first + t, nsr[t])
+    return nsr
 
 
 def _fit(masks: np.ndarray, nsr: np.ndarray, prior: np.ndarray, ridge: float) -> np.ndarray:

@@ -143,7 +143,7 @@ def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
     if any(p == "int8" for p in points[0].precisions.values()):
         none = {u.name: fallback_precision(allowed.get(u.name, qdq.PRECISIONS), "fp32")
                 for u in units}
-        half = sum(float((fp16_contribution or {}).get(n, 0.0)) for n, p in none.items()
-                   if p == "fp16")
-        points.insert(0, FrontPoint(0.0, half, 0.0, none))
+        forced = sum(float((fp16_contribution or {}).get(n, 0.0)) for n, p in none.items()
+                     if p == "fp16")  # units whose rules forbid FP32
+        points.insert(0, FrontPoint(0.0, forced, 0.0, none))
     return points

@@ -24,8 +24,7 @@ def plan_section(result: PlanResult) -> Section:
         f"{certificate.metric}: {certificate.value:.4g} (FP32 {certificate.reference:.4g}, "
         f"lowest acceptable {certificate.limit:.4g}); {verdict}: the {certificate.confidence:.0%} "
         f"one-sided paired-bootstrap bound of the margin is {certificate.interval[0]:.4g} on "
-        f"{certificate.samples} samples, after "
-        f"{sum(e.model_run for e in result.evaluations)} evaluations of the real "
+        f"{certificate.samples} samples, after {result.model_runs} evaluations of the real "
         f"INT8 model and {len(result.sensitivity.nsr)} switchboard passes on "
         f"{len(result.hard_samples)} hardest calibration samples.")
     models = [r for r in result.plan.repairs if "all_int8_nsr_first_batch" in r]
