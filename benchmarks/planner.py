@@ -467,9 +467,8 @@ def child(spec: dict) -> None:
     """Run one tool on one model and budget; write the result JSON to spec['result'].
 
     The timed part starts after the imports and covers loading the model and data
-    (`quantlab plan` does both itself) up to the output model. With ``stage`` "tool" the
-    model is saved for a judging child (``stage`` "judge"); without a stage the child
-    judges it itself.
+    (`quantlab plan` does both itself) up to the output model, saved for a judging child
+    (``stage`` "judge") so that judging is outside the tool's time limit.
     """
     if spec.get("stage") == "judge":
         judge_child(spec)
@@ -487,7 +486,6 @@ def child(spec: dict) -> None:
         model = run_quantlab(*quantlab_args(spec), spec["budget"], out, progress,
                              spec.get("quantlab_resamples"))
         seconds, rss = time.perf_counter() - start, peak_rss()
-        case = load_case(spec)
     else:
         case = load_case(spec)
         progress.samples = len(case.evaluation)
@@ -496,14 +494,11 @@ def child(spec: dict) -> None:
         else:
             model = run_bisect(case, spec["budget"], progress, reverse=spec["tool"] == "bisect-rev")
         seconds, rss = time.perf_counter() - start, peak_rss()
-    result = {"wall_s": seconds, "peak_rss": rss, **version, **progress.counts}
-    if spec.get("stage") == "tool":  # judged by a child of its own, outside the time limit
-        import onnx
+    import onnx
 
-        onnx.save(model, out / CANDIDATE)
-    else:
-        result.update(judge(model, case, spec["budget"]))
-    Path(spec["result"]).write_text(json.dumps(result))
+    onnx.save(model, out / CANDIDATE)
+    Path(spec["result"]).write_text(json.dumps(
+        {"wall_s": seconds, "peak_rss": rss, **version, **progress.counts}))
 
 
 def judge_child(spec: dict) -> None:
@@ -689,8 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     Path(spec[name]).unlink(missing_ok=True)
                 begin = time.monotonic()
                 stopped, sampled_peak, code = run_child(
-                    Path(__file__), {**spec, "stage": "tool"}, folder / "log.txt", memory_limit,
-                    limit)
+                    Path(__file__), spec, folder / "log.txt", memory_limit, limit)
                 seconds = time.monotonic() - begin
                 if Path(spec["result"]).is_file():
                     # Judging (FP32 + candidate over the evaluation set) is not the tool's time.
