@@ -722,21 +722,11 @@ def test_shortfall_power_through_the_two_largest_drops():
     assert plan._shortfall_power([(0.1, 1.0), (0.1, 2.0)]) == 0.5  # same noise: no fit
 
 
-def test_certifiable_drop_leaves_room_for_the_sampling_spread():
-    # d + a sqrt(d) = 1 with a = 0.5 / sqrt(0.25) = 1: sqrt(d) = (sqrt(5) - 1) / 2.
-    d = plan._certifiable_drop(1.0, 0.25, 0.5)
-    assert d == pytest.approx(((5 ** 0.5 - 1) / 2) ** 2)
-    assert d + 0.5 * np.sqrt(d / 0.25) == pytest.approx(1.0)  # the margin's lower end is 0
-    assert plan._certifiable_drop(1.0, 0.25, 0.0) == 1.0  # no spread: the whole budget
-    assert plan._certifiable_drop(1.0, 0.0, 0.3) == 1.0  # no drop to scale the spread from
-
-
-def test_next_guess_after_an_inconclusive_plan_aims_below_the_budget_by_the_spread():
+def test_next_guess_steps_just_below_a_plan_that_scored_inside_but_did_not_certify():
     """The layout detector's run at a 1-point budget on 16 pages: all-INT8 dropped 46.9
     points; front plan 3 scored 99.53 (drop 0.47, inside the budget of 1) with the
-    margin's interval (-0.16, 1.0), too wide to certify. Aiming at the budget itself
-    put plan 3 above the guess and bisected down to plan 1; aiming at the drop that
-    can be certified with that spread (0.38) picks plan 2, the next one down."""
+    margin's interval (-0.16, 1.0), too wide to certify. Bisecting down from it went
+    to plan 1 (no better) and then to FP32; the next guess is plan 2, just below."""
     from quantlab.planner.search import FrontPoint
 
     predicted = [0.0, 3.3e-6, 7.96e-6, 4.587e-5, 1.958e-4, 2.097e-4, 5.42e-4, 0.3647]
@@ -749,9 +739,9 @@ def test_next_guess_after_an_inconclusive_plan_aims_below_the_budget_by_the_spre
     evaluated = {7: evaluation(7, 53.08, (-51.07, -39.50)),
                  3: evaluation(3, 99.533, (-0.162, 1.0))}
     assert plan._next_guess(points, evaluated, -1, 3, 1.0, None) == 2
-    # The same drop measured exactly (no spread) fits the budget well above plan 3.
-    exact = {7: evaluated[7], 3: evaluation(3, 99.533, (0.533, 0.533))}
-    assert plan._next_guess(points, exact, -1, 3, 1.0, None) == 1  # bisects: the fit is above
+    # Scored outside the budget (drop 3): the fitted law, drop ~ noise ** 0.5, aims lower.
+    outside = {7: evaluated[7], 3: evaluation(3, 97.0, (-2.6, -1.3))}
+    assert plan._next_guess(points, outside, -1, 3, 1.0, None) == 1
 
 
 def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
