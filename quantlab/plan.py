@@ -491,29 +491,33 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
                 high: int, max_drop: float | None, min_sqnr: float | None) -> int:
     """The front index to evaluate next, strictly between `low` and `high`.
 
-    When the plan at `high` scored inside the budget but was not certified (its
-    bootstrap interval reaches below the limit: on a small set, often), the plan
-    just below it: its measured metric is the best evidence there is, and plans
-    with less noise are the likeliest to certify; a guess further down would give
-    up INT8 that no measurement ruled out. Otherwise the metric's shortfall is
-    taken to grow as a power of the predicted noise (:func:`_shortfall_power`;
-    proportional for an SQNR floor), its factor fitted on the evaluation nearest
-    the bracket's middle (re-fitting, not assuming, AIMET's monotone curve);
-    bisection when that guess leaves the open interval.
+    The metric's shortfall is taken to grow as a power of the predicted noise
+    (:func:`_shortfall_power`; proportional for an SQNR floor), its factor fitted on
+    the evaluation nearest the bracket's middle (re-fitting, not assuming, AIMET's
+    monotone curve); bisection when that guess leaves the open interval. When the
+    plan at `high` scored inside the budget but was not certified (its bootstrap
+    interval reaches below the limit), the factor is fitted on it and the aim is
+    the largest shortfall that can still be certified, the budget less the
+    interval's spread (:func:`_certifiable_drop`; for a floor, the floor raised by
+    the spread in dB): that spread was measured near the budget, where it applies.
+    Failing that, the plan just below: plans with less noise are the likeliest to
+    certify, and a guess further down would give up INT8 no measurement ruled out.
     """
-    above = evaluated.get(high)
-    if above is not None and above.certificate.value >= above.certificate.limit:
-        return high - 1
-
-    def shortfall(e: Evaluation) -> tuple[float, float]:
+    def shortfall(e: Evaluation, spread: float = 0.0) -> tuple[float, float]:
         c = e.certificate
         if min_sqnr is not None:  # noise power: SQNR in dB -> NSR
-            return 10 ** (-c.value / 10), 10 ** (-min_sqnr / 10)
-        return c.reference - c.value, max_drop
+            return 10 ** (-c.value / 10), 10 ** (-(min_sqnr + spread) / 10)
+        return c.reference - c.value, _certifiable_drop(max_drop, c.reference - c.value, spread)
 
-    nearest = evaluated[min(evaluated, key=lambda i: abs(i - (low + high) / 2))]
-    measured, allowed = shortfall(nearest)
-    guess = (low + high) // 2
+    above = evaluated[high] if high in evaluated else None
+    if above is not None and above.certificate.value >= above.certificate.limit:
+        c = above.certificate
+        nearest, guess = above, high - 1
+        measured, allowed = shortfall(above, max(c.value - c.limit - c.interval[0], 0.0))
+    else:
+        nearest = evaluated[min(evaluated, key=lambda i: abs(i - (low + high) / 2))]
+        guess = (low + high) // 2
+        measured, allowed = shortfall(nearest)
     if measured > 0 and nearest.predicted > 0:
         power = 1.0 if min_sqnr is not None else _shortfall_power(
             [(e.predicted, shortfall(e)[0]) for e in evaluated.values()])
@@ -522,6 +526,22 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
         if fitting and low < fitting[-1] < high:
             guess = fitting[-1]
     return min(max(guess, low + 1), high - 1)
+
+
+def _certifiable_drop(budget: float, drop: float, spread: float) -> float:
+    """The largest drop d that a plan can show and still be certified within `budget`.
+
+    Certification needs the margin's lower end, ``budget - d - spread(d)``, at or
+    above 0. A drop is made of changed predictions (boxes, labels), and the
+    bootstrap spread of a count grows as its square root, so the spread measured
+    at `drop` is scaled as ``spread * sqrt(d / drop)``; d solves
+    ``d + spread * sqrt(d / drop) = budget`` (a quadratic in sqrt(d)). The whole
+    budget when there is no spread, or no drop to scale it from.
+    """
+    if drop <= 0 or spread <= 0:
+        return budget
+    a = spread / np.sqrt(drop)
+    return float(((np.sqrt(a * a + 4 * budget) - a) / 2) ** 2)
 
 
 def _shortfall_power(measured: list[tuple[float, float]]) -> float:

@@ -722,11 +722,19 @@ def test_shortfall_power_through_the_two_largest_drops():
     assert plan._shortfall_power([(0.1, 1.0), (0.1, 2.0)]) == 0.5  # same noise: no fit
 
 
-def test_next_guess_steps_just_below_a_plan_that_scored_inside_but_did_not_certify():
-    """The layout detector's run at a 1-point budget on 16 pages: all-INT8 dropped 46.9
-    points; front plan 3 scored 99.53 (drop 0.47, inside the budget of 1) with the
-    margin's interval (-0.16, 1.0), too wide to certify. Bisecting down from it went
-    to plan 1 (no better) and then to FP32; the next guess is plan 2, just below."""
+def test_certifiable_drop_leaves_room_for_the_sampling_spread():
+    # d + a sqrt(d) = 1 with a = 0.5 / sqrt(0.25) = 1: sqrt(d) = (sqrt(5) - 1) / 2.
+    d = plan._certifiable_drop(1.0, 0.25, 0.5)
+    assert d == pytest.approx(((5 ** 0.5 - 1) / 2) ** 2)
+    assert d + 0.5 * np.sqrt(d / 0.25) == pytest.approx(1.0)  # the margin's lower end is 0
+    assert plan._certifiable_drop(1.0, 0.25, 0.0) == 1.0  # no spread: the whole budget
+    assert plan._certifiable_drop(1.0, 0.0, 0.3) == 1.0  # no drop to scale the spread from
+
+
+@pytest.fixture
+def layout_front():
+    """The front and the all-INT8 evaluation of the layout detector at a 1-point budget
+    on 16 pages (predicted noise as measured; all-INT8 dropped 46.9 points)."""
     from quantlab.planner.search import FrontPoint
 
     predicted = [0.0, 3.3e-6, 7.96e-6, 4.587e-5, 1.958e-4, 2.097e-4, 5.42e-4, 0.3647]
@@ -736,11 +744,24 @@ def test_next_guess_steps_just_below_a_plan_that_scored_inside_but_did_not_certi
         return plan.Evaluation(index / 7, predicted[index], plan.Certificate(
             "agreement-map", 100.0, value, 99.0, interval, 0.95, 16, False, True, 22), 1.0)
 
-    evaluated = {7: evaluation(7, 53.08, (-51.07, -39.50)),
-                 3: evaluation(3, 99.533, (-0.162, 1.0))}
-    assert plan._next_guess(points, evaluated, -1, 3, 1.0, None) == 2
-    # Scored outside the budget (drop 3): the fitted law, drop ~ noise ** 0.5, aims lower.
-    outside = {7: evaluated[7], 3: evaluation(3, 97.0, (-2.6, -1.3))}
+    return points, evaluation, {7: evaluation(7, 53.08, (-51.07, -39.50))}
+
+
+def test_next_guess_below_a_plan_inside_the_budget_aims_at_a_certifiable_drop(layout_front):
+    """Plan 3 scored 99.53 (drop 0.47, inside the budget of 1) with the margin's
+    interval (-0.16, 1.0): too wide to certify. The law aimed at the budget put
+    plan 3 below the guess, and bisecting went to plan 1 (no better), then FP32.
+    Aimed at the drop certifiable with that spread (0.38 by _certifiable_drop), the
+    law (power 0.51 through the two drops) gives 3.0e-5 of noise: plan 2."""
+    points, evaluation, evaluated = layout_front
+    inside = {**evaluated, 3: evaluation(3, 99.533, (-0.162, 1.0))}
+    assert plan._next_guess(points, inside, -1, 3, 1.0, None) == 2
+    # A spread so wide that only a drop of 0.001 could certify: the plan without noise.
+    wide = {**evaluated, 3: evaluation(3, 99.533, (-30.0, 1.0))}
+    assert plan._certifiable_drop(1.0, 0.467, 30.533) < 0.001
+    assert plan._next_guess(points, wide, -1, 3, 1.0, None) == 0
+    # Scored outside (drop 3): the law through it, drop ~ noise ** 0.5, aims lower.
+    outside = {**evaluated, 3: evaluation(3, 97.0, (-2.6, -1.3))}
     assert plan._next_guess(points, outside, -1, 3, 1.0, None) == 1
 
 
