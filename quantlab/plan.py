@@ -511,7 +511,7 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
             return 10 ** (-c.value / 10), 10 ** (-(min_sqnr + spread) / 10)
         return c.reference - c.value, _certifiable_drop(max_drop, c.reference - c.value, spread)
 
-    above = evaluated[high] if high in evaluated else None
+    above = evaluated.get(high)
     if above is not None and above.certificate.value >= above.certificate.limit:
         c = above.certificate
         nearest, guess = above, high - 1

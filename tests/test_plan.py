@@ -766,6 +766,21 @@ def test_next_guess_below_a_plan_inside_the_budget_aims_at_a_certifiable_drop(la
     assert plan._next_guess(points, outside, -1, 3, 1.0, None) == 1
 
 
+def test_next_guess_below_a_plan_over_an_sqnr_floor_raises_the_floor_by_the_spread():
+    """Floor 20 dB; plan 4 measured 20.5 dB (NSR 8.9e-3, as predicted) with the margin's
+    interval (-0.3, 1.2) dB: a spread of 0.8 dB below its value. The aim is 20.8 dB,
+    NSR 8.3e-3: plan 2 (5e-3); aimed at 20 dB (1e-2) the law would pass plan 4 and the
+    guess would be plan 3 (8.5e-3), which cannot certify with that spread."""
+    from quantlab.planner.search import FrontPoint
+
+    predicted = [0.0, 1e-3, 5e-3, 8.5e-3, 8.9e-3, 0.1]
+    points = [FrontPoint(p, p, i / 5, {}) for i, p in enumerate(predicted)]
+    value = -10 * np.log10(8.9e-3)  # 20.506 dB
+    above = plan.Evaluation(0.8, 8.9e-3, plan.Certificate(
+        "sqnr", float("inf"), value, 20.0, (-0.3, 1.2), 0.95, 64, False, False, None), 1.0)
+    assert plan._next_guess(points, {4: above}, -1, 4, None, 20.0) == 2
+
+
 def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
     from quantlab import cache
     from quantlab.cli import main
