@@ -384,40 +384,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
             checkpoint.add_evaluation(index, result)
         return result
 
-    evaluations: list[Evaluation] = []
-    evaluated: dict[int, Evaluation] = {}
-    last = len(points) - 1
-    evaluated[last] = evaluate_point(last)
-    evaluations.append(evaluated[last])
-    if evaluated[last].certificate.inconclusive:  # said now, not after the other evaluations
-        warnings.warn(evaluated[last].certificate.too_small_message(), stacklevel=2)
-    low, high = -1, last  # highest certified index, lowest failed index
-    if evaluated[last].certificate.certified:
-        low = last
-    while low < high - 1 and len(evaluations) < max_evaluations:
-        guess = _next_guess(points, evaluated, low, high, max_drop, min_sqnr)
-        evaluated[guess] = evaluate_point(guess)
-        evaluations.append(evaluated[guess])
-        if evaluated[guess].certificate.certified:
-            low = guess
-        else:
-            high = guess
-    if low < 0 and 0 not in evaluated:  # nothing certified: the plan without INT8, last resort
-        evaluated[0] = evaluate_point(0)
-        evaluations.append(evaluated[0])
-
-    certified = [i for i in evaluated if evaluated[i].certificate.certified]
-    index = max(certified) if certified else min(evaluated)
-    undecided = [i for i in evaluated if i > index and evaluated[i].certificate.inconclusive]
-    if undecided and not evaluated[last].certificate.inconclusive:  # else said already
-        best = evaluated[max(undecided)]
-        warnings.warn(f"the plan with {best.int8_mac_share:.1%} of MACs in INT8 scored "
-                      f"{best.certificate.value:.4g} (limit {best.certificate.limit:.4g}) but "
-                      f"could not be certified: {best.certificate.too_small_message()} The plan "
-                      f"written keeps {evaluated[index].int8_mac_share:.1%} in INT8 "
-                      f"({(best.int8_mac_share - evaluated[index].int8_mac_share) * 100:.2g} "
-                      "points of the MACs fewer).",
-                      stacklevel=2)
+    evaluated, index = _search(points, evaluate_point, max_evaluations, max_drop, min_sqnr)
     decided = Plan.from_rules(units, reasons)
     rank = {u: i + 1 for i, u in enumerate(sensitivity.ranking())}
     for unit in units:
@@ -458,9 +425,53 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     if differ:
         raise ModelError(f"the Q/DQ model runs units {sorted(differ)[:5]} as {differ} although "
                          "the plan says otherwise; this is a bug, please report it with the model.")
-    return PlanResult(decided, qdq_model, dict(amax), points, sensitivity, evaluations,
-                      next(i for i, e in enumerate(evaluations) if e is evaluated[index]),
+    return PlanResult(decided, qdq_model, dict(amax), points, sensitivity,
+                      list(evaluated.values()), list(evaluated).index(index),
                       hard_indices.tolist(), model)
+
+
+def _search(points: list[FrontPoint], evaluate: Callable[[int], Evaluation],
+            max_evaluations: int, max_drop: float | None,
+            min_sqnr: float | None) -> tuple[dict[int, Evaluation], int]:
+    """Evaluate plans of the front; the evaluations by front index, in order, and the chosen.
+
+    All-INT8 first (kept when certified), then up to `max_evaluations` in all,
+    each chosen by :func:`_next_guess` between the most-INT8 certified plan and
+    the least-INT8 failed one. When none certifies, the plan without INT8 too (a
+    last resort). The chosen plan is the certified one with the most INT8, else
+    the most conservative evaluated. Warns when the evaluation set is too small
+    to decide, and when a plan with more INT8 than the chosen was inconclusive.
+    """
+    last = len(points) - 1
+    evaluated = {last: evaluate(last)}
+    if evaluated[last].certificate.inconclusive:  # said now, not after the other evaluations
+        warnings.warn(evaluated[last].certificate.too_small_message(), stacklevel=3)
+    low, high = -1, last  # highest certified index, lowest failed index
+    if evaluated[last].certificate.certified:
+        low = last
+    while low < high - 1 and len(evaluated) < max_evaluations:
+        guess = _next_guess(points, evaluated, low, high, max_drop, min_sqnr)
+        evaluated[guess] = evaluate(guess)
+        if evaluated[guess].certificate.certified:
+            low = guess
+        else:
+            high = guess
+    if low < 0 and 0 not in evaluated:  # nothing certified: the plan without INT8, last resort
+        evaluated[0] = evaluate(0)
+
+    certified = [i for i in evaluated if evaluated[i].certificate.certified]
+    index = max(certified) if certified else min(evaluated)
+    undecided = [i for i in evaluated if i > index and evaluated[i].certificate.inconclusive]
+    if undecided and not evaluated[last].certificate.inconclusive:  # else said already
+        best = evaluated[max(undecided)]
+        warnings.warn(f"the plan with {best.int8_mac_share:.1%} of MACs in INT8 scored "
+                      f"{best.certificate.value:.4g} (limit {best.certificate.limit:.4g}) but "
+                      f"could not be certified: {best.certificate.too_small_message()} The plan "
+                      f"written keeps {evaluated[index].int8_mac_share:.1%} in INT8 "
+                      f"({(best.int8_mac_share - evaluated[index].int8_mac_share) * 100:.2g} "
+                      "points of the MACs fewer).",
+                      stacklevel=3)
+    return evaluated, index
 
 
 def _front_checks(points: list[FrontPoint], sensitivity: OutputSensitivity,

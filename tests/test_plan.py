@@ -742,10 +742,27 @@ def layout_front():
     points = [FrontPoint(p, p, i / 7, {}) for i, p in enumerate(predicted)]
 
     def evaluation(index, value, interval):
+        low, high = interval
         return plan.Evaluation(index / 7, predicted[index], plan.Certificate(
-            "agreement-map", 100.0, value, 99.0, interval, 0.95, 16, False, True, 22), 1.0)
+            "agreement-map", 100.0, value, 99.0, interval, 0.95, 16, low >= 0,
+            (high - low) / 2 > 0.5, 22), 1.0)
 
     return points, evaluation, {7: evaluation(7, 53.08, (-51.07, -39.50))}
+
+
+def test_search_on_the_layout_run_certifies_the_plan_below_the_inconclusive_one(layout_front):
+    """The whole search with the layout run's measured outcomes per plan: all-INT8
+    fails, the law's first guess (plan 3) scores inside the budget but is
+    inconclusive, plan 2 certifies. Three evaluations, plan 2 chosen, and the warning
+    names plan 3 and how little INT8 the written plan gives up."""
+    points, evaluation, evaluated = layout_front
+    outcomes = {7: evaluated[7], 3: evaluation(3, 99.533, (-0.162, 1.0)),
+                2: evaluation(2, 99.973, (0.945, 1.0))}
+    with pytest.warns(UserWarning, match=r"the plan with 42.9% of MACs in INT8 scored 99.53 "
+                      r"\(limit 99\) but could not be certified: the evaluation set is too "
+                      r"small.* The plan written keeps 28.6% in INT8 \(14 points"):
+        found, index = plan._search(points, outcomes.__getitem__, 4, 1.0, None)
+    assert list(found) == [7, 3, 2] and index == 2
 
 
 def test_next_guess_below_a_plan_inside_the_budget_aims_at_a_certifiable_drop(layout_front):
