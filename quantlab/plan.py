@@ -516,24 +516,23 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
     Failing that, the plan just below: plans with less noise are the likeliest to
     certify, and a guess further down would give up INT8 no measurement ruled out.
     """
-    def shortfall(e: Evaluation, spread: float = 0.0) -> tuple[float, float]:
+    def shortfall(e: Evaluation) -> float:  # noise power for a floor (dB -> NSR), else the drop
         c = e.certificate
-        if min_sqnr is not None:  # noise power: SQNR in dB -> NSR
-            return 10 ** (-c.value / 10), 10 ** (-(min_sqnr + spread) / 10)
-        return c.reference - c.value, _certifiable_drop(max_drop, c.reference - c.value, spread)
+        return 10 ** (-c.value / 10) if min_sqnr is not None else c.reference - c.value
 
-    above = evaluated.get(high)
+    above, spread = evaluated.get(high), 0.0
     if above is not None and above.certificate.value >= above.certificate.limit:
         c = above.certificate
-        nearest, guess = above, high - 1
-        measured, allowed = shortfall(above, max(c.value - c.limit - c.interval[0], 0.0))
+        nearest, guess, spread = above, high - 1, max(c.value - c.limit - c.interval[0], 0.0)
     else:
         nearest = evaluated[min(evaluated, key=lambda i: abs(i - (low + high) / 2))]
         guess = (low + high) // 2
-        measured, allowed = shortfall(nearest)
+    measured = shortfall(nearest)
+    allowed = (10 ** (-(min_sqnr + spread) / 10) if min_sqnr is not None
+               else _certifiable_drop(max_drop, measured, spread))
     if measured > 0 and nearest.predicted > 0:
         power = 1.0 if min_sqnr is not None else _shortfall_power(
-            [(e.predicted, shortfall(e)[0]) for e in evaluated.values()])
+            [(e.predicted, shortfall(e)) for e in evaluated.values()])
         budget = nearest.predicted * (allowed / measured) ** (1.0 / power)
         fitting = [i for i, p in enumerate(points) if p.predicted <= budget]
         if fitting and low < fitting[-1] < high:
