@@ -126,7 +126,7 @@ class Checkpoint:
                 e["int8_mac_share"], e["predicted"],
                 Certificate(**{**e["certificate"],
                                "interval": tuple(e["certificate"]["interval"])}),
-                e["seconds"], e.get("model_run", True))
+                e["seconds"], e.get("model_run", True), e.get("screened", False))
                 for i, e in data["evaluations"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             self.trials, self.evaluations = {}, {}  # unreadable: start over
@@ -167,6 +167,9 @@ class Evaluation:
     seconds: float
     # False for the plan with every unit in FP32: it is the FP32 model, whose outputs are known.
     model_run: bool = True
+    # True when judged on the calibration samples' switchboard outputs, not on the
+    # evaluation set: an all-INT8 plan that fails there beyond doubt (see _screen).
+    screened: bool = False
 
 
 
@@ -197,7 +200,8 @@ class PlanResult:
 
     @property
     def model_runs(self) -> int:
-        """Evaluations that ran a model (the FP32 plan's outputs are known without one)."""
+        """Evaluations that ran a model on the evaluation set (not the FP32 plan, whose
+        outputs are known, nor a plan screened out on the calibration samples)."""
         return sum(e.model_run for e in self.evaluations)
 
 
@@ -222,7 +226,9 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     switchboard (hardest samples) and refit, until their predicted noise is
     within a factor 2 of the measured. Up to `max_evaluations` plans
     of the front are evaluated on the real INT8 model (ONNX Runtime integer
-    kernels): all-INT8 first (kept when within budget), then the front's plan the
+    kernels): all-INT8 first (kept when within budget; with a metric of outputs
+    alone and calibration data no larger than `hard_count`, judged on them instead
+    when it fails there beyond doubt, see :func:`_screen`), then the front's plan the
     fitted model predicts at the budget, re-fitted after each evaluation and
     bisected between the best certified and the smallest failed plan. When none
     of them certifies, the plan without INT8 is evaluated too (one more; with
@@ -357,9 +363,17 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         if np.all((measured <= 2 * predicted) & (predicted <= 2 * measured)):
             break
 
+    screened = {}
+    if metric_fn is not None and len(hard_indices) == calibration.num_samples:
+        outputs = run_batched(board_run(points[-1].precisions), hard, calibration)
+        verdict = _screen(points[-1], outputs, references, metric_fn, metric, max_drop,
+                          min_sqnr, resamples)
+        screened = {len(points) - 1: verdict} if verdict else {}
     fp32_outputs = [fp32.run(batch) for batch in step(evaluation, desc="FP32 evaluation")]
 
     def evaluate_point(index: int) -> Evaluation:
+        if index in screened:
+            return screened[index]
         if checkpoint and index in checkpoint.evaluations:
             return checkpoint.evaluations[index]
         point = points[index]
@@ -435,8 +449,9 @@ def _search(points: list[FrontPoint], evaluate: Callable[[int], Evaluation],
             min_sqnr: float | None) -> tuple[dict[int, Evaluation], int]:
     """Evaluate plans of the front; the evaluations by front index, in order, and the chosen.
 
-    All-INT8 first (kept when certified), then up to `max_evaluations` in all,
-    each chosen by :func:`_next_guess` between the most-INT8 certified plan and
+    All-INT8 first (kept when certified), then up to `max_evaluations` in all
+    (not counting a plan `evaluate` screened out on the calibration samples), each
+    chosen by :func:`_next_guess` between the most-INT8 certified plan and
     the least-INT8 failed one. When none certifies, the plan without INT8 too (a
     last resort). The chosen plan is the certified one with the most INT8, else
     the most conservative evaluated. Warns when the evaluation set is too small
@@ -449,7 +464,7 @@ def _search(points: list[FrontPoint], evaluate: Callable[[int], Evaluation],
     low, high = -1, last  # highest certified index, lowest failed index
     if evaluated[last].certificate.certified:
         low = last
-    while low < high - 1 and len(evaluated) < max_evaluations:
+    while low < high - 1 and sum(not e.screened for e in evaluated.values()) < max_evaluations:
         guess = _next_guess(points, evaluated, low, high, max_drop, min_sqnr)
         evaluated[guess] = evaluate(guess)
         if evaluated[guess].certificate.certified:
@@ -472,6 +487,30 @@ def _search(points: list[FrontPoint], evaluate: Callable[[int], Evaluation],
                       "points of the MACs fewer).",
                       stacklevel=3)
     return evaluated, index
+
+
+def _screen(point: FrontPoint, outputs: Mapping[str, np.ndarray],
+            references: Mapping[str, np.ndarray], metric_fn: Callable, metric: str,
+            max_drop: float | None, min_sqnr: float | None,
+            resamples: int) -> Evaluation | None:
+    """The all-INT8 `point` judged on the calibration samples, if it fails there beyond doubt.
+
+    `outputs` are its switchboard outputs on every calibration sample, `references`
+    FP32's. It fails beyond doubt when the whole bootstrap interval of its margin
+    lies below the limit: the evaluation-set pass it would take is spared, and the
+    search's law is fitted on this measurement instead. Otherwise None: it is
+    evaluated as any other plan. Only for metrics that read outputs alone (a task
+    metric needs labels the calibration data lack), and only where the hardest
+    samples are all the calibration samples: the hardest of more would overstate
+    the drop.
+    """
+    start = time.perf_counter()
+    certificate = certify(metric_fn, metric, [outputs], [references], max_drop=max_drop,
+                          floor=min_sqnr, resamples=resamples)
+    if certificate.interval[1] >= 0:
+        return None
+    return Evaluation(point.int8_mac_share, point.predicted, certificate,
+                      time.perf_counter() - start, model_run=False, screened=True)
 
 
 def _front_checks(points: list[FrontPoint], sensitivity: OutputSensitivity,

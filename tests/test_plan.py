@@ -652,6 +652,42 @@ def test_make_plan_on_the_planted_model(planted_case):
                        min_sqnr=10.0)
 
 
+def test_make_plan_screens_all_int8_out_on_calibration_data_it_fails_beyond_doubt(planted_case):
+    """Calibration data no larger than --hard-samples and a metric of outputs alone: the
+    all-INT8 plan, far below the floor there, is judged on them instead of evaluated.
+
+    The screened value is the output SQNR of the separately built all-INT8 Q/DQ model
+    (ONNX Runtime) on those samples, to 1e-3 dB: the switchboard equals that model to
+    float32 rounding (tests/test_switchboard.py). It is no model run, and the search
+    still certifies a plan on the evaluation set.
+    """
+    from quantlab import data, qdq
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    g, source, fp32, board, backend, units = planted_case
+    samples = np.concatenate([b["x"] for b in source])[:16]
+    calibration = data.open_data(samples, g.inputs, batch_size=8)
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run(
+        {"x": samples}, qdq.activation_tensors_to_calibrate(g.model)).items()}
+    result = plan.make_plan(g.model, calibration, source, amax, amax, amax, min_sqnr=24.0,
+                            trials=8, hard_count=16, bias_correction=False)
+    first = result.evaluations[0]
+    assert first.screened and not first.model_run and first.int8_mac_share == 1.0
+    assert first.certificate.samples == 16 and first.certificate.interval[1] < 0
+    nodes = {n: result.front[-1].precisions[u.name] for u in units for n in u.nodes}
+    int8 = OnnxRuntimeBackend(qdq.quantize_model(g.model, result.amax, nodes))
+    want = plan.output_sqnr([int8.run({"x": samples})], [fp32.run({"x": samples})])
+    assert want < 24.0 and first.certificate.value == pytest.approx(want, abs=1e-3)
+    assert result.model_runs == len(result.evaluations) - 1
+    assert result.certificate.certified and not result.evaluations[result.chosen].screened
+    # More calibration samples than the hardest kept: no screening, all-INT8 is evaluated.
+    more = plan.make_plan(g.model, source, source, amax, amax, amax, min_sqnr=24.0, trials=8,
+                          hard_count=16, bias_correction=False, max_evaluations=1)
+    assert not any(e.screened for e in more.evaluations) and more.evaluations[0].model_run
+    # Its last resort, the FP32 plan, has infinite SQNR on every resample: certified.
+    assert more.certificate.certified and more.certificate.interval[0] == np.inf
+
+
 def test_make_plan_falls_back_to_fp32_when_no_int8_plan_certifies(planted_case, monkeypatch):
     """A metric every INT8 plan fails: the plan without INT8 is returned, certified.
 

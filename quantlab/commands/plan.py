@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
             "evaluations": [{"int8_mac_share": e.int8_mac_share, "predicted": e.predicted,
                              "value": e.certificate.value, "certified": e.certificate.certified,
                              "interval": e.certificate.interval, "seconds": e.seconds,
-                             "model_run": e.model_run}
+                             "model_run": e.model_run, "screened": e.screened}
                             for e in result.evaluations],
             "front": [{"int8_mac_share": p.int8_mac_share, "predicted": p.predicted}
                       for p in result.front],

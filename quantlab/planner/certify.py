@@ -170,9 +170,11 @@ def certify_paired(name: str, evaluate: Callable[[np.ndarray], tuple[float, floa
     for b in range(resamples):
         got, fp32 = evaluate(rng.integers(0, count, count))
         margins[b] = got - (fp32 - max_drop if max_drop is not None else floor)
-    low, high = np.quantile(margins, [1 - confidence, confidence])
+    # Infinite margins (output SQNR of resamples without noise) would interpolate to NaN.
+    method = "linear" if np.isfinite(margins).all() else "inverted_cdf"
+    low, high = np.quantile(margins, [1 - confidence, confidence], method=method)
     limit = reference - max_drop if max_drop is not None else floor
-    half_width = (high - low) / 2
+    half_width = (high - low) / 2 if max_drop is not None else 0.0  # only a drop can be too small
     too_small = max_drop is not None and half_width > max_drop / 2
     needed = (int(np.ceil(count * (half_width / (max_drop / 2)) ** 2))
               if too_small and max_drop > 0 else None)

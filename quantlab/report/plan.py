@@ -27,6 +27,12 @@ def plan_section(result: PlanResult) -> Section:
         f"{certificate.samples} samples, after {result.model_runs} evaluations of the real "
         f"INT8 model and {len(result.sensitivity.nsr)} switchboard passes on "
         f"{len(result.hard_samples)} hardest calibration samples.")
+    for e in result.evaluations:
+        if e.screened:
+            summary += (f" The all-INT8 plan was not evaluated: on the {e.certificate.samples} "
+                        f"calibration samples it scored {e.certificate.value:.4g} against a "
+                        f"limit of {e.certificate.limit:.4g}, its whole bootstrap interval "
+                        "below it.")
     models = [r for r in result.plan.repairs if "all_int8_nsr_first_batch" in r]
     if models:
         weighed = ", ".join(f"{r['repair']} {r['all_int8_nsr_first_batch']:.3g}" for r in models)
@@ -87,7 +93,9 @@ def ledger_frame(result: PlanResult) -> pd.DataFrame:
         "certified": "yes" if e.certificate.certified else "no",
         "chosen": "yes" if i == result.chosen else "",
         "seconds": e.seconds,
-        "model_run": "yes" if e.model_run else "no (the FP32 model)",
+        "model_run": ("yes" if e.model_run else
+                      f"no (failed on the {e.certificate.samples} calibration samples)"
+                      if e.screened else "no (the FP32 model)"),
     } for i, e in enumerate(result.evaluations)])
 
 
@@ -101,7 +109,8 @@ def front_figure(result: PlanResult):
               [p.int8_mac_share for p in result.front], where="post", label="predicted front")
     for i, e in enumerate(result.evaluations):
         color = "tab:green" if e.certificate.certified else "tab:red"
-        axis.scatter(max(e.predicted, floor), e.int8_mac_share, color=color,
+        axis.scatter(max(e.predicted, floor), e.int8_mac_share,
+                     facecolors="none" if e.screened else color, edgecolors=color,
                      marker="*" if i == result.chosen else "o", s=90 if i == result.chosen else 30,
                      zorder=3)
     axis.set_xscale("log")
@@ -109,6 +118,9 @@ def front_figure(result: PlanResult):
     axis.set_ylabel("INT8 share of MACs")
     axis.scatter([], [], color="tab:green", label="evaluated, certified")
     axis.scatter([], [], color="tab:red", label="evaluated, not certified")
+    if any(e.screened for e in result.evaluations):
+        axis.scatter([], [], facecolors="none", edgecolors="tab:red",
+                     label="failed on the calibration samples")
     axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     return figure
 
