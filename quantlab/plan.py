@@ -227,8 +227,8 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     within a factor 2 of the measured. Up to `max_evaluations` plans
     of the front are evaluated on the real INT8 model (ONNX Runtime integer
     kernels): all-INT8 first (kept when within budget; with a metric of outputs
-    alone and calibration data no larger than `hard_count`, judged on them instead
-    when it fails there beyond doubt, see :func:`_screen`), then the front's plan the
+    alone, judged instead on a random draw of `hard_count` calibration samples when
+    it fails there beyond doubt, see :func:`_screen`), then the front's plan the
     fitted model predicts at the budget, re-fitted after each evaluation and
     bisected between the best certified and the smallest failed plan. When none
     of them certifies, the plan without INT8 is evaluated too (one more; with
@@ -299,8 +299,9 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         flags = board.feeds(precisions)
         return lambda batch: board_backend.run({**batch, **flags})
 
-    hard, hard_indices = hardest_samples(calibration, fp32.run, board_run(all_int8), hard_count,
-                                         lambda b: step(b, desc="hardest samples"))
+    hard, hard_indices, drawn = hardest_samples(
+        calibration, fp32.run, board_run(all_int8), hard_count,
+        lambda b: step(b, desc="hardest samples"), draw=metric_fn is not None)
     references = run_batched(fp32.run, hard, calibration)
     shift_record = None
     if board.bias_flag:  # weighed on the hardest samples: kept only where it lowers the noise
@@ -364,11 +365,13 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
             break
 
     screened = {}
-    if metric_fn is not None and len(hard_indices) == calibration.num_samples:
-        outputs = run_batched(board_run(points[-1].precisions), hard, calibration)
-        verdict = _screen(points[-1], outputs, references, metric_fn, metric, max_drop,
+    if drawn is not None:
+        _, batch, fp32_drawn = drawn
+        outputs = run_batched(board_run(points[-1].precisions), batch, calibration)
+        verdict = _screen(points[-1], outputs, fp32_drawn, metric_fn, metric, max_drop,
                           min_sqnr, resamples)
         screened = {len(points) - 1: verdict} if verdict else {}
+    del drawn
     fp32_outputs = [fp32.run(batch) for batch in step(evaluation, desc="FP32 evaluation")]
 
     def evaluate_point(index: int) -> Evaluation:
@@ -493,16 +496,15 @@ def _screen(point: FrontPoint, outputs: Mapping[str, np.ndarray],
             references: Mapping[str, np.ndarray], metric_fn: Callable, metric: str,
             max_drop: float | None, min_sqnr: float | None,
             resamples: int) -> Evaluation | None:
-    """The all-INT8 `point` judged on the calibration samples, if it fails there beyond doubt.
+    """The all-INT8 `point` judged on calibration samples, if it fails there beyond doubt.
 
-    `outputs` are its switchboard outputs on every calibration sample, `references`
-    FP32's. It fails beyond doubt when the whole bootstrap interval of its margin
-    lies below the limit: the evaluation-set pass it would take is spared, and the
-    search's law is fitted on this measurement instead. Otherwise None: it is
-    evaluated as any other plan. Only for metrics that read outputs alone (a task
-    metric needs labels the calibration data lack), and only where the hardest
-    samples are all the calibration samples: the hardest of more would overstate
-    the drop.
+    `outputs` are its switchboard outputs on a random draw of calibration samples
+    (drawn in the pass that finds the hardest, whose drop they would overstate),
+    `references` FP32's. It fails beyond doubt when the whole
+    bootstrap interval of its margin lies below the limit: the evaluation-set pass
+    it would take is spared, and the search's law is fitted on this measurement
+    instead. Otherwise None: it is evaluated as any other plan. Only for metrics
+    that read outputs alone: a task metric needs labels the calibration data lack.
     """
     start = time.perf_counter()
     certificate = certify(metric_fn, metric, [outputs], [references], max_drop=max_drop,

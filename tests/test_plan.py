@@ -340,20 +340,37 @@ def test_hardest_samples_are_the_quietest(planted_case):
     g, source, fp32, board, backend, _ = planted_case
     int8 = board.feeds({})
     seen = []  # a progress wrapper (tqdm) yields the batches but is not the source
-    batch, indices = plan.hardest_samples(source, fp32.run,
-                                          lambda b: backend.run({**b, **int8}), count=4,
-                                          progress=lambda b: seen.append(1) or iter(list(b)))
-    assert seen == [1]
+    batch, indices, drawn = plan.hardest_samples(
+        source, fp32.run, lambda b: backend.run({**b, **int8}), count=4,
+        progress=lambda b: seen.append(1) or iter(list(b)))
+    assert seen == [1] and drawn is None
     assert {5, 40} <= set(indices.tolist()) and len(indices) == 4
     assert list(indices) == sorted(indices)
     np.testing.assert_array_equal(batch["x"][list(indices).index(40)], next(
         b for i, b in enumerate(source) if i == 2)["x"][8])
 
 
+def test_hardest_samples_also_draw_random_samples(planted_case):
+    """The draw: up to `count` distinct samples in data order, their inputs and the
+    reference's outputs on them; not the hardest (a seeded uniform draw of 8 of 64
+    holds both of the 2 quietest with probability 8*7/(64*63) = 1.4 %)."""
+    g, source, fp32, board, backend, _ = planted_case
+    samples = np.concatenate([b["x"] for b in source])
+    int8 = board.feeds({})
+    _, _, (indices, batch, references) = plan.hardest_samples(
+        source, fp32.run, lambda b: backend.run({**b, **int8}), count=8, draw=True)
+    assert len(set(indices.tolist())) == len(indices) == 8
+    assert list(indices) == sorted(indices) and not {5, 40} <= set(indices.tolist())
+    np.testing.assert_array_equal(batch["x"], samples[indices])
+    np.testing.assert_array_equal(references["y"], fp32.run({"x": samples})["y"][indices])
+    _, _, (every, _, _) = plan.hardest_samples(source, fp32.run, fp32.run, count=100, draw=True)
+    assert every.tolist() == list(range(64))
+
+
 def test_group_test_ranks_planted_units_first(planted_case):
     g, source, fp32, board, backend, units = planted_case
-    batch, _ = plan.hardest_samples(source, fp32.run,
-                                    lambda b: backend.run({**b, **board.feeds({})}), count=16)
+    batch, _, _ = plan.hardest_samples(source, fp32.run,
+                                       lambda b: backend.run({**b, **board.feeds({})}), count=16)
     references = fp32.run(batch)
     found = plan.group_test(board, lambda b, f: backend.run({**b, **f}), batch, references,
                             trials=16, seed=0)
@@ -463,8 +480,8 @@ def test_search_meets_the_budget_on_the_planted_model_and_certifies_real_int8(pl
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
     g, source, fp32, board, backend, units = planted_case
-    batch, _ = plan.hardest_samples(source, fp32.run,
-                                    lambda b: backend.run({**b, **board.feeds({})}), count=16)
+    batch, _, _ = plan.hardest_samples(source, fp32.run,
+                                       lambda b: backend.run({**b, **board.feeds({})}), count=16)
     found = plan.group_test(board, lambda b, f: backend.run({**b, **f}), batch, fp32.run(batch),
                             trials=16)
     floor_db = 18.0
@@ -625,7 +642,7 @@ def test_make_plan_on_the_planted_model(planted_case):
     result = plan.make_plan(g.model, source, source, amax, amax, p9999, min_sqnr=24.0,
                             trials=16, hard_count=16)
     assert result.certificate.certified and result.certificate.value >= 24.0
-    assert len(result.evaluations) <= 4
+    assert result.model_runs <= 4
     assert not result.evaluations[0].certificate.certified  # all-INT8 misses 24 dB
     predicted = [p.predicted for p in result.front]
     assert predicted == sorted(predicted)
@@ -652,9 +669,10 @@ def test_make_plan_on_the_planted_model(planted_case):
                        min_sqnr=10.0)
 
 
-def test_make_plan_screens_all_int8_out_on_calibration_data_it_fails_beyond_doubt(planted_case):
-    """Calibration data no larger than --hard-samples and a metric of outputs alone: the
-    all-INT8 plan, far below the floor there, is judged on them instead of evaluated.
+def test_make_plan_screens_out_all_int8_failing_beyond_doubt_on_calibration_data(planted_case):
+    """A metric of outputs alone: the all-INT8 plan, far below the floor on the
+    calibration samples drawn (here all 16, as --hard-samples is 16), is judged on them
+    instead of evaluated.
 
     The screened value is the output SQNR of the separately built all-INT8 Q/DQ model
     (ONNX Runtime) on those samples, to 1e-3 dB: the switchboard equals that model to
@@ -680,12 +698,16 @@ def test_make_plan_screens_all_int8_out_on_calibration_data_it_fails_beyond_doub
     assert want < 24.0 and first.certificate.value == pytest.approx(want, abs=1e-3)
     assert result.model_runs == len(result.evaluations) - 1
     assert result.certificate.certified and not result.evaluations[result.chosen].screened
-    # More calibration samples than the hardest kept: no screening, all-INT8 is evaluated.
-    more = plan.make_plan(g.model, source, source, amax, amax, amax, min_sqnr=24.0, trials=8,
-                          hard_count=16, bias_correction=False, max_evaluations=1)
-    assert not any(e.screened for e in more.evaluations) and more.evaluations[0].model_run
-    # Its last resort, the FP32 plan, has infinite SQNR on every resample: certified.
-    assert more.certificate.certified and more.certificate.interval[0] == np.inf
+
+
+def test_sqnr_floor_certifies_outputs_without_noise():
+    """The FP32 plan under --min-sqnr: infinite SQNR on every resample is a margin of
+    +inf, certified (quantiles of infinities once interpolated to NaN: never certified)."""
+    outputs = [{"y": np.arange(6, dtype=np.float32).reshape(3, 2) + 1}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        certificate = plan.certify(plan.output_sqnr, "sqnr", outputs, outputs, floor=24.0)
+    assert certificate.certified and certificate.interval == (np.inf, np.inf)
 
 
 def test_make_plan_falls_back_to_fp32_when_no_int8_plan_certifies(planted_case, monkeypatch):
@@ -712,8 +734,8 @@ def test_make_plan_falls_back_to_fp32_when_no_int8_plan_certifies(planted_case, 
                             high_precision="fp32")
     # Reached by the search's guess or after its evaluations run out: last, never run.
     *failed, last = result.evaluations
-    assert failed and all(e.model_run and not e.certificate.certified for e in failed)
-    assert not last.model_run and result.chosen == len(failed)
+    assert failed and not any(e.certificate.certified for e in failed)
+    assert not last.model_run and not last.screened and result.chosen == len(failed)
     assert result.certificate.certified
     assert result.certificate.value == result.certificate.reference == 1.0
     assert result.front[0].int8_mac_share == 0.0
@@ -952,7 +974,9 @@ def test_interrupted_plan_resumes_from_its_checkpoint(planted_case, tmp_path, mo
     # 16 random trials, then the front checks (switchboard passes of front plans).
     total = len(first.sensitivity.nsr)
     assert 16 < total <= 16 + 2 * plan.FRONT_CHECKS
-    assert len(saved.trials) == total and len(saved.evaluations) == len(first.evaluations)
+    # A screened all-INT8 plan is not saved: judging it again costs one switchboard pass.
+    assert first.evaluations[0].screened and not any(e.screened for e in first.evaluations[1:])
+    assert len(saved.trials) == total and len(saved.evaluations) == first.model_runs
     assert plan.Checkpoint(path, "another run").trials == {}
     # Interrupted after 9 trials and the first evaluation: the rest is measured again.
     saved.trials = {t: v for t, v in saved.trials.items() if t < 9}
@@ -972,7 +996,7 @@ def test_interrupted_plan_resumes_from_its_checkpoint(planted_case, tmp_path, mo
     assert [e.certificate for e in resumed.evaluations] == [
         e.certificate for e in first.evaluations]
     assert [i for m, i in added if m == "add_trial"] == list(range(9, total))
-    assert sum(m == "add_evaluation" for m, _ in added) == len(first.evaluations) - 1
+    assert sum(m == "add_evaluation" for m, _ in added) == first.model_runs - 1
 
 
 def test_local_sqnr_singles_out_the_planted_units_in_int8_not_fp16(planted_case):

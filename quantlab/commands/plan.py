@@ -104,7 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "more then check plans of the predicted front and refit")
     parser.add_argument("--hard-samples", type=int, default=64, metavar="N",
                         help="hardest calibration samples the passes run on (default: "
-                             "%(default)s)")
+                             "%(default)s); with a label-free metric, an all-INT8 plan that "
+                             "fails beyond doubt on a random draw of N calibration samples is "
+                             "not evaluated on --eval")
     parser.add_argument("--resamples", type=int, default=200, metavar="B",
                         help="paired bootstrap resamples of the certificate (default: "
                              "%(default)s)")

@@ -44,34 +44,58 @@ def sample_nsr(outputs: Mapping[str, np.ndarray],
 
 
 def hardest_samples(batches, reference: Callable, candidate: Callable, count: int,
-                    progress: Callable | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+                    progress: Callable | None = None, draw: bool = False,
+                    ) -> tuple[dict[str, np.ndarray], np.ndarray, tuple | None]:
     """The `count` samples where `candidate` disagrees most with `reference`, as one batch.
 
     `batches` is a :class:`quantlab.data.BatchSource`; `reference` and `candidate`
-    run one batch (a backend's ``run``). Returns the batch (samples in data order)
-    and their indices in the data. Only the kept samples stay in memory.
+    run one batch (a backend's ``run``). Returns the batch (samples in data order),
+    their indices in the data and, with `draw` (else None), a uniform random draw
+    of up to `count` samples (a seeded reservoir): (their indices, their batch,
+    `reference`'s outputs on it). Only the kept samples and outputs stay in memory.
     """
     kept: list[tuple[float, int, dict]] = []  # a min-heap on disagreement
+    drawn: list[tuple[float, int, dict, dict]] = []  # a min-heap on random keys
+    keys = np.random.default_rng(0)
     start = 0
     for batch in progress(batches) if progress else batches:
         length = batches.length(batch)
-        nsr = sample_nsr(candidate(batch), reference(batch))
+        want = reference(batch)
+        nsr = sample_nsr(candidate(batch), want)
+        for index, key in enumerate(keys.random(length) if draw else ()):
+            if len(drawn) < count or key > drawn[0][0]:
+                item = (float(key), start + index, _sample(batches, batch, index),
+                        {k: np.array(v[index:index + 1]) for k, v in want.items()})
+                (heapq.heappush if len(drawn) < count else heapq.heapreplace)(drawn, item)
         for index in np.argsort(-nsr, kind="stable")[:count]:
-            item = (float(nsr[index]), start + int(index),
-                    {k: np.array(v) for k, v in batches.slice(batch, index, index + 1).items()})
+            item = (float(nsr[index]), start + int(index), _sample(batches, batch, index))
             if len(kept) < count:
                 heapq.heappush(kept, item)
             elif item[0] > kept[0][0]:
                 heapq.heapreplace(kept, item)
         start += length
     kept.sort(key=lambda item: item[1])
-    samples = [item[2] for item in kept]
+    drawn.sort(key=lambda item: item[1])
+    random = (np.array([item[1] for item in drawn]),
+              _merge([item[2] for item in drawn], batches.axes),
+              _merge([item[3] for item in drawn], {})) if draw else None
+    return _merge([item[2] for item in kept], batches.axes), np.array([k[1] for k in kept]), random
+
+
+def _sample(batches, batch: Mapping[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
+    """Sample `index` of `batch` as a batch of one, copied (the batch is not kept alive)."""
+    return {k: np.array(v) for k, v in batches.slice(batch, int(index), int(index) + 1).items()}
+
+
+def _merge(samples: list[dict[str, np.ndarray]],
+           axes: Mapping[str, int | None]) -> dict[str, np.ndarray]:
+    """Batches of one joined on each tensor's sample axis (0 unless `axes` says; None: shared)."""
     merged = {}
     for name, first in samples[0].items():
-        axis = batches.axes.get(name, 0)
+        axis = axes.get(name, 0)
         merged[name] = first if axis is None else np.concatenate([s[name] for s in samples],
                                                                  axis=axis)
-    return merged, np.array([item[1] for item in kept])
+    return merged
 
 
 

@@ -29,10 +29,10 @@ def plan_section(result: PlanResult) -> Section:
         f"{len(result.hard_samples)} hardest calibration samples.")
     for e in result.evaluations:
         if e.screened:
-            summary += (f" The all-INT8 plan was not evaluated: on the {e.certificate.samples} "
-                        f"calibration samples it scored {e.certificate.value:.4g} against a "
-                        f"limit of {e.certificate.limit:.4g}, its whole bootstrap interval "
-                        "below it.")
+            summary += (f" The all-INT8 plan was not evaluated: on {e.certificate.samples} "
+                        f"calibration samples drawn at random it scored "
+                        f"{e.certificate.value:.4g} against a limit of "
+                        f"{e.certificate.limit:.4g}, its whole bootstrap interval below it.")
     models = [r for r in result.plan.repairs if "all_int8_nsr_first_batch" in r]
     if models:
         weighed = ", ".join(f"{r['repair']} {r['all_int8_nsr_first_batch']:.3g}" for r in models)
@@ -94,7 +94,7 @@ def ledger_frame(result: PlanResult) -> pd.DataFrame:
         "chosen": "yes" if i == result.chosen else "",
         "seconds": e.seconds,
         "model_run": ("yes" if e.model_run else
-                      f"no (failed on the {e.certificate.samples} calibration samples)"
+                      f"no (failed on {e.certificate.samples} calibration samples)"
                       if e.screened else "no (the FP32 model)"),
     } for i, e in enumerate(result.evaluations)])
 
