@@ -895,6 +895,11 @@ def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
     assert "Decision per unit" in report and "R-HEAD (soft)" in report
     summary = json.loads((out / "summary.json").read_text())
     assert summary["certificate"]["certified"] and summary["int8_mac_share"] < 1.0
+    # All-INT8 (below 24 dB on the calibration samples drawn) was screened, not evaluated.
+    screened = summary["evaluations"][0]
+    assert screened["screened"] and not screened["model_run"] and screened["value"] < 24
+    assert f"on 16 calibration samples drawn at random it scored {screened['value']:.4g}" in report
+    assert "no (failed on 16 calibration samples)" in report
     # Nothing is overwritten without --force; a bad metric fails before any work.
     assert main(["plan", *argv]) == 1
     assert "--force" in capsys.readouterr().err
