@@ -95,6 +95,8 @@ from quantlab.planner.units import (  # noqa: F401 (public API)
 
 # Front plans measured on the switchboard per round of checks before any evaluation.
 FRONT_CHECKS = 4
+# The least INT8 (share of MACs) an evaluation must be able to add over the certified plan.
+MIN_GAIN = 1e-4
 # The reason of a unit the search (not a rule) keeps out of INT8.
 SEARCH_CODE = "M-SEARCH"
 SEARCH_SOURCE = ("quantlab: switchboard group testing on the hardest samples, MILP front, "
@@ -455,7 +457,9 @@ def _search(points: list[FrontPoint], evaluate: Callable[[int], Evaluation],
     All-INT8 first (kept when certified), then up to `max_evaluations` in all
     (not counting a plan `evaluate` screened out on the calibration samples), each
     chosen by :func:`_next_guess` between the most-INT8 certified plan and
-    the least-INT8 failed one. When none certifies, the plan without INT8 too (a
+    the least-INT8 failed one, among the plans that add at least MIN_GAIN of the
+    MACs to the certified one (a layout front holds plans 5e-6 apart: a whole
+    evaluation is wasted on them). When none certifies, the plan without INT8 too (a
     last resort). The chosen plan is the certified one with the most INT8, else
     the most conservative evaluated. Warns when the evaluation set is too small
     to decide, and when a plan with more INT8 than the chosen was inconclusive.
@@ -467,8 +471,13 @@ def _search(points: list[FrontPoint], evaluate: Callable[[int], Evaluation],
     low, high = -1, last  # highest certified index, lowest failed index
     if evaluated[last].certificate.certified:
         low = last
-    while low < high - 1 and sum(not e.screened for e in evaluated.values()) < max_evaluations:
-        guess = _next_guess(points, evaluated, low, high, max_drop, min_sqnr)
+    while sum(not e.screened for e in evaluated.values()) < max_evaluations:
+        # Plans that add less than MIN_GAIN of the MACs to the certified one are not tried.
+        floor = low if low < 0 else max(i for i in range(low, high + 1) if (
+            points[i].int8_mac_share < points[low].int8_mac_share + MIN_GAIN))
+        if floor >= high - 1:
+            break
+        guess = _next_guess(points, evaluated, floor, high, max_drop, min_sqnr)
         evaluated[guess] = evaluate(guess)
         if evaluated[guess].certificate.certified:
             low = guess

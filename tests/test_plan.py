@@ -823,6 +823,35 @@ def test_search_on_the_layout_run_certifies_the_plan_below_the_inconclusive_one(
     assert list(found) == [7, 3, 2] and index == 2
 
 
+def test_search_spends_no_evaluation_on_a_plan_a_hair_above_the_certified_one():
+    """Plan 2 adds 1e-6 of the MACs to plan 1: once plan 1 certifies, the search stops
+    (below MIN_GAIN) instead of evaluating plan 2, as it does when the gap is 0.1.
+
+    The guesses by the law, by hand: all-INT8 drops 47, power 0.5, noise
+    0.36 * (1/47)^2 = 1.6e-4: plan 3 (drop 3); through it, 1e-4 * (1/3)^2 = 1.1e-5:
+    plan 1."""
+    from quantlab.planner.search import FrontPoint
+
+    predicted = [0.0, 1e-5, 2e-5, 1e-4, 0.36]
+
+    def run(shares):
+        points = [FrontPoint(p, p, s, {}) for p, s in zip(predicted, shares, strict=True)]
+        values = {4: (53.0, (-51.0, -40.0)), 3: (97.0, (-2.6, -1.3)), 2: (99.9, (0.6, 1.0)),
+                  1: (99.95, (0.7, 1.0))}
+
+        def evaluate(index):
+            value, interval = values[index]
+            return plan.Evaluation(shares[index], predicted[index], plan.Certificate(
+                "m", 100.0, value, 99.0, interval, 0.95, 500, interval[0] >= 0, False, None),
+                1.0)
+        return plan._search(points, evaluate, 4, 1.0, None)
+
+    found, index = run([0.0, 0.4, 0.4 + 1e-6, 0.6, 1.0])
+    assert list(found) == [4, 3, 1] and index == 1
+    found, index = run([0.0, 0.4, 0.5, 0.6, 1.0])
+    assert list(found) == [4, 3, 1, 2] and index == 2
+
+
 def test_next_guess_below_a_plan_inside_the_budget_aims_at_a_certifiable_drop(layout_front):
     """Plan 3 scored 99.53 (drop 0.47, inside the budget of 1) with the margin's
     interval (-0.16, 1.0): too wide to certify. The law aimed at the budget put
