@@ -51,7 +51,7 @@ def hardest_samples(batches, reference: Callable, candidate: Callable, count: in
     `batches` is a :class:`quantlab.data.BatchSource`; `reference` and `candidate`
     run one batch (a backend's ``run``). Returns the batch (samples in data order),
     their indices in the data and, with `draw` (else None), a uniform random draw
-    of up to `count` samples (a seeded reservoir): (their indices, their batch,
+    of up to `count` samples (a seeded reservoir, in data order): (their batch,
     `reference`'s outputs on it). Only the kept samples and outputs stay in memory.
     """
     kept: list[tuple[float, int, dict]] = []  # a min-heap on disagreement
@@ -76,8 +76,7 @@ def hardest_samples(batches, reference: Callable, candidate: Callable, count: in
         start += length
     kept.sort(key=lambda item: item[1])
     drawn.sort(key=lambda item: item[1])
-    random = (np.array([item[1] for item in drawn]),
-              _merge([item[2] for item in drawn], batches.axes),
+    random = (_merge([item[2] for item in drawn], batches.axes),
               _merge([item[3] for item in drawn], {})) if draw else None
     return _merge([item[2] for item in kept], batches.axes), np.array([k[1] for k in kept]), random
 
