@@ -60,6 +60,7 @@ from quantlab.planner.measure import (  # noqa: F401 (public API)
     run_batched,
     run_trials,
     sample_nsr,
+    single_samples,
 )
 from quantlab.planner.rules import (  # noqa: F401 (public API)
     DECODE_INPUT_OPS,
@@ -287,7 +288,8 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
 
     calibrators: dict[str, str] = {}
     if candidates:
-        amax, calibrators = choose_calibrators(g, candidates, units, first, amax)
+        amax, calibrators = choose_calibrators(g, candidates, units,
+                                               single_samples(calibration, first), amax)
     amax = share_scales(g, amax)
     all_int8 = {u.name: fixed.get(u.name, "int8") for u in units}
     shifts, shift_report = {}, None
@@ -316,7 +318,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         shift_record = {"repair": "bias_correction", "chosen": board.bias_corrected,
                         "hard_nsr_before": noise[False], "hard_nsr_after": noise[True],
                         **_repair_summary(shift_report.to_dict())}
-    local = local_sqnr(g, amax, units, calibration.slice(hard, 0, calibration.batch_size))
+    local = local_sqnr(g, amax, units, single_samples(calibration, hard, calibration.batch_size))
 
     def board_nsr(batch, flags):
         return run_batched(lambda chunk: board_backend.run({**chunk, **flags}), batch, calibration)

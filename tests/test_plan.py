@@ -1043,7 +1043,7 @@ def test_local_sqnr_singles_out_the_planted_units_in_int8_not_fp16(planted_case)
     units = plan.find_units(g, {"x": list(batch["x"].shape)})
     names = qdq.activation_tensors_to_calibrate(g.model)
     amax = {n: float(np.abs(v).max()) for n, v in fp32.run(batch, names).items()}
-    local = plan.local_sqnr(g, amax, units, batch)
+    local = plan.local_sqnr(g, amax, units, [batch])
     assert set(local) == {u.name for u in units}
     int8 = {u: f["int8"] for u, f in local.items()}
     # The planted units' inputs are quantized with a step ~0.16 for values ~0.3.
@@ -1054,14 +1054,22 @@ def test_local_sqnr_singles_out_the_planted_units_in_int8_not_fp16(planted_case)
     # FP16 rounds to 11 significant bits whatever the range: about 60-75 dB for every unit
     # (a relative error of 2**-11 per value, ~66 dB, give or take the accumulation).
     assert all(60 < f["fp16"] < 80 for f in local.values())
-    assert plan.local_sqnr(g, amax, units, batch, ("int8",))["conv3"] == {"int8": int8["conv3"]}
+    assert plan.local_sqnr(g, amax, units, [batch], ("int8",))["conv3"] == {"int8": int8["conv3"]}
+    # Sample by sample (bounded memory), noise and signal summed: the same figures, to
+    # float32 rounding of the tensors (1e-4 dB).
+    one_by_one = plan.local_sqnr(g, amax, units, plan.single_samples(source, batch))
+    assert len(plan.single_samples(source, batch)) == len(batch["x"])
+    assert len(plan.single_samples(source, batch, 3)) == 3
+    for unit, figures in local.items():
+        for precision, db in figures.items():
+            assert one_by_one[unit][precision] == pytest.approx(db, abs=1e-4)
 
 
 def test_fp16_overflow_gives_minus_infinite_local_sqnr():
     g = depthwise(1.0)
     batch = {"x": np.full((1, 16, 4, 4), 3e4, np.float32)}  # 9 taps of 3e4 overflow float16
     units = plan.find_units(g)
-    local = plan.local_sqnr(g, {"x": 3e4, "a": 3e5}, units, batch)
+    local = plan.local_sqnr(g, {"x": 3e4, "a": 3e5}, units, [batch])
     assert local["dw"]["fp16"] == -np.inf and np.isfinite(local["dw"]["int8"])
 
 
@@ -1123,7 +1131,7 @@ def test_choose_calibrators_per_unit_from_local_error(planted_case):
                for u in units[:2]}
     # Method "a" spoils the first unit's ranges, "b" the second's: each unit picks the other.
     candidates = {"a": spoiled[units[0].name], "b": spoiled[units[1].name]}
-    merged, chosen = plan.choose_calibrators(g, candidates, units, batch, amax)
+    merged, chosen = plan.choose_calibrators(g, candidates, units, [batch], amax)
     assert chosen[units[0].name] == "b" and chosen[units[1].name] == "a"
     assert all(merged[t] == amax[t] for t in units[0].tensors + units[1].tensors)
 
@@ -1141,7 +1149,7 @@ def test_choose_calibrators_replaces_the_amax_a_moved_pair_is_scaled_by():
     # conv3's pair sits on s (moved back across the MaxPool) but is scaled by p's amax.
     assert "p" in amax and "s" not in amax
     candidates = {"spoiled": {t: v * 100 for t, v in amax.items()}, "calibrated": amax}
-    merged, chosen = plan.choose_calibrators(g, candidates, units, batch,
+    merged, chosen = plan.choose_calibrators(g, candidates, units, [batch],
                                              candidates["spoiled"])
     assert chosen["conv3"] == "calibrated"
     assert merged == amax

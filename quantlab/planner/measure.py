@@ -278,15 +278,16 @@ def run_batched(run: Callable, batch: Mapping[str, np.ndarray], source) -> dict[
 
 
 def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
-               batch: Mapping[str, np.ndarray],
+               batches: Sequence[Mapping[str, np.ndarray]],
                precisions: Sequence[str] = ("int8", "fp16")) -> dict[str, dict[str, float]]:
     """Each unit's local SQNR in dB per precision: its nodes run alone on FP32 inputs.
 
-    One pass of :func:`quantlab.sensitivity.local_error_model` over the Q/DQ models
-    that run every unit in each of `precisions` ("int8", "fp16"), side by side; a
-    unit's figure is its worst node output (-inf when FP16 overflows). `batch`
-    should be small (a slice of the hard samples): every tensor the local graph
-    reads is held at once. Returns unit -> precision -> dB.
+    :func:`quantlab.sensitivity.local_error_model` over the Q/DQ models that run
+    every unit in each of `precisions` ("int8", "fp16"), side by side, run on each
+    of `batches` in turn: every tensor the local graph reads is held at once for a
+    batch, so they should be small (:func:`single_samples`); noise and signal power
+    are summed over all of them. A unit's figure is its worst node output (-inf
+    when FP16 overflows). Returns unit -> precision -> dB.
     """
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.sensitivity import local_error_model
@@ -297,19 +298,25 @@ def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
          for precision in precisions], g)
     inputs = set(g.input_names)
     compared = list(dict.fromkeys(local.outputs.values()))
-    fp32 = OnnxRuntimeBackend(g.model, name="fp32").run(
-        batch, [t for t in dict.fromkeys([*local.feeds, *compared]) if t not in inputs])
-    fp32.update({name: batch[name] for name in inputs})
-    values = OnnxRuntimeBackend(local.model, name="local", check_inputs=False).run(
-        {name: fp32[name] for name in local.feeds})
+    wanted = [t for t in dict.fromkeys([*local.feeds, *compared]) if t not in inputs]
+    fp32_backend = OnnxRuntimeBackend(g.model, name="fp32")
+    local_backend = OnnxRuntimeBackend(local.model, name="local", check_inputs=False)
+    noise = dict.fromkeys(local.outputs, 0.0)
+    power = dict.fromkeys(local.outputs, 0.0)
+    for batch in batches:
+        fp32 = fp32_backend.run(batch, wanted)
+        fp32.update({name: batch[name] for name in inputs})
+        values = local_backend.run({name: fp32[name] for name in local.feeds})
+        for name, tensor in local.outputs.items():
+            reference = fp32[tensor].astype(np.float64)
+            with np.errstate(over="ignore", invalid="ignore"):
+                noise[name] += float(((values[name] - reference) ** 2).sum())
+            power[name] += float((reference ** 2).sum())
     sqnr: dict[tuple[str, str], float] = {}
     for name, tensor in local.outputs.items():
-        reference = fp32[tensor].astype(np.float64)
-        with np.errstate(over="ignore", invalid="ignore"):
-            noise = float(((values[name] - reference) ** 2).sum())
         sqnr[(tensor, local.precisions[name])] = (
-            -np.inf if not np.isfinite(noise) else
-            10 * np.log10(float((reference ** 2).sum()) / noise) if noise > 0 else np.inf)
+            -np.inf if not np.isfinite(noise[name]) else
+            10 * np.log10(power[name] / noise[name]) if noise[name] > 0 else np.inf)
     nodes = {node.name: node for node in g.model.graph.node}
     result: dict[str, dict[str, float]] = {}
     for unit in units:
@@ -319,6 +326,13 @@ def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
             if figures:
                 result.setdefault(unit.name, {})[precision] = float(min(figures))
     return result
+
+
+def single_samples(source, batch: Mapping[str, np.ndarray],
+                   count: int | None = None) -> list[dict[str, np.ndarray]]:
+    """The first `count` (all) samples of `batch` as batches of one (views): for local_sqnr."""
+    return [source.slice(batch, i, i + 1) for i in range(min(source.length(batch),
+                                                            count or source.length(batch)))]
 
 
 def fp16_contributions(contribution: Mapping[str, float],
@@ -348,7 +362,7 @@ def fp16_contributions(contribution: Mapping[str, float],
 
 
 def choose_calibrators(g: Graph, candidates: Mapping[str, Mapping[str, float]],
-                       units: Sequence[Unit], batch: Mapping[str, np.ndarray],
+                       units: Sequence[Unit], batches: Sequence[Mapping[str, np.ndarray]],
                        default: Mapping[str, float]) -> tuple[dict[str, float], dict[str, str]]:
     """Per unit, the calibration method whose amax gives it the best local INT8 SQNR.
 
@@ -359,7 +373,7 @@ def choose_calibrators(g: Graph, candidates: Mapping[str, Mapping[str, float]],
     amax of the tensor it was calibrated for (qdq's placement source), which is
     the one replaced.
     """
-    local = {method: local_sqnr(g, amax, units, batch, ("int8",))
+    local = {method: local_sqnr(g, amax, units, batches, ("int8",))
              for method, amax in candidates.items()}
     source = qdq.place(g.model).source
     merged, chosen = dict(default), {}
