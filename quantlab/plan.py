@@ -369,11 +369,9 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
             break
 
     screened = {}
-    if drawn is not None:
-        batch, fp32_drawn = drawn
-        verdict = _screen(points[-1],
-                          lambda: run_batched(board_run(points[-1].precisions), batch, calibration),
-                          fp32_drawn, metric_fn, metric, max_drop, min_sqnr, resamples)
+    if drawn is not None:  # (inputs, FP32 outputs): no other name holds them, del frees them
+        verdict = _screen(points[-1], board_run(points[-1].precisions), *drawn, calibration,
+                          metric_fn, metric, max_drop, min_sqnr, resamples)
         screened = {len(points) - 1: verdict} if verdict else {}
     del drawn
     fp32_outputs = [fp32.run(batch) for batch in step(evaluation, desc="FP32 evaluation")]
@@ -503,23 +501,24 @@ def _search(points: list[FrontPoint], evaluate: Callable[[int], Evaluation],
     return evaluated, index
 
 
-def _screen(point: FrontPoint, run: Callable[[], Mapping[str, np.ndarray]],
-            references: Mapping[str, np.ndarray], metric_fn: Callable, metric: str,
+def _screen(point: FrontPoint, run: Callable, inputs: Mapping[str, np.ndarray],
+            references: Mapping[str, np.ndarray], source, metric_fn: Callable, metric: str,
             max_drop: float | None, min_sqnr: float | None,
             resamples: int) -> Evaluation | None:
     """The all-INT8 `point` judged on calibration samples, if it fails there beyond doubt.
 
-    `run()` gives its switchboard outputs on a random draw of calibration samples
-    (drawn in the pass that finds the hardest, whose drop they would overstate),
-    `references` are FP32's. It fails beyond doubt when the whole
-    bootstrap interval of its margin lies below the limit: the evaluation-set pass
-    it would take is spared, and the search's law is fitted on this measurement
-    instead. Otherwise None: it is evaluated as any other plan. Only for metrics
-    that read outputs alone: a task metric needs labels the calibration data lack.
+    `run` runs it on the switchboard; `inputs` are a random draw of calibration
+    samples (drawn in the pass that finds the hardest, whose drop they would
+    overstate; batched by `source`), `references` FP32's outputs on them. It
+    fails beyond doubt when the whole bootstrap interval of its margin lies below
+    the limit: the evaluation-set pass it would take is spared, and the search's
+    law is fitted on this measurement instead. Otherwise None: it is evaluated as
+    any other plan. Only for metrics that read outputs alone: a task metric needs
+    labels the calibration data lack.
     """
     start = time.perf_counter()
-    certificate = certify(metric_fn, metric, [run()], [references], max_drop=max_drop,
-                          floor=min_sqnr, resamples=resamples)
+    certificate = certify(metric_fn, metric, [run_batched(run, inputs, source)], [references],
+                          max_drop=max_drop, floor=min_sqnr, resamples=resamples)
     if certificate.interval[1] >= 0:
         return None
     return Evaluation(point.int8_mac_share, point.predicted, certificate,
