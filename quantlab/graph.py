@@ -31,6 +31,10 @@ NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 BATCH_AXES_KEY = "quantlab.batch_axes"
 # Model metadata key listing the graph inputs frozen to constants by `freeze_inputs`.
 FROZEN_INPUTS_KEY = "quantlab.frozen_inputs"
+# Model metadata key holding {input name: shape, None on the sample axis} of the data an
+# input with other dynamic dimensions was fed (audio length, image size); written by
+# `record_data_shapes`, read where a fixed shape is needed (TensorRT's profile).
+DATA_SHAPES_KEY = "quantlab.data_shapes"
 # ONNX ops that hold subgraphs; their bodies are not quantized (see qdq.py).
 CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan"})
 
@@ -325,6 +329,32 @@ def set_batch_axes(model: onnx.ModelProto, axes: Mapping[str, int | None]) -> on
         merged[name] = None if axis is None else axis % rank
     _set_metadata(model, BATCH_AXES_KEY, json.dumps(merged, sort_keys=True))
     return model
+
+
+def record_data_shapes(model: onnx.ModelProto, source) -> onnx.ModelProto:
+    """Record, in place, the shapes `source` (a BatchSource) feeds the inputs that have
+    dynamic dimensions besides their sample axis (silero-vad's audio length, a detector's
+    image size).
+
+    Reads one batch only when some input has such dimensions. The record travels with
+    the model file, so a later command that needs fixed shapes (TensorRT's optimization
+    profile in ``trtexec.txt``, `quantlab build`) takes the ones the model was calibrated on.
+    """
+    wanted = [spec for spec in input_specs(model)
+              if any(d is None for i, d in enumerate(spec.shape) if i != spec.batch_axis)]
+    if not wanted:
+        return model
+    batch = next(iter(source))
+    shapes = {spec.name: [None if i == spec.batch_axis else int(d)
+                          for i, d in enumerate(np.shape(batch[spec.name]))] for spec in wanted}
+    _set_metadata(model, DATA_SHAPES_KEY, json.dumps(
+        {**data_shapes(model), **shapes}, sort_keys=True))
+    return model
+
+
+def data_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+    """The shapes recorded by :func:`record_data_shapes` (None on the sample axis)."""
+    return json.loads(_metadata(model, DATA_SHAPES_KEY) or "{}")
 
 
 def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:

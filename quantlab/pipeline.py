@@ -157,20 +157,16 @@ def run_calibration(
         if isinstance(data, BatchSource)
         else open_data(data, inputs, batch_size, max_samples, preprocess)
     )
+    graph.record_data_shapes(model, source)  # for TensorRT's profile (build)
     # Every check that could fail after the long work runs before it: an occupied, locked or
     # unwritable folder, the cache's version and tensor names. The folder is written all or
     # nothing (experiment.output_folder): a failed run leaves no partial output.
     check_output(out, force=force, produces=CALIBRATION_FILES)
     index = graph.Graph(model)  # built once: every step below reads it
     if trt_version is None:
-        tensors = qdq.activation_tensors_to_calibrate(index)
-        if not tensors:
-            raise ModelError(
-                f"{_describe(model)} has no operator quantlab quantizes (Conv, ConvTranspose, "
-                "Gemm, MatMul with float inputs, outside If/Loop bodies), so there is nothing to "
-                "calibrate for its Q/DQ model. For TensorRT <= 10's implicit INT8, pass "
-                "--trt-version to calibrate every float tensor into calibration.cache."
-            )
+        tensors = quantized_inputs(index, "calibrate for its Q/DQ model. For TensorRT <= 10's "
+                                   "implicit INT8, pass --trt-version to calibrate every float "
+                                   "tensor into calibration.cache")
     else:
         cache.implicit_int8_version(trt_version)
         tensors = trt_ranges.tensors_to_calibrate(index)  # Q/DQ inputs + TensorRT <= 10 ranges
@@ -179,6 +175,19 @@ def run_calibration(
     result = calibrate_from_stats(index, stats, source, method, method_params, preprocess)
     write_results(result, out, force=force, trt_version=trt_version)
     return result
+
+
+def quantized_inputs(model: onnx.ModelProto | graph.Graph, what: str) -> list[str]:
+    """The activations the Q/DQ model quantizes; a ModelError when there are none, saying
+    there is nothing to `what`."""
+    tensors = qdq.activation_tensors_to_calibrate(model)
+    if not tensors:
+        model = model.model if isinstance(model, graph.Graph) else model
+        raise ModelError(
+            f"{_describe(model)} has no operator quantlab quantizes (Conv, ConvTranspose, "
+            "Gemm, MatMul with float inputs, outside If/Loop bodies), so there is nothing to "
+            f"{what}.")
+    return tensors
 
 
 def _describe(model: onnx.ModelProto) -> str:

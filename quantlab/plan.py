@@ -57,9 +57,11 @@ from quantlab.planner.measure import (  # noqa: F401 (public API)
     group_test,
     hardest_samples,
     local_sqnr,
+    output_sample_axes,
     run_batched,
     run_trials,
     sample_nsr,
+    samples_first,
     single_samples,
 )
 from quantlab.planner.rules import (  # noqa: F401 (public API)
@@ -272,15 +274,20 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     step = progress or (lambda items, **_: items)
     fp32 = OnnxRuntimeBackend(model, name="fp32")
     first = next(iter(calibration))
+    axes = output_sample_axes(fp32.run, first, calibration)  # outputs read samples first
+    fp32_run = samples_first(fp32.run, axes)
     original = RepairedModel(model, amax, ranges, p9999, candidates)
     options = {"none": original, **(repairs or {})}
-    weighed = all_int8_nsr(options, first, fp32.run(first), calibration) if repairs else {}
+    weighed = (all_int8_nsr(options, first, fp32_run(first), calibration, axes=axes)
+               if repairs else {})
     repair = min(weighed, key=weighed.get) if weighed else "none"
     model, amax, ranges, p9999, candidates = (
         options[repair].model, options[repair].amax, options[repair].ranges,
         options[repair].p9999, options[repair].candidates)
     g = Graph(model)
-    units = find_units(g, {name: np.shape(value) for name, value in first.items()})
+    one = calibration.slice(first, 0, 1)  # MACs per sample; shapes inference misses, run
+    units = find_units(g, {name: np.shape(value) for name, value in one.items()},
+                       lambda names: {n: a.shape for n, a in fp32.run(one, names).items()})
     reasons = apply_rules(units, RuleContext(g, ranges, p9999))
     allowed = {u.name: allowed_precisions(reasons.get(u.name, [])) for u in units}
     fixed = {n: fallback_precision(a, high_precision) for n, a in allowed.items()
@@ -301,12 +308,12 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
 
     def board_run(precisions):
         flags = board.feeds(precisions)
-        return lambda batch: board_backend.run({**batch, **flags})
+        return samples_first(lambda batch: board_backend.run({**batch, **flags}), axes)
 
     hard, hard_indices, drawn = hardest_samples(
-        calibration, fp32.run, board_run(all_int8), hard_count,
+        calibration, fp32_run, board_run(all_int8), hard_count,
         lambda b: step(b, desc="hardest samples"), draw=metric_fn is not None)
-    references = run_batched(fp32.run, hard, calibration)
+    references = run_batched(fp32_run, hard, calibration)
     shift_record = None
     if board.bias_flag:  # weighed on the hardest samples: kept only where it lowers the noise
         noise = {}
@@ -321,7 +328,8 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     local = local_sqnr(g, amax, units, single_samples(calibration, hard, calibration.batch_size))
 
     def board_nsr(batch, flags):
-        return run_batched(lambda chunk: board_backend.run({**chunk, **flags}), batch, calibration)
+        run = samples_first(lambda chunk: board_backend.run({**chunk, **flags}), axes)
+        return run_batched(run, batch, calibration)
 
     sensitivity = group_test(
         board, board_nsr, hard, references, trials=trials, fixed=fixed,
@@ -341,7 +349,8 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
 
     if repair != "none":  # its effect where the pins' is measured: the hardest samples
         fixed_nodes = {n: fixed[u.name] for u in units if u.name in fixed for n in u.nodes}
-        before = all_int8_nsr({"none": original}, hard, references, calibration, fixed_nodes)
+        before = all_int8_nsr({"none": original}, hard, references, calibration, fixed_nodes,
+                              axes)
         after = shift_record["hard_nsr_before"] if shift_record else float(sensitivity.nsr[0])
         repair_records[list(weighed).index(repair)].update(
             hard_nsr_before=before["none"], hard_nsr_after=after)
@@ -374,7 +383,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
                           metric_fn, metric, max_drop, min_sqnr, resamples)
         screened = {len(points) - 1: verdict} if verdict else {}
     del drawn
-    fp32_outputs = [fp32.run(batch) for batch in step(evaluation, desc="FP32 evaluation")]
+    fp32_outputs = [fp32_run(batch) for batch in step(evaluation, desc="FP32 evaluation")]
 
     def evaluate_point(index: int) -> Evaluation:
         if index in screened:
@@ -386,8 +395,8 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         model_run = any(p != "fp32" for p in point.precisions.values())
         if model_run:
             nodes = {n: point.precisions[u.name] for u in units for n in u.nodes}
-            int8 = OnnxRuntimeBackend(quantized(nodes), name="int8")
-            outputs = [int8.run(batch) for batch in step(evaluation, desc="INT8 evaluation")]
+            int8 = samples_first(OnnxRuntimeBackend(quantized(nodes), name="int8").run, axes)
+            outputs = [int8(batch) for batch in step(evaluation, desc="INT8 evaluation")]
         else:
             outputs = fp32_outputs
         if task_metric:

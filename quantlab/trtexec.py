@@ -56,8 +56,10 @@ def layer_precisions(plan: Mapping[str, str]) -> str:
 
 
 def shape_options(profile: Mapping[str, Sequence[Sequence[int]]]) -> list[str]:
-    """``--minShapes/--optShapes/--maxShapes`` for the inputs whose min and max differ."""
-    dynamic = {name: shapes for name, shapes in profile.items() if shapes[0] != shapes[2]}
+    """``--minShapes/--optShapes/--maxShapes`` for the inputs of `profile`, which must be the
+    model's dynamic ones (trtexec refuses shapes for a static input, and sets a dynamic
+    dimension it is not given to 1: an audio length or image size of 1)."""
+    dynamic = dict(profile)
     if not dynamic:
         return []
     for name in dynamic:

@@ -125,6 +125,44 @@ def test_symbolic_batch_without_shapes_names_the_node():
         plan.find_units(residual_block())
 
 
+def test_shapes_inference_leaves_open_are_measured():
+    # H stays symbolic (no input shapes given): the planner measures the two tensors whose
+    # shapes give conv0's MACs in a run instead; the batch is 2, H is 8.
+    asked = []
+
+    def measure(names):
+        asked.extend(names)
+        return {"a": (2, 16, 8, 8), "w0": (16, 3, 3, 3)}
+
+    g = make_graph([helper.make_node("Conv", ["x", "w0"], ["a"], name="conv0",
+                                     pads=[1, 1, 1, 1]),
+                    helper.make_node("ReduceMean", ["a"], ["y"], name="mean", keepdims=0)],
+                   [("x", [2, 3, "H", 8])], {"w0": weights(16, 3, 3, 3)})
+    units = plan.find_units(g, None, measure)
+    assert asked == ["a"] and units[0].macs == 2 * 16 * 8 * 8 * 3 * 3 * 3
+
+
+def test_outputs_with_samples_on_another_axis_are_read_samples_first():
+    # y[2, N, 4] (a recurrent state's layout): the planner's measures read it as [N, 2, 4].
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.data import open_data
+
+    g = make_graph([helper.make_node("Transpose", ["x"], ["y"], name="t", perm=[1, 0, 2]),
+                    helper.make_node("Relu", ["x"], ["z"], name="r")],
+                   [("x", ["N", 2, 4])], {}, outputs=("y", "z"))
+    run = OnnxRuntimeBackend(g.model).run
+    batch = {"x": np.arange(5 * 2 * 4, dtype=np.float32).reshape(5, 2, 4)}
+    axes = plan.output_sample_axes(run, batch, open_data(batch["x"], graph.input_specs(g.model),
+                                                         5))
+    assert axes == {"y": 1}
+    outputs = plan.samples_first(run, axes)(batch)
+    assert np.array_equal(outputs["y"], batch["x"]) and np.array_equal(outputs["z"], batch["x"])
+    # Per-sample noise then pairs each sample with itself: sample 3's noise alone.
+    noisy = {k: v.copy() for k, v in outputs.items()}
+    noisy["y"][3] += 1.0
+    assert np.flatnonzero(plan.sample_nsr(noisy, outputs)).tolist() == [3]
+
+
 def test_gemm_matmul_convtranspose_macs():
     nodes = [
         helper.make_node("Gemm", ["x", "wg"], ["g"], name="gemm", transB=1),
@@ -936,6 +974,42 @@ def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
     assert "--force" in capsys.readouterr().err
     assert main(["plan", *argv, "--force", "--metric", "nope"]) == 1
     assert "unknown metric 'nope'" in capsys.readouterr().err
+
+
+def test_plan_command_freezes_npz_scalars_and_refuses_what_it_cannot_plan(tmp_path, capsys):
+    # x * k -> Conv: the 0-d `k` of the calibration .npz is frozen into the model, as
+    # calibrate freezes it; evaluation data with another k would silently run on this one.
+    from quantlab.cli import main
+
+    nodes = [helper.make_node("Mul", ["x", "k"], ["m"], name="mul"),
+             helper.make_node("Conv", ["m", "w"], ["y"], name="conv")]
+    model = helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 6, 6]),
+                     helper.make_tensor_value_info("k", TensorProto.FLOAT, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 6, 6])],
+        [numpy_helper.from_array(weights(4, 3, 1, 1).astype(np.float32), "w")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    graph.save_model(model, tmp_path / "m.onnx")
+    x = np.random.default_rng(0).standard_normal((16, 3, 6, 6)).astype(np.float32)
+    np.savez(tmp_path / "calib.npz", x=x, k=np.float32(2))
+    np.savez(tmp_path / "eval.npz", x=x, k=np.float32(3))
+    argv = ["plan", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "calib.npz"),
+            "--min-sqnr", "20", "--no-progress", "--trials", "4", "--hard-samples", "8"]
+    assert main([*argv, "--eval", str(tmp_path / "eval.npz"), "--out", str(tmp_path / "a")]) == 1
+    assert "holds k=3.0, but the model is calibrated with input 'k' frozen to 2" in \
+        capsys.readouterr().err
+    np.savez(tmp_path / "eval.npz", x=x, k=np.float32(2))
+    assert main([*argv, "--eval", str(tmp_path / "eval.npz"), "--out", str(tmp_path / "b")]) == 0
+    assert graph.frozen_inputs(graph.load_model(tmp_path / "b" / "model.onnx")) == {"k": 2.0}
+    # No linear op to quantize: said plainly, before any work.
+    nodes[1] = helper.make_node("Relu", ["m"], ["y"], name="relu")
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    del model.graph.initializer[:]
+    model.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 3
+    graph.save_model(model, tmp_path / "m.onnx")
+    assert main([*argv, "--eval", str(tmp_path / "eval.npz"), "--out", str(tmp_path / "c")]) == 1
+    assert "has no operator quantlab quantizes" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("trt_version", [None, "10.3.0"])

@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from quantlab import cache
+from quantlab import cache, graph
 from quantlab.backends import tensorrt as trt_backend
 from quantlab.backends.tensorrt import (
     TensorRTBackend,
@@ -165,6 +165,19 @@ def test_input_profile():
         input_profile(small_model(extra_dynamic=True), max_batch=4)
     shapes = {"x": [(1, 3, 8, 4), (2, 3, 16, 4), (4, 3, 32, 4)]}
     assert input_profile(small_model(extra_dynamic=True), 4, shapes)["x"][2] == (4, 3, 32, 4)
+    assert input_profile(small_model(batch=1), 8, dynamic_only=True) == {}
+
+
+def test_input_profile_takes_the_recorded_data_shape():
+    # H is dynamic besides the sample axis: the profile takes the height the data had, the
+    # sample axis still runs 1..max_batch; the record survives a save and load.
+    model = small_model(extra_dynamic=True)
+    source = open_data(np.zeros((5, 3, 7, 4), np.float32), graph.input_specs(model), 2)
+    graph.record_data_shapes(model, source)
+    assert graph.data_shapes(onnx.load_from_string(model.SerializeToString())) == {
+        "x": [None, 3, 7, 4]}
+    assert input_profile(model, 4, dynamic_only=True) == {
+        "x": ((1, 3, 7, 4), (4, 3, 7, 4), (4, 3, 7, 4))}
 
 
 # --- the calibrator's callbacks, driven directly ------------------------------------------------
@@ -517,16 +530,19 @@ def test_layer_precisions_string():
         layer_precisions({"a": "double"})
 
 
+# The dynamic inputs' profile (input_profile(..., dynamic_only=True)): every one is given, also
+# one whose min equals its max (trtexec would set its dynamic length to 1 otherwise).
 PROFILE = {"input": ((1, 3, 16, 16), (8, 3, 16, 16), (8, 3, 16, 16)),
-           "fixed": ((1, 2), (1, 2), (1, 2))}
+           "audio": ((1, 576), (1, 576), (1, 576))}
 
 
 def test_trtexec_command_lines():
     from quantlab.trtexec import implicit_command, strongly_typed_command
 
     assert strongly_typed_command("model.int8.onnx", "model.plan", PROFILE, "layers.json") == (
-        "trtexec --onnx=model.int8.onnx --stronglyTyped --minShapes=input:1x3x16x16 "
-        "--optShapes=input:8x3x16x16 --maxShapes=input:8x3x16x16 --saveEngine=model.plan "
+        "trtexec --onnx=model.int8.onnx --stronglyTyped "
+        "--minShapes=input:1x3x16x16,audio:1x576 --optShapes=input:8x3x16x16,audio:1x576 "
+        "--maxShapes=input:8x3x16x16,audio:1x576 --saveEngine=model.plan "
         "--profilingVerbosity=detailed --exportLayerInfo=layers.json")
     assert strongly_typed_command("m.onnx", "m.plan", trt_major=11) == (
         "trtexec --onnx=m.onnx --saveEngine=m.plan")

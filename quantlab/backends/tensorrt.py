@@ -164,26 +164,37 @@ def _pin_output_types(network: object, dtypes: Mapping[str, object]) -> None:
 
 
 def input_profile(model: onnx.ModelProto, max_batch: int,
-                  shapes: Mapping[str, Sequence[Sequence[int]]] | None = None):
+                  shapes: Mapping[str, Sequence[Sequence[int]]] | None = None,
+                  dynamic_only: bool = False):
     """The optimization profile of `model`'s inputs as ``{name: (min, opt, max)}`` shapes.
 
     A dynamic sample axis runs from 1 to `max_batch` (opt = max: TensorRT
-    calibrates at the opt shape); any other dynamic dimension must be given in
-    `shapes` (``{name: (min, opt, max)}``), which overrides everything.
+    calibrates at the opt shape); any other dynamic dimension takes the size of the
+    data the model was calibrated on (:func:`quantlab.graph.record_data_shapes`);
+    `shapes` (``{name: (min, opt, max)}``) overrides everything. With `dynamic_only`,
+    only the inputs with a dynamic dimension (trtexec refuses shapes for the others).
     """
     shapes = dict(shapes or {})
+    recorded = graph.data_shapes(model)
     profile = {}
     for spec in graph.input_specs(model):
+        if dynamic_only and None not in spec.shape:
+            continue
         if spec.name in shapes:
             profile[spec.name] = tuple(tuple(int(d) for d in s) for s in shapes[spec.name])
             continue
-        low, high = list(spec.shape), list(spec.shape)
+        fed = recorded.get(spec.name) or [None] * len(spec.shape)
+        low = [d if d is not None else f for d, f in zip(spec.shape, fed, strict=True)]
+        high = list(low)
         if spec.batch_axis is not None and spec.batch_size is None:
             low[spec.batch_axis], high[spec.batch_axis] = 1, int(max_batch)
         if any(d is None for d in low):
             raise ConfigError(
                 f"input '{spec.name}' has dynamic dimensions {spec.shape} besides its sample "
-                "axis; give its (min, opt, max) shapes (input_shapes={name: (min, opt, max)})."
+                "axis, and the model records no data shape for them, so TensorRT's optimization"
+                " profile cannot be set. Run quantlab calibrate (or plan) on this model with "
+                "data: its model.onnx records the shape the data had. From Python, pass "
+                "input_shapes={name: (min, opt, max)}."
             )
         profile[spec.name] = (tuple(low), tuple(high), tuple(high))
     return profile

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"the plan names {len(unknown)} node(s) that {folder / 'model.onnx'} "
                           f"does not have: {unknown[:5]}; plan this folder's model.")
-    profile = trt_backend.input_profile(model, args.max_batch)
+    profile = trt_backend.input_profile(model, args.max_batch, dynamic_only=True)
     header = scales = cache_name = None
     if (folder / "calibration.cache").is_file():
         header, scales = cache.read_calibration_cache(folder / "calibration.cache")

@@ -152,6 +152,38 @@ def _calibration(args, model):
                      preprocess_from_args(args)), None
 
 
+def _prepared(args):
+    """The normalized model, fed as the calibration data say: the 0-d arrays of an ``.npz``
+    (``sr``) frozen as `quantlab calibrate` freezes them, or a calibration folder's frozen
+    inputs and sample axes; --input and --batch-axis on top. Refused when --eval holds
+    another value for a frozen input (the model would silently run on this one)."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from quantlab import graph
+    from quantlab.commands.options import input_options
+    from quantlab.data import scalar_arrays
+    from quantlab.errors import DataError
+    from quantlab.experiment import read_json
+    from quantlab.pipeline import prepare_model
+
+    options, data = input_options(args), args.data
+    record = Path(args.data) / "calibration.json"
+    if record.is_file() and (Path(args.data) / "stats.npz").is_file():
+        recorded, data = read_json(record), None
+        options["constants"] = {**recorded.get("frozen_inputs", {}), **options["constants"]}
+        options["batch_axes"] = {**recorded.get("sample_axes", {}), **options["batch_axes"]}
+    model = prepare_model(args.model, None if data == "zoo" else data, **options)
+    frozen = graph.frozen_inputs(model)
+    for name, value in scalar_arrays(args.eval).items():
+        if name in frozen and not np.array_equal(value, frozen[name]):
+            raise DataError(f"{args.eval} holds {name}={value.tolist()}, but the model is "
+                            f"calibrated with input '{name}' frozen to {frozen[name]}; plan on "
+                            f"evaluation data of the same {name}.")
+    return model
+
+
 def _needed_tensors(model, implicit: bool) -> list[str]:
     """Tensors the planner needs statistics of: the Q/DQ inputs, the linear ops' float outputs
     (the FP16 range rule reads them) and, for a calibration cache (`implicit`), every float
@@ -209,11 +241,11 @@ def run(args: argparse.Namespace) -> int:
     from quantlab import cache, graph, plan, qdq, repairs, trtexec
     from quantlab.backends import tensorrt as trt_backend
     from quantlab.commands.build import TRTEXEC_CACHE
-    from quantlab.commands.options import input_options, preprocess_from_args
+    from quantlab.commands.options import preprocess_from_args
     from quantlab.data import open_data
     from quantlab.errors import ConfigError, DataError
     from quantlab.experiment import check_output, output_folder, write_json, write_text
-    from quantlab.pipeline import CACHE_ALGORITHM, prepare_model
+    from quantlab.pipeline import CACHE_ALGORITHM, quantized_inputs
     from quantlab.report import write_report
     from quantlab.report.plan import plan_section
 
@@ -225,9 +257,13 @@ def run(args: argparse.Namespace) -> int:
     elif args.eval != "zoo":
         raise ConfigError(f"--metric {args.metric} needs ground truth: with a zoo model, pass "
                           "--eval zoo (its held-out split).")
-    model = prepare_model(args.model, None, **input_options(args))
-    profile = trt_backend.input_profile(model, args.batch_size)  # fails before the work
+    model = _prepared(args)
+    quantized_inputs(model, "plan. If an input decides a branch holding them, freeze it with "
+                     "--input NAME=VALUE")
     source, stats = _calibration(args, model)
+    graph.record_data_shapes(model, source)
+    # Fails before the work; trtexec takes shapes of the dynamic inputs only.
+    profile = trt_backend.input_profile(model, args.batch_size, dynamic_only=True)
     if stats is not None:
         missing = sorted(set(qdq.activation_tensors_to_calibrate(model)) - set(stats.tensors))
         if missing:

@@ -268,6 +268,36 @@ def _prior(units: Sequence[str], fixed: Mapping[str, str], local_nsr: Mapping[st
     return local * (all_int8 / local.sum())
 
 
+def output_sample_axes(run: Callable, batch: Mapping[str, np.ndarray], source
+                       ) -> dict[str, int]:
+    """Outputs whose samples lie on an axis other than 0, as name -> that axis.
+
+    `run` runs one batch; it runs the first two samples of `batch` and the first one
+    (a `source` of a dynamic sample axis with at least two samples, else nothing to
+    tell): the axis whose size changes holds the samples (silero-vad's state
+    ``[2, N, 128]``: axis 1).
+    """
+    if source.length(batch) < 2:
+        return {}
+    two, one = run(source.slice(batch, 0, 2)), run(source.slice(batch, 0, 1))
+    axes = {}
+    for name, value in two.items():
+        moved = [i for i, (a, b) in enumerate(zip(value.shape, one[name].shape, strict=True))
+                 if a != b]
+        if moved and moved[0] != 0:
+            axes[name] = moved[0]
+    return axes
+
+
+def samples_first(run: Callable, axes: Mapping[str, int]) -> Callable:
+    """`run` with the outputs of `axes` (see :func:`output_sample_axes`) moved to samples on
+    axis 0, as every measure and metric of the planner reads them (views, not copies)."""
+    if not axes:
+        return run
+    return lambda *args: {name: np.moveaxis(value, axes[name], 0) if name in axes else value
+                          for name, value in run(*args).items()}
+
+
 def run_batched(run: Callable, batch: Mapping[str, np.ndarray], source) -> dict[str, np.ndarray]:
     """`run` over `batch` in chunks of the source's batch size (fixed-batch models), outputs
     joined on axis 0."""
@@ -407,11 +437,13 @@ class RepairedModel:
 
 def all_int8_nsr(options: Mapping[str, RepairedModel], batch: Mapping[str, np.ndarray],
                  references: Mapping[str, np.ndarray], source,
-                 plan: Mapping[str, str] | None = None) -> dict[str, float]:
+                 plan: Mapping[str, str] | None = None,
+                 axes: Mapping[str, int] | None = None) -> dict[str, float]:
     """Output NSR of each option's Q/DQ model (all INT8 but `plan`'s nodes) on `batch`.
 
-    One pass per option, against `references` (the FP32 outputs on `batch`); run in
-    chunks of the source's batch size. Nodes of `plan` an option lacks are skipped.
+    One pass per option, against `references` (the FP32 outputs on `batch`, samples
+    first: `axes` as :func:`samples_first`); run in chunks of the source's batch size.
+    Nodes of `plan` an option lacks are skipped.
     """
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
@@ -420,7 +452,7 @@ def all_int8_nsr(options: Mapping[str, RepairedModel], batch: Mapping[str, np.nd
         nodes = {n.name for n in option.model.graph.node}
         model = qdq.quantize_model(option.model, option.amax,
                                    {n: p for n, p in (plan or {}).items() if n in nodes})
-        run = OnnxRuntimeBackend(model, name=f"int8 {name}").run
+        run = samples_first(OnnxRuntimeBackend(model, name=f"int8 {name}").run, axes or {})
         result[name] = float(sample_nsr(run_batched(run, batch, source), references).mean())
     return result
 

@@ -9,7 +9,7 @@ the Concat output's Q onto its inputs) and are decided together too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,11 +32,16 @@ class Unit:
     macs: int = 0
 
 
-def find_units(g: Graph, input_shapes: Mapping[str, Sequence[int]] | None = None) -> list[Unit]:
+def find_units(g: Graph, input_shapes: Mapping[str, Sequence[int]] | None = None,
+               measure: Callable[[list[str]], Mapping[str, Sequence[int]]] | None = None
+               ) -> list[Unit]:
     """The units of a normalized model, in topological order, with MACs per sample batch.
 
     `input_shapes` (the real shapes of a calibration batch) fixes dimensions the
-    model leaves symbolic; MACs are counted for inputs of those shapes.
+    model leaves symbolic; MACs are counted for inputs of those shapes. Where ONNX
+    shape inference still leaves a linear op's shapes unknown (silero-vad's STFT
+    conv after a computed Pad), `measure` (tensor names -> their shapes in a run
+    on inputs of `input_shapes`) gives them.
     """
     placement = qdq.place(g.model)
     nodes = {node.name: node for node in g.model.graph.node}
@@ -89,6 +94,11 @@ def find_units(g: Graph, input_shapes: Mapping[str, Sequence[int]] | None = None
         groups.setdefault(find(name), []).append(name)
 
     shapes = _shapes(g, input_shapes)
+    unknown = [t for names in groups.values() for n in names
+               if nodes[n].op_type in qdq.LINEAR_OPS for t in _mac_tensors(nodes[n])
+               if shapes.get(t) is None or None in shapes[t]]
+    if unknown and measure is not None:
+        shapes.update({t: tuple(s) for t, s in measure(list(dict.fromkeys(unknown))).items()})
     units = []
     for names in groups.values():
         linear = [n for n in names if nodes[n].op_type in qdq.LINEAR_OPS]
@@ -196,13 +206,18 @@ def _shapes(g: Graph, input_shapes) -> dict[str, tuple]:
     return shapes
 
 
+def _mac_tensors(node: onnx.NodeProto) -> tuple[str, str]:
+    """The two tensors whose shapes give a linear op's MACs (see :func:`linear_macs`)."""
+    data, weight, out = node.input[0], node.input[1], node.output[0]
+    return {"Conv": (out, weight), "ConvTranspose": (data, weight)}.get(node.op_type,
+                                                                         (out, data))
+
+
 def linear_macs(node: onnx.NodeProto, shapes: Mapping[str, tuple]) -> int:
     """Multiply-accumulates of one Conv / ConvTranspose / Gemm / MatMul from its shapes."""
     data, weight, out = (shapes.get(node.input[0]), shapes.get(node.input[1]),
                          shapes.get(node.output[0]))
-    needed = {"Conv": (out, weight), "ConvTranspose": (data, weight)}.get(node.op_type,
-                                                                           (out, data))
-    if any(s is None or None in s for s in needed):
+    if any(shapes.get(t) is None or None in shapes[t] for t in _mac_tensors(node)):
         raise ModelError(
             f"the shapes around node '{node.name}' ({node.op_type}) are not all known, so its "
             "MACs cannot be counted; pass the shapes of a real batch (the planner takes them "
