@@ -376,17 +376,24 @@ def planner_sqnr(fp32: dict[str, np.ndarray], int8: dict[str, np.ndarray]) -> fl
     return float(-10 * np.log10(np.mean(ratios)))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=CASES[n].marks) for n in PLAN_CASES])
-def test_plan_certifies_a_floor_that_numpy_confirms(name, case_files, tmp_path):
+@pytest.mark.parametrize("name, folder", [
+    *(pytest.param(n, False, marks=CASES[n].marks) for n in PLAN_CASES),
+    # --data a calibration folder of images: its statistics, and its recorded preprocessing
+    # (BGR, ImageNet) for the evaluation images too, with no option given.
+    pytest.param("orientation-images", True, id="orientation-images-folder")])
+def test_plan_certifies_a_floor_that_numpy_confirms(name, folder, case_files, calibrated,
+                                                   tmp_path):
     from quantlab import plan
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.graph import Graph, input_specs
 
-    case, floor = CASES[name], PLAN_CASES[name]
+    case, floor = CASES[name], PLAN_CASES.get(name, PLAN_CASES["orientation-npy"])
     model_path, data = case_files(name)
     out = tmp_path / "plan"
-    run_cli(["plan", model_path, "--data", data[case.calib], "--eval", data[case.val],
-             "--out", out, "--min-sqnr", floor, "--no-progress", *case.options])
+    given = ["--data", calibrated(name, "default")] if folder else [
+        "--data", data[case.calib], *case.options]
+    run_cli(["plan", model_path, *given, "--eval", data[case.val], "--out", out,
+             "--min-sqnr", floor, "--no-progress"])
     summary = json.loads((out / "summary.json").read_text())
     certificate = summary["certificate"]
     assert certificate["certified"] and certificate["value"] >= floor, certificate

@@ -70,7 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "top1 or map (a zoo model's task metric, with --eval zoo) or "
                              "module:function, called function(outputs, references) -> float "
                              "(higher is better) with two lists, one entry per batch, of "
-                             "{output name: array} (default: %(default)s)")
+                             "{output name: array}, samples on axis 0 (an output holding them "
+                             "on another axis, a state [layers, N, hidden], comes with that "
+                             "axis moved first) (default: %(default)s)")
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--max-drop", type=float, metavar="X",
                         help="largest allowed drop of the metric from FP32, in its own units")
@@ -123,55 +125,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "'zoo' (a zoo model's calibration split)")
 
 
-def _calibration(args, model):
-    """(calibration BatchSource, Statistics or None) from --data."""
+def _recorded(args) -> dict | None:
+    """``calibration.json`` of --data when it is a calibration folder (with ``stats.npz``)."""
     from pathlib import Path
 
-    from quantlab import collect, graph
-    from quantlab.commands.options import preprocess_from_args
-    from quantlab.data import open_data
-    from quantlab.errors import DataError
     from quantlab.experiment import read_json
 
     folder = Path(args.data)
+    if (folder / "stats.npz").is_file() and (folder / "calibration.json").is_file():
+        return read_json(folder / "calibration.json")
+    return None
+
+
+def _calibration(args, model, recorded, preprocess):
+    """(calibration BatchSource, Statistics or None) from --data (`recorded`: its
+    calibration.json when it is a calibration folder)."""
+    from pathlib import Path
+
+    from quantlab import collect, graph
+    from quantlab.data import open_data
+    from quantlab.errors import DataError
+
     inputs = graph.input_specs(model)
     if args.data == "zoo":
         from quantlab import zoo
 
         return open_data(zoo.get(args.model).calibration_set(), inputs, args.batch_size,
                          args.max_samples), None
-    if (folder / "stats.npz").is_file() and (folder / "calibration.json").is_file():
-        recorded = read_json(folder / "calibration.json")
+    if recorded is not None:
         if not Path(recorded["data"]).exists():
-            raise DataError(f"{folder}/calibration.json names data {recorded['data']}, which no "
-                            "longer exists; pass the calibration data itself with --data.")
+            raise DataError(f"{args.data}/calibration.json names data {recorded['data']}, which "
+                            "no longer exists; pass the calibration data itself with --data.")
         source = open_data(recorded["data"], inputs, args.batch_size, args.max_samples,
-                           preprocess_from_args(args, recorded.get("preprocess")))
-        return source, collect.Statistics.load(folder / "stats.npz")
-    return open_data(args.data, inputs, args.batch_size, args.max_samples,
-                     preprocess_from_args(args)), None
+                           preprocess)
+        return source, collect.Statistics.load(Path(args.data) / "stats.npz")
+    return open_data(args.data, inputs, args.batch_size, args.max_samples, preprocess), None
 
 
-def _prepared(args):
+def _prepared(args, recorded):
     """The normalized model, fed as the calibration data say: the 0-d arrays of an ``.npz``
-    (``sr``) frozen as `quantlab calibrate` freezes them, or a calibration folder's frozen
-    inputs and sample axes; --input and --batch-axis on top. Refused when --eval holds
-    another value for a frozen input (the model would silently run on this one)."""
-    from pathlib import Path
-
+    (``sr``) frozen as `quantlab calibrate` freezes them, or a calibration folder's
+    (`recorded`) frozen inputs and sample axes; --input and --batch-axis on top. Refused
+    when --eval holds another value for a frozen input (the model would silently run on
+    this one)."""
     import numpy as np
 
     from quantlab import graph
     from quantlab.commands.options import input_options
     from quantlab.data import scalar_arrays
     from quantlab.errors import DataError
-    from quantlab.experiment import read_json
     from quantlab.pipeline import prepare_model
 
     options, data = input_options(args), args.data
-    record = Path(args.data) / "calibration.json"
-    if record.is_file() and (Path(args.data) / "stats.npz").is_file():
-        recorded, data = read_json(record), None
+    if recorded is not None:
+        data = None
         options["constants"] = {**recorded.get("frozen_inputs", {}), **options["constants"]}
         options["batch_axes"] = {**recorded.get("sample_axes", {}), **options["batch_axes"]}
     model = prepare_model(args.model, None if data == "zoo" else data, **options)
@@ -257,10 +264,14 @@ def run(args: argparse.Namespace) -> int:
     elif args.eval != "zoo":
         raise ConfigError(f"--metric {args.metric} needs ground truth: with a zoo model, pass "
                           "--eval zoo (its held-out split).")
-    model = _prepared(args)
+    recorded = _recorded(args)
+    # Calibration and evaluation images are read alike: a calibration folder's recorded
+    # preprocessing, any option given overriding it.
+    preprocess = preprocess_from_args(args, recorded and recorded.get("preprocess"))
+    model = _prepared(args, recorded)
     quantized_inputs(model, "plan. If an input decides a branch holding them, freeze it with "
                      "--input NAME=VALUE")
-    source, stats = _calibration(args, model)
+    source, stats = _calibration(args, model, recorded, preprocess)
     graph.record_data_shapes(model, source)
     # Fails before the work; trtexec takes shapes of the dynamic inputs only.
     profile = trt_backend.input_profile(model, args.batch_size, dynamic_only=True)
@@ -281,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         evaluation = open_data(eval_set.inputs, graph.input_specs(model), args.batch_size)
     else:
         evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
-                               args.max_samples, preprocess_from_args(args))
+                               args.max_samples, preprocess)
     stats = _statistics(model, source, stats, args)
     scales, ranges, p9999, candidates = _calibrated(stats, args)
     repaired = {}
