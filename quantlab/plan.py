@@ -278,7 +278,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     # Every whole-model run: runs of a bounded size (a 640 px batch of 32 held 13-15 GB),
     # outputs samples first (a recurrent state [layers, N, hidden]).
     size = samples_per_run(g, first, calibration)
-    axes = output_sample_axes(fp32.run, first, calibration)
+    axes = output_sample_axes(model, fp32.run, first, calibration)
 
     def runs(run: Callable) -> Callable:
         return in_runs(run, calibration, size, axes)

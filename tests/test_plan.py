@@ -160,7 +160,7 @@ def test_outputs_with_samples_on_another_axis_are_read_samples_first_in_bounded_
 
     batch = {"x": np.arange(5 * 2 * 4, dtype=np.float32).reshape(5, 2, 4)}
     source = open_data(batch["x"], graph.input_specs(g.model), 5)
-    axes = plan.output_sample_axes(run, batch, source)
+    axes = plan.output_sample_axes(g.model, run, batch, source)
     assert axes == {"y": 1}
     sizes.clear()
     outputs = plan.in_runs(run, source, 2, axes)(batch)

@@ -274,16 +274,16 @@ def _prior(units: Sequence[str], fixed: Mapping[str, str], local_nsr: Mapping[st
     return local * (all_int8 / local.sum())
 
 
-def output_sample_axes(run: Callable, batch: Mapping[str, np.ndarray], source
-                       ) -> dict[str, int]:
+def output_sample_axes(model: onnx.ModelProto, run: Callable, batch: Mapping[str, np.ndarray],
+                       source) -> dict[str, int]:
     """Outputs whose samples lie on an axis other than 0, as name -> that axis.
 
-    `run` runs one batch; it runs the first two samples of `batch` and the first one
-    (a `source` of a dynamic sample axis with at least two samples, else nothing to
-    tell): the axis whose size changes holds the samples (silero-vad's state
-    ``[2, N, 128]``: axis 1).
+    `run` runs one batch of `model`; it runs the first two samples of `batch` and the
+    first one: the axis whose size changes holds the samples (silero-vad's state
+    ``[2, N, 128]``: axis 1). Nothing to tell (axis 0 taken) for a model with a fixed
+    batch, or a batch of one sample.
     """
-    if source.length(batch) < 2:
+    if graph.fixed_batch_size(model) or source.length(batch) < 2:
         return {}
     two, one = run(source.slice(batch, 0, 2)), run(source.slice(batch, 0, 1))
     axes = {}
