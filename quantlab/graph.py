@@ -712,3 +712,11 @@ class Graph:
                     for d in tensor_type.shape.dim]
             sizes[name] = itemsize * int(np.prod(dims, dtype=np.int64))
         return {name: sizes.get(name, 4 * unknown_dim) for name in self.order}
+
+    def samples_within(self, input_shapes: Mapping[str, Sequence[int]], budget: int,
+                       tensors: Sequence[str] | None = None) -> int:
+        """How many samples of one sample's `input_shapes` keep `tensors` (default: every
+        tensor, :meth:`sample_bytes`) within `budget` bytes; one at least."""
+        sizes = self.sample_bytes(input_shapes)
+        per_sample = sum(sizes.get(name, 0) for name in (sizes if tensors is None else tensors))
+        return int(max(1, budget // max(1, per_sample)))

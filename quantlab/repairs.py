@@ -165,9 +165,8 @@ def _runs(batches: Iterable[Mapping[str, np.ndarray]], index: Graph, tensors: Se
         size = batch_length(batch, axes)
         if run_size is None:
             one = slice_batch(batch, axes, 0, 1)
-            sizes = index.sample_bytes({name: np.shape(value) for name, value in one.items()})
-            per_sample = sum(sizes.get(name, 0) for name in tensors)
-            run_size = max(1, run_bytes // max(1, per_sample))
+            run_size = index.samples_within({name: np.shape(value) for name, value in one.items()},
+                                            run_bytes, tensors)
         for start in range(0, size, run_size):
             yield slice_batch(batch, axes, start, min(size, start + run_size))
     if not count:

@@ -306,9 +306,8 @@ def samples_per_run(g: Graph, batch: Mapping[str, np.ndarray], source,
     if graph.fixed_batch_size(g.model):
         return source.batch_size
     one = source.slice(batch, 0, 1)
-    per_sample = sum(g.sample_bytes({name: np.shape(value) for name, value in one.items()})
-                     .values())
-    return int(max(1, min(source.batch_size, budget // max(1, per_sample))))
+    return min(source.batch_size,
+               g.samples_within({name: np.shape(value) for name, value in one.items()}, budget))
 
 
 def in_runs(run: Callable, source, size: int, axes: Mapping[str, int] | None = None
