@@ -294,8 +294,21 @@ def scalar_arrays(source: object) -> dict[str, np.ndarray]:
     if isinstance(source, (str, os.PathLike)) and Path(source).suffix.lower() == ".npz" \
             and Path(source).is_file():
         with _load_numpy(Path(source)) as archive:
-            return {k: archive[k] for k in archive.files if archive[k].ndim == 0}
+            return {k: archive[k] for k in archive.files if _member_ndim(archive, k) == 0}
     return {}
+
+
+def _member_ndim(archive, key: str) -> int:
+    """The rank of an ``.npz`` member from its header, without reading its data (a
+    640 px evaluation set would be read whole just to learn it is not a scalar)."""
+    member = f"{key}.npy" if f"{key}.npy" in archive.zip.namelist() else key
+    with archive.zip.open(member) as stream:
+        reader = {(1, 0): np.lib.format.read_array_header_1_0,
+                  (2, 0): np.lib.format.read_array_header_2_0}.get(
+            np.lib.format.read_magic(stream))
+        if reader is not None:
+            return len(reader(stream)[0])
+    return archive[key].ndim  # a header version without a public reader: load it
 
 
 def _load_numpy(path: Path, **kwargs):

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-from quantlab.data import Preprocess, check_batch, open_data
+from quantlab.data import Preprocess, check_batch, open_data, scalar_arrays
 from quantlab.errors import ConfigError, DataError
 from quantlab.graph import TensorSpec
 
@@ -192,3 +192,22 @@ def test_iterable_of_torch_tensors_and_batches_of_different_shapes():
 def test_batch_size_must_be_a_whole_number(tmp_path, batch_size):
     with pytest.raises(ConfigError, match="whole number"):
         open_data(np.zeros((2, 3, 8, 8), np.float32), SPEC, batch_size=batch_size)
+
+
+def test_scalar_arrays_of_an_npz_read_headers_and_match_loading_every_member(tmp_path):
+    # The 0-d members are found from each member's header; what np.load gives for them, for
+    # every header version (3.0 has no public reader, so that member is loaded instead).
+    import zipfile
+
+    path = tmp_path / "d.npz"
+    np.savez(path, x=np.ones((4, 3), np.float32), sr=np.int64(16000), gain=np.float32(0.5))
+    with zipfile.ZipFile(path, "a") as archive:
+        for name, value, version in (("v2", np.int32(7), (2, 0)), ("v3", np.int8(3), (3, 0)),
+                                     ("rows", np.arange(5), (3, 0))):
+            with archive.open(f"{name}.npy", "w") as member:
+                np.lib.format.write_array(member, np.asarray(value), version=version)
+    with np.load(path) as archive:
+        expected = {k: archive[k] for k in archive.files if archive[k].ndim == 0}
+    found = scalar_arrays(path)
+    assert sorted(found) == sorted(expected) == ["gain", "sr", "v2", "v3"]
+    assert all(found[k] == expected[k] and found[k].dtype == expected[k].dtype for k in found)
