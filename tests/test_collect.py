@@ -392,9 +392,12 @@ def test_memory_does_not_grow_with_samples():
 
     peak(2)  # warm-up: sessions, imports and caches allocate once
     small, large = peak(8), peak(64)
-    # 8x the samples. Measured +9% of a ~150 KiB peak of Python-side objects (statistics,
-    # batches); anything kept per batch (64 batches x 4 tensors) would show as growth.
-    assert large <= 1.5 * small, (small, large)
+    # 8x the samples. Keeping each batch's four tensors would add 56 x 4 x 8 KiB = 1.8 MB.
+    # The peak itself moves by up to ~130 KB from run to run (240-370 KB measured for the
+    # same call: the folding threads' temporaries overlap or not), so the bound is a
+    # quarter of that growth, not a ratio of two noisy peaks.
+    per_batch = len(TENSORS) * data(0, 64).nbytes
+    assert large - small < (64 - 8) * per_batch / 4, (small, large)
 
 
 def test_memory_budget_sizes():
