@@ -368,6 +368,18 @@ def test_sample_nsr_known_values():
         plan.sample_nsr({"ids": np.array([1])}, {"ids": np.array([1])})
 
 
+def test_sample_nsr_in_pieces_equals_the_whole_batch_in_float64(monkeypatch):
+    from quantlab.planner import measure
+
+    rng = np.random.default_rng(3)
+    reference = {"y": rng.standard_normal((7, 5, 3)).astype(np.float32)}
+    outputs = {"y": reference["y"] + rng.standard_normal((7, 5, 3)).astype(np.float32) * 0.1}
+    ref, out = (a["y"].reshape(7, -1).astype(np.float64) for a in (reference, outputs))
+    expected = ((out - ref) ** 2).sum(axis=1) / (ref ** 2).sum(axis=1)
+    monkeypatch.setattr(measure, "_FLOAT64_ROWS_BYTES", 2 * 15 * 8)  # 2 samples a piece
+    np.testing.assert_allclose(plan.sample_nsr(outputs, reference), expected, rtol=1e-13)
+
+
 @pytest.fixture(scope="module")
 def planted_case():
     from quantlab import data, qdq, switchboard
@@ -1150,6 +1162,51 @@ def test_local_sqnr_singles_out_the_planted_units_in_int8_not_fp16(planted_case)
     for unit, figures in local.items():
         for precision, db in figures.items():
             assert one_by_one[unit][precision] == pytest.approx(db, abs=1e-4)
+
+
+def test_local_errors_summed_in_the_graph_equal_numpy_float64_sums(planted_case):
+    # The slow reference: run the local error model on the FP32 tensors it reads, have
+    # every unit's output back and sum the squared differences in numpy float64.
+    from quantlab import qdq
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.planner.measure import error_sums
+    from quantlab.sensitivity import local_error_model
+
+    g, source, fp32, *_, units = planted_case
+    batch = next(iter(source))
+    names = qdq.activation_tensors_to_calibrate(g.model)
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run(batch, names).items()}
+    everything = [n for u in units for n in u.nodes]
+    local = local_error_model(
+        [graph.Graph(qdq.quantize_model(g.model, amax, dict.fromkeys(everything, precision)))
+         for precision in ("int8", "fp16")], g)
+    model, sums = error_sums(g, local.model, local.outputs)
+    found = OnnxRuntimeBackend(model).run(batch)
+    assert set(found) == {t for pair in sums.values() for t in pair}
+    wanted = [t for t in dict.fromkeys([*local.feeds, *local.outputs.values()])
+              if t not in g.input_names]
+    tensors = {**fp32.run(batch, wanted), **batch}
+    values = OnnxRuntimeBackend(local.model, check_inputs=False).run(
+        {name: tensors[name] for name in local.feeds})
+    assert len(local.outputs) >= 2 * len(units)  # every unit in both precisions
+    for name, tensor in local.outputs.items():
+        reference = tensors[tensor].astype(np.float64)
+        noise, power = (found[t] for t in sums[name])
+        # Same float32 tensors, float64 sums in another order: 1e-12.
+        assert noise == pytest.approx(((values[name] - reference) ** 2).sum(), rel=1e-12)
+        assert power == pytest.approx((reference ** 2).sum(), rel=1e-12)
+    # Each added node comes right after the last node of the FP32 model it reads (through
+    # other added nodes): the FP32 pass frees a unit's tensors as it moves on.
+    position = {node.name: index for index, node in enumerate(g.model.graph.node)}
+    made_by = {out: position[node.name] for node in g.model.graph.node for out in node.output}
+    last = -1
+    for node in model.graph.node:
+        if node.name in position:
+            last = position[node.name]
+            continue
+        needs = max((made_by.get(name, -1) for name in node.input), default=-1)
+        made_by.update(dict.fromkeys(node.output, needs))
+        assert needs == last, node
 
 
 def test_fp16_overflow_gives_minus_infinite_local_sqnr():

@@ -53,6 +53,7 @@ class OnnxRuntimeBackend:
         check_inputs: bool = True,
         shared_arena: bool = False,
         spinning: bool = True,
+        memory_pattern: bool = True,
     ):
         self.model = model if isinstance(model, onnx.ModelProto) else graph.load_model(model)
         self.name = name
@@ -68,6 +69,11 @@ class OnnxRuntimeBackend:
         # computes between runs on the same cores (statistics collection) turns that off:
         # the spinning threads would take the cores its own threads need.
         self.spinning = spinning
+        # ONNX Runtime's memory pattern (one planned block per input shape, reused run
+        # after run) costs memory where a run frees most of what it makes: the planner's
+        # local-error model of a 640 px detector peaked 0.36 GB higher with it, at the
+        # same speed.
+        self.memory_pattern = memory_pattern
         self.inputs = graph.input_specs(self.model)
         self.outputs = [spec.name for spec in graph.output_specs(self.model)]
         self._known = set(graph.topological_tensors(self.model)) | set(self.outputs)
@@ -84,6 +90,7 @@ class OnnxRuntimeBackend:
             options.intra_op_num_threads = self.threads
         if not self.spinning:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.enable_mem_pattern = self.memory_pattern
         if self.shared_arena:
             _register_shared_arena()
             options.add_session_config_entry("session.use_env_allocators", "1")

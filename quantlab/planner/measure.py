@@ -20,6 +20,8 @@ from quantlab.errors import ModelError
 from quantlab.graph import Graph
 from quantlab.planner.units import Unit
 
+_FLOAT64_ROWS_BYTES = 32 << 20  # sample_nsr's float64 working copies
+
 
 def sample_nsr(outputs: Mapping[str, np.ndarray],
                references: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -33,10 +35,18 @@ def sample_nsr(outputs: Mapping[str, np.ndarray],
         if not np.issubdtype(reference.dtype, np.floating):
             continue
         count = len(reference)
-        ref = reference.reshape(count, -1).astype(np.float64)
-        diff = np.asarray(outputs[name]).reshape(count, -1).astype(np.float64) - ref
-        power = np.maximum((ref * ref).sum(axis=1), np.finfo(np.float64).tiny)
-        ratios.append((diff * diff).sum(axis=1) / power)
+        ref = reference.reshape(count, -1)
+        out = np.asarray(outputs[name]).reshape(count, -1)
+        noise, power = np.empty(count), np.empty(count)
+        # In float64, a few samples at a time: a whole batch of a detector's outputs in
+        # float64 (4 copies of 48 x 12828 x 91 values) held 1.2 GB.
+        rows = max(1, _FLOAT64_ROWS_BYTES // max(1, 8 * ref.shape[1]))
+        for start in range(0, count, rows):
+            part = ref[start:start + rows].astype(np.float64)
+            diff = out[start:start + rows].astype(np.float64) - part
+            noise[start:start + rows] = np.einsum("ij,ij->i", diff, diff)
+            power[start:start + rows] = np.einsum("ij,ij->i", part, part)
+        ratios.append(noise / np.maximum(power, np.finfo(np.float64).tiny))
     if not ratios:
         raise ModelError(f"the model has no float outputs to compare ({sorted(references)}); "
                          "pass a metric that reads its outputs (--metric module:function).")
@@ -336,11 +346,11 @@ def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
     """Each unit's local SQNR in dB per precision: its nodes run alone on FP32 inputs.
 
     :func:`quantlab.sensitivity.local_error_model` over the Q/DQ models that run
-    every unit in each of `precisions` ("int8", "fp16"), side by side, run on each
-    of `batches` in turn: every tensor the local graph reads is held at once for a
-    batch, so they should be small (:func:`single_samples`); noise and signal power
-    are summed over all of them. A unit's figure is its worst node output (-inf
-    when FP16 overflows). Returns unit -> precision -> dB.
+    every unit in each of `precisions` ("int8", "fp16"), side by side, attached to
+    the FP32 model and reduced in the graph (:func:`error_sums`): each run of
+    `batches` returns only sums, and noise and signal power are summed over all of
+    them. A unit's figure is its worst node output (-inf when FP16 overflows).
+    Returns unit -> precision -> dB.
     """
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.sensitivity import local_error_model
@@ -349,27 +359,18 @@ def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
     local = local_error_model(
         [Graph(qdq.quantize_model(g.model, amax, dict.fromkeys(everything, precision)))
          for precision in precisions], g)
-    inputs = set(g.input_names)
-    compared = list(dict.fromkeys(local.outputs.values()))
-    wanted = [t for t in dict.fromkeys([*local.feeds, *compared]) if t not in inputs]
-    fp32_backend = OnnxRuntimeBackend(g.model, name="fp32")
-    local_backend = OnnxRuntimeBackend(local.model, name="local", check_inputs=False)
-    noise = dict.fromkeys(local.outputs, 0.0)
-    power = dict.fromkeys(local.outputs, 0.0)
+    model, sums = error_sums(g, local.model, local.outputs)
+    backend = OnnxRuntimeBackend(model, name="local errors", memory_pattern=False)
+    totals = dict.fromkeys(backend.outputs, 0.0)
     for batch in batches:
-        fp32 = fp32_backend.run(batch, wanted)
-        fp32.update({name: batch[name] for name in inputs})
-        values = local_backend.run({name: fp32[name] for name in local.feeds})
-        for name, tensor in local.outputs.items():
-            reference = fp32[tensor].astype(np.float64)
-            with np.errstate(over="ignore", invalid="ignore"):
-                noise[name] += float(((values[name] - reference) ** 2).sum())
-            power[name] += float((reference ** 2).sum())
+        for name, value in backend.run(batch).items():
+            totals[name] += float(value)
     sqnr: dict[tuple[str, str], float] = {}
     for name, tensor in local.outputs.items():
+        noise, power = (totals[sum_name] for sum_name in sums[name])
         sqnr[(tensor, local.precisions[name])] = (
-            -np.inf if not np.isfinite(noise[name]) else
-            10 * np.log10(power[name] / noise[name]) if noise[name] > 0 else np.inf)
+            -np.inf if not np.isfinite(noise) else
+            10 * np.log10(power / noise) if noise > 0 else np.inf)
     nodes = {node.name: node for node in g.model.graph.node}
     result: dict[str, dict[str, float]] = {}
     for unit in units:
@@ -379,6 +380,76 @@ def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
             if figures:
                 result.setdefault(unit.name, {})[precision] = float(min(figures))
     return result
+
+
+def error_sums(g: Graph, local: onnx.ModelProto, compared: Mapping[str, str],
+               ) -> tuple[onnx.ModelProto, dict[str, tuple[str, str]]]:
+    """`g`'s model with the `local` graph reading its tensors, and the errors summed in it.
+
+    `local` reads tensors of `g` by name (its graph inputs) and `compared` maps each
+    of its outputs to the tensor of `g` it approximates. The model returns, for each,
+    the float64 sum of squared differences and the reference's float64 sum of
+    squares (`sums`: output -> (noise, power) names), and nothing else. Each added
+    node sits right after the last node of `g` it reads, so ONNX Runtime frees a
+    unit's tensors as the FP32 pass moves on: returning every unit's inputs and
+    outputs of one 640 px sample instead held about 1 GB.
+    """
+    taken = {*g.input_names, *(init.name for init in g.model.graph.initializer),
+             *(out for node in g.model.graph.node for out in node.output)}
+    renamed = {init.name: f"{init.name}::local" for init in local.graph.initializer
+               if init.name in taken}
+    added = []
+    for node in local.graph.node:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.input[:] = [renamed.get(name, name) for name in node.input]
+        added.append(copy)
+    initializers = [*g.model.graph.initializer]
+    for init in local.graph.initializer:
+        copy = onnx.TensorProto()
+        copy.CopyFrom(init)
+        copy.name = renamed.get(init.name, init.name)
+        initializers.append(copy)
+
+    def in_float64(tensor: str) -> str:
+        added.append(onnx.helper.make_node("Cast", [tensor], [f"{tensor}::f64"],
+                                           to=onnx.TensorProto.DOUBLE))
+        return f"{tensor}::f64"
+
+    def summed_squares(tensor: str) -> str:
+        added.append(onnx.helper.make_node("ReduceSumSquare", [tensor], [f"{tensor}::sum2"],
+                                           keepdims=0))
+        return f"{tensor}::sum2"
+
+    power = {ref: summed_squares(in_float64(ref)) for ref in dict.fromkeys(compared.values())}
+    sums = {}
+    for name, ref in compared.items():
+        added.append(onnx.helper.make_node("Sub", [in_float64(name), f"{ref}::f64"],
+                                           [f"{name}::error"]))
+        sums[name] = (summed_squares(f"{name}::error"), power[ref])
+    outputs = list(dict.fromkeys(t for pair in sums.values() for t in pair))
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            _interleaved(list(g.model.graph.node), added), "local_error_sums",
+            list(g.model.graph.input),
+            [onnx.helper.make_tensor_value_info(t, onnx.TensorProto.DOUBLE, []) for t in outputs],
+            initializers),
+        opset_imports=local.opset_import)
+    model.ir_version = local.ir_version
+    return model, sums
+
+
+def _interleaved(nodes: list[onnx.NodeProto], added: list[onnx.NodeProto],
+                 ) -> list[onnx.NodeProto]:
+    """`nodes` with each of `added` (in topological order) right after the last one it reads."""
+    after = {out: index for index, node in enumerate(nodes) for out in node.output}
+    slots: list[list[onnx.NodeProto]] = [[] for _ in range(len(nodes) + 1)]
+    for node in added:
+        slot = max((after.get(name, -1) for name in node.input if name), default=-1)
+        after.update(dict.fromkeys(node.output, slot))
+        slots[slot + 1].append(node)
+    return [*slots[0], *(n for node, later in zip(nodes, slots[1:], strict=True)
+                         for n in (node, *later))]
 
 
 def single_samples(source, batch: Mapping[str, np.ndarray],
