@@ -18,6 +18,10 @@ samples and metric:
   percentile scales, then binary search for the fewest first (last) units in topological
   order kept FP32 so that the metric stays inside the budget; one evaluation per step.
 
+Every model also gets a floor row, ``fp32-forward``: one FP32 pass of ONNX Runtime over
+the calibration and evaluation samples (the case's batch size), in a child of its own. The
+table gives every tool's wall time and peak RSS as multiples of it.
+
 An evaluation is one pass of a candidate (or the FP32 model) over the evaluation set;
 the FP32 pass counts as one for every tool. Other model runs are reported separately:
 quantlab's switchboard trials (on its hardest calibration samples) and NNCF's ranking
@@ -68,6 +72,7 @@ if str(ROOT) not in sys.path:
 MODELS = ("digits-vit", "shapes-det", "layout")
 BUDGETS = (0.5, 1.0, 2.0)
 TOOLS = ("quantlab", "nncf", "nncf-trt", "bisect-fwd", "bisect-rev")
+FLOOR = "fp32-forward"  # one bare FP32 pass over the calibration and evaluation samples
 PEERS = ("nncf", "nncf-trt", "bisect-fwd", "bisect-rev")
 LAYOUT_METRIC = "benchmarks.planner_metrics:layout_agreement_map"
 # NNCF's default ranking subset (AdvancedAccuracyRestorerParameters.ranking_subset_size is
@@ -473,6 +478,9 @@ def child(spec: dict) -> None:
     if spec.get("stage") == "judge":
         judge_child(spec)
         return
+    if spec["tool"] == FLOOR:
+        floor_child(spec)
+        return
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     progress = Progress(Path(spec["progress"]), 0)
@@ -499,6 +507,22 @@ def child(spec: dict) -> None:
     onnx.save(model, out / CANDIDATE)
     Path(spec["result"]).write_text(json.dumps(
         {"wall_s": seconds, "peak_rss": rss, **version, **progress.counts}))
+
+
+def floor_child(spec: dict) -> None:
+    """The floor: one FP32 pass over the calibration and evaluation samples; time and RSS."""
+    limit_address_space(int(spec["memory_limit"]))
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    start = time.perf_counter()
+    case = load_case(spec)
+    backend = OnnxRuntimeBackend(case.model, name="fp32")
+    for samples in (case.calibration, case.evaluation):
+        for first in range(0, len(samples), case.batch_size):
+            backend.run({case.input_name: samples[first:first + case.batch_size]})
+    Path(spec["result"]).write_text(json.dumps({
+        "wall_s": time.perf_counter() - start, "peak_rss": peak_rss(),
+        "samples": len(case.calibration) + len(case.evaluation)}))
 
 
 def judge_child(spec: dict) -> None:
@@ -541,6 +565,12 @@ def row_of(model: str, budget: float, tool: str, result: dict | None, stopped: s
 
 def cell_rows(rows: list[dict]) -> list[dict]:
     """Rows formatted for the printed table."""
+    floors = {r["model"]: r for r in rows if r["tool"] == FLOOR and r.get("peak_rss")}
+
+    def times(r: dict, key: str) -> str:
+        floor = floors.get(r["model"])
+        return f"{r[key] / floor[key]:.1f}" if floor and r.get(key) else "-"
+
     table = []
     for r in rows:
         done = "int8_mac_share" in r
@@ -551,7 +581,8 @@ def cell_rows(rows: list[dict]) -> list[dict]:
         elif r.get("partial_runs"):
             other = f"{r['partial_runs']} runs, {r['partial_samples']} items"
         table.append({
-            "model": r["model"], "budget": r["budget"], "tool": r["tool"],
+            "model": r["model"], "budget": "-" if r["budget"] is None else r["budget"],
+            "tool": r["tool"],
             "INT8 MAC %": f"{100 * r['int8_mac_share']:.1f}" if done else "-",
             "metric": f"{r['metric']:.2f}" if done else "-",
             "FP32": f"{r['fp32_metric']:.2f}" if done else "-",
@@ -561,6 +592,7 @@ def cell_rows(rows: list[dict]) -> list[dict]:
             "other runs": other,
             "wall s": f"{r['wall_s']:.0f}",
             "RSS MiB": f"{r['peak_rss'] / MIB:.0f}" if r.get("peak_rss") else "-",
+            f"x {FLOOR} (s, RSS)": f"{times(r, 'wall_s')}, {times(r, 'peak_rss')}",
             "status": status or ("certified" if r.get("certified") else
                                  "not certified" if r["tool"] == "quantlab" and done else ""),
         })
@@ -619,7 +651,7 @@ def markdown(paths: Sequence[Path]) -> str:
     lines = ["| " + " | ".join(table[0]) + " |", "|" + " --- |" * len(table[0])]
     lines += ["| " + " | ".join(str(v) for v in r.values()) + " |" for r in table]
     models = list(dict.fromkeys(r["model"] for r in rows))
-    budgets = sorted({r["budget"] for r in rows})
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
     return "\n".join(lines + [""] + [f"- {v}" for v in verdicts(rows, models, budgets)])
 
 
@@ -671,6 +703,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for model in args.models:
         limit = args.layout_time_limit if model == "layout" else args.time_limit
+        folder = work / model / FLOOR
+        folder.mkdir(parents=True, exist_ok=True)
+        spec = {"model": model, "tool": FLOOR, "result": str(folder / "result.json"),
+                "memory_limit": memory_limit, "layout_data": layout_data}
+        Path(spec["result"]).unlink(missing_ok=True)
+        begin = time.monotonic()
+        stopped, sampled_peak, _ = run_child(Path(__file__), spec, folder / "log.txt",
+                                             memory_limit, limit)
+        floor = (json.loads(Path(spec["result"]).read_text())
+                 if Path(spec["result"]).is_file() else
+                 {"stopped": stopped or "FAILED", "wall_s": time.monotonic() - begin,
+                  "peak_rss": sampled_peak})
+        rows.append({"model": model, "budget": None, "tool": FLOOR, **floor})
+        print(json.dumps(rows[-1]), flush=True)
         for budget in args.budgets:
             for tool in args.tools:
                 folder = work / model / f"{budget:g}" / tool
