@@ -394,8 +394,9 @@ def error_sums(g: Graph, local: onnx.ModelProto, compared: Mapping[str, str],
     unit's tensors as the FP32 pass moves on: returning every unit's inputs and
     outputs of one 640 px sample instead held about 1 GB.
     """
-    taken = {*g.input_names, *(init.name for init in g.model.graph.initializer),
-             *(out for node in g.model.graph.node for out in node.output)}
+    from quantlab.sensitivity import _named
+
+    taken = {*g.input_names, *g.initializers, *g.producers}
     renamed = {init.name: f"{init.name}::local" for init in local.graph.initializer
                if init.name in taken}
     added = []
@@ -404,12 +405,9 @@ def error_sums(g: Graph, local: onnx.ModelProto, compared: Mapping[str, str],
         copy.CopyFrom(node)
         copy.input[:] = [renamed.get(name, name) for name in node.input]
         added.append(copy)
-    initializers = [*g.model.graph.initializer]
-    for init in local.graph.initializer:
-        copy = onnx.TensorProto()
-        copy.CopyFrom(init)
-        copy.name = renamed.get(init.name, init.name)
-        initializers.append(copy)
+    initializers = [*g.model.graph.initializer,
+                    *(_named(init, renamed.get(init.name, init.name))
+                      for init in local.graph.initializer)]
 
     def in_float64(tensor: str) -> str:
         added.append(onnx.helper.make_node("Cast", [tensor], [f"{tensor}::f64"],
