@@ -20,6 +20,7 @@ from onnx import helper, numpy_helper, shape_inference
 
 from quantlab.errors import ConfigError, ModelError
 from quantlab.experiment import atomic_write
+from quantlab.folding import fold_batchnorms
 
 MIN_OPSET = 17
 EXPORT_OPSET = 18
@@ -122,7 +123,8 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike,
 
 
 def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy with weights as initializers, opset >= 17, unique node names, inferred shapes.
+    """Return a copy with weights as initializers, opset >= 17, unique node names, inferred shapes,
+    and every BatchNormalization that TensorRT would fuse folded into its Conv/Gemm.
 
     Constant nodes that hold tensors (every Paddle export stores its weights that
     way) become initializers, so every later step sees weights in one place.
@@ -132,6 +134,7 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     model = _fold_constant_nodes(model)
     model = _upgrade_opset(model)
     model = _name_nodes(model)
+    model = fold_batchnorms(model, node_module_path)
     del model.graph.value_info[:]
     declared = {}
     for output in model.graph.output:
