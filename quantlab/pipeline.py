@@ -19,7 +19,7 @@ from pathlib import Path
 
 import onnx
 
-from quantlab import cache, calibrate, collect, graph, qdq, trt_ranges
+from quantlab import cache, calibrate, collect, folding, graph, qdq, trt_ranges
 from quantlab.backends.onnxruntime import SESSION_CONFIG
 from quantlab.data import BatchSource, Preprocess, open_data, scalar_arrays
 from quantlab.errors import ConfigError, ModelError
@@ -101,6 +101,13 @@ def prepare_model(
             f"{left['control_flow'][:5]}. If an input decides the branch (a sample rate, a "
             "mode flag), freeze it with --input NAME=VALUE so the branch is inlined and "
             "quantized.", stacklevel=2)
+    kept = folding.kept_batchnorms(model)
+    if kept:
+        name, reason = next(iter(kept.items()))
+        warnings.warn(
+            f"{len(kept)} BatchNormalization node(s) could not be folded into the layer before "
+            f"them and stay separate layers (TensorRT runs such a BN as a scale layer, outside "
+            f"the INT8 conv): '{name}': {reason}.", stacklevel=2)
     if left["custom_domain"]:
         warnings.warn(
             f"{len(left['custom_domain'])} node(s) of a custom op domain stay in float (their "
