@@ -57,6 +57,10 @@ CASES = {
     "layout-npy": Case("layout", "calib_npy", "val_npy", "val_npy",
                        floors={"entropy": -5.0, "percentile": 1.0},
                        marks=(pytest.mark.slow,)),
+    # Simplified Chinese pages as scanned (Debian's fonts-wqy-microhei): harder data.
+    "layout-scan-cjk": Case("layout", "cjk_calib_npy", "cjk_val_npy", "cjk_val_npy",
+                            floors={"entropy": -5.0, "percentile": 1.0},
+                            marks=(pytest.mark.slow,)),
     "orientation-npy": Case("orientation", "calib_npy", "val_npy", "val_npy",
                             floors={"entropy": 27.0, "percentile": 54.0}),
     "orientation-images": Case("orientation", "calib", "val", "val_npy",

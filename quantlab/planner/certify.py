@@ -240,3 +240,41 @@ def data_shortfalls(calibration_samples: int, evaluation_samples: int, hard_coun
             f"certified. Pass at least {int(np.ceil(1 / max_drop))} samples with --eval (more "
             "the more predictions a plan changes), or allow a larger --max-drop.")
     return messages
+
+
+def floor_record(certificate: Certificate) -> dict:
+    """The all-FP16 plan's evaluation as plain data: the noise floor of the budget."""
+    return {"metric": certificate.metric, "value": certificate.value,
+            "reference": certificate.reference, "limit": certificate.limit,
+            "drop": certificate.reference - certificate.value,
+            "margin_interval": list(certificate.interval), "samples": certificate.samples,
+            "certified": certificate.certified}
+
+
+def floor_message(certificate: Certificate, metric: str, max_drop: float | None) -> str:
+    """A warning when FP16 alone (no INT8) uses half the budget or more, counting the
+    evaluation set's resolution (the bootstrap half-width); '' otherwise."""
+    half = (certificate.interval[1] - certificate.interval[0]) / 2
+    if max_drop is not None:
+        drop = certificate.reference - certificate.value
+        if drop + half < max_drop / 2:
+            return ""
+        head = (f"all-FP16 (no INT8 at all) already drops {metric} by {drop:.3g} "
+                f"(+-{half:.2g} on {certificate.samples} samples), against a budget of "
+                f"{max_drop:.3g}: what is left for INT8 is at the evaluation set's resolution, "
+                "so plans are decided by rounding noise.")
+    else:
+        if certificate.value - half > certificate.limit + 1.0:
+            return ""
+        head = (f"all-FP16 (no INT8 at all) reaches only {certificate.value:.3g} dB "
+                f"(+-{half:.2g} on {certificate.samples} samples) against a floor of "
+                f"{certificate.limit:.3g} dB: little is left for INT8.")
+    if metric == "map":
+        hint = (" COCO mAP@[.5:.95] moves with the IoU 0.9-0.95 bins, where FP16 rounding "
+                "already shifts boxes; AP50 or F1 agreement at IoU 0.5 (--metric "
+                "module:function) resolves such budgets, as do more --eval samples.")
+    else:
+        hint = (" Allow a larger budget, pass more --eval samples, or use a metric less "
+                "sensitive to rounding (for detectors, AP50 or F1 agreement at IoU 0.5 through "
+                "--metric module:function, rather than mAP@[.5:.95]).")
+    return head + hint
