@@ -62,6 +62,12 @@ def trt_version_number(version: str | int) -> str:
     return str(major * (10000 if major >= 10 else 1000) + minor * 100 + patch)
 
 
+def trt_major(version: str | int) -> int:
+    """The major version of a dotted version or version number ('8.6.1', '8601' -> 8)."""
+    number = trt_version_number(version)
+    return int(number) // (10000 if len(number) >= 6 else 1000)
+
+
 def implicit_int8_version(version: str | int) -> str:
     """`version`'s number (:func:`trt_version_number`), refused from TensorRT 11.0 on.
 
@@ -69,7 +75,7 @@ def implicit_int8_version(version: str | int) -> str:
     there, it builds from the Q/DQ model (docs/tensorrt.md).
     """
     number = trt_version_number(version)
-    major = int(number) // (10000 if len(number) >= 6 else 1000)
+    major = trt_major(number)
     if major == 10:
         # NV_TENSORRT_VERSION is major*10000 + minor*100 + patch from 10.0 (NvInferRuntimeBase.h),
         # but no cache written by a real TensorRT 10 has been seen (trt-review, question 4).
