@@ -333,9 +333,12 @@ def engine_tensor_names(layers: Sequence[EngineLayer],
 
 def surviving_tensors(layers: Sequence[EngineLayer],
                       model: onnx.ModelProto | graph.Graph) -> list[str]:
-    """The float ONNX tensors of `model` that an engine keeps under their own name (layer
-    inputs and outputs), in topological order: marking them (mark_debug, or as outputs
-    before TensorRT 10) keeps the fusions of the engine that was inspected."""
+    """The intermediate float ONNX tensors of `model` that an engine keeps under their own name
+    (layer inputs and outputs; graph inputs left out), in topological order: marking them
+    (mark_debug, or as outputs before TensorRT 10) keeps the fusions of the engine that was
+    inspected."""
     index = graph.Graph.of(model)
     names = {name for layer in layers for name in (*layer.inputs, *layer.outputs)}
-    return [name for name in index.order if name in names and name in index.floats]
+    inputs = set(index.input_names)
+    return [name for name in index.order
+            if name in names and name in index.floats and name not in inputs]

@@ -497,6 +497,16 @@ class ExposedTensors:
         self.sources.setdefault(onnx_name, source)
         self.engine_names.setdefault(onnx_name, engine_name or onnx_name)
 
+    def table(self, model: onnx.ModelProto | graph.Graph) -> list[dict[str, str]]:
+        """One row per float tensor of `model` (graph inputs left out), in topological order:
+        ``tensor``, ``obtained`` (a :data:`SOURCES` key, or 'not exposed') and
+        ``engine_name`` (what TensorRT calls it)."""
+        index = graph.Graph.of(model)
+        inputs = set(index.input_names)
+        return [{"tensor": name, "obtained": self.sources.get(name, "not exposed"),
+                 "engine_name": self.engine_names.get(name, "")}
+                for name in index.order if name in index.floats and name not in inputs]
+
     def keep_returned(self, returned: set[str]) -> None:
         """Drop the unfused tensors TensorRT did not return in a run: NvInfer.h promises no
         more than that *some* unfused tensors are marked."""
@@ -528,8 +538,9 @@ def exposed_tensors(layer_info: str | Mapping | Sequence, model: onnx.ModelProto
     layers = engine_layers(layer_info, index.model)
     if source == "debug_unfused":
         mapping = engine_tensor_names(layers, index)
+        inputs = set(index.input_names)
         for engine_name, onnx_name in mapping.items():
-            if onnx_name in index.floats and onnx_name not in index.input_names:
+            if onnx_name in index.floats and onnx_name not in inputs:
                 result.add(onnx_name, source, engine_name)
     else:
         held = {name for layer in layers for name in (*layer.inputs, *layer.outputs)}
