@@ -191,7 +191,8 @@ def test_engine_stage_settings_exist_on_every_version(version):
 
 def test_explicit_build_of_an_fp16_qdq_model_sets_fp16():
     # Weakly typed, the Cast(float16) parts run FP16 only with BuilderFlag.FP16 (trt-review F3).
-    settings = build_settings(fp16_qdq_model(), (8, 6, 1))
+    with pytest.warns(UserWarning, match="TensorRT 8.6.1: .*BuilderFlag.FP16"):
+        settings = build_settings(fp16_qdq_model(), (8, 6, 1))
     assert (settings.mode, settings.int8, settings.fp16) == ("explicit", True, True)
     assert build_settings(fp16_qdq_model(), (10, 3, 0)).fp16 is False  # strongly typed: types
 

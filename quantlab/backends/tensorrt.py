@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -311,6 +312,12 @@ def build_settings(
     unfused = debug_tensors == UNFUSED or (debug_tensors == LAYERS
                                            and debug_strategy(version) == "debug_unfused")
     fp16 = pins.fp16 if mode == "implicit" else mode == "explicit" and has_float16(model)
+    if fp16 and mode == "explicit":
+        warnings.warn(
+            f"TensorRT {_text(version)}: a weakly typed build runs the Q/DQ model's float16 "
+            "parts in FP16 only with BuilderFlag.FP16, which also lets TensorRT pick FP16 for "
+            "any other float layer; the engine may differ from the validated model there. "
+            "Strongly typed builds (TensorRT >= 9) keep the model's types exactly.", stacklevel=2)
     return BuildSettings(
         mode=mode, strongly_typed=mode == "strongly_typed", int8=mode != "strongly_typed",
         fp16=fp16, tf32=True, precision_constraints="obey" if pins.precisions else None,

@@ -192,7 +192,7 @@ def _engine_stage(engine_path, onnx_path, data, args: argparse.Namespace):
         # keeps, the way the installed TensorRT allows (docs/tensorrt.md, per-version strategy).
         if Path(engine_path).suffix.lower() in ENGINE_SUFFIXES:
             return make_engine_backend("tensorrt", engine_path, model=onnx_path)
-        return make_engine_backend("tensorrt", engine_path, max_batch=args.batch_size or 1,
+        return make_engine_backend("tensorrt", engine_path, max_batch=args.batch_size,
                                    debug_tensors=LAYERS)
     with warnings.catch_warnings():  # the INT8 model's float-only parts are the FP32 one's
         warnings.simplefilter("ignore")
