@@ -259,6 +259,8 @@ def test_implicit_pins_keep_fp16_on_the_plan_and_never_pin_int8():
     assert settings.pins == pins
     with pytest.raises(ConfigError, match="does not have: \\['nope'\\]"):
         implicit_pins(model, {"nope": "fp32"})
+    with pytest.raises(ConfigError, match="layer precisions are fp32, fp16, int8"):
+        implicit_pins(model, {"head": "double"})
 
 
 def test_layer_pin_follows_onnx_metadata_onto_unnamed_layers():

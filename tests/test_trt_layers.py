@@ -78,18 +78,21 @@ INT8, FP32 = "Four wide channel vectorized row major Int8 format", "Row major li
 QUANTIZE = {"Name": "x_QuantizeLinear", "LayerType": "Reformat",
             "Inputs": [tensor("x", FP32)], "Outputs": [tensor("x_quantized", INT8)],
             "Metadata": "[ONNX Layer: x_QuantizeLinear]"}
-CONV_META = "[ONNX Layer: w_DequantizeLinear]\x1e[ONNX Layer: conv]\x1e[ONNX Layer: relu]"
+# The conv with its Relu fused, and the pool: the same layers on 8.6 and 10.x.
+CONV_RELU_POOL = [
+    {"Name": "w_DequantizeLinear + conv + relu", "LayerType": "CaskConvolution",
+     "Inputs": [tensor("x_quantized", INT8)], "Outputs": [tensor("r", FP32)],
+     "Weights": {"Type": "Int8", "Count": 108},
+     "Metadata": "[ONNX Layer: w_DequantizeLinear]\x1e[ONNX Layer: conv]\x1e[ONNX Layer: relu]"},
+    {"Name": "pool", "LayerType": "CaskPooling", "Inputs": [tensor("r", FP32)],
+     "Outputs": [tensor("p", FP32)], "Metadata": "[ONNX Layer: pool]"},
+]
 
 # TensorRT 8.6, tensors the unmarked engine keeps marked as network outputs (r, p): the conv
 # runs with its Relu fused, the Gemm is onnx-tensorrt's MatMul layer named "fc" plus an unnamed
 # bias add whose Metadata names fc.
 LAYERS_8_6 = {"Layers": [
-    QUANTIZE,
-    {"Name": "w_DequantizeLinear + conv + relu", "LayerType": "CaskConvolution",
-     "Inputs": [tensor("x_quantized", INT8)], "Outputs": [tensor("r", FP32)],
-     "Weights": {"Type": "Int8", "Count": 108}, "Metadata": CONV_META},
-    {"Name": "pool", "LayerType": "CaskPooling", "Inputs": [tensor("r", FP32)],
-     "Outputs": [tensor("p", FP32)], "Metadata": "[ONNX Layer: pool]"},
+    QUANTIZE, *CONV_RELU_POOL,
     {"Name": "fc", "LayerType": "CaskGemmConvolution", "Inputs": [tensor("p", FP32)],
      "Outputs": [tensor("(Unnamed Layer* 11) [Matrix Multiply]_output", "Half")],
      "Metadata": "[ONNX Layer: flatten]\x1f[ONNX Layer: fc]"},
@@ -100,12 +103,7 @@ LAYERS_8_6 = {"Layers": [
 
 # TensorRT 10.0 - 10.11, r and p marked with mark_debug; flatten + fc in a Myelin region.
 LAYERS_10_X = {"Layers": [
-    QUANTIZE,
-    {"Name": "w_DequantizeLinear + conv + relu", "LayerType": "CaskConvolution",
-     "Inputs": [tensor("x_quantized", INT8)], "Outputs": [tensor("r", FP32)],
-     "Weights": {"Type": "Int8", "Count": 108}, "Metadata": CONV_META},
-    {"Name": "pool", "LayerType": "CaskPooling", "Inputs": [tensor("r", FP32)],
-     "Outputs": [tensor("p", FP32)], "Metadata": "[ONNX Layer: pool]"},
+    QUANTIZE, *CONV_RELU_POOL,
     {"Name": "{ForeignNode[flatten...fc]}", "LayerType": "Myelin",
      "Inputs": [tensor("p", FP32)], "Outputs": [tensor("y", FP32)]},
 ], "Bindings": ["x", "y"]}

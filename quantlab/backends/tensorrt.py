@@ -223,6 +223,11 @@ def implicit_pins(model: onnx.ModelProto, plan: Mapping[str, str]) -> LayerPins:
         raise ConfigError(f"the plan names {len(unknown)} node(s) the model does not have: "
                           f"{unknown[:5]}; plan this model.")
     plan = {node: str(p).lower() for node, p in plan.items()}
+    bad = {node: p for node, p in plan.items() if p not in PRECISIONS}
+    if bad:
+        raise ConfigError(f"the plan gives node(s) {list(bad)[:5]} precision(s) "
+                          f"{sorted(set(bad.values()))}; layer precisions are "
+                          f"{', '.join(PRECISIONS)}.")
     float_out = {name for name, node in nodes.items()
                  if node.output and all(o in index.floats for o in node.output if o)}
     precisions = {node: p for node, p in plan.items() if p in ("fp32", "fp16")}
