@@ -167,7 +167,12 @@ def run_doctor(out: str | os.PathLike, models: Sequence[str] = DEFAULT_MODELS,
     paths = supported_paths(version, report["trtexec"] is not None)
     questions = report["questions"]
     for name in models:
-        folder = _calibrate(name, out / name, version)
+        calibrated = _attempt(_calibrate, name, out / name, version)
+        if "answer" in calibrated:  # no folder: every path of this model fails with the reason
+            report["paths"] += [{"model": name, "path": path, "status": "failed",
+                                 "detail": calibrated["answer"]} for path in paths]
+            continue
+        folder = calibrated["result"]
         for path in paths:
             report["paths"].append(_check_path(path, name, folder, version, max_samples))
         if version < (11, 0):  # TensorRT calibrating itself: questions 1 and 4
@@ -207,9 +212,9 @@ def format_report(report: Mapping) -> str:
                      f"{len(row.get('not_exposed', []))} | {row.get('detail', '')} |")
     lines += ["", "## Questions the sources could not settle", ""]
     for question, answer in report["questions"].items():
-        answers = answer.values() if question == "gemm_ranges" else [answer]
-        for item in answers:
-            lines.append(f"- **{question}**: {item['answer']}")
+        answers = answer.items() if question == "gemm_ranges" else [(None, answer)]
+        for model, item in answers:
+            lines.append(f"- **{question}**{f' ({model})' if model else ''}: {item['answer']}")
     return "\n".join(lines) + "\n"
 
 
@@ -315,7 +320,10 @@ def _run_trtexec(folder: Path) -> None:
         raise QuantlabError(f"quantlab build {folder} failed (see above).")
     lines = (folder / "trtexec.txt").read_text(encoding="utf-8").splitlines()
     line = next(line for line in lines if line.startswith("trtexec --onnx=model.onnx"))
-    subprocess.run(shlex.split(line), cwd=folder, check=True, capture_output=True)
+    run = subprocess.run(shlex.split(line), cwd=folder, capture_output=True, text=True)
+    if run.returncode:
+        tail = (run.stdout + run.stderr).strip().splitlines()[-5:]
+        raise QuantlabError(f"trtexec exited with {run.returncode}: {' / '.join(tail)}")
 
 
 def _compare(name: str, folder: Path, engine, path: str, max_samples: int) -> dict:

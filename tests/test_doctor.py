@@ -108,7 +108,8 @@ def test_report_markdown():
     assert "| digits-cnn | strongly_typed | ok | 41.5 | debug_marked 7, graph_output 1 | 2 |" \
         in text
     assert "| digits-cnn | explicit | failed |  |  | 0 | ModelError: no |" in text
-    assert "- **gemm_ranges**: no Gemm in this model" in text
+    assert "- **gemm_ranges** (digits-cnn): no Gemm in this model" in text
+    assert "- **cache_header**: same header" in text
     assert "trtexec not on PATH" in text
 
 
