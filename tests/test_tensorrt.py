@@ -827,6 +827,36 @@ def test_trtexec_txt_lines_parse_with_trtexec_grammar_on_each_version(tmp_path):
     assert "recalibrates" not in text
 
 
+def test_trtexec_txt_of_a_zoo_plan_parses_on_each_version(tmp_path, capsys):
+    # The check on a zoo model: digits-cnn calibrated for TensorRT 8.6.1, a plan with
+    # its Gemm in fp16, `quantlab build` -> trtexec.txt, every line read as trtexec reads it.
+    from quantlab import pipeline, zoo
+    from quantlab.cli import main
+
+    folder = tmp_path / "digits"
+    result = pipeline.run_calibration("digits-cnn", zoo.get("digits-cnn").calibration_set()[:64],
+                                      folder, progress=False, trt_version="8.6.1")
+    nodes = [node for node in result.model.graph.node]
+    gemm = next(node.name for node in nodes if node.op_type == "Gemm")
+    (folder / "plan.json").write_text(json.dumps({gemm: "fp16"}))
+    assert main(["build", str(folder), "--max-batch", "8"]) == 0
+    capsys.readouterr()
+    lines = [line for line in (folder / "trtexec.txt").read_text().splitlines()
+             if line.startswith("trtexec")]
+    explicit, typed10, typed11, implicit = map(parse_trtexec, lines)
+    for options, version in ((explicit, "8.6"), (typed10, "10.x"), (typed11, "11.x"),
+                             (implicit, "10.x")):
+        assert set(options) <= TRTEXEC_FLAGS[version], (version, set(options))
+        assert set(options.get("--optShapes", {"input": ()})) == {"input"}
+    assert implicit["--calib"] == "calibration.trtexec.cache"  # MinMax cache, relabelled
+    pins = implicit["--layerPrecisions"]
+    assert pins[gemm] == "fp16" and set(pins.values()) == {"fp16", "fp32"}
+    assert set(pins) <= {node.name for node in nodes}
+    quantized = {node.name for node in nodes if node.op_type in ("Conv",)}
+    assert not quantized & set(pins)  # INT8 convolutions are left to TensorRT
+    assert set(implicit["--layerOutputTypes"]) <= set(pins)
+
+
 def test_split_name_and_value_reads_names_with_colons():
     assert split_name_and_value("input_1:0/op:fp32") == ("input_1:0/op", "fp32")
     assert split_name_and_value("'a:b':fp16") == ("a:b", "fp16")
