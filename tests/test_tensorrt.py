@@ -27,7 +27,6 @@ from quantlab.backends.tensorrt import (
     implicit_pins,
     input_profile,
     layer_pin,
-    layer_precisions_for,
     make_engine_backend,
     parse_version,
     require_tensorrt,
@@ -274,12 +273,13 @@ def test_layer_pin_follows_onnx_metadata_onto_unnamed_layers():
 
 
 def test_layer_precisions_checked():
-    assert layer_precisions_for({"conv": "FP16", "fc": "int8"}, (10, 3, 0)) == {
-        "conv": "fp16", "fc": "int8"}
+    model = pin_model()
+    settings = build_settings(model, (10, 3, 0), "implicit", True, {"head": "FP16", "conv": "int8"})
+    assert settings.pins.precisions["head"] == "fp16"
     with pytest.raises(ConfigError, match="layer precisions are fp32, fp16, int8"):
-        layer_precisions_for({"conv": "bf16"}, (10, 3, 0))
+        build_settings(model, (10, 3, 0), "implicit", True, {"head": "bf16"})
     with pytest.raises(ConfigError, match="removed in TensorRT 11.0"):
-        layer_precisions_for({"conv": "fp32"}, (11, 0, 0))
+        build_settings(model, (11, 0, 0), "implicit", True, {"head": "fp32"})
 
 
 def test_input_profile():

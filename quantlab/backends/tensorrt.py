@@ -176,21 +176,6 @@ def _names(debug_tensors: Sequence[str] | str | None) -> list[str]:
     return [debug_tensors] if isinstance(debug_tensors, str) else list(debug_tensors)
 
 
-def layer_precisions_for(plan: Mapping[str, str], version: tuple[int, ...]) -> dict[str, str]:
-    """Check a `{ONNX node name: precision}` plan for an implicit build; return it lowercased."""
-    check_mode("implicit", version)
-    result = {}
-    for node, precision in plan.items():
-        value = str(precision).lower()
-        if value not in PRECISIONS:
-            raise ConfigError(
-                f"node '{node}' has precision '{precision}'; layer precisions are "
-                f"{', '.join(PRECISIONS)}."
-            )
-        result[node] = value
-    return result
-
-
 @dataclass(frozen=True)
 class LayerPins:
     """Layer precisions and output types an implicit INT8 build pins and obeys.
@@ -232,7 +217,7 @@ def implicit_pins(model: onnx.ModelProto, plan: Mapping[str, str]) -> LayerPins:
                  if node.output and all(o in index.floats for o in node.output if o)}
     precisions = {node: p for node, p in plan.items() if p in ("fp32", "fp16")}
     if "fp16" in precisions.values():
-        placement = qdq.place(index, {n: p for n, p in plan.items() if p in qdq.PRECISIONS})
+        placement = qdq.place(index, plan)
         quantized = {node for edges in placement.readers.values() for node, _ in edges}
         quantized.update(node for node, _ in placement.weights)
         for name in nodes:
@@ -307,7 +292,7 @@ def build_settings(
         )
     pins = LayerPins()
     if layer_precisions:
-        pins = implicit_pins(model, layer_precisions_for(layer_precisions, version))
+        pins = implicit_pins(model, layer_precisions)
     profile = input_profile(model, max_batch, input_shapes)
     if calibration_batch is not None:
         _check_calibration_batch(model, profile, calibration_batch)
