@@ -59,7 +59,8 @@ def test_polygraphy_imports_without_tensorrt():
     # here, and importing them does not import tensorrt.
     code = ("import sys; import polygraphy.backend.trt as t; "
             "t.NetworkFromOnnxPath, t.CreateConfig, t.EngineBytesFromNetwork, t.TrtRunner, "
-            "t.Calibrator, t.MarkDebug, t.SetLayerPrecisions; import polygraphy.cuda; "
+            "t.Calibrator, t.MarkDebug, t.ModifyNetworkOutputs, t.PostprocessNetwork; "
+            "import polygraphy.cuda, polygraphy.datatype; "
             "assert 'tensorrt' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
