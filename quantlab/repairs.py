@@ -271,14 +271,14 @@ def _cle_pairs(index: Graph, weights: _Weights) -> tuple[list[_Pair], list[dict]
 
 def _out_view(node: onnx.NodeProto, weight: np.ndarray) -> np.ndarray:
     """`weight` as [output channels, -1] (a view order; reshape back with _from_out)."""
-    axis = weight_axis(node, 1)
+    axis = weight_axis(node, 1, weight.ndim)
     return np.moveaxis(weight, axis, 0).reshape(weight.shape[axis], -1)
 
 
 def _scale_out(node: onnx.NodeProto, weight: np.ndarray, factor: np.ndarray) -> np.ndarray:
     """`weight` with output channel c multiplied by factor[c]."""
     shape = [1] * weight.ndim
-    shape[weight_axis(node, 1)] = -1
+    shape[weight_axis(node, 1, weight.ndim)] = -1
     return weight * factor.reshape(shape)
 
 
@@ -351,7 +351,7 @@ def cross_layer_equalization(model: onnx.ModelProto, max_sweeps: int = 50,
     usable = []
     for pair in pairs:
         first_w, second_w = weights.get(pair.first.input[1]), weights.get(pair.second.input[1])
-        channels = first_w.shape[weight_axis(pair.first, 1)]
+        channels = first_w.shape[weight_axis(pair.first, 1, first_w.ndim)]
         if _in_groups(pair.second, second_w, channels) is None:
             report.skipped.append({"first": pair.first.name, "second": pair.second.name,
                                    "reason": f"{channels} output channels do not match the "

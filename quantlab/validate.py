@@ -320,12 +320,16 @@ def run_stages(
     else:
         engine_tensors = [t for t in index.order if t in set(local.outputs.values())]
         upstream = {}  # fed the FP32 inputs, a node's only error is its own: judged against +inf
+    extra = {"quantized_inputs": local.quantized_inputs} if local else {}
+    sources = getattr(engine, "tensor_sources", None)  # TensorRT: how each tensor was obtained
+    if sources:
+        extra["obtained"] = {t: [sources[t]] for t in engine_tensors if t in sources}
     pairs.append(_Pair(
         fp32.name, engine.name, mode,
         compare.Comparison(engine_tensors, fp32.name, engine.name, atol, rtol),
         compare.Comparison(index.outputs, fp32.name, engine.name, atol, rtol),
         upstream, [t for t in index.order if t in index.floats and t not in set(engine_tensors)],
-        {"quantized_inputs": local.quantized_inputs} if local else {}))
+        extra, list(getattr(engine, "notes", []))))
     scores = {s.name: task.score() for s in (torch_stage, fp32, engine) if s is not None} \
         if task is not None else {}
     torch_tensors = pairs[0].comparison.tensors if torch_stage is not None else []

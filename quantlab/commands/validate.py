@@ -4,7 +4,9 @@ Every stage runs over the evaluation data batch by batch; adjacent stages are
 compared tensor by tensor (cosine, SQNR, relative L2, max |error|, fraction
 outside tolerance) and scored end to end on the task when ground truth is known.
 
-The engine stage is the Q/DQ model in ONNX Runtime (TensorRT is not installed).
+The engine stage is the Q/DQ model in ONNX Runtime, or with --engine-backend tensorrt
+a TensorRT engine compared on every tensor it keeps (the layer table says how each
+was obtained on the installed version; docs/tensorrt.md).
 --mode local feeds each quantized layer the FP32 input, isolating its own error.
 
 Writes into --out: layers_<A>_vs_<B>.csv per stage pair, summary.json, report.html.
@@ -182,14 +184,16 @@ def run(args: argparse.Namespace) -> int:
 def _engine_stage(engine_path, onnx_path, data, args: argparse.Namespace):
     """The engine stage: the Q/DQ model for ONNX Runtime, or a TensorRT engine backend."""
     from quantlab import pipeline
-    from quantlab.backends.tensorrt import ENGINE_SUFFIXES, make_engine_backend
+    from quantlab.backends.tensorrt import ENGINE_SUFFIXES, LAYERS, make_engine_backend
     from quantlab.commands.options import input_options
 
     if args.engine_backend == "tensorrt":
-        prebuilt = Path(engine_path).suffix.lower() in ENGINE_SUFFIXES
+        # A prebuilt engine is compared on what it exposes; a built one exposes every tensor it
+        # keeps, the way the installed TensorRT allows (docs/tensorrt.md, per-version strategy).
+        if Path(engine_path).suffix.lower() in ENGINE_SUFFIXES:
+            return make_engine_backend("tensorrt", engine_path, model=onnx_path)
         return make_engine_backend("tensorrt", engine_path, max_batch=args.batch_size,
-                                   debug_tensors="unfused",
-                                   **({"model": onnx_path} if prebuilt else {}))
+                                   debug_tensors=LAYERS)
     with warnings.catch_warnings():  # the INT8 model's float-only parts are the FP32 one's
         warnings.simplefilter("ignore")
         return pipeline.prepare_model(engine_path, data, **input_options(args))
