@@ -121,7 +121,7 @@ def _mse_weight_amax(rows: np.ndarray, peak: np.ndarray) -> np.ndarray:
         chosen = peak.astype(np.float64)
         for fraction in np.linspace(1.0, MSE_LOW, MSE_STEPS):
             scale = np.maximum(peak * fraction, _MIN_AMAX)[:, None] / _QMAX
-            error = ((np.clip(np.rint(rows / scale), -_QMAX - 1, _QMAX) * scale - rows) ** 2
+            error = ((np.clip(np.rint(rows / scale), -_QMAX, _QMAX) * scale - rows) ** 2
                      ).sum(axis=1)
             better = error < best
             best[better], chosen[better] = error[better], (peak * fraction)[better]
@@ -480,12 +480,17 @@ def activation_scale(tensor: str, amax: Mapping[str, float]) -> np.float32:
 
 
 def quantize_weight(weight: np.ndarray, scale: np.ndarray, axis: int | None) -> np.ndarray:
-    """int8 weight: round half to even, saturate to [-128, 127] (ONNX QuantizeLinear)."""
+    """int8 weight: round half to even, saturate to the narrow range [-127, 127].
+
+    Symmetric weights never need -128 (TensorRT's weight quantization is symmetric in
+    [-127, 127]); an amax below max |w| (:func:`weight_amax`'s MSE choice) clips there too,
+    which also keeps ONNX Runtime's u8s8 kernels clear of -128 x 255 saturation.
+    """
     shape = [1] * weight.ndim
     if axis is not None:
         shape[axis] = -1
     scaled = weight.astype(np.float32) / np.reshape(scale, shape)
-    return np.clip(np.rint(scaled), -128, 127).astype(np.int8)
+    return np.clip(np.rint(scaled), -_QMAX, _QMAX).astype(np.int8)
 
 
 def weight_dequantizer(weight: np.ndarray, name: str, axis: int | None, names: FreshNames,

@@ -2,7 +2,8 @@
 
 The simulation never reads the Q/DQ graph: it evaluates the FP32 graph node by
 node in float64 with onnx.reference and fake-quantizes (round half to even,
-clip to [-128, 127], zero point 0) exactly the inputs the placement rules name.
+clip to [-128, 127] for activations, [-127, 127] for weights, zero point 0) exactly the
+inputs the placement rules name.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ INTEGER_OPS = {"QLinearConv", "QLinearMatMul", "MatMulInteger", "QGemm", "MatMul
 
 # ---------------------------------------------------------------- reference simulation
 
-def fake_quant(x: np.ndarray, amax, axis: int | None = None) -> np.ndarray:
-    """Symmetric int8 fake quantization with scale = float32(amax / 127), returned in float64.
+def fake_quant(x: np.ndarray, amax, axis: int | None = None, low: int = -128) -> np.ndarray:
+    """Symmetric int8 fake quantization with scale = float32(amax / 127), returned in float64,
+    saturating at [low, 127] (activations: -128 as QuantizeLinear; weights: narrow, -127).
 
     The division x / scale is done in float32 as ONNX QuantizeLinear defines it for
     float32 inputs, so both sides round the same quotient; the rest is float64.
@@ -37,7 +39,7 @@ def fake_quant(x: np.ndarray, amax, axis: int | None = None) -> np.ndarray:
         shape[axis] = -1
         scale = scale.reshape(shape)
     quotient = np.asarray(x, np.float32) / scale
-    return np.clip(np.rint(quotient), -128, 127).astype(np.float64) * scale.astype(np.float64)
+    return np.clip(np.rint(quotient), low, 127).astype(np.float64) * scale.astype(np.float64)
 
 
 def channel_amax(w: np.ndarray, axis: int) -> np.ndarray:
@@ -54,7 +56,7 @@ def channel_amax(w: np.ndarray, axis: int) -> np.ndarray:
             scale = peak * fraction / 127
             if scale == 0:
                 break
-            error = np.sum((np.clip(np.rint(values / scale), -128, 127) * scale - values) ** 2)
+            error = np.sum((np.clip(np.rint(values / scale), -127, 127) * scale - values) ** 2)
             if error < best:
                 best, chosen = error, peak * fraction
         result.append(chosen)
@@ -67,9 +69,9 @@ def simulated_input(rule, node, index, name, value, is_constant, amax):
     if how == "act":
         return fake_quant(value, amax[name])
     if how == "tensor":
-        return fake_quant(value, np.abs(value).max())
+        return fake_quant(value, channel_amax(value.reshape(1, -1), 0)[0], low=-127)
     if how is not None:
-        return fake_quant(value, channel_amax(value, how), how)
+        return fake_quant(value, channel_amax(value, how), how, low=-127)
     return value
 
 
@@ -243,8 +245,9 @@ def test_weight_axis_attribute_and_values(kind):
     weight = graph.initializers(model)["w"]
     # The int8 weight times its scale is exactly the fake-quantized float weight
     # (both are one float32 product; only float64-vs-float32 rounding remains).
-    weight_amax = np.abs(weight).max() if axis is None else channel_amax(weight, axis)
-    want = fake_quant(weight.astype(np.float64), weight_amax, axis)
+    weight_amax = (channel_amax(weight.reshape(1, -1), 0)[0] if axis is None
+                   else channel_amax(weight, axis))
+    want = fake_quant(weight.astype(np.float64), weight_amax, axis, low=-127)
     np.testing.assert_allclose(dequantized, want, rtol=1e-6, atol=0)
     # The bias stays a float initializer read directly by the op (docs/qdq.md).
     op = next(n for n in quantized.graph.node if n.name == name)
@@ -399,7 +402,7 @@ def test_mse_weight_amax_equals_reference_and_never_raises_the_error():
     assert (mse <= peak).all() and (mse < peak).any()
 
     def error(amax):
-        return ((fake_quant(w, amax, 0) - w) ** 2).reshape(16, -1).sum(axis=1)
+        return ((fake_quant(w, amax, 0, low=-127) - w) ** 2).reshape(16, -1).sum(axis=1)
 
     assert (error(mse) <= error(peak) * (1 + 1e-9)).all()
     assert error(mse).sum() < error(peak).sum()
