@@ -245,6 +245,9 @@ def open_data(
     fixed = {spec.batch_size for spec in inputs if spec.batch_axis is not None} - {None}
     if fixed:
         batch_size = min(fixed)
+    source = _tensor_as_array(source)
+    if isinstance(source, Mapping):
+        source = {name: _tensor_as_array(value) for name, value in source.items()}
     if isinstance(source, np.ndarray):
         return _array_source(
             {_single_input(inputs, "array").name: source}, "array", inputs, batch_size, max_samples
@@ -466,6 +469,41 @@ def _image_source(files, description, inputs, batch_size, max_samples, preproces
         return {spec.name: images.astype(spec.dtype, copy=False)}
 
     return BatchSource(description, len(files), batch_size, load)
+
+
+def _tensor_as_array(value: object) -> object:
+    """A torch tensor (anything with ``detach().cpu().numpy()``) as a NumPy array; any other
+    value unchanged. Without this a tensor is iterated as a sequence of batches, one
+    sample each, and refused as samples of the wrong shape."""
+    if isinstance(value, np.ndarray) or not all(
+            hasattr(value, name) for name in ("detach", "cpu", "numpy", "shape")):
+        return value
+    return value.detach().cpu().numpy()
+
+
+def checked_digest(source: BatchSource, label: str) -> str:
+    """sha256 of every batch `source` yields (its content after preprocessing), each checked
+    for NaN/Inf: a DataError naming `label` (``--eval eval.npy``), the samples and the tensor,
+    as `validate` refuses its data. One pass over the data, before any long work."""
+    import hashlib
+
+    from quantlab.compare import first_nonfinite
+
+    digest = hashlib.sha256()
+    start = 0
+    for batch in source:
+        size = source.length(batch)
+        bad = first_nonfinite(batch, sorted(batch))
+        if bad is not None:
+            raise DataError(
+                f"{label}: input batch of samples {start}..{start + size - 1}: tensor '{bad}' "
+                "contains NaN or Inf. Fix or remove these samples in the data.")
+        for name in sorted(batch):
+            array = np.ascontiguousarray(batch[name])
+            digest.update(f"{name}{array.dtype}{array.shape}".encode())
+            digest.update(array.tobytes())
+        start += size
+    return digest.hexdigest()
 
 
 def _iterable_source(batches: Iterable, inputs, batch_size, max_samples) -> BatchSource:

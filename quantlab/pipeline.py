@@ -255,7 +255,8 @@ def write_results(
         write_json(
             folder / "calibration.json",
             {
-                "data": result.data.description,
+                # Absolute: a later command (plan --data DIR) may run from anywhere.
+                "data": recorded_path(result.data.description),
                 "num_samples": result.data.num_samples,
                 "batch_size": result.data.batch_size,
                 "method": scales.method,
@@ -274,6 +275,13 @@ def write_results(
         )
     result.folder = Path(out)
     return result.folder
+
+
+def recorded_path(description: str) -> str:
+    """A data description as an experiment folder records it: a path made absolute (the
+    folder is read from other working directories), anything else ("arrays") unchanged."""
+    path = Path(description)
+    return str(path.resolve()) if path.exists() else description
 
 
 # Characters str.splitlines() breaks at: a cache line (and its reader) cannot hold them.
