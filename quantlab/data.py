@@ -260,7 +260,7 @@ def open_data(
     if not path.exists():
         raise DataError(f"data path {path} does not exist.")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        files = _folder_images(path)
         if not files:
             raise DataError(
                 f"data folder {path} contains no images ({', '.join(IMAGE_SUFFIXES)}). "
@@ -331,6 +331,36 @@ def _load_numpy(path: Path, **kwargs):
             f"{path} holds Python objects, which quantlab does not load; save numeric arrays."
         )
     return loaded
+
+
+def _folder_images(path: Path) -> list[Path]:
+    """The image files of a data folder, its subfolders included, in path order."""
+    return sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def data_files(source: object) -> list[Path]:
+    """The files :func:`open_data` reads for `source`: the .npy/.npz file, a folder's images,
+    a COCO file and the images it lists; none for in-memory data or a missing path."""
+    if not isinstance(source, (str, os.PathLike)) or not Path(source).exists():
+        return []
+    path = Path(source)
+    if path.is_dir():
+        return _folder_images(path)
+    return [path, *coco_image_files(path)] if path.suffix.lower() == ".json" else [path]
+
+
+def files_stamp(files: Sequence[Path]) -> str | None:
+    """sha256 of every file's path, size and modification time (None for no files): it
+    changes when a file is edited, replaced, added or removed, without reading the data."""
+    if not files:
+        return None
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
 
 
 def coco_image_files(path: Path) -> list[Path]:

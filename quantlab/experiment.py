@@ -398,6 +398,13 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
+def recorded_path(description: str) -> str:
+    """A data description as an experiment folder records it: a path made absolute (the
+    folder is read from other working directories), anything else ("arrays") unchanged."""
+    path = Path(description)
+    return str(path.resolve()) if path.exists() else description
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()

@@ -21,9 +21,16 @@ import onnx
 
 from quantlab import cache, calibrate, collect, graph, qdq, trt_ranges
 from quantlab.backends.onnxruntime import SESSION_CONFIG
-from quantlab.data import BatchSource, Preprocess, open_data, scalar_arrays
+from quantlab.data import (
+    BatchSource,
+    Preprocess,
+    data_files,
+    files_stamp,
+    open_data,
+    scalar_arrays,
+)
 from quantlab.errors import ConfigError, ModelError
-from quantlab.experiment import check_output, output_folder, write_json
+from quantlab.experiment import check_output, output_folder, recorded_path, write_json
 from quantlab.zoo_names import ZOO_NAMES
 
 # Files a calibration run writes; a folder holding any of them is refused unless forced.
@@ -281,6 +288,9 @@ def write_results(
             {
                 # Absolute: a later command (plan --data DIR) may run from anywhere.
                 "data": recorded_path(result.data.description),
+                # Size and mtime of its files: `plan --data DIR` reuses stats.npz only while
+                # they are unchanged.
+                "data_stamp": files_stamp(data_files(result.data.description)),
                 "num_samples": result.data.num_samples,
                 "batch_size": result.data.batch_size,
                 "method": scales.method,
@@ -299,13 +309,6 @@ def write_results(
         )
     result.folder = Path(out)
     return result.folder
-
-
-def recorded_path(description: str) -> str:
-    """A data description as an experiment folder records it: a path made absolute (the
-    folder is read from other working directories), anything else ("arrays") unchanged."""
-    path = Path(description)
-    return str(path.resolve()) if path.exists() else description
 
 
 # Characters str.splitlines() breaks at: a cache line (and its reader) cannot hold them.

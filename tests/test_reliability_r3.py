@@ -121,6 +121,20 @@ def test_p54c_a_checkpoint_is_reused_only_for_the_same_data_content(files, tmp_p
     assert not (out / ".plan-progress.json").exists()
 
 
+def test_reused_statistics_are_trusted_only_while_their_data_is_unchanged(files, tmp_path,
+                                                                         capsys):
+    data = tmp_path / "calib.npy"
+    shutil.copy(files["calib"], data)
+    assert main(["calibrate", str(files["model"]), "--data", str(data), "--out",
+                 str(tmp_path / "cal"), "--no-progress"]) == 0
+    np.save(data, np.load(data)[::-1])  # same size, new content and modification time
+    os.utime(data, ns=(0, 0))
+    out = tmp_path / "plan"
+    assert main(plan_argv(files, out, "--min-sqnr", "24", data=tmp_path / "cal")) == 1
+    assert f"{data} changed since `quantlab calibrate` collected" in capsys.readouterr().err
+    assert not out.exists()
+
+
 # 3. D04-D07: the demo replaced everything in --out, the user's files included.
 
 def demo_output(staging: Path) -> None:

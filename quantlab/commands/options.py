@@ -109,7 +109,8 @@ def read_calibration_record(folder) -> dict:
     """``calibration.json`` of a `quantlab calibrate` folder, its fields checked (a DataError
     names the file and the field): ``data`` an absolute path (one recorded relative, by
     an older quantlab, is resolved against the folder), ``preprocess`` a Preprocess or
-    None, ``frozen_inputs`` and ``sample_axes`` dicts."""
+    None, ``data_stamp`` (:func:`quantlab.data.files_stamp`) a string or None,
+    ``frozen_inputs`` and ``sample_axes`` dicts."""
     from pathlib import Path
 
     from quantlab.data import Preprocess
@@ -136,8 +137,13 @@ def read_calibration_record(folder) -> dict:
             return None
         return Preprocess.from_dict(mapping(value))
 
+    def stamp(value):
+        if value is not None and not isinstance(value, str):
+            raise TypeError("expected a hexadecimal digest")
+        return value
+
     return read_record(folder / "calibration.json", "calibration record",
-                       {"data": data_path, "preprocess": preprocess,
+                       {"data": data_path, "preprocess": preprocess, "data_stamp": stamp,
                         "frozen_inputs": mapping, "sample_axes": mapping},
                        made_by="the folder of a finished `quantlab calibrate` run")
 
@@ -175,6 +181,17 @@ def nonnegative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {text}.")
     return value
+
+
+def memory_size(text: str) -> int:
+    """argparse type: a memory budget in bytes from ``2G``, ``512M`` (collect.parse_memory)."""
+    from quantlab.collect import parse_memory
+    from quantlab.errors import ConfigError
+
+    try:
+        return parse_memory(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _constant(text: str) -> tuple[str, object]:

@@ -177,7 +177,7 @@ def _calibration(args, model, recorded, preprocess):
     from pathlib import Path
 
     from quantlab import collect, graph
-    from quantlab.data import open_data
+    from quantlab.data import data_files, files_stamp, open_data
     from quantlab.errors import DataError
 
     inputs = graph.input_specs(model)
@@ -190,8 +190,17 @@ def _calibration(args, model, recorded, preprocess):
         if not Path(recorded["data"]).exists():
             raise DataError(f"{args.data}/calibration.json names data {recorded['data']}, which "
                             "no longer exists; pass the calibration data itself with --data.")
+        if recorded["data_stamp"] not in (None, files_stamp(data_files(recorded["data"]))):
+            raise DataError(
+                f"{recorded['data']} changed since `quantlab calibrate` collected "
+                f"{args.data}/stats.npz from it (a file's size or modification time differs, or "
+                "files were added or removed), so those statistics no longer describe it. "
+                "Calibrate again, or pass the data itself with --data to collect them here.")
         source = open_data(recorded["data"], inputs, args.batch_size, args.max_samples,
                            preprocess)
+        unchanged = " (unchanged since)" if recorded["data_stamp"] else ""
+        print(f"plan: reusing {args.data}/stats.npz, collected from {recorded['data']}"
+              f"{unchanged} with its recorded preprocessing.")
         return source, collect.Statistics.load(Path(args.data) / "stats.npz")
     return open_data(args.data, inputs, args.batch_size, args.max_samples, preprocess), None
 
@@ -408,8 +417,8 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
 
     from quantlab import cache, graph, plan, repairs, trtexec
     from quantlab.commands.build import TRTEXEC_CACHE
-    from quantlab.experiment import output_folder, write_json, write_text
-    from quantlab.pipeline import CACHE_ALGORITHM, recorded_path
+    from quantlab.experiment import output_folder, recorded_path, write_json, write_text
+    from quantlab.pipeline import CACHE_ALGORITHM
     from quantlab.report import write_report
     from quantlab.report.plan import plan_section
 
