@@ -325,6 +325,14 @@ def test_p43_an_override_contradicting_reused_statistics_is_refused(tiny_model, 
     assert "stats.npz" in err and not out.exists()
 
 
+def test_an_input_option_contradicting_reused_statistics_is_refused(files, tmp_path, capsys):
+    out = tmp_path / "axes"
+    assert main(plan_argv(files, out, "--min-sqnr", "24", "--batch-axis", "x=1",
+                          data=files["cal"])) == 1
+    assert "--batch-axis x=1 contradicts" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_f09_an_explicit_option_wins_over_the_recorded_one_even_at_its_default():
     from quantlab.commands.options import preprocess_from_args
     from quantlab.data import Preprocess

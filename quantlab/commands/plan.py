@@ -273,14 +273,22 @@ def _prepared(args, recorded):
     from quantlab import graph
     from quantlab.commands.options import input_options
     from quantlab.data import scalar_arrays
-    from quantlab.errors import DataError
+    from quantlab.errors import ConfigError, DataError
     from quantlab.pipeline import prepare_model
 
     options, data = input_options(args), args.data
     if recorded is not None:
         data = None
-        options["constants"] = {**recorded.get("frozen_inputs", {}), **options["constants"]}
-        options["batch_axes"] = {**recorded.get("sample_axes", {}), **options["batch_axes"]}
+        for key, field, option in (("constants", "frozen_inputs", "--input"),
+                                   ("batch_axes", "sample_axes", "--batch-axis")):
+            for name, value in options[key].items():  # stats.npz was collected the recorded way
+                if name in recorded[field] and not np.array_equal(value, recorded[field][name]):
+                    raise ConfigError(
+                        f"{option} {name}={value} contradicts {args.data}/calibration.json "
+                        f"({name}={recorded[field][name]}), with which its stats.npz was "
+                        "collected. Drop the option, or pass the calibration data itself with "
+                        "--data to collect statistics here.")
+            options[key] = {**recorded[field], **options[key]}
     model = prepare_model(args.model, None if data == "zoo" else data, **options)
     frozen = graph.frozen_inputs(model)
     for name, value in scalar_arrays(args.eval).items():
