@@ -483,8 +483,10 @@ def read_record(path: str | os.PathLike, what: str,
         try:
             data[name] = convert(value)
         except (TypeError, ValueError, KeyError, AttributeError, QuantlabError) as exc:
-            raise DataError(f"{path}: field '{name}' holds {value!r}, which a {what} file "
-                            f"cannot hold ({exc}).{fix}") from None
+            shown = repr(value)
+            holds = f" ({shown})" if len(shown) <= 60 else ""
+            raise DataError(f"{path}: field '{name}'{holds} cannot be used: "
+                            f"{str(exc).rstrip('.')}.{fix}") from None
     return data
 
 

@@ -3,8 +3,10 @@ ran it, and the README flow calibrate -> plan -> build -> validate --from on a r
 
 Case ids (P40, D05, B01, ...) are the field report's. The plans run on the planted model of
 tests/test_plan.py (16 channels at 6x6: a plan takes seconds); the finding's commands ran on
-digits-cnn, which fails the same way. Each test asserts the behaviour the report expects;
-each failed before the fix (a traceback, a certified plan, a deleted file or rc 0).
+digits-cnn, which fails the same way. Each test asserts the behaviour the report expects,
+and each failed at 9232738, the commit the report tested (a traceback, a certified plan, a
+deleted file, rc 0), but for one parameter kept as a guard: --metric map without --eval zoo
+was already refused before any data was read.
 """
 
 from __future__ import annotations
@@ -279,10 +281,13 @@ def test_p61_mathtext_names_reach_the_report_figures(planned):
     (lambda text: text[:20], "calibration.json is not a readable calibration record file"),
     (lambda text: "[]", "calibration.json holds a JSON list, not the object"),
     (lambda text: json.dumps({**json.loads(text), "preprocess": {
-        **json.loads(text)["preprocess"], "mean": "abc"}}), "field 'preprocess'"),
+        **json.loads(text)["preprocess"], "mean": "abc"}}),
+     "field 'preprocess' cannot be used: its mean is 'abc', not a list of numbers."),
     (lambda text: json.dumps({**json.loads(text), "preprocess": {
         **json.loads(text)["preprocess"], "layout": 7}}),
-     "field 'preprocess' holds {"),
+     "field 'preprocess' cannot be used: layout '7' is not one of NCHW, NHWC."),
+    (lambda text: json.dumps({**json.loads(text), "data": 3}),
+     "field 'data' (3) cannot be used: expected the path of the calibration data."),
 ])
 def test_p46_f04_f06_a_damaged_calibration_json_names_the_file_and_field(
         files, tmp_path, capsys, damage, message):

@@ -135,7 +135,13 @@ def read_calibration_record(folder) -> dict:
     def preprocess(value):
         if value is None:
             return None
-        return Preprocess.from_dict(mapping(value))
+        fields = mapping(value)
+        for key in ("size", "mean", "std"):
+            numbers = fields.get(key)
+            if numbers is not None and not (isinstance(numbers, list) and all(
+                    isinstance(n, (int, float)) and not isinstance(n, bool) for n in numbers)):
+                raise TypeError(f"its {key} is {numbers!r}, not a list of numbers")
+        return Preprocess.from_dict(fields)
 
     def stamp(value):
         if value is not None and not isinstance(value, str):
