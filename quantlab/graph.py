@@ -20,6 +20,7 @@ from onnx import helper, numpy_helper, shape_inference
 
 from quantlab.errors import ConfigError, ModelError
 from quantlab.experiment import atomic_write
+from quantlab.folding import fold_batchnorms, folded_batchnorms
 
 MIN_OPSET = 17
 EXPORT_OPSET = 18
@@ -122,7 +123,8 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike,
 
 
 def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy with weights as initializers, opset >= 17, unique node names, inferred shapes.
+    """Return a copy with weights as initializers, opset >= 17, unique node names, inferred shapes,
+    and every BatchNormalization that TensorRT would fuse folded into its Conv/Gemm.
 
     Constant nodes that hold tensors (every Paddle export stores its weights that
     way) become initializers, so every later step sees weights in one place.
@@ -132,6 +134,7 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     model = _fold_constant_nodes(model)
     model = _upgrade_opset(model)
     model = _name_nodes(model)
+    model = fold_batchnorms(model, node_module_path)
     del model.graph.value_info[:]
     declared = {}
     for output in model.graph.output:
@@ -554,6 +557,18 @@ def consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
     return result
 
 
+def module_paths(model: onnx.ModelProto) -> dict[str, str]:
+    """Node name -> the torch module whose output the node computes, where recorded.
+
+    A Conv with a BatchNormalization folded into it computes the BN module's output, so
+    it takes the BN's scope (:mod:`quantlab.folding`); other nodes their own
+    (:func:`node_module_path`).
+    """
+    folded = {f["node"]: f["scope"] for f in folded_batchnorms(model) if f.get("scope")}
+    return {node.name: path for node in model.graph.node
+            if (path := folded.get(node.name) or node_module_path(node))}
+
+
 def node_module_path(node: onnx.NodeProto) -> str | None:
     """The torch module path a node was exported from (``backbone.0.conv``), if recorded.
 
@@ -631,13 +646,14 @@ class Graph:
         import pandas as pd
 
         rows = []
+        paths = module_paths(self.model)
         for name in self.order:
             node = self.producers.get(name)
             rows.append({
                 "tensor": name,
                 "node": node.name if node is not None else "(graph input)",
                 "op_type": node.op_type if node is not None else "",
-                "torch_module": (node_module_path(node) or "") if node is not None else "",
+                "torch_module": paths.get(node.name, "") if node is not None else "",
             })
         return pd.DataFrame(rows, columns=["tensor", "node", "op_type", "torch_module"]).set_index(
             "tensor", drop=False)

@@ -14,12 +14,12 @@ import os
 import tempfile
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
-from quantlab import cache, calibrate, collect, graph, qdq, trt_ranges
+from quantlab import cache, calibrate, collect, folding, graph, qdq, trt_ranges
 from quantlab.backends.onnxruntime import SESSION_CONFIG
 from quantlab.data import (
     BatchSource,
@@ -63,6 +63,8 @@ class CalibrationResult:
     data: BatchSource
     folder: Path | None = None
     preprocess: Preprocess | None = None
+    # Repairs applied to the FP32 model before collection (name -> RepairReport.to_dict()).
+    repairs: dict = field(default_factory=dict)
 
 
 def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
@@ -106,6 +108,13 @@ def prepare_model(
             f"{left['control_flow'][:5]}. If an input decides the branch (a sample rate, a "
             "mode flag), freeze it with --input NAME=VALUE so the branch is inlined and "
             "quantized.", stacklevel=2)
+    kept = folding.kept_batchnorms(model)
+    if kept:
+        name, reason = next(iter(kept.items()))
+        warnings.warn(
+            f"{len(kept)} BatchNormalization node(s) could not be folded into the layer before "
+            f"them and stay separate layers (TensorRT runs such a BN as a scale layer, outside "
+            f"the INT8 conv): '{name}': {reason}.", stacklevel=2)
     if left["custom_domain"]:
         after = untyped_linear_ops(model)
         also = (f"; so do {len(after)} linear op(s) after them, whose inputs have no type "
@@ -163,8 +172,14 @@ def run_calibration(
     constants: Mapping[str, object] | None = None,
     batch_axes: Mapping[str, int | None] | None = None,
     memory_budget: int | str | None = None,
+    equalize: bool = True,
 ) -> CalibrationResult:
     """Calibrate `model` on `data` and write the experiment folder `out`.
+
+    With `equalize` (default), depthwise-conv inputs whose channels differ in range are
+    equalized first where the statistics predict a gain (:func:`repairs.depthwise_equalization`:
+    one more FP32 pass over the data, FP32 function unchanged); ``calibration.json``
+    records every depthwise input, treated or not, with the reason.
 
     `constants` freezes inputs shared by every sample (``{"sr": 16000}``; 0-d
     arrays of an ``.npz`` are taken the same way) and `batch_axes` sets the sample
@@ -193,6 +208,15 @@ def run_calibration(
     # unwritable folder, the cache's version and tensor names. The folder is written all or
     # nothing (experiment.output_folder): a failed run leaves no partial output.
     check_output(out, force=force, produces=CALIBRATION_FILES)
+    applied = {}
+    if equalize:
+        from quantlab import repairs
+
+        model, report = repairs.depthwise_equalization(model, source)
+        if report.applied:
+            model = graph.normalize(model)  # shapes of the renamed tensors
+        if report.applied or report.skipped:
+            applied[report.repair] = report.to_dict()
     index = graph.Graph(model)  # built once: every step below reads it
     if trt_version is None:
         tensors = quantized_inputs(index, "calibrate for its Q/DQ model. For TensorRT <= 10's "
@@ -204,6 +228,7 @@ def run_calibration(
         check_cache_names(tensors)
     stats = collect.collect(index, source, tensors, progress=progress, memory_budget=memory_budget)
     result = calibrate_from_stats(index, stats, source, method, method_params, preprocess)
+    result.repairs = applied
     write_results(result, out, force=force, trt_version=trt_version)
     return result
 
@@ -305,6 +330,10 @@ def write_results(
                 # Run model.int8.onnx in ONNX Runtime with these session config entries
                 # to get the numbers quantlab reports (see backends/onnxruntime.py).
                 "onnxruntime_session_config": SESSION_CONFIG,
+                # FP32-preserving rewrites of model.onnx before collection, with what each
+                # treated and left alone (and why).
+                "repairs": result.repairs,
+                "weight_amax": "mse",
             },
         )
     result.folder = Path(out)

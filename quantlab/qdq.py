@@ -11,6 +11,7 @@ move backward through ops that commute with quantization (MaxPool, Reshape,
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -38,6 +39,16 @@ _ONNX_DOMAINS = ("", "ai.onnx")
 _QMAX = 127.0
 # The smallest amax whose scale (amax / 127) is still a normal float32.
 _MIN_AMAX = float(np.finfo(np.float32).tiny) * _QMAX
+# How a weight channel's amax is chosen: least int8 squared error over MSE_STEPS
+# fractions of max |w| down to MSE_LOW (the clipping range the MSE search of
+# TensorRT's pytorch-quantization and of NNCF covers), or max |w|.
+WEIGHT_CRITERIA = ("mse", "max")
+MSE_LOW = 0.5
+MSE_STEPS = 51
+# Weight amax already searched, by content: the planner quantizes the same weights for
+# every plan it builds.
+_MSE_CACHE: dict[tuple, np.ndarray] = {}
+_MSE_CACHE_SIZE = 4096
 
 
 @dataclass
@@ -75,19 +86,44 @@ def weight_axis(node: onnx.NodeProto, weight_input_index: int) -> int:
     return 0
 
 
-def weight_amax(weight: np.ndarray, axis: int | None) -> np.ndarray:
-    """Max |w| per channel along `axis` (a scalar array when `axis` is None).
+def weight_amax(weight: np.ndarray, axis: int | None, criterion: str = "mse") -> np.ndarray:
+    """Weight amax per channel along `axis` (a scalar array when `axis` is None).
 
-    An all-zero channel gets the smallest amax whose scale is a normal float32,
-    so its scale is valid and it still quantizes to exactly zero.
+    ``criterion="max"``: max |w|. ``"mse"`` (default): the amax in
+    ``[MSE_LOW, 1] x max |w|`` (MSE_STEPS candidates) whose int8 rounding and clipping
+    error of the channel is smallest; max |w| is a candidate, so the weight error never
+    grows (TensorRT takes any Q/DQ weight scale). An all-zero channel gets the smallest
+    amax whose scale is a normal float32, so it still quantizes to exactly zero.
     """
-    magnitude = np.abs(np.asarray(weight, dtype=np.float32))
-    if axis is None:
-        amax = magnitude.max(initial=0.0)
-    else:
-        reduce_axes = tuple(i for i in range(magnitude.ndim) if i != axis % magnitude.ndim)
-        amax = magnitude.max(axis=reduce_axes, initial=0.0)
-    return np.maximum(amax, _MIN_AMAX).astype(np.float32)
+    if criterion not in WEIGHT_CRITERIA:
+        raise ConfigError(f"weight criterion '{criterion}' is not one of "
+                          f"{', '.join(WEIGHT_CRITERIA)}.")
+    values = np.asarray(weight, dtype=np.float32)
+    rows = (values.reshape(1, -1) if axis is None else
+            np.moveaxis(values, axis % values.ndim, 0).reshape(values.shape[axis], -1))
+    amax = np.abs(rows).max(axis=1, initial=0.0)
+    if criterion == "mse" and rows.size:
+        amax = _mse_weight_amax(rows, amax)
+    amax = np.maximum(amax, _MIN_AMAX).astype(np.float32)
+    return amax.reshape(()) if axis is None else amax
+
+
+def _mse_weight_amax(rows: np.ndarray, peak: np.ndarray) -> np.ndarray:
+    """Per row, the candidate amax (fractions of `peak`) with the least int8 squared error."""
+    key = (rows.shape, hashlib.blake2b(rows.tobytes(), digest_size=16).digest())
+    if key not in _MSE_CACHE:
+        best = np.full(len(rows), np.inf)
+        chosen = peak.astype(np.float64)
+        for fraction in np.linspace(1.0, MSE_LOW, MSE_STEPS):
+            scale = np.maximum(peak * fraction, _MIN_AMAX)[:, None] / _QMAX
+            error = ((np.clip(np.rint(rows / scale), -_QMAX - 1, _QMAX) * scale - rows) ** 2
+                     ).sum(axis=1)
+            better = error < best
+            best[better], chosen[better] = error[better], (peak * fraction)[better]
+        if len(_MSE_CACHE) >= _MSE_CACHE_SIZE:
+            _MSE_CACHE.pop(next(iter(_MSE_CACHE)))
+        _MSE_CACHE[key] = chosen
+    return _MSE_CACHE[key]
 
 
 def indexed(model: onnx.ModelProto | graph.Graph) -> graph.Graph:
@@ -114,6 +150,7 @@ def quantize_model(
     plan: Mapping[str, str] | None = None,
     per_channel: bool = True,
     high_precision: str = "fp16",
+    weight_criterion: str = "mse",
 ) -> onnx.ModelProto:
     """Return a copy of `model` with Q/DQ pairs placed by TensorRT's explicit-quantization rules.
 
@@ -123,7 +160,8 @@ def quantize_model(
     "fp16" node reads its float inputs through Cast(float16) (weights stored as
     float16) and its outputs are cast back to float32, so a strongly typed
     TensorRT network runs it in FP16; `high_precision="fp32"` runs those nodes in
-    FP32 instead (no casts). Weights are per-channel unless `per_channel` is False.
+    FP32 instead (no casts). Weights are per-channel unless `per_channel` is False, their
+    amax chosen by `weight_criterion` (:func:`weight_amax`).
     """
     if high_precision not in HIGH_PRECISIONS:
         raise ConfigError(f"high precision '{high_precision}' is not one of "
@@ -132,7 +170,7 @@ def quantize_model(
     model = index.model
     placement = place(index, plan)
     scales = {t: activation_scale(t, amax) for t in set(placement.source.values())}
-    result = _build(model, placement, scales, per_channel)
+    result = _build(model, placement, scales, per_channel, weight_criterion)
     if high_precision == "fp16":
         _cast_to_fp16(result, {name for name, p in _precisions(model, plan).items()
                                if p == "fp16"})
@@ -425,10 +463,10 @@ def quantize_weight(weight: np.ndarray, scale: np.ndarray, axis: int | None) -> 
     return np.clip(np.rint(scaled), -128, 127).astype(np.int8)
 
 
-def weight_dequantizer(weight: np.ndarray, name: str, axis: int | None, names: FreshNames
-                       ) -> tuple[list[onnx.TensorProto], onnx.NodeProto]:
+def weight_dequantizer(weight: np.ndarray, name: str, axis: int | None, names: FreshNames,
+                       criterion: str = "mse") -> tuple[list[onnx.TensorProto], onnx.NodeProto]:
     """The int8 weight, scale and zero-point initializers of `name` and its DequantizeLinear."""
-    scale = weight_amax(weight, axis) / np.float32(_QMAX)
+    scale = weight_amax(weight, axis, criterion) / np.float32(_QMAX)
     q_name, s_name, z_name = (names(f"{name}_{s}") for s in ("quantized", "scale", "zero_point"))
     stored = [
         numpy_helper.from_array(quantize_weight(weight, scale, axis), q_name),
@@ -459,7 +497,8 @@ class FreshNames:
         return name
 
 
-def _build(model, placement: Placement, scales, per_channel: bool) -> onnx.ModelProto:
+def _build(model, placement: Placement, scales, per_channel: bool,
+           weight_criterion: str) -> onnx.ModelProto:
     result = onnx.ModelProto()
     result.CopyFrom(model)
     g = result.graph
@@ -475,7 +514,8 @@ def _build(model, placement: Placement, scales, per_channel: bool) -> onnx.Model
     for edge, (weight_name, axis) in placement.weights.items():
         axis = axis if per_channel else None
         if (weight_name, axis) not in weight_dq:
-            stored, dequantize = weight_dequantizer(weights[weight_name], weight_name, axis, names)
+            stored, dequantize = weight_dequantizer(weights[weight_name], weight_name, axis,
+                                                    names, weight_criterion)
             g.initializer.extend(stored)
             prelude.append(dequantize)
             weight_dq[(weight_name, axis)] = dequantize.output[0]

@@ -899,3 +899,225 @@ def _fold_into_producer(index: Graph, weights: _Weights, tensor: str,
         bias = weights.own(bias_add[0], bias_add[1])
         weights.values[bias] = weights.get(bias) / factor
     return linear.name if bias_add is None else f"{linear.name} + {bias_add[0].name}"
+
+
+# -------------------------------------------------------- depthwise-input equalization
+
+# Per-channel range of a depthwise input: the percentile of |x| that the default
+# calibrator takes per tensor, here per channel, from a histogram of this many bins.
+DW_PERCENTILE = 99.99
+_CHANNEL_BINS = 1024
+# A depthwise input is equalized when the predicted noise at the depthwise output drops
+# by at least this much (a smaller gain is within the calibrator's own run-to-run spread).
+DEFAULT_MIN_GAIN_DB = 1.0
+
+
+def depthwise_convs(index: Graph, weights: _Weights | None = None
+                    ) -> dict[str, list[onnx.NodeProto]]:
+    """Activation tensor -> the depthwise Conv ops reading it (group == input channels > 1,
+    constant float weights): the inputs whose channels a per-tensor scale serves worst."""
+    weights = weights or _Weights(index.model)
+    found: dict[str, list[onnx.NodeProto]] = {}
+    for node in index.model.graph.node:
+        if node.op_type != "Conv" or node.domain not in _ONNX_DOMAINS or \
+                len(node.input) < 2 or node.input[0] in index.constants or \
+                not weights.float_initializer(node.input[1]):
+            continue
+        group = int(_attribute(node, "group", 1))
+        if group > 1 and weights.stored[node.input[1]].dims[1] == 1:
+            found.setdefault(node.input[0], []).append(node)
+    return found
+
+
+def channel_ranges(model: onnx.ModelProto, batches: Iterable[Mapping[str, np.ndarray]],
+                   tensors: Sequence[str], percentile: float = DW_PERCENTILE,
+                   run_bytes: int = RUN_BYTES) -> dict[str, np.ndarray]:
+    """The `percentile` of |x| per channel (axis 1) of each of `tensors`: one FP32 pass.
+
+    Each channel streams into a histogram on collect's power-of-two grid (exact under
+    range growth), so memory is channels x 1024 counts per tensor, whatever the data.
+    """
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.calibrate import percentile_threshold_bin
+    from quantlab.collect import TensorStats
+
+    index = Graph(model)
+    names = list(dict.fromkeys(tensors))
+    backend = OnnxRuntimeBackend(model, name="fp32")
+    stats: dict[str, list] = {}
+    for run in _runs(batches, index, names, run_bytes):
+        values = backend.run(run, names)
+        for name in names:
+            value = np.asarray(values[name], np.float32)
+            channels = np.ascontiguousarray(np.moveaxis(value, 1, 0).reshape(value.shape[1], -1))
+            kept = stats.setdefault(name, [TensorStats.empty(_CHANNEL_BINS)
+                                           for _ in range(len(channels))])
+            for channel, row in zip(kept, channels, strict=True):
+                if not channel.update(row):
+                    raise DataError(
+                        f"tensor '{name}' holds NaN or Inf on the calibration data; fix the "
+                        "data or the layer producing it before equalizing.")
+        del values
+    result = {}
+    for name, channels in stats.items():
+        ranges = []
+        for channel in channels:
+            hist, top = channel.histogram(_CHANNEL_BINS)
+            ranges.append(0.0 if top == 0.0 else
+                          percentile_threshold_bin(hist, percentile) * top / _CHANNEL_BINS)
+        result[name] = np.asarray(ranges)
+    return result
+
+
+def depthwise_equalization(model: onnx.ModelProto,
+                           data: Iterable[Mapping[str, np.ndarray]] | Mapping[str, np.ndarray],
+                           min_gain_db: float = DEFAULT_MIN_GAIN_DB,
+                           ) -> tuple[onnx.ModelProto, RepairReport]:
+    """Per-channel equalization of depthwise-conv inputs, folded into weights (FP32 unchanged).
+
+    A depthwise conv never mixes channels, so a per-tensor activation scale is set by
+    its widest channel and crushes the others (and the BatchNorm folded after it scales
+    their noise back up). Channel c of the input X is divided by ``s_c = r_c / max(r)``
+    (``r_c``: its 99.99th percentile of |x|, :func:`channel_ranges`) and the depthwise
+    weights of channel c are multiplied by s_c, which per-channel weight scales absorb
+    exactly. The division goes into X's producer where it can: a Div or Mul by a
+    constant (the Div(6) of a decomposed HardSwish), through ReLU/LeakyReLU/MaxPool
+    into a Conv's output channels; otherwise a Mul by 1/s is inserted before the
+    depthwise conv (TensorRT is expected to fuse it into the producer's pointwise
+    epilogue; unverified, see docs/tensorrt.md). Tensors whose values change are
+    renamed ``<name>_equalized``. Applied where the predicted noise at the depthwise
+    output, ``sum_c r_max**2 |W_c|**2`` before against ``sum_c r_c**2 |W_c|**2`` after,
+    drops by at least `min_gain_db`. `data`: calibration batches (one FP32 pass) or
+    ``{tensor: per-channel range}``. Returns the equalized copy and the report (every
+    depthwise input, applied or skipped with the reason).
+    """
+    result = _copy(model)
+    weights = _Weights(result)
+    index = Graph(result)
+    groups = depthwise_convs(index, weights)
+    report = RepairReport("depthwise_equalization")
+    if not groups:
+        return result, report
+    if isinstance(data, Mapping) and all(np.ndim(v) == 1 for v in data.values()):
+        ranges = {name: np.asarray(value, np.float64) for name, value in data.items()}
+    else:
+        ranges = channel_ranges(model, data, list(groups))
+        report.passes = 1
+    outputs = set(index.outputs)
+    renamed: dict[str, str] = {}
+    muls: dict[str, onnx.NodeProto] = {}
+    for tensor, nodes in groups.items():
+        names = [n.name for n in nodes]
+        r = ranges.get(tensor)
+        if r is None or not np.isfinite(r).all():
+            report.skipped.append({"tensor": tensor, "readers": names,
+                                   "reason": "no finite per-channel ranges"})
+            continue
+        if r.max() <= 0:
+            report.skipped.append({"tensor": tensor, "readers": names,
+                                   "reason": "the tensor is zero on the calibration data"})
+            continue
+        factor = np.where(r > 0, r / r.max(), 1.0).clip(1 / SCALE_LIMIT, 1.0)
+        energy = np.sum([_channel_energy(n, weights.get(n.input[1]), r.size) for n in nodes],
+                        axis=0)
+        before = float(np.sum(r.max() ** 2 * energy))
+        after = float(np.sum(r ** 2 * energy))
+        gain = 10 * np.log10(before / after) if after > 0 else 0.0
+        entry = {"tensor": tensor, "readers": names, "gain_db": round(float(gain), 2),
+                 "spread": _median_spread(r)}
+        if gain < min_gain_db:
+            report.skipped.append({**entry, "reason": f"predicted gain {gain:.2f} dB < "
+                                                      f"{min_gain_db} dB"})
+            continue
+        readers = {id(n) for n in index.consumers.get(tensor, [])}
+        sole = tensor not in outputs and readers == {id(n) for n in nodes}
+        path = _absorb(index, weights, tensor, factor) if sole else None
+        if path is None:
+            scaled = weights.fresh(f"{tensor}_equalized")
+            inverse = weights.add(f"{tensor}_equalize_inverse",
+                                  (1.0 / factor).reshape(1, -1, *([1] * (len(
+                                      index.shapes.get(tensor) or (0, 0, 0, 0)) - 2))))
+            muls[names[0]] = helper.make_node("Mul", [tensor, inverse], [scaled],
+                                              name=weights.fresh(f"{tensor}_Equalize_Mul"))
+            for node in nodes:
+                node.input[0] = scaled
+            entry["folded_into"] = f"Mul '{muls[names[0]].name}' (inserted)"
+            entry["equalized_tensor"] = scaled
+        else:
+            absorber, changed = path
+            for name in changed:
+                renamed[name] = weights.fresh(f"{name}_equalized")
+            entry["folded_into"] = absorber
+            entry["equalized_tensor"] = renamed[tensor]
+        for node in nodes:
+            name = weights.own(node, 1)
+            weights.values[name] = _scale_in(node, weights.get(name), factor)
+        entry["spread"] = [entry["spread"], _median_spread(r / factor)]
+        report.applied.append(entry)
+    for node in result.graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = renamed.get(name, name)
+        for i, name in enumerate(node.output):
+            node.output[i] = renamed.get(name, name)
+    if muls:
+        nodes = []
+        for node in result.graph.node:
+            if node.name in muls:
+                nodes.append(muls[node.name])
+            nodes.append(node)
+        del result.graph.node[:]
+        result.graph.node.extend(nodes)
+    weights.write()
+    report.summary = {"depthwise_inputs": len(groups), "equalized": len(report.applied)}
+    return result, report
+
+
+def _channel_energy(node: onnx.NodeProto, weight: np.ndarray, channels: int) -> np.ndarray:
+    """Sum of squared weights reading each input channel (the gain of its noise)."""
+    grouped = _in_groups(node, weight, channels)
+    return (grouped ** 2).sum(axis=(1, 3)).reshape(-1)
+
+
+def _absorb(index: Graph, weights: _Weights, tensor: str, factor: np.ndarray
+            ) -> tuple[str, list[str]] | None:
+    """Divide channel c of `tensor` by factor[c] inside the ops producing it.
+
+    Returns the absorbing node's description and the tensors whose values changed
+    (from the absorber's output to `tensor`), or None when no producer can take it:
+    every tensor on the way must be read by the next op alone.
+    """
+    changed = [tensor]
+    while True:
+        producer = index.producers.get(tensor)
+        if producer is None or producer.domain not in _ONNX_DOMAINS:
+            return None
+        op = producer.op_type
+        if op in ("Div", "Mul") and len(producer.input) == 2 and \
+                weights.float_initializer(producer.input[1]) and \
+                producer.input[0] not in index.constants:
+            constant = weights.get(producer.input[1])
+            shape = index.shapes.get(tensor)
+            if shape is None or constant.size not in (1, factor.size) or \
+                    (constant.size > 1 and constant.reshape(-1).size != factor.size):
+                return None
+            per_channel = factor.reshape(-1, *([1] * (len(shape) - 2)))
+            name = weights.own(producer, 1)
+            base = np.broadcast_to(constant.reshape(-1, *([1] * (len(shape) - 2))),
+                                   per_channel.shape)
+            weights.values[name] = base * per_channel if op == "Div" else base / per_channel
+            return f"{op} '{producer.name}'", changed
+        if op == "Conv" and weights.float_initializer(producer.input[1]) and \
+                int(_attribute(producer, "group", 1)) == 1 and \
+                weights.get(producer.input[1]).shape[0] == factor.size:
+            name = weights.own(producer, 1)
+            weights.values[name] = _scale_out(producer, weights.get(name), 1.0 / factor)
+            if len(producer.input) > 2 and producer.input[2]:
+                bias = weights.own(producer, 2)
+                weights.values[bias] = weights.get(bias) / factor
+            return f"Conv '{producer.name}'", changed
+        upstream = producer.input[0] if producer.input else ""
+        if op not in HOMOGENEOUS_OPS or not upstream or upstream in index.outputs or \
+                len(index.consumers.get(upstream, [])) != 1:
+            return None
+        tensor = upstream
+        changed.append(tensor)

@@ -221,3 +221,27 @@ def test_exposed_inputs_and_their_aliases_outlive_the_run():
     np.testing.assert_array_equal(values["same"], sliced)
     np.testing.assert_array_equal(values["relu"], np.maximum(sliced, 0))
     assert len(clobber) == 64
+
+
+def test_folded_batchnorm_maps_to_the_batchnorm_module(tmp_path):
+    # dynamo without its optimizer keeps Conv -> BatchNormalization; quantlab folds the BN at
+    # import, so the Conv node computes the BN module's output, not the Conv module's.
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                                 torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 1)).eval()
+    with torch.no_grad():
+        module[1].running_mean.uniform_(-1, 1)
+        module[1].running_var.uniform_(0.5, 2.0)
+        module[1].weight.uniform_(0.5, 2.0)
+    with torch.no_grad():
+        program = torch.onnx.export(module, (torch.zeros(1, 3, 8, 8),), dynamo=True,
+                                    optimize=False, input_names=["input"])
+    model = graph.normalize(program.model_proto)
+    assert "BatchNormalization" not in {n.op_type for n in model.graph.node}
+    backend = TorchBackend(module, model, sample={"input": np.zeros((1, 3, 8, 8), np.float32)})
+    fused = next(n for n in model.graph.node if n.op_type == "Conv").output[0]
+    assert backend.mapping[fused].module == "1"
+    assert "0" in backend.unmapped_modules  # the Conv's own output no longer exists
+    x = {"input": np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    ours = backend.run(x, [fused])[fused]
+    reference = OnnxRuntimeBackend(model).run(x, [fused])[fused]
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-5 * np.abs(reference).max())

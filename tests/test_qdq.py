@@ -41,9 +41,24 @@ def fake_quant(x: np.ndarray, amax, axis: int | None = None) -> np.ndarray:
 
 
 def channel_amax(w: np.ndarray, axis: int) -> np.ndarray:
-    """Per-channel max |w|, written independently of qdq.weight_amax (loop over channels)."""
-    moved = np.moveaxis(np.abs(w.astype(np.float64)), axis, 0)
-    return np.array([channel.max() for channel in moved])
+    """Per-channel weight amax by least int8 squared error over 51 fractions of max |w| from
+    1 down to 0.5 (qdq's default criterion), written independently of qdq.weight_amax: a
+    loop over channels and candidates in float64, the first (largest) best kept."""
+    moved = np.moveaxis(w.astype(np.float32), axis, 0)
+    result = []
+    for channel in moved:
+        values = channel.reshape(-1).astype(np.float64)
+        peak = np.abs(values).max()
+        best, chosen = np.inf, peak
+        for fraction in np.linspace(1.0, 0.5, 51):
+            scale = peak * fraction / 127
+            if scale == 0:
+                break
+            error = np.sum((np.clip(np.rint(values / scale), -128, 127) * scale - values) ** 2)
+            if error < best:
+                best, chosen = error, peak * fraction
+        result.append(chosen)
+    return np.array(result, np.float32).astype(np.float64)
 
 
 def simulated_input(rule, node, index, name, value, is_constant, amax):
@@ -355,14 +370,31 @@ def test_integer_kernels_for_conv_and_gemm_models():
     assert INTEGER_OPS & set(ops), dict(ops)
 
 
-def test_weight_amax_known_values_and_zero_channel():
+@pytest.mark.parametrize("criterion", qdq.WEIGHT_CRITERIA)
+def test_weight_amax_known_values_and_zero_channel(criterion):
     w = np.zeros((3, 2, 2), np.float32)
     w[0, 1, 1], w[2, 0, 0] = -3.0, 0.5
-    amax = qdq.weight_amax(w, 0)
+    amax = qdq.weight_amax(w, 0, criterion)
+    # A channel of one non-zero value is represented exactly at amax = its |value|; a
+    # smaller amax clips it, so MSE keeps max |w| too.
     assert amax[0] == 3.0 and amax[2] == 0.5
     assert 0 < amax[1] < 1e-30 and np.isfinite(amax[1] / 127) and amax[1] / 127 > 0
     assert qdq.quantize_weight(w, amax / 127, 0)[1].tolist() == [[0, 0], [0, 0]]
-    assert qdq.weight_amax(w, None) == 3.0
+    assert qdq.weight_amax(w, None, criterion) == 3.0
+
+
+def test_mse_weight_amax_equals_reference_and_never_raises_the_error():
+    rng = np.random.default_rng(3)
+    w = rng.laplace(size=(16, 8, 3, 3)).astype(np.float32)  # heavy tails: clipping pays
+    mse, peak = qdq.weight_amax(w, 0), qdq.weight_amax(w, 0, "max")
+    np.testing.assert_allclose(mse, channel_amax(w, 0), rtol=1e-6)
+    assert (mse <= peak).all() and (mse < peak).any()
+
+    def error(amax):
+        return ((fake_quant(w, amax, 0) - w) ** 2).reshape(16, -1).sum(axis=1)
+
+    assert (error(mse) <= error(peak) * (1 + 1e-9)).all()
+    assert error(mse).sum() < error(peak).sum()
 
 
 def test_weight_axis_rejects_non_weight_input():

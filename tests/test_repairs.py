@@ -230,7 +230,7 @@ def test_bias_correction_matches_the_known_shift(mode, with_bias):
     b = RNG.standard_normal(6).astype(np.float32)
     model = gemm_model(w, b, with_bias=with_bias)
     x = grid_inputs(64, 10, 4.0)
-    quantized = qdq.quantize_model(model, {"x": 4.0})
+    quantized = qdq.quantize_model(model, {"x": 4.0}, weight_criterion="max")
     corrected, report = repairs.bias_correction(model, quantized, [{"x": x[:40]}, {"x": x[40:]}],
                                                 mode=mode)
     # Inputs pass Q/DQ unchanged, so the mean output error is exactly (W_q - W) E[x] (DFQ
@@ -398,3 +398,105 @@ def test_smooth_quant_on_digits_vit_keeps_the_function():
     result = OnnxRuntimeBackend(smoothed).run({"input": x})["logits"]
     # Float32 rounding through 3 transformer layers: 1e-4 of the logits' range.
     assert np.abs(result - original).max() <= 1e-4 * np.abs(original).max()
+
+
+# ------------------------------------------------------- depthwise-input equalization
+
+# Channel ranges 40x apart, the pattern of PicoDet's HardSwish outputs (layout-int8 study).
+CHANNEL_GAINS = np.array([2.0, 0.05, 0.1, 1.0, 0.08, 0.5])
+
+
+def hardswish_dw_model(extra_reader: bool = False, activation: str = "hardswish"):
+    """Pointwise Conv -> HardSwish (decomposed, Paddle's form) or ReLU -> depthwise Conv ->
+    BatchNorm (folded at import): per-channel input ranges set by CHANNEL_GAINS, and the
+    BN scaling the small channels back up."""
+    c = CHANNEL_GAINS.size
+    w1 = RNG.standard_normal((c, 3, 1, 1)) * CHANNEL_GAINS[:, None, None, None]
+    w2 = RNG.standard_normal((c, 1, 3, 3))
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["a"], name="pw")]
+    if activation == "hardswish":
+        nodes += [helper.make_node("Add", ["a", "three"], ["t"], name="add"),
+                  helper.make_node("Clip", ["t", "zero", "six"], ["k"], name="clip"),
+                  helper.make_node("Mul", ["a", "k"], ["m"], name="mul"),
+                  helper.make_node("Div", ["m", "six"], ["h"], name="div")]
+    else:
+        nodes.append(helper.make_node("Relu", ["a"], ["h"], name="relu"))
+    nodes += [helper.make_node("Conv", ["h", "w2"], ["d"], name="dw", group=c, pads=[1] * 4),
+              helper.make_node("BatchNormalization", ["d", "g", "beta", "mean", "var"], ["y"],
+                               name="bn")]
+    initializers = {"w1": w1, "b1": RNG.standard_normal(c) * CHANNEL_GAINS, "w2": w2,
+                    "three": np.float32(3), "zero": np.float32(0), "six": np.float32(6),
+                    "g": 1.0 / CHANNEL_GAINS, "beta": RNG.standard_normal(c),
+                    "mean": np.zeros(c), "var": np.ones(c)}
+    outputs = ["y", "h"] if extra_reader else ["y"]
+    return make_model(nodes, [("x", [None, 3, 8, 8])], outputs, initializers)
+
+
+def float64_run(model, feeds):
+    """`model` evaluated in float64 by ONNX's reference evaluator (weights widened)."""
+    from onnx.reference import ReferenceEvaluator
+
+    wide = onnx.ModelProto()
+    wide.CopyFrom(model)
+    for init in wide.graph.initializer:
+        if init.data_type == TensorProto.FLOAT:
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float64),
+                                                  init.name))
+    for value in [*wide.graph.input, *wide.graph.output]:
+        value.type.tensor_type.elem_type = TensorProto.DOUBLE
+    del wide.graph.value_info[:]
+    return dict(zip([o.name for o in wide.graph.output],
+                    ReferenceEvaluator(wide).run(None, {k: v.astype(np.float64)
+                                                        for k, v in feeds.items()}), strict=True))
+
+
+def sqnr_db(reference, value):
+    return 10 * np.log10(np.sum(reference ** 2) / np.sum((value - reference) ** 2))
+
+
+@pytest.mark.parametrize("activation", ["hardswish", "relu"])
+def test_depthwise_equalization_keeps_fp32_and_raises_int8_sqnr(activation):
+    from quantlab import calibrate, collect
+    from quantlab.data import open_data
+
+    model = hardswish_dw_model(activation=activation)
+    x = RNG.standard_normal((16, 3, 8, 8)).astype(np.float32)
+    equalized, report = repairs.depthwise_equalization(model, [{"x": x}])
+    (entry,) = report.applied
+    # The division lands in the HardSwish's Div(6), or through the ReLU in the pointwise Conv.
+    assert entry["folded_into"] == ("Div 'div'" if activation == "hardswish" else "Conv 'pw'")
+    assert entry["equalized_tensor"] == "h_equalized" and report.passes == 1
+    assert entry["spread"][1] < 1.5 < entry["spread"][0]
+    # The FP32 function is unchanged: both models in float64, only the float32 storage of
+    # the rescaled weights differs (relative 1e-7 per weight).
+    before, after = float64_run(model, {"x": x})["y"], float64_run(equalized, {"x": x})["y"]
+    np.testing.assert_allclose(after, before, rtol=0, atol=1e-6 * np.abs(before).max())
+
+    def int8_sqnr(fp32_model):
+        source = open_data(x, graph.input_specs(fp32_model), 16)
+        tensors = qdq.activation_tensors_to_calibrate(fp32_model)
+        stats = collect.collect(fp32_model, source, tensors, progress=False)
+        quantized = qdq.quantize_model(fp32_model, calibrate.calibrate(stats, "percentile").amax)
+        return sqnr_db(before, OnnxRuntimeBackend(quantized).run({"x": x})["y"])
+
+    assert int8_sqnr(graph.normalize(equalized)) > int8_sqnr(model) + 6.0
+
+
+def test_depthwise_equalization_inserts_a_mul_and_reports_what_it_skips():
+    model = hardswish_dw_model(extra_reader=True)  # 'h' is a graph output too
+    x = RNG.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    equalized, report = repairs.depthwise_equalization(model, [{"x": x}])
+    (entry,) = report.applied
+    assert entry["folded_into"].startswith("Mul ") and entry["folded_into"].endswith("(inserted)")
+    got = float64_run(equalized, {"x": x})
+    want = float64_run(model, {"x": x})
+    np.testing.assert_array_equal(got["h"], want["h"])  # the other reader sees 'h' unchanged
+    np.testing.assert_allclose(got["y"], want["y"], rtol=0, atol=1e-6 * np.abs(want["y"]).max())
+    # Channels of equal range: nothing to gain, reported with the predicted figure.
+    flat = {"h": np.ones(CHANNEL_GAINS.size)}
+    unchanged, report = repairs.depthwise_equalization(model, flat)
+    (skipped,) = report.skipped
+    assert not report.applied and "predicted gain 0.00 dB" in skipped["reason"]
+    assert skipped["readers"] == ["dw"] and report.passes == 0
+    zero = {"h": np.zeros(CHANNEL_GAINS.size)}
+    assert "zero" in repairs.depthwise_equalization(model, zero)[1].skipped[0]["reason"]

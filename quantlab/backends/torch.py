@@ -229,8 +229,8 @@ def _scope_runs(model: onnx.ModelProto) -> dict[str, list[list[str]]]:
     consumers = graph.consumers(model)
     graph_outputs = {o.name for o in model.graph.output}
     floats = graph.float_tensors(model)
-    scoped = [(node, path) for node in model.graph.node
-              if (path := graph.node_module_path(node))]
+    paths = graph.module_paths(model)
+    scoped = [(node, paths[node.name]) for node in model.graph.node if node.name in paths]
     members: dict[str, list[int]] = {}
     for position, (_, path) in enumerate(scoped):
         parts = path.split(".")

@@ -60,7 +60,8 @@ GENERATOR = "quantlab plan"
 PROGRESS_FILE = ".plan-progress.json"
 # quantlab.repairs applied to the FP32 model and weighed by the planner (bias correction, which
 # changes the INT8 ops alone, is weighed on its own: --no-bias-correction).
-REPAIRS = ("cle", "smoothquant")
+REPAIRS = ("dw-equalize", "cle", "smoothquant")
+DEFAULT_REPAIRS = ["dw-equalize"]
 PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache",
               "calibration.trtexec.cache", "trtexec.txt", "summary.json", "report.html")
 
@@ -95,11 +96,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="methods each unit chooses its input scales from, by local INT8 "
                              "error (a repair tried before pins; default: all of "
                              f"{', '.join(METHODS)}; give --method alone to keep one)")
-    parser.add_argument("--repairs", nargs="+", default=[], choices=REPAIRS, metavar="REPAIR",
-                        help="repairs weighed before pins: cle (cross-layer equalization, "
-                             "data-free), smoothquant (activation outliers into weights); each "
-                             "costs one calibration pass and one pass on a batch; the one whose "
-                             "all-INT8 model is least noisy is planned (default: none)")
+    parser.add_argument("--repairs", nargs="*", default=DEFAULT_REPAIRS, choices=REPAIRS,
+                        metavar="REPAIR",
+                        help="repairs weighed before pins: dw-equalize (per-channel "
+                             "equalization of depthwise-conv inputs, as calibrate does), cle "
+                             "(cross-layer equalization, data-free), smoothquant (activation "
+                             "outliers into weights); each costs one calibration pass and one "
+                             "pass on a batch; the one whose all-INT8 model is least noisy is "
+                             "planned (default: %(default)s; none: --repairs with no name)")
     parser.add_argument("--no-bias-correction", dest="bias_correction", action="store_false",
                         help="do not weigh bias correction (by default each INT8 op's mean "
                              "output error is measured in one pass over the calibration data "
@@ -268,6 +272,8 @@ def _prepared(args, recorded):
     (`recorded`) frozen inputs and sample axes; --input and --batch-axis on top. Refused
     when --eval holds another value for a frozen input (the model would silently run on
     this one)."""
+    from pathlib import Path
+
     import numpy as np
 
     from quantlab import graph
@@ -276,9 +282,11 @@ def _prepared(args, recorded):
     from quantlab.errors import ConfigError, DataError
     from quantlab.pipeline import prepare_model
 
-    options, data = input_options(args), args.data
+    options, data, source = input_options(args), args.data, args.model
     if recorded is not None:
         data = None
+        # The folder's statistics belong to its model.onnx (repaired as calibration.json says).
+        source = Path(args.data) / "model.onnx"
         for key, field, option in (("constants", "frozen_inputs", "--input"),
                                    ("batch_axes", "sample_axes", "--batch-axis")):
             for name, value in options[key].items():  # stats.npz was collected the recorded way
@@ -289,7 +297,7 @@ def _prepared(args, recorded):
                         "collected. Drop the option, or pass the calibration data itself with "
                         "--data to collect statistics here.")
             options[key] = {**recorded[field], **options[key]}
-    model = prepare_model(args.model, None if data == "zoo" else data, **options)
+    model = prepare_model(source, None if data == "zoo" else data, **options)
     frozen = graph.frozen_inputs(model)
     for name, value in scalar_arrays(args.eval).items():
         if name in frozen and not np.array_equal(value, frozen[name]):
@@ -434,8 +442,12 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     scales, ranges, p9999, candidates = _calibrated(stats, args)
     repaired = {}
     for name in args.repairs:
-        changed, report = (repairs.cross_layer_equalization(model) if name == "cle"
-                           else repairs.smooth_quant(model, source))
+        if name == "dw-equalize":
+            changed, report = repairs.depthwise_equalization(model, source)
+            changed = graph.normalize(changed) if report.applied else changed
+        else:
+            changed, report = (repairs.cross_layer_equalization(model) if name == "cle"
+                               else repairs.smooth_quant(model, source))
         if not report.applied:
             print(f"repair {name}: nothing to change in this model ({len(report.skipped)} "
                   "candidates skipped); not weighed.")
