@@ -541,7 +541,7 @@ def _screen(point: FrontPoint, run: Callable, inputs: Mapping[str, np.ndarray],
     start = time.perf_counter()
     certificate = certify(metric_fn, metric, [run(inputs)], [references],
                           max_drop=max_drop, floor=min_sqnr, resamples=resamples,
-                          what="calibration samples drawn at random")
+                          what="random calibration samples")
     if certificate.interval[1] >= 0:
         return None
     return Evaluation(point.int8_mac_share, point.predicted, certificate,
