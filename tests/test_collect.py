@@ -237,9 +237,9 @@ def assert_same_up_to_kernel_rounding(a: Statistics, b: Statistics):
     of a bin edge may land in the neighbouring bin (on an AVX-512 machine one
     max_pool2d value of digits-cnn does), so the histograms may differ by moves of one
     bin each, of at most the share of values that close to an edge: a bin is
-    2**(exponent - 14) wide (256 * OVERSAMPLE * 8 bins over [0, 2**exponent)), values
-    are below 2**exponent, so at most 2 * KERNEL_RTOL * 2**14 = 2**-5 of them, far above
-    the handful seen; a wrong segment (values missed, doubled or misplaced) moves
+    2**exponent / len(hist) wide and values are below 2**exponent, so at most
+    2 * KERNEL_RTOL * len(hist) of them (2**-5 with digits-cnn's 2**14 bins), far above
+    the 2 moves seen in 12288 values; a wrong segment (values missed, doubled or misplaced) moves
     whole histograms. The moves are counted as the earth mover's distance in bins,
     sum |cumsum(a) - cumsum(b)|. The sample holding the max is compared exactly: two
     samples' maxima within rounding of each other are as unlikely as the exponent
