@@ -24,8 +24,8 @@ import numpy as np
 import onnx
 
 from quantlab import qdq
-from quantlab.errors import ConfigError, ModelError
-from quantlab.experiment import read_json, write_json
+from quantlab.errors import ConfigError, DataError, ModelError
+from quantlab.experiment import read_record, write_json
 from quantlab.graph import Graph
 from quantlab.planner.certify import (  # noqa: F401 (public API)
     METRICS,
@@ -34,6 +34,7 @@ from quantlab.planner.certify import (  # noqa: F401 (public API)
     argmax_agreement,
     certify,
     certify_paired,
+    check_budget,
     data_shortfalls,
     floor_message,
     floor_record,
@@ -124,11 +125,14 @@ class Checkpoint:
         self.fingerprint = fingerprint
         self.trials: dict[int, float] = {}
         self.evaluations: dict[int, Evaluation] = {}
+        # A file was there but of another run (or unreadable): it is replaced.
+        self.ignored = False
         if self.path is None or not self.path.is_file():
             return
         try:
-            data = read_json(self.path)
+            data = read_record(self.path, "plan checkpoint")
             if data.get("fingerprint") != fingerprint:
+                self.ignored = True
                 return
             self.trials = {int(t): float(v) for t, v in data["trials"].items()}
             self.evaluations = {int(i): Evaluation(
@@ -137,8 +141,9 @@ class Checkpoint:
                                "interval": tuple(e["certificate"]["interval"])}),
                 e["seconds"], e.get("model_run", True), e.get("screened", False))
                 for i, e in data["evaluations"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (DataError, ValueError, KeyError, TypeError, AttributeError):
             self.trials, self.evaluations = {}, {}  # unreadable: start over
+            self.ignored = True
 
     def add_trial(self, index: int, nsr: float) -> None:
         """Record one switchboard trial."""
@@ -263,11 +268,11 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.repairs import bias_shifts, shift_biases
 
-    if (max_drop is None) == (min_sqnr is None):
-        raise ConfigError("give exactly one budget: --max-drop X or --min-sqnr DB.")
-    if min_sqnr is not None and metric != "sqnr":
-        raise ConfigError(f"--min-sqnr is a floor on output SQNR; it does not go with --metric "
-                          f"{metric} (use --max-drop there).")
+    check_budget(metric, max_drop, min_sqnr)
+    for option, count in (("trials", trials), ("hard_count", hard_count),
+                          ("resamples", resamples), ("max_evaluations", max_evaluations)):
+        if count < 1:
+            raise ConfigError(f"{option} must be at least 1, got {count}.")
     task_metric = task is not None and metric == task.primary_metric
     if task is not None:
         task.check_samples(evaluation.num_samples)
@@ -288,6 +293,10 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         return in_runs(run, calibration, size, axes)
 
     fp32_run = runs(fp32.run)
+    if metric_fn is not None:  # a metric that fails or returns no number fails now, not late
+        first_outputs = [fp32_run(first)]
+        metric_value(metric_fn, metric, first_outputs, first_outputs,
+                     "FP32 against itself on the first calibration batch")
     original = RepairedModel(model, amax, ranges, p9999, candidates)
     options = {"none": original, **(repairs or {})}
     weighed = all_int8_nsr(options, first, fp32_run(first), runs) if repairs else {}
@@ -562,7 +571,8 @@ def _screen(point: FrontPoint, run: Callable, inputs: Mapping[str, np.ndarray],
     """
     start = time.perf_counter()
     certificate = certify(metric_fn, metric, [run(inputs)], [references],
-                          max_drop=max_drop, floor=min_sqnr, resamples=resamples)
+                          max_drop=max_drop, floor=min_sqnr, resamples=resamples,
+                          what="random calibration samples")
     if certificate.interval[1] >= 0:
         return None
     return Evaluation(point.int8_mac_share, point.predicted, certificate,

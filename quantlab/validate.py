@@ -43,7 +43,13 @@ from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.compare import PairResult
 from quantlab.data import BatchSource
 from quantlab.errors import ConfigError, DataError
-from quantlab.experiment import atomic_write, check_output, output_folder, write_json
+from quantlab.experiment import (
+    atomic_write,
+    check_output,
+    output_folder,
+    recorded_path,
+    write_json,
+)
 from quantlab.report import write_report
 from quantlab.report.validation import validation_section
 from quantlab.sensitivity import LocalErrorModel, local_error_model
@@ -176,7 +182,7 @@ def validate(
     metrics = {name: score.result() for name, score in streamed.scores.items()}
     summary = {
         "samples": data.num_samples,
-        "data": data.description,
+        "data": recorded_path(data.description),
         "mode": mode,
         "stages": {s.name: STAGE_DESCRIPTIONS.get(s.name, type(s).__name__)
                    for s in (torch_stage, fp32, engine) if s is not None},

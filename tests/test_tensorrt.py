@@ -969,6 +969,9 @@ def test_read_plan_takes_plan_json_units_and_flat_mappings(tmp_path):
     (tmp_path / "flat.json").write_text('{"a": "fp32"}')
     assert read_plan(tmp_path / "flat.json") == {"a": "fp32"}
     (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(DataError, match="bad.json holds a JSON list, not the object of a plan"):
+        read_plan(tmp_path / "bad.json")
+    (tmp_path / "bad.json").write_text('{"a": 1}')
     with pytest.raises(DataError, match="neither a plan.json"):
         read_plan(tmp_path / "bad.json")
 

@@ -26,6 +26,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from quantlab.commands.options import positive_int
+
 HELP = "build the TensorRT engine of a calibration folder; write its trtexec commands"
 ENGINE_FILE = "model.plan"
 TRTEXEC_FILE = "trtexec.txt"
@@ -50,8 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan.json (quantlab plan) or a JSON {node: precision}: its "
                         "fp32/fp16 nodes are pinned in implicit builds and checked in the engine "
                         "(default: DIR/plan.json if there is one)")
-    parser.add_argument("--max-batch", type=int, default=1, metavar="N",
-                        help="largest batch of a dynamic sample axis (default: %(default)s)")
+    parser.add_argument("--max-batch", type=positive_int, metavar="N",
+                        help="largest batch of a dynamic sample axis (default: the batch a "
+                             "`quantlab plan` folder was planned with, its trtexec.txt's; "
+                             "else 1)")
     parser.add_argument("--force", action="store_true",
                         help="replace an existing model.plan or a trtexec.txt of other commands")
 
@@ -59,21 +63,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def read_plan(path: str | Path) -> dict[str, str]:
     """{ONNX node name: precision} from a plan.json or a flat JSON mapping."""
     from quantlab.errors import DataError
-    from quantlab.experiment import read_json
+    from quantlab.experiment import read_record
 
-    try:
-        data = read_json(path)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"plan {path} cannot be read as JSON ({exc}).") from None
-    if isinstance(data, dict) and isinstance(data.get("units"), dict):
+    data = read_record(path, "plan", made_by="the plan.json written by `quantlab plan` or a "
+                                             "JSON {node: precision}")
+    if isinstance(data.get("units"), dict):
         try:
             return {node: str(unit["precision"]) for unit in data["units"].values()
                     for node in unit["nodes"]}
         except (KeyError, TypeError):
             raise DataError(f"plan {path}: a unit lacks 'precision' or 'nodes'.") from None
-    if isinstance(data, dict) and all(isinstance(v, str) for v in data.values()):
+    if all(isinstance(v, str) for v in data.values()):
         return dict(data)
     raise DataError(f"plan {path} is neither a plan.json nor a JSON {{node: precision}} mapping.")
+
+
+def planned_batch(folder: Path) -> int | None:
+    """The batch a `quantlab plan` folder's trtexec.txt was written for (its summary.json),
+    or None for another folder."""
+    from quantlab.commands.plan import GENERATOR
+    from quantlab.experiment import read_record
+
+    if not (folder / "summary.json").is_file():
+        return None
+
+    def batch(value):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError("expected a whole number of at least 1")
+        return value
+
+    summary = read_record(folder / "summary.json", "plan summary", {"max_batch": batch},
+                          made_by="the summary.json written by `quantlab plan`")
+    return summary["max_batch"] if summary.get("generator") == GENERATOR else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,27 +109,37 @@ def run(args: argparse.Namespace) -> int:
         if not (folder / name).is_file():
             raise ModelError(f"{folder / name} does not exist; build takes a folder written by "
                              "quantlab calibrate.")
-    if args.max_batch < 1:
-        raise ConfigError(f"--max-batch must be at least 1, got {args.max_batch}.")
+    planned = planned_batch(folder)
+    max_batch = args.max_batch or planned or 1
     # The planner (`quantlab plan`) leaves plan.json in its folder: used unless --plan says.
     plan_path = args.plan or (folder / "plan.json" if (folder / "plan.json").is_file() else None)
+    if plan_path is None and planned is not None:
+        raise ConfigError(f"{folder} was written by quantlab plan but has no plan.json: "
+                          "without it the plan's FP16/FP32 pins would be dropped from the "
+                          "implicit build. Plan again, or pass --plan FILE.")
     plan = read_plan(plan_path) if plan_path else {}
     model = graph.load_model(folder / "model.onnx")
+    int8_model = graph.load_model(folder / "model.int8.onnx")  # damaged: fails here, not in TRT
+    unknown = sorted(set(plan) - {node.name for node in model.graph.node})
+    if unknown:
+        raise ConfigError(f"the plan names {len(unknown)} node(s) that {folder / 'model.onnx'} "
+                          f"does not have: {unknown[:5]}; plan this folder's model.")
     pins = trt_backend.implicit_pins(model, plan)
-    profile = trt_backend.input_profile(model, args.max_batch, dynamic_only=True)
+    profile = trt_backend.input_profile(model, max_batch, dynamic_only=True)
     header = scales = cache_name = None
     if (folder / "calibration.cache").is_file():
         header, scales = cache.read_calibration_cache(folder / "calibration.cache")
         cache_name = ("calibration.cache" if header.algorithm == "EntropyCalibration2"
                       else TRTEXEC_CACHE)
-    qdq_fp16 = trt_backend.has_float16(graph.load_model(folder / "model.int8.onnx"))
+    qdq_fp16 = trt_backend.has_float16(int8_model)
     text = trtexec.trtexec_text(pins, profile, cache_name, header and str(header), qdq_fp16)
     # trtexec.txt is derived from the folder and the plan: rewriting it unchanged is no loss,
     # replacing different lines needs --force like every other result.
     target = folder / TRTEXEC_FILE
     if target.exists() and target.read_text(encoding="utf-8") != text and not args.force:
-        raise OutputExistsError(f"{target} holds other commands (another plan or --max-batch);"
-                                " pass --force to replace it.")
+        raise OutputExistsError(f"{target} holds other commands than the ones for this "
+                                f"folder's plan at --max-batch {max_batch} (another plan, or "
+                                "another --max-batch); pass --force to replace it.")
     engine_path = folder / ENGINE_FILE
     try:
         version = trt_backend.installed_version()
@@ -133,9 +164,9 @@ def run(args: argparse.Namespace) -> int:
             "or build from model.int8.onnx (--mode strongly_typed or explicit).")
     source = folder / ("model.onnx" if mode == "implicit" else "model.int8.onnx")
     if mode == "implicit":
-        engine = build_implicit(folder, model, plan, header.algorithm, version, args.max_batch)
+        engine = build_implicit(folder, model, plan, header.algorithm, version, max_batch)
     else:
-        engine = trt_backend.build_engine(source, mode, max_batch=args.max_batch)
+        engine = trt_backend.build_engine(source, mode, max_batch=max_batch)
     from quantlab.experiment import atomic_write
     from quantlab.trt_layers import engine_layers, opaque_nodes, precision_mismatches
 

@@ -120,7 +120,6 @@ def run(args: argparse.Namespace) -> int:
 
     # Every option is checked before any long work (export, calibration, validation).
     check_threshold(args.threshold_db, 10.0)
-    _check_counts(args)
     if args.engine_backend == "tensorrt":
         from quantlab.backends.tensorrt import require_tensorrt
 
@@ -199,15 +198,6 @@ def _engine_stage(engine_path, onnx_path, data, args: argparse.Namespace):
         return pipeline.prepare_model(engine_path, data, **input_options(args))
 
 
-def _check_counts(args: argparse.Namespace) -> None:
-    from quantlab.errors import ConfigError
-
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ConfigError(f"batch size must be at least 1, got {args.batch_size}.")
-    if args.max_samples is not None and args.max_samples < 1:
-        raise ConfigError(f"max samples must be at least 1, got {args.max_samples}.")
-
-
 def _open_data(data, model, args: argparse.Namespace, recorded: dict | None):
     """The evaluation batches for `model`, with the preprocessing of the options given."""
     from quantlab import graph
@@ -248,17 +238,16 @@ def _print_result(result) -> None:
     print(f"report: {result.report}")
 
 
-def _calibration_folder(folder: Path, args) -> tuple[Path, Path, dict | None]:
-    """FP32 and INT8 models of a calibration folder, and the preprocessing it recorded."""
+def _calibration_folder(folder: Path, args) -> tuple[Path, Path, object]:
+    """FP32 and INT8 models of a calibration folder, and the Preprocess it recorded."""
+    from quantlab.commands.options import read_calibration_record
     from quantlab.errors import ConfigError
-    from quantlab.experiment import read_json
 
-    record_path = folder / "calibration.json"
-    if not record_path.is_file():
+    if not (folder / "calibration.json").is_file():
         raise ConfigError(
             f"--from {folder}: no calibration.json there; point --from at the --out folder of "
             "a finished `quantlab calibrate` run.")
-    record = read_json(record_path)
+    record = read_calibration_record(folder)
     onnx_path = Path(args.onnx) if args.onnx else folder / "model.onnx"
     engine_path = Path(args.engine) if args.engine else folder / "model.int8.onnx"
-    return onnx_path, engine_path, record.get("preprocess")
+    return onnx_path, engine_path, record["preprocess"]
