@@ -239,10 +239,13 @@ def _cle_pairs(index: Graph, weights: _Weights) -> tuple[list[_Pair], list[dict]
         while True:
             readers = index.consumers.get(tensor, [])
             if tensor in outputs or len(readers) != 1:
-                if len(readers) > 1 and any(_equalizable(r, weights) for r in readers):
-                    skipped.append({"first": node.name,
-                                    "reason": f"'{tensor}' has {len(readers)} readers; a pair "
-                                              "needs the second op to be the only one"})
+                skipped.append({"first": node.name, "reason": (
+                    f"its output '{tensor}' is a graph output" if tensor in outputs else
+                    f"nothing reads '{tensor}'" if not readers else
+                    f"'{tensor}' has {len(readers)} readers "
+                    f"({', '.join(r.op_type for r in readers[:4])}); a pair needs one linear op "
+                    "reading it alone (a decomposed HardSwish reads it twice: depthwise-input "
+                    "equalization handles such chains)")})
                 break
             reader = readers[0]
             if reader.op_type in HOMOGENEOUS_OPS and reader.domain in _ONNX_DOMAINS:
@@ -257,14 +260,12 @@ def _cle_pairs(index: Graph, weights: _Weights) -> tuple[list[_Pair], list[dict]
                                 "reason": "the second op is not a float Conv/Gemm/MatMul of the "
                                           "same channel layout with constant weights"})
             else:
-                following = index.consumers.get(reader.output[0], []) if reader.output else []
-                if any(_equalizable(f, weights) for f in following):
-                    skipped.append({
-                        "first": node.name, "second": following[0].name,
-                        "reason": f"{reader.op_type} '{reader.name}' between them is not "
-                                  "positive-homogeneous per channel (f(x/s) != f(x)/s); "
-                                  "Clip/ReLU6 would have to become Relu (AIMET does so, at an "
-                                  "accuracy cost)"})
+                skipped.append({
+                    "first": node.name,
+                    "reason": f"{reader.op_type} '{reader.name}' reads its output and is not "
+                              "positive-homogeneous per channel (f(x/s) != f(x)/s)" +
+                              ("; Clip/ReLU6 would have to become Relu (AIMET does so, at an "
+                               "accuracy cost)" if reader.op_type == "Clip" else "")})
             break
     return pairs, skipped
 
