@@ -40,6 +40,7 @@ import pandas as pd
 from quantlab import compare, graph, segments
 from quantlab.backends import Backend
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+from quantlab.choices import MODES
 from quantlab.compare import PairResult
 from quantlab.data import BatchSource
 from quantlab.errors import ConfigError, DataError
@@ -52,7 +53,6 @@ from quantlab.tasks import Task, TaskScore
 __all__ = ["ENGINE", "FP32", "MODES", "TORCH", "Task", "ValidationResult", "layers_file",
            "validate"]
 
-MODES = ("global", "local")
 TORCH, FP32, ENGINE = "torch", "onnx_fp32", "engine_int8"
 STAGE_DESCRIPTIONS = {
     TORCH: "PyTorch module (forward hooks)",

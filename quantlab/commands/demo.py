@@ -23,7 +23,7 @@ HELP = "run every zoo model end to end and write reports/demo/report.html"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab demo`."""
-    from quantlab.calibrate import METHODS
+    from quantlab.choices import METHODS
     from quantlab.zoo_names import ZOO_NAMES
 
     parser.add_argument(

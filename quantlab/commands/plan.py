@@ -59,7 +59,7 @@ PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab plan`."""
-    from quantlab.calibrate import DEFAULT_METHOD, METHODS
+    from quantlab.choices import DEFAULT_METHOD, METHODS
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
     parser.add_argument("--eval", required=True, metavar="EVAL",
