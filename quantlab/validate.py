@@ -45,6 +45,7 @@ from quantlab.compare import PairResult
 from quantlab.data import BatchSource
 from quantlab.errors import ConfigError, DataError
 from quantlab.experiment import atomic_write, check_output, output_folder, write_json
+from quantlab.progress import progress_bar
 from quantlab.report import write_report
 from quantlab.report.validation import validation_section
 from quantlab.sensitivity import LocalErrorModel, local_error_model
@@ -303,8 +304,6 @@ def run_stages(
     The comparisons and task scores are returned; no array of any run outlives
     the segment that produced it (boundary tensors live until their last reader).
     """
-    from tqdm import tqdm
-
     index = graph.Graph(fp32.model)
     engine_index = graph.Graph(engine.model)
     shared = index.common_tensors(engine_index)
@@ -335,8 +334,8 @@ def run_stages(
     start = 0
     # Tensors are folded in parallel: the comparison kernel releases the GIL.
     with (ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as stream.pool,
-          tqdm(total=data.num_samples, desc="validate", unit="sample",
-               disable=not progress) as bar):
+          progress_bar(total=data.num_samples, desc="validate", unit="sample",
+                       enabled=progress) as bar):
         for batch in data:
             size = data.length(batch)
             bad = compare.first_nonfinite(batch, index.input_names)

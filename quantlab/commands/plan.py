@@ -199,26 +199,12 @@ def _prepared(args, recorded):
     return model
 
 
-def _needed_tensors(model, implicit: bool) -> list[str]:
-    """Tensors the planner needs statistics of: the Q/DQ inputs, the linear ops' float outputs
-    (the FP16 range rule reads them) and, for a calibration cache (`implicit`), every float
-    tensor TensorRT <= 10's implicit INT8 needs a range for."""
-    from quantlab import qdq, trt_ranges
-
-    index = qdq.indexed(model)
-    wanted = set(trt_ranges.tensors_to_calibrate(index) if implicit
-                 else qdq.activation_tensors_to_calibrate(index))
-    wanted.update(out for node in index.model.graph.node if node.op_type in qdq.LINEAR_OPS
-                  for out in node.output if out in index.floats)
-    return [name for name in index.order if name in wanted]
-
-
 def _statistics(model, source, stats, args):
-    """Statistics of every tensor :func:`_needed_tensors` lists: `stats` (reused from a
+    """Statistics of every tensor :func:`quantlab.plan.needed_tensors` lists: `stats` (reused from a
     calibration folder, or None) completed by one collection pass over the ones it lacks."""
-    from quantlab import collect
+    from quantlab import collect, plan
 
-    needed = _needed_tensors(model, args.trt_version is not None)
+    needed = plan.needed_tensors(model, args.trt_version is not None)
     missing = [name for name in needed if stats is None or name not in stats.tensors]
     if not missing:
         return stats
@@ -251,8 +237,6 @@ def run(args: argparse.Namespace) -> int:
     from functools import partial
     from pathlib import Path
 
-    from tqdm.auto import tqdm
-
     from quantlab import cache, graph, plan, qdq, repairs, trtexec
     from quantlab.backends import tensorrt as trt_backend
     from quantlab.commands.build import TRTEXEC_CACHE
@@ -261,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
     from quantlab.errors import ConfigError, DataError
     from quantlab.experiment import check_output, output_folder, write_json, write_text
     from quantlab.pipeline import CACHE_ALGORITHM, quantized_inputs
+    from quantlab.progress import progress_bar
     from quantlab.report import write_report
     from quantlab.report.plan import plan_section
 
@@ -321,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
         repaired[name] = plan.RepairedModel(
             changed, changed_scales.amax, changed_ranges, changed_p9999,
             changed_candidates if len(changed_candidates) > 1 else None, report.to_dict())
-    progress = None if args.no_progress else partial(tqdm, leave=False)
+    progress = None if args.no_progress else partial(progress_bar, leave=False)
     # Trials and evaluations are checkpointed in --out: an interrupted run resumes from there.
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
