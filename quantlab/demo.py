@@ -1,7 +1,13 @@
-"""`quantlab demo`: every zoo model end to end — export, calibrate, Q/DQ, evaluate FP32 vs INT8.
+"""`quantlab demo`: the zoo end to end — calibrate, validate, plan — in one report.
 
-Writes ``<out>/report.html`` (self-contained), ``<out>/summary.json`` (the same
-figures for machines) and one artifact folder per model (``<out>/<model>/``).
+Every zoo model is exported, calibrated with every method and evaluated FP32 vs
+INT8. The model INT8 hurts, shapes-det (PLANNED), is then validated layer by
+layer in local mode (which layer first diverges) and planned under a 1-point mAP
+budget (which units leave INT8, certified on the held-out split), with the
+trtexec commands that build its engine. Writes ``<out>/report.html``
+(self-contained; its first section is that story in numbers), ``<out>/summary.json``
+(the same figures for machines) and one artifact folder per model
+(``<out>/<model>/``, with ``validate/`` and ``plan/`` for PLANNED).
 """
 
 from __future__ import annotations
@@ -12,20 +18,25 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from markupsafe import escape
-from tqdm.auto import tqdm
+from markupsafe import Markup, escape
+from tqdm import tqdm
 
-from quantlab import calibrate, collect, pipeline, qdq, tasks, zoo
+from quantlab import calibrate, collect, graph, pipeline, plan, qdq, tasks, trtexec, zoo
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
+from quantlab.backends.tensorrt import input_profile
 from quantlab.data import open_data
 from quantlab.errors import OutputExistsError
-from quantlab.experiment import check_output, output_folder, read_json, write_json
+from quantlab.experiment import check_output, output_folder, read_json, write_json, write_text
 from quantlab.graph import input_specs
+from quantlab.progress import progress_bar
 from quantlab.report import Section, figure_html, table_html, write_report
+from quantlab.report.plan import plan_section, reason_codes_html, reasons_legend
+from quantlab.validate import validate
 
 DEMO_MARKER = "quantlab demo"
 # Integer kernels ONNX Runtime substitutes for Q/DQ groups; their presence in the
@@ -47,6 +58,13 @@ INTEGER_OPS = (
 )
 LATENCY_BATCH = 32
 LATENCY_REPEATS = 15
+# The zoo model INT8 hurts (11 points of mAP): the demo validates and plans it.
+PLANNED = "shapes-det"
+# Its budget: 1 point of mAP@[.5:.95], the README's example.
+PLAN_MAX_DROP = 0.01
+# Held-out images of the local validation: enough for every layer's SQNR to settle
+# (the first divergence is the same on the whole split), a few seconds of work.
+VALIDATE_SAMPLES = 64
 
 
 def _log(message: str) -> None:
@@ -83,29 +101,30 @@ def median_latency_ms(backend: OnnxRuntimeBackend, batch: dict[str, np.ndarray])
 
 
 def _evaluate(entry, backend: OnnxRuntimeBackend, eval_set, label: str, progress: bool) -> dict:
-    bar = (
-        (lambda it: tqdm(it, desc=f"[{entry.name}] evaluate {label}", leave=False))
-        if progress
-        else None
-    )
+    def bar(batches):
+        return progress_bar(batches, desc=f"[{entry.name}] evaluate {label}", unit="batch",
+                            enabled=progress, leave=False)
+
     return tasks.evaluate(tasks.Task.from_zoo(entry, eval_set), backend.run,
                           list(tasks.zoo_batches(entry, eval_set)), progress=bar)
 
 
 def run_model(
     name: str, out: Path, methods: Sequence[str], eval_limit: int | None, progress: bool
-) -> dict:
+) -> tuple[dict, list[Section]]:
     """Export, collect statistics once, then calibrate, quantize and evaluate with each of
-    `methods`; write the artifacts of the best method; return the model's summary record."""
+    `methods`; write the artifacts of the best method; for PLANNED also validate and plan.
+    Returns the model's summary record and its report sections."""
     entry = zoo.get(name)
     _log(f"[{name}] export to ONNX")
     model = pipeline.export_zoo_model(name)
     inputs = input_specs(model)
     source = open_data(entry.calibration_set(), inputs, batch_size=32)
     _log(f"[{name}] collect statistics on {source.num_samples} calibration samples")
-    stats = collect.collect(
-        model, source, qdq.activation_tensors_to_calibrate(model), progress=progress
-    )
+    # The planned model's also cover the linear ops' outputs, which the planner's rules read.
+    tensors = (plan.needed_tensors(model) if name == PLANNED
+               else qdq.activation_tensors_to_calibrate(model))
+    stats = collect.collect(model, source, tensors, progress=progress)
     eval_set = entry.eval_set(eval_limit)
     metric = tasks.PRIMARY_METRIC[entry.task]
     fp32 = OnnxRuntimeBackend(model, name="onnxruntime fp32")
@@ -147,7 +166,164 @@ def run_model(
         f"INT8 {record['int8']:.4f} ({best}, delta {record['delta']:+.4f}); "
         f"latency {record['fp32_latency_ms']:.1f} -> {record['int8_latency_ms']:.1f} ms"
     )
-    return record
+    sections = [Section(name, _calibration_html(record), anchor=name)]
+    if name == PLANNED:
+        checked = _validate(entry, results[best], out / name / "validate", progress)
+        record["validation"] = checked
+        planned = _plan(entry, model, stats, source, eval_set, results, out / name / "plan",
+                        progress)
+        record["plan"] = _plan_record(planned)
+        sections.append(Section(f"{name}: precision plan", plan_section(planned).html,
+                                anchor="plan"))
+        sections.insert(0, _story_section(record, planned, out / name / "plan" / "trtexec.txt"))
+    return record, sections
+
+
+def _validate(entry, result: pipeline.CalibrationResult, out: Path, progress: bool) -> dict:
+    """Local-mode validation of the best calibration on VALIDATE_SAMPLES held-out samples:
+    its first divergence as a plain record (the report is written into `out`)."""
+    eval_set = entry.eval_set(VALIDATE_SAMPLES)
+    _log(f"[{entry.name}] validate layer by layer (local mode) on {len(eval_set.inputs)} "
+         "held-out samples")
+    data = open_data(eval_set.inputs, input_specs(result.model), batch_size=32)
+    validation = validate(result.model, result.qdq_model, data, out,
+                          task=tasks.Task.from_zoo(entry, eval_set), mode="local",
+                          progress=progress, title=f"Validation of {entry.name} (local mode)")
+    divergence = validation.pairs[-1].divergence
+    found = None
+    if divergence is not None:
+        node = next(n for n in result.model.graph.node if n.name == divergence.node)
+        found = {**divergence.to_dict(), "depthwise": _is_depthwise(result.model, node)}
+        _log(f"[{entry.name}] first divergence: {divergence.tensor} ({divergence.op_type} "
+             f"{divergence.node}{', depthwise' if found['depthwise'] else ''}, "
+             f"{divergence.sqnr_db:.1f} dB)")
+    return {"samples": len(eval_set.inputs), "folder": f"{entry.name}/validate",
+            "divergence": found}
+
+
+def _is_depthwise(model, node) -> bool:
+    """A Conv with one group per input channel."""
+    if node.op_type != "Conv":
+        return False
+    group = next((a.i for a in node.attribute if a.name == "group"), 1)
+    weight = next((i for i in model.graph.initializer if i.name == node.input[1]), None)
+    return group > 1 and weight is not None and weight.dims[1] == 1
+
+
+def _plan(entry, model, stats, source, eval_set, results: dict, out: Path,
+          progress: bool) -> plan.PlanResult:
+    """`quantlab plan` of PLANNED under PLAN_MAX_DROP of its task metric, certified on the
+    evaluation split, from the statistics already collected; writes plan.json, the models and
+    trtexec.txt into `out` (the folder `quantlab build` reads)."""
+    _log(f"[{entry.name}] plan under a {PLAN_MAX_DROP * 100:g}-point "
+         f"{tasks.METRIC_LABELS[tasks.PRIMARY_METRIC[entry.task]]} budget")
+    task = tasks.Task.from_zoo(entry, eval_set)
+    candidates = {method: result.scales.amax for method, result in results.items()}
+    p9999 = calibrate.calibrate(stats, "percentile").amax
+    planned = plan.make_plan(
+        model, source, open_data(eval_set.inputs, input_specs(model), batch_size=32),
+        calibrate.calibrate(stats, calibrate.DEFAULT_METHOD).amax,
+        {name: tensor.amax for name, tensor in stats.tensors.items()}, p9999,
+        metric=task.primary_metric, max_drop=PLAN_MAX_DROP, task=task,
+        candidates=candidates if len(candidates) > 1 else None,
+        progress=partial(progress_bar, leave=False) if progress else None)
+    out.mkdir(parents=True)
+    planned.plan.save(out / "plan.json")
+    graph.save_model(planned.model, out / "model.onnx")
+    graph.save_model(planned.qdq_model, out / "model.int8.onnx")
+    graph.record_data_shapes(model, source)
+    write_text(out / "trtexec.txt", trtexec.trtexec_text(
+        planned.plan.node_precisions(), input_profile(model, 32, dynamic_only=True), None))
+    write_report(out / "report.html", f"quantlab plan: {entry.name}", [plan_section(planned)])
+    certificate = planned.certificate
+    _log(f"[{entry.name}] plan: {planned.plan.int8_mac_share():.1%} of MACs in INT8, "
+         f"{certificate.value:.4f} ({'certified' if certificate.certified else 'NOT certified'})")
+    return planned
+
+
+def _plan_record(planned: plan.PlanResult) -> dict:
+    """The plan's figures for summary.json: certificate, INT8 share, the units pinned."""
+    certificate = planned.certificate
+    total = sum(d.macs for d in planned.plan.units.values()) or 1
+    return {
+        "max_drop": PLAN_MAX_DROP,
+        "int8_mac_share": planned.plan.int8_mac_share(),
+        "value": certificate.value,
+        "limit": certificate.limit,
+        "certified": certificate.certified,
+        "margin_low": certificate.interval[0],
+        "confidence": certificate.confidence,
+        "samples": certificate.samples,
+        "model_runs": planned.model_runs,
+        "pinned": [{"unit": unit, "precision": d.precision, "mac_share": d.macs / total,
+                    "reasons": [r.code for r in d.reasons]}
+                   for unit, d in planned.plan.units.items() if d.precision != "int8"],
+        "folder": f"{PLANNED}/plan",
+    }
+
+
+def _story_section(record: dict, planned: plan.PlanResult, trtexec_file: Path) -> Section:
+    """The first screen: FP32, all-INT8 and planned INT8 of PLANNED in numbers, the layer
+    the validator names, the units the plan pins and why, the command that builds it."""
+    label = tasks.METRIC_LABELS[record["metric"]]
+    budget = record["plan"]["max_drop"]
+    certificate = planned.certificate
+    points = 100 * (record["int8"] - record["fp32"])
+    rows = pd.DataFrame({
+        "model": ["FP32", f"all INT8 ({record['method']}, the best of "
+                          f"{len(record['methods'])} calibrators)", "planned INT8"],
+        "INT8 share of MACs": ["0 %", "100 %", f"{planned.plan.int8_mac_share():.1%}"],
+        label: [record["fp32"], record["int8"], certificate.value],
+        "vs FP32 (points)": ["", f"{points:+.2f}",
+                             f"{100 * (certificate.value - record['fp32']):+.2f}"],
+        f"within {100 * budget:g} point": [
+            "reference", "no" if -points > 100 * budget else "yes (not certified)",
+            (f"certified: {certificate.confidence:.0%} lower bound of the margin "
+             f"{100 * certificate.interval[0]:+.2f} points" if certificate.certified
+             else "NOT certified")],
+    })
+    found = record["validation"]["divergence"]
+    where = (Markup("the first layer to diverge is <code>{}</code>, {}{} node <code>{}</code>: "
+                    "{:.1f} dB SQNR on its own, fed the FP32 inputs").format(
+        found["tensor"], "a depthwise " if found["depthwise"] else "", found["op_type"],
+        found["node"], found["sqnr_db"]) if found else "no layer diverges")
+    total = sum(d.macs for d in planned.plan.units.values()) or 1
+    pinned = [(unit, d) for unit, d in planned.plan.units.items() if d.precision != "int8"]
+    pins = pd.DataFrame({
+        "unit": [unit for unit, _ in pinned],
+        "runs in": [d.precision.upper() for _, d in pinned],
+        "share of MACs": [f"{d.macs / total:.2%}" for _, d in pinned],
+        "why (hover a code)": [reason_codes_html(d.reasons) for _, d in pinned],
+        "local INT8 SQNR dB": [d.evidence.get("local_sqnr_int8_db", float("nan"))
+                               for _, d in pinned],
+        "output-noise rank": [d.evidence.get("output_rank") for _, d in pinned],
+    })
+    command = next(line for line in trtexec_file.read_text().splitlines()
+                   if line.startswith("trtexec"))
+    html = (
+        Markup("<p><b>{}</b>: {}. {} on {} held-out images; INT8 runs ONNX Runtime's integer "
+               "kernels.</p>").format(record["name"], record["description"].rstrip("."), label,
+                                      record["eval_samples"])
+        + Markup(table_html(rows, caption=f"FP32, all INT8 and the plan under a "
+                                          f"{100 * budget:g}-point {label} budget")))
+    html += Markup("<ol><li><b>Calibrate</b> ({}): one statistics pass, {} scale sets; the best "
+                   "loses {:.1f} points.</li>").format(
+        ", ".join(f"{m} {v[record['metric']]:.3f}" for m, v in record["methods"].items()),
+        len(record["methods"]), -points)
+    html += Markup("<li><b>Validate</b> layer by layer (local mode, {} images): {} "
+                   "(<a href=\"{}/report.html\">report</a>).</li>").format(
+        record["validation"]["samples"], where, record["validation"]["folder"])
+    html += Markup("<li><b>Plan</b>: {} unit(s) leave INT8, {:.1%} of the MACs; certified on "
+                   "the {} held-out images after {} evaluation(s) of the real INT8 model "
+                   "(<a href=\"#plan\">plan</a>).</li>").format(
+        len(pinned), 1 - planned.plan.int8_mac_share(), certificate.samples,
+        planned.model_runs)
+    html += Markup("<li><b>Build</b> with TensorRT 10 from <code>{}/</code> "
+                   "(<code>trtexec.txt</code>): <pre>{}</pre></li></ol>").format(
+        record["plan"]["folder"], command)
+    html += Markup(table_html(pins, caption="Units the plan keeps out of INT8"))
+    html += reasons_legend([r for _, d in pinned for r in d.reasons])
+    return Section(f"{record['name']}: from FP32 to a certified INT8 plan", html, anchor="story")
 
 
 def _summary_frame(records: Sequence[dict]) -> pd.DataFrame:
@@ -160,6 +336,14 @@ def _summary_frame(records: Sequence[dict]) -> pd.DataFrame:
             "INT8": [r["int8"] for r in records],
             "INT8 calibration": [r["method"] for r in records],
             "delta": [r["delta"] for r in records],
+        }
+    )
+
+
+def _latency_frame(records: Sequence[dict]) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "model": [r["name"] for r in records],
             f"FP32 ms / batch {LATENCY_BATCH}": [r["fp32_latency_ms"] for r in records],
             f"INT8 ms / batch {LATENCY_BATCH}": [r["int8_latency_ms"] for r in records],
             "INT8 speed-up": [r["speedup"] for r in records],
@@ -171,28 +355,51 @@ def _summary_frame(records: Sequence[dict]) -> pd.DataFrame:
     )
 
 
+def _bars(axis, records: Sequence[dict], key: str, fmt: str | None = None) -> None:
+    """FP32 and INT8 bars of `key` (``{}`` the precision) side by side per model."""
+    x = np.arange(len(records))
+    for offset, precision, color in ((-0.2, "fp32", "#5b6575"), (0.2, "int8", "#76b900")):
+        bars = axis.bar(x + offset, [r[key.format(precision)] for r in records], 0.4,
+                        label=precision.upper(), color=color)
+        if fmt:
+            axis.bar_label(bars, fmt=fmt, fontsize=8)
+
+
 def _accuracy_figure(records: Sequence[dict]):
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-    x = np.arange(len(records))
-    labels = [f"{r['name']}\n({tasks.METRIC_LABELS[r['metric']]})" for r in records]
-    for offset, key, color in ((-0.2, "fp32", "#5b6575"), (0.2, "int8", "#76b900")):
-        values = [r[key] for r in records]
-        bars = left.bar(x + offset, values, 0.4, label=key.upper(), color=color)
-        left.bar_label(bars, fmt="%.3f", fontsize=8)
-        latency = [r[f"{key}_latency_ms"] for r in records]
-        right.bar(x + offset, latency, 0.4, label=key.upper(), color=color)
-    left.set_xticks(x, labels)
-    left.set_ylim(0, 1.08)
-    left.set_title("Task metric on the held-out split")
-    left.legend(loc="lower right")
-    right.set_xticks(x, [r["name"] for r in records])
-    right.set_ylabel(f"ms per batch of {LATENCY_BATCH} (median)")
-    right.set_title("ONNX Runtime CPU latency")
-    right.legend()
+    figure, axis = plt.subplots(figsize=(7, 3.4))
+    _bars(axis, records, "{}", "%.3f")
+    axis.set_xticks(np.arange(len(records)),
+                    [f"{r['name']}\n({tasks.METRIC_LABELS[r['metric']]})" for r in records])
+    axis.set_ylim(0, 1.08)
+    axis.set_title("Task metric on the held-out split, all INT8 (best calibrator)")
+    axis.legend(loc="lower right")
     figure.tight_layout()
     return figure
+
+
+def _latency_figure(records: Sequence[dict], machine: str):
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 3.2))
+    _bars(axis, records, "{}_latency_ms")
+    axis.set_xticks(np.arange(len(records)), [r["name"] for r in records])
+    axis.set_ylabel(f"ms per batch of {LATENCY_BATCH} (median)")
+    axis.set_title(f"ONNX Runtime on this CPU ({machine}): not TensorRT", fontsize=10)
+    axis.legend()
+    figure.tight_layout()
+    return figure
+
+
+def int8_dot_product() -> str | None:
+    """The int8 dot-product instructions this CPU has (VNNI, ARM dotprod), '' for none,
+    None where /proc/cpuinfo cannot be read."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return None
+    return ", ".join(f for f in ("avx512_vnni", "avx_vnni", "asimddp") if f in flags)
 
 
 def _per_class_figure(record: dict):
@@ -212,64 +419,75 @@ def _per_class_figure(record: dict):
     return figure
 
 
-def _sections(records: Sequence[dict]) -> list[Section]:
+def _calibration_html(record: dict) -> str:
+    """A model's calibration methods and metrics, FP32 vs the best method's INT8."""
+    metrics = pd.DataFrame(
+        {
+            "metric": [
+                tasks.METRIC_LABELS.get(k, k)
+                for k, v in record["metrics_fp32"].items()
+                if not isinstance(v, dict)
+            ],
+            "FP32": [v for v in record["metrics_fp32"].values() if not isinstance(v, dict)],
+            "INT8": [v for v in record["metrics_int8"].values() if not isinstance(v, dict)],
+        }
+    )
+    label = tasks.METRIC_LABELS[record["metric"]]
+    by_method = pd.DataFrame(
+        {
+            "calibration method": list(record["methods"]),
+            f"INT8 {label}": [m[record["metric"]] for m in record["methods"].values()],
+            "delta vs FP32": [
+                m[record["metric"]] - record["fp32"] for m in record["methods"].values()
+            ],
+        }
+    )
+    body = (
+        f"<p>{escape(record['description'].rstrip('.'))}. Statistics collected once on "
+        f"{record['calibration_samples']} calibration samples; every calibration method "
+        f"computed its scales from them; evaluated on {record['eval_samples']} held-out "
+        f"samples. The best method, <code>{record['method']}</code>, wrote the artifacts "
+        f"in <code>{record['name']}/</code> (model.onnx, model.int8.onnx, scales.json, "
+        "stats.npz; <code>quantlab calibrate --trt-version</code> adds a TensorRT "
+        "calibration cache).</p>"
+        + table_html(by_method, caption="INT8 metric by calibration method")
+        + table_html(metrics, caption=f"All metrics, FP32 vs INT8 ({record['method']})")
+    )
+    if record["task"] == "detection":
+        body += figure_html(_per_class_figure(record), "Per-class AP, FP32 vs INT8")
+    return body
+
+
+def _overview_section(records: Sequence[dict]) -> Section:
     summary = table_html(
         _summary_frame(records),
         caption=(
             "Metrics computed on each model's held-out evaluation split; INT8 = the Q/DQ model "
-            "run by ONNX Runtime (CPU) with integer kernels."
+            "run by ONNX Runtime (CPU) with integer kernels, every layer in INT8."
         ),
-    ) + (
-        "<p>Latency is a sanity check, not a deployment figure: on CPU, ONNX Runtime's int8 "
-        "kernels pay for quantize/dequantize and NCHW-to-NHWC layout changes, which dominate "
-        "models this small. The deployment latency is the TensorRT engine's.</p>"
     )
-    sections = [
-        Section(
-            "Summary",
-            summary
-            + figure_html(
-                _accuracy_figure(records), "FP32 vs INT8 task metric and latency per model"
-            ),
-        )
-    ]
-    for record in records:
-        metrics = pd.DataFrame(
-            {
-                "metric": [
-                    tasks.METRIC_LABELS.get(k, k)
-                    for k, v in record["metrics_fp32"].items()
-                    if not isinstance(v, dict)
-                ],
-                "FP32": [v for v in record["metrics_fp32"].values() if not isinstance(v, dict)],
-                "INT8": [v for v in record["metrics_int8"].values() if not isinstance(v, dict)],
-            }
-        )
-        label = tasks.METRIC_LABELS[record["metric"]]
-        by_method = pd.DataFrame(
-            {
-                "calibration method": list(record["methods"]),
-                f"INT8 {label}": [m[record["metric"]] for m in record["methods"].values()],
-                "delta vs FP32": [
-                    m[record["metric"]] - record["fp32"] for m in record["methods"].values()
-                ],
-            }
-        )
-        body = (
-            f"<p>{escape(record['description'].rstrip('.'))}. Statistics collected once on "
-            f"{record['calibration_samples']} calibration samples; every calibration method "
-            f"computed its scales from them; evaluated on {record['eval_samples']} held-out "
-            f"samples. The best method, <code>{record['method']}</code>, wrote the artifacts "
-            f"in <code>{record['name']}/</code> (model.onnx, model.int8.onnx, scales.json, "
-            "stats.npz; <code>quantlab calibrate --trt-version</code> adds a TensorRT "
-            "calibration cache).</p>"
-            + table_html(by_method, caption="INT8 metric by calibration method")
-            + table_html(metrics, caption=f"All metrics, FP32 vs INT8 ({record['method']})")
-        )
-        if record["task"] == "detection":
-            body += figure_html(_per_class_figure(record), "Per-class AP, FP32 vs INT8")
-        sections.append(Section(record["name"], body))
-    return sections
+    return Section("Every zoo model, all INT8", summary + figure_html(
+        _accuracy_figure(records), "FP32 vs all-INT8 task metric per model"), anchor="zoo")
+
+
+def _latency_section(records: Sequence[dict]) -> Section:
+    found = int8_dot_product()
+    machine = ("int8 dot-product instructions unknown" if found is None
+               else f"with {found}" if found else "no int8 dot-product instructions")
+    html = (
+        "<p>A sanity check, not a deployment figure: the deployment latency is the TensorRT "
+        "engine's (<code>quantlab build</code>). "
+        + ("This CPU lacks int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI), so ONNX "
+           "Runtime's int8 kernels widen to 16 bits and run slower than its FP32 ones; "
+           if found == "" else "")
+        + "on CPU, quantize/dequantize and NCHW-to-NHWC layout changes also dominate models "
+        "this small.</p>"
+        + table_html(_latency_frame(records), caption="ONNX Runtime CPU latency, all INT8")
+        + figure_html(_latency_figure(records, machine),
+                      f"ONNX Runtime CPU latency per batch of {LATENCY_BATCH} on this machine")
+    )
+    return Section("CPU latency in ONNX Runtime (not a TensorRT figure)", html,
+                   anchor="latency")
 
 
 def run_demo(
@@ -285,7 +503,12 @@ def run_demo(
     names = list(models or zoo.names())
     with _demo_folder(out, force) as staging:
         started = time.perf_counter()
-        records = [run_model(name, staging, methods, eval_limit, progress) for name in names]
+        records, story, details = [], [], []
+        for name in names:
+            record, sections = run_model(name, staging, methods, eval_limit, progress)
+            records.append(record)
+            story += [s for s in sections if s.anchor == "story"]
+            details += [s for s in sections if s.anchor != "story"]
         summary = {
             "generator": DEMO_MARKER,
             "methods": list(methods),
@@ -295,10 +518,12 @@ def run_demo(
         write_json(staging / "summary.json", summary)
         write_report(
             staging / "report.html",
-            "quantlab demo: INT8 accuracy of the reference models",
-            _sections(records),
+            "quantlab demo: calibrate, validate and plan INT8 for TensorRT",
+            [*story, _overview_section(records), *details, _latency_section(records)],
             subtitle=f"Every zoo model exported, calibrated ({', '.join(methods)}), quantized "
-            "to Q/DQ INT8 and evaluated in ONNX Runtime.",
+            f"to Q/DQ INT8 and evaluated in ONNX Runtime; {PLANNED} validated layer by layer "
+            f"and planned under a {100 * PLAN_MAX_DROP:g}-point budget. "
+            f"{summary['seconds']:.0f} s on {os.cpu_count()} CPU cores.",
         )
     _log(f"wrote {out / 'report.html'} and {out / 'summary.json'} in {summary['seconds']:.0f} s")
     return summary
