@@ -162,20 +162,6 @@ def fingerprint(model: onnx.ModelProto, *parts) -> str:
 
 
 
-def needed_tensors(model: onnx.ModelProto, implicit: bool = False) -> list[str]:
-    """Tensors the planner needs statistics of, in graph order: the Q/DQ inputs, the linear
-    ops' float outputs (the FP16 range rule reads them) and, for a calibration cache
-    (`implicit`), every float tensor TensorRT <= 10's implicit INT8 needs a range for."""
-    from quantlab import trt_ranges
-
-    index = qdq.indexed(model)
-    wanted = set(trt_ranges.tensors_to_calibrate(index) if implicit
-                 else qdq.activation_tensors_to_calibrate(index))
-    wanted.update(out for node in index.model.graph.node if node.op_type in qdq.LINEAR_OPS
-                  for out in node.output if out in index.floats)
-    return [name for name in index.order if name in wanted]
-
-
 @dataclass
 class Evaluation:
     """One full evaluation of a plan on the real INT8 model: the ledger entry."""

@@ -1053,7 +1053,7 @@ def test_plan_completes_reused_statistics_with_what_it_reads(trt_version):
                     helper.make_node("Conv", ["m1", "w2"], ["y"], name="conv2")],
                    [("x", ["N", 3, 5, 5])], {"w1": weights(4, 3, 1, 1), "w2": weights(2, 4, 1, 1)})
     expected = ["x", "c1", "s1", "m1", "y"] if trt_version else ["x", "c1", "m1", "y"]
-    assert plan.needed_tensors(g.model, trt_version is not None) == expected
+    assert command._needed_tensors(g.model, trt_version is not None) == expected
     samples = np.random.default_rng(2).standard_normal((10, 3, 5, 5)).astype(np.float32)
     source = data.open_data(samples, g.inputs, batch_size=4)
     reused = collect.collect(g.model, source, ["x", "m1"], progress=False)
