@@ -199,12 +199,26 @@ def _prepared(args, recorded):
     return model
 
 
-def _statistics(model, source, stats, args):
-    """Statistics of every tensor :func:`quantlab.plan.needed_tensors` lists: `stats` (reused from a
-    calibration folder, or None) completed by one collection pass over the ones it lacks."""
-    from quantlab import collect, plan
+def _needed_tensors(model, implicit: bool) -> list[str]:
+    """Tensors the planner needs statistics of: the Q/DQ inputs, the linear ops' float outputs
+    (the FP16 range rule reads them) and, for a calibration cache (`implicit`), every float
+    tensor TensorRT <= 10's implicit INT8 needs a range for."""
+    from quantlab import qdq, trt_ranges
 
-    needed = plan.needed_tensors(model, args.trt_version is not None)
+    index = qdq.indexed(model)
+    wanted = set(trt_ranges.tensors_to_calibrate(index) if implicit
+                 else qdq.activation_tensors_to_calibrate(index))
+    wanted.update(out for node in index.model.graph.node if node.op_type in qdq.LINEAR_OPS
+                  for out in node.output if out in index.floats)
+    return [name for name in index.order if name in wanted]
+
+
+def _statistics(model, source, stats, args):
+    """Statistics of every tensor :func:`_needed_tensors` lists: `stats` (reused from a
+    calibration folder, or None) completed by one collection pass over the ones it lacks."""
+    from quantlab import collect
+
+    needed = _needed_tensors(model, args.trt_version is not None)
     missing = [name for name in needed if stats is None or name not in stats.tensors]
     if not missing:
         return stats
