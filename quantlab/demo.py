@@ -12,13 +12,13 @@ trtexec commands that build its engine. Writes ``<out>/report.html``
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -26,16 +26,20 @@ import pandas as pd
 from markupsafe import Markup, escape
 from tqdm import tqdm
 
-from quantlab import calibrate, collect, graph, pipeline, plan, qdq, tasks, trtexec, zoo
+from quantlab import calibrate, collect, pipeline, plan, qdq, tasks, zoo
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
-from quantlab.backends.tensorrt import input_profile
 from quantlab.data import open_data
 from quantlab.errors import OutputExistsError
-from quantlab.experiment import check_output, output_folder, read_json, write_json, write_text
+from quantlab.experiment import check_output, output_folder, read_json, write_json
 from quantlab.graph import input_specs
 from quantlab.progress import progress_bar
 from quantlab.report import Section, figure_html, table_html, write_report
-from quantlab.report.plan import plan_section, reason_codes_html, reasons_legend
+from quantlab.report.plan import (
+    decisions_frame,
+    reason_codes_html,
+    reasons_legend,
+    unit_strip_html,
+)
 from quantlab.validate import validate
 
 DEMO_MARKER = "quantlab demo"
@@ -65,6 +69,8 @@ PLAN_MAX_DROP = 0.01
 # Held-out images of the local validation: enough for every layer's SQNR to settle
 # (the first divergence is the same on the whole split), a few seconds of work.
 VALIDATE_SAMPLES = 64
+# Layers with the largest local error named in the story.
+WORST_LAYERS = 3
 
 
 def _log(message: str) -> None:
@@ -121,10 +127,9 @@ def run_model(
     inputs = input_specs(model)
     source = open_data(entry.calibration_set(), inputs, batch_size=32)
     _log(f"[{name}] collect statistics on {source.num_samples} calibration samples")
-    # The planned model's also cover the linear ops' outputs, which the planner's rules read.
-    tensors = (plan.needed_tensors(model) if name == PLANNED
-               else qdq.activation_tensors_to_calibrate(model))
-    stats = collect.collect(model, source, tensors, progress=progress)
+    stats = collect.collect(
+        model, source, qdq.activation_tensors_to_calibrate(model), progress=progress
+    )
     eval_set = entry.eval_set(eval_limit)
     metric = tasks.PRIMARY_METRIC[entry.task]
     fp32 = OnnxRuntimeBackend(model, name="onnxruntime fp32")
@@ -168,20 +173,20 @@ def run_model(
     )
     sections = [Section(name, _calibration_html(record), anchor=name)]
     if name == PLANNED:
-        checked = _validate(entry, results[best], out / name / "validate", progress)
-        record["validation"] = checked
-        planned = _plan(entry, model, stats, source, eval_set, results, out / name / "plan",
-                        progress)
-        record["plan"] = _plan_record(planned)
-        sections.append(Section(f"{name}: precision plan", plan_section(planned).html,
+        record["validation"] = _validate(entry, results[best], out / name / "validate",
+                                         progress)
+        record["plan"] = _plan(name, out / name / "plan", methods, eval_limit, progress)
+        decided = plan.Plan.load(out / name / "plan" / "plan.json")
+        sections.insert(0, _story_section(record, decided, out / name / "plan"))
+        sections.append(Section(f"{name}: precision plan", _plan_html(record["plan"], decided),
                                 anchor="plan"))
-        sections.insert(0, _story_section(record, planned, out / name / "plan" / "trtexec.txt"))
     return record, sections
 
 
 def _validate(entry, result: pipeline.CalibrationResult, out: Path, progress: bool) -> dict:
     """Local-mode validation of the best calibration on VALIDATE_SAMPLES held-out samples:
-    its first divergence as a plain record (the report is written into `out`)."""
+    its first divergence and its WORST_LAYERS largest errors as plain records (the report
+    and per-layer table are written into `out`)."""
     eval_set = entry.eval_set(VALIDATE_SAMPLES)
     _log(f"[{entry.name}] validate layer by layer (local mode) on {len(eval_set.inputs)} "
          "held-out samples")
@@ -189,20 +194,35 @@ def _validate(entry, result: pipeline.CalibrationResult, out: Path, progress: bo
     validation = validate(result.model, result.qdq_model, data, out,
                           task=tasks.Task.from_zoo(entry, eval_set), mode="local",
                           progress=progress, title=f"Validation of {entry.name} (local mode)")
-    divergence = validation.pairs[-1].divergence
-    found = None
-    if divergence is not None:
-        node = next(n for n in result.model.graph.node if n.name == divergence.node)
-        found = {**divergence.to_dict(), "depthwise": _is_depthwise(result.model, node)}
-        _log(f"[{entry.name}] first divergence: {divergence.tensor} ({divergence.op_type} "
-             f"{divergence.node}{', depthwise' if found['depthwise'] else ''}, "
-             f"{divergence.sqnr_db:.1f} dB)")
-    return {"samples": len(eval_set.inputs), "folder": f"{entry.name}/validate",
-            "divergence": found}
+    pair = validation.pairs[-1]
+    nodes = {node.name: node for node in result.model.graph.node}
+
+    def layer(tensor: str, node: str, op_type: str, sqnr_db: float) -> dict:
+        return {"tensor": tensor, "node": node, "op_type": op_type, "sqnr_db": float(sqnr_db),
+                "depthwise": _is_depthwise(result.model, nodes[node])}
+
+    found = pair.divergence
+    worst = [layer(row.tensor, row.node, row.op_type, row.sqnr_db) for row in
+             pair.table.sort_values("sqnr_db").head(WORST_LAYERS).itertuples(index=False)]
+    record = {"samples": len(eval_set.inputs), "folder": f"{entry.name}/validate",
+              "divergence": found and layer(found.tensor, found.node, found.op_type,
+                                            found.sqnr_db),
+              "worst": worst}
+    _log(f"[{entry.name}] first divergence: {_layer_text(record['divergence'])}; largest "
+         f"errors: {'; '.join(_layer_text(w) for w in worst)}")
+    return record
+
+
+def _layer_text(layer: dict | None) -> str:
+    """``tensor (depthwise Conv node, 0.9 dB)``."""
+    if layer is None:
+        return "none"
+    kind = "depthwise Conv" if layer["depthwise"] else layer["op_type"]
+    return f"{layer['tensor']} ({kind} {layer['node']}, {layer['sqnr_db']:.1f} dB)"
 
 
 def _is_depthwise(model, node) -> bool:
-    """A Conv with one group per input channel."""
+    """A Conv with one input channel per group."""
     if node.op_type != "Conv":
         return False
     group = next((a.i for a in node.attribute if a.name == "group"), 1)
@@ -210,120 +230,112 @@ def _is_depthwise(model, node) -> bool:
     return group > 1 and weight is not None and weight.dims[1] == 1
 
 
-def _plan(entry, model, stats, source, eval_set, results: dict, out: Path,
-          progress: bool) -> plan.PlanResult:
-    """`quantlab plan` of PLANNED under PLAN_MAX_DROP of its task metric, certified on the
-    evaluation split, from the statistics already collected; writes plan.json, the models and
-    trtexec.txt into `out` (the folder `quantlab build` reads)."""
-    _log(f"[{entry.name}] plan under a {PLAN_MAX_DROP * 100:g}-point "
-         f"{tasks.METRIC_LABELS[tasks.PRIMARY_METRIC[entry.task]]} budget")
-    task = tasks.Task.from_zoo(entry, eval_set)
-    candidates = {method: result.scales.amax for method, result in results.items()}
-    p9999 = calibrate.calibrate(stats, "percentile").amax
-    planned = plan.make_plan(
-        model, source, open_data(eval_set.inputs, input_specs(model), batch_size=32),
-        calibrate.calibrate(stats, calibrate.DEFAULT_METHOD).amax,
-        {name: tensor.amax for name, tensor in stats.tensors.items()}, p9999,
-        metric=task.primary_metric, max_drop=PLAN_MAX_DROP, task=task,
-        candidates=candidates if len(candidates) > 1 else None,
-        progress=partial(progress_bar, leave=False) if progress else None)
-    out.mkdir(parents=True)
-    planned.plan.save(out / "plan.json")
-    graph.save_model(planned.model, out / "model.onnx")
-    graph.save_model(planned.qdq_model, out / "model.int8.onnx")
-    graph.record_data_shapes(model, source)
-    write_text(out / "trtexec.txt", trtexec.trtexec_text(
-        planned.plan.node_precisions(), input_profile(model, 32, dynamic_only=True), None))
-    write_report(out / "report.html", f"quantlab plan: {entry.name}", [plan_section(planned)])
-    certificate = planned.certificate
-    _log(f"[{entry.name}] plan: {planned.plan.int8_mac_share():.1%} of MACs in INT8, "
-         f"{certificate.value:.4f} ({'certified' if certificate.certified else 'NOT certified'})")
-    return planned
+def plan_argv(name: str, out: str, methods: Sequence[str], eval_limit: int | None) -> list[str]:
+    """The `quantlab plan` command line the demo runs for zoo model `name`."""
+    return [name, "--data", "zoo", "--eval", "zoo", "--metric",
+            tasks.PRIMARY_METRIC[zoo.get(name).task], "--max-drop", f"{PLAN_MAX_DROP:g}",
+            "--calibrators", *methods,
+            *(["--max-samples", str(eval_limit)] if eval_limit else []), "--out", out]
 
 
-def _plan_record(planned: plan.PlanResult) -> dict:
-    """The plan's figures for summary.json: certificate, INT8 share, the units pinned."""
-    certificate = planned.certificate
-    total = sum(d.macs for d in planned.plan.units.values()) or 1
-    return {
-        "max_drop": PLAN_MAX_DROP,
-        "int8_mac_share": planned.plan.int8_mac_share(),
-        "value": certificate.value,
-        "limit": certificate.limit,
-        "certified": certificate.certified,
-        "margin_low": certificate.interval[0],
-        "confidence": certificate.confidence,
-        "samples": certificate.samples,
-        "model_runs": planned.model_runs,
-        "pinned": [{"unit": unit, "precision": d.precision, "mac_share": d.macs / total,
-                    "reasons": [r.code for r in d.reasons]}
-                   for unit, d in planned.plan.units.items() if d.precision != "int8"],
-        "folder": f"{PLANNED}/plan",
-    }
+def _plan(name: str, out: Path, methods: Sequence[str], eval_limit: int | None,
+          progress: bool) -> dict:
+    """Run `quantlab plan` on `name` into `out` (plan.json, the models, trtexec.txt, its own
+    report) exactly as the command line does, and return its figures for the story."""
+    from quantlab.commands import plan as command
+
+    shown = "quantlab plan " + " ".join(plan_argv(name, f"{name}/plan", methods, eval_limit))
+    _log(f"[{name}] {shown}")
+    parser = argparse.ArgumentParser(prog="quantlab plan")
+    command.add_arguments(parser)
+    command.run(parser.parse_args([*plan_argv(name, str(out), methods, eval_limit),
+                                   *([] if progress else ["--no-progress"])]))
+    summary = read_json(out / "summary.json")
+    return {"command": shown, "folder": f"{name}/plan", "max_drop": PLAN_MAX_DROP,
+            "int8_mac_share": summary["int8_mac_share"], "certificate": summary["certificate"],
+            "model_runs": sum(e["model_run"] for e in summary["evaluations"]),
+            "repairs": [r["repair"] for r in summary["repairs"]
+                        if r["chosen"] and r["repair"] != "none"]}
 
 
-def _story_section(record: dict, planned: plan.PlanResult, trtexec_file: Path) -> Section:
+def _story_section(record: dict, decided: plan.Plan, folder: Path) -> Section:
     """The first screen: FP32, all-INT8 and planned INT8 of PLANNED in numbers, the layer
     the validator names, the units the plan pins and why, the command that builds it."""
     label = tasks.METRIC_LABELS[record["metric"]]
-    budget = record["plan"]["max_drop"]
-    certificate = planned.certificate
-    points = 100 * (record["int8"] - record["fp32"])
+    planned = record["plan"]
+    certificate = planned["certificate"]
+    budget = 100 * planned["max_drop"]
+    lost = 100 * (record["fp32"] - record["int8"])
     rows = pd.DataFrame({
         "model": ["FP32", f"all INT8 ({record['method']}, the best of "
                           f"{len(record['methods'])} calibrators)", "planned INT8"],
-        "INT8 share of MACs": ["0 %", "100 %", f"{planned.plan.int8_mac_share():.1%}"],
-        label: [record["fp32"], record["int8"], certificate.value],
-        "vs FP32 (points)": ["", f"{points:+.2f}",
-                             f"{100 * (certificate.value - record['fp32']):+.2f}"],
-        f"within {100 * budget:g} point": [
-            "reference", "no" if -points > 100 * budget else "yes (not certified)",
-            (f"certified: {certificate.confidence:.0%} lower bound of the margin "
-             f"{100 * certificate.interval[0]:+.2f} points" if certificate.certified
-             else "NOT certified")],
+        "INT8 share of MACs": ["0 %", "100 %", f"{planned['int8_mac_share']:.1%}"],
+        label: [record["fp32"], record["int8"], certificate["value"]],
+        "vs FP32, points": ["", f"{-lost:+.2f}",
+                            f"{100 * (certificate['value'] - certificate['reference']):+.2f}"],
+        f"within {budget:g} point": [
+            "reference", "no" if lost > budget else "yes, not certified",
+            f"certified: {certificate['confidence']:.0%} bound of the margin "
+            f"{100 * certificate['interval'][0]:+.2f} points" if certificate["certified"]
+            else "NOT certified"],
     })
-    found = record["validation"]["divergence"]
-    where = (Markup("the first layer to diverge is <code>{}</code>, {}{} node <code>{}</code>: "
-                    "{:.1f} dB SQNR on its own, fed the FP32 inputs").format(
-        found["tensor"], "a depthwise " if found["depthwise"] else "", found["op_type"],
-        found["node"], found["sqnr_db"]) if found else "no layer diverges")
-    total = sum(d.macs for d in planned.plan.units.values()) or 1
-    pinned = [(unit, d) for unit, d in planned.plan.units.items() if d.precision != "int8"]
+    checked = record["validation"]
+    where = Markup("the first layer below 30 dB SQNR is <code>{}</code>; the largest errors "
+                   "are {}").format(
+        _layer_text(checked["divergence"]),
+        Markup(", ").join(Markup("<code>{}</code>").format(_layer_text(w))
+                          for w in checked["worst"]))
+    total = sum(d.macs for d in decided.units.values()) or 1
+    pinned = {unit: d for unit, d in decided.units.items() if d.precision != "int8"}
     pins = pd.DataFrame({
-        "unit": [unit for unit, _ in pinned],
-        "runs in": [d.precision.upper() for _, d in pinned],
-        "share of MACs": [f"{d.macs / total:.2%}" for _, d in pinned],
-        "why (hover a code)": [reason_codes_html(d.reasons) for _, d in pinned],
-        "local INT8 SQNR dB": [d.evidence.get("local_sqnr_int8_db", float("nan"))
-                               for _, d in pinned],
-        "output-noise rank": [d.evidence.get("output_rank") for _, d in pinned],
+        "unit": list(pinned),
+        "runs in": [d.precision.upper() for d in pinned.values()],
+        "share of MACs": [f"{d.macs / total:.2%}" for d in pinned.values()],
+        "why (hover a code)": [reason_codes_html(d.reasons) for d in pinned.values()],
+        "local INT8 SQNR, dB": [d.evidence.get("local_sqnr_int8_db", float("nan"))
+                                for d in pinned.values()],
+        "output-noise rank": [d.evidence.get("output_rank") for d in pinned.values()],
     })
-    command = next(line for line in trtexec_file.read_text().splitlines()
-                   if line.startswith("trtexec"))
-    html = (
-        Markup("<p><b>{}</b>: {}. {} on {} held-out images; INT8 runs ONNX Runtime's integer "
-               "kernels.</p>").format(record["name"], record["description"].rstrip("."), label,
-                                      record["eval_samples"])
-        + Markup(table_html(rows, caption=f"FP32, all INT8 and the plan under a "
-                                          f"{100 * budget:g}-point {label} budget")))
-    html += Markup("<ol><li><b>Calibrate</b> ({}): one statistics pass, {} scale sets; the best "
-                   "loses {:.1f} points.</li>").format(
-        ", ".join(f"{m} {v[record['metric']]:.3f}" for m, v in record["methods"].items()),
-        len(record["methods"]), -points)
-    html += Markup("<li><b>Validate</b> layer by layer (local mode, {} images): {} "
-                   "(<a href=\"{}/report.html\">report</a>).</li>").format(
+    build = next(line for line in (folder / "trtexec.txt").read_text().splitlines()
+                 if line.startswith("trtexec"))
+    html = Markup("<p><b>{}</b>: {}. {} on its {} held-out images; INT8 is the Q/DQ model on "
+                  "ONNX Runtime's integer kernels.</p>").format(
+        record["name"], record["description"].rstrip("."), label, record["eval_samples"])
+    html += Markup(table_html(rows, caption=f"FP32, all INT8 and the plan under a {budget:g}-"
+                                            f"point {label} budget"))
+    html += Markup("<ol><li><b>Calibrate</b>: one statistics pass, {} calibrators ({}); the best "
+                   "all-INT8 model loses {:.1f} points.</li>").format(
+        len(record["methods"]),
+        ", ".join(f"{m} {v[record['metric']]:.3f}" for m, v in record["methods"].items()), lost)
+    html += Markup("<li><b>Validate</b> layer by layer, each INT8 layer fed the FP32 inputs "
+                   "(local mode, {} images): {} (<a href=\"{}/report.html\">"
+                   "validation report</a>).</li>").format(
         record["validation"]["samples"], where, record["validation"]["folder"])
-    html += Markup("<li><b>Plan</b>: {} unit(s) leave INT8, {:.1%} of the MACs; certified on "
-                   "the {} held-out images after {} evaluation(s) of the real INT8 model "
-                   "(<a href=\"#plan\">plan</a>).</li>").format(
-        len(pinned), 1 - planned.plan.int8_mac_share(), certificate.samples,
-        planned.model_runs)
-    html += Markup("<li><b>Build</b> with TensorRT 10 from <code>{}/</code> "
-                   "(<code>trtexec.txt</code>): <pre>{}</pre></li></ol>").format(
-        record["plan"]["folder"], command)
-    html += Markup(table_html(pins, caption="Units the plan keeps out of INT8"))
-    html += reasons_legend([r for _, d in pinned for r in d.reasons])
+    html += Markup("<li><b>Plan</b> (<code>{}</code>): {} of {} units leave INT8, {:.1%} of the "
+                   "MACs{}; certified on {} held-out images after {} evaluation(s) of the real "
+                   "INT8 model (<a href=\"#plan\">below</a>).</li>").format(
+        planned["command"], len(pinned), len(decided.units), 1 - planned["int8_mac_share"],
+        Markup(", after the repair <code>{}</code>").format(", ".join(planned["repairs"]))
+        if planned["repairs"] else "", certificate["samples"], planned["model_runs"])
+    html += Markup("<li><b>Build</b> the engine with TensorRT 10 in <code>{}/</code> (the "
+                   "commands for TensorRT 11 and <code>quantlab build</code> are in its "
+                   "<code>trtexec.txt</code>):<pre>{}</pre></li></ol>").format(
+        planned["folder"], build)
+    html += Markup(table_html(pins, caption="Units the plan keeps out of INT8, and why"))
+    html += reasons_legend(r for d in pinned.values() for r in d.reasons)
     return Section(f"{record['name']}: from FP32 to a certified INT8 plan", html, anchor="story")
+
+
+def _plan_html(planned: dict, decided: plan.Plan) -> str:
+    """The plan in the demo's report: the strip of units and every unit's decision; its own
+    report (front, evaluations, noise waterfall) is linked."""
+    return (Markup("<p><code>{}</code> wrote <code>{}/</code>: plan.json, model.int8.onnx, "
+                   "trtexec.txt and <a href=\"{}/report.html\">its report</a> (the predicted "
+                   "front, every evaluation, the noise each pin removes).</p>").format(
+        planned["command"], planned["folder"], planned["folder"])
+        + unit_strip_html(decided)
+        + Markup(table_html(decisions_frame(decided), caption="Decision per unit"))
+        + reasons_legend(r for d in decided.units.values() for r in d.reasons))
 
 
 def _summary_frame(records: Sequence[dict]) -> pd.DataFrame:

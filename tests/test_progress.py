@@ -55,3 +55,24 @@ def test_an_interrupted_phase_writes_no_done_line(capsys):
         bar.update(1)
         raise KeyboardInterrupt
     assert capsys.readouterr().err.splitlines() == ["plan: started, 4 it"]
+
+
+@pytest.mark.slow
+def test_a_zoo_plan_logged_to_a_file_is_a_few_dozen_plain_lines(tmp_path, capsys, monkeypatch):
+    from quantlab.cli import main
+
+    # Every phase may write its tenths (as a slow machine would) and still stays short.
+    monkeypatch.setattr(progress, "LINE_SECONDS", 0.0)
+    argv = ["plan", "digits-cnn", "--data", "zoo", "--eval", "zoo", "--metric", "top1",
+            "--max-drop", "0.05", "--max-samples", "64", "--trials", "4", "--hard-samples", "8",
+            "--resamples", "20", "--calibrators", "max", "--repairs"]
+    assert main([*argv, "--out", str(tmp_path / "logged")]) == 0
+    logged = capsys.readouterr()
+    lines = (logged.out + logged.err).splitlines()
+    assert "\r" not in logged.out + logged.err
+    assert any(line.startswith("switchboard trials: started") for line in lines)
+    assert any(line.startswith("INT8 evaluation: done") for line in lines)
+    assert len(lines) <= 60, "\n".join(lines)
+    assert main([*argv, "--no-progress", "--out", str(tmp_path / "quiet")]) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == "" and len(quiet.out.splitlines()) <= 3, quiet.out

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 from markupsafe import Markup
 
-from quantlab.plan import RULES, SEARCH_CODE, PlanResult, Reason
+from quantlab.plan import RULES, SEARCH_CODE, Plan, PlanResult, Reason
 from quantlab.report import _ENV, Section, figure_html, table_html
 
 # What each reason code means, for the legend under a table of codes: the rule's own summary.
@@ -68,19 +68,18 @@ def plan_section(result: PlanResult) -> Section:
         waterfall_figure=Markup(figure_html(waterfall_figure(result), "Predicted output noise "
                                             "removed by each non-INT8 unit, from all-INT8 to "
                                             "the plan")),
-        strip_figure=Markup(figure_html(unit_strip_figure(result), "Units in topological "
-                                        "order, coloured by precision, with their measured "
-                                        "output-noise contribution in INT8")),
-        decisions_table=Markup(table_html(decisions_frame(result), caption="Decision per unit")),
+        strip_figure=unit_strip_html(result.plan),
+        decisions_table=Markup(table_html(decisions_frame(result.plan),
+                                          caption="Decision per unit")),
         legend=reasons_legend(r for d in result.plan.units.values() for r in d.reasons),
     )
     return Section("Precision plan", html, anchor="plan")
 
 
-def decisions_frame(result: PlanResult) -> pd.DataFrame:
-    """One row per unit: precision, MAC share, reasons, output-noise rank and contribution,
-    local INT8 and FP16 SQNR and the predicted FP16 contribution."""
-    total = sum(d.macs for d in result.plan.units.values()) or 1
+def decisions_frame(plan: Plan) -> pd.DataFrame:
+    """One row per unit: precision, MAC share, reason codes, output-noise rank and
+    contribution, local INT8 and FP16 SQNR, the predicted FP16 contribution, node count."""
+    total = sum(d.macs for d in plan.units.values()) or 1
     rows = [{
         "unit": name,
         "precision": d.precision,
@@ -93,7 +92,7 @@ def decisions_frame(result: PlanResult) -> pd.DataFrame:
         "fp16_nsr_contribution": d.evidence.get("fp16_nsr_contribution"),
         "calibrator": d.evidence.get("calibrator", ""),
         "nodes": len(d.nodes),
-    } for name, d in result.plan.units.items()]
+    } for name, d in plan.units.items()]
     return pd.DataFrame(rows)
 
 
@@ -180,15 +179,23 @@ def waterfall_figure(result: PlanResult):
     return figure
 
 
-def unit_strip_figure(result: PlanResult):
+def unit_strip_html(plan: Plan) -> Markup:
+    """:func:`unit_strip_figure` embedded, with its caption."""
+    return Markup(figure_html(unit_strip_figure(plan), "The network as its units in "
+                              "topological order, coloured by precision, over each unit's "
+                              "output-noise contribution in INT8 (measured on the switchboard, "
+                              "hardest calibration samples)"))
+
+
+def unit_strip_figure(plan: Plan):
     """The network as a strip of units in topological order, coloured by precision, over the
     bars of their measured output-noise contribution in INT8; the units left out of INT8 named.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    names = list(result.plan.units)
-    decisions = [result.plan.units[n] for n in names]
+    names = list(plan.units)
+    decisions = [plan.units[n] for n in names]
     colors = [PRECISION_COLORS[d.precision] for d in decisions]
     noise = np.array([d.predicted or 0.0 for d in decisions])
     floor = noise[noise > 0].min() / 10 if (noise > 0).any() else 1e-12
