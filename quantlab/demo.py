@@ -13,6 +13,8 @@ trtexec commands that build its engine. Writes ``<out>/report.html``
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import statistics
 import sys
@@ -118,9 +120,27 @@ def _evaluate(entry, backend: OnnxRuntimeBackend, eval_set, label: str, progress
 def run_model(
     name: str, out: Path, methods: Sequence[str], eval_limit: int | None, progress: bool
 ) -> tuple[dict, list[Section]]:
+    """Calibrate and evaluate `name` with every method (:func:`_calibrations`); for PLANNED
+    also validate and plan. Returns the model's summary record and its report sections."""
+    record, best = _calibrations(name, out, methods, eval_limit, progress)
+    sections = [Section(name, _calibration_html(record), anchor=name)]
+    if name == PLANNED:
+        record["validation"] = _validate(zoo.get(name), best, out / name / "validate",
+                                         progress)
+        del best  # the plan runs in its own memory budget
+        record["plan"] = _plan(name, out / name / "plan", methods, eval_limit, progress)
+        decided = plan.Plan.load(out / name / "plan" / "plan.json")
+        sections.insert(0, _story_section(record, decided, out / name / "plan"))
+        sections.append(Section(f"{name}: precision plan", _plan_html(record["plan"], decided),
+                                anchor="plan"))
+    return record, sections
+
+
+def _calibrations(name: str, out: Path, methods: Sequence[str], eval_limit: int | None,
+                  progress: bool) -> tuple[dict, pipeline.CalibrationResult]:
     """Export, collect statistics once, then calibrate, quantize and evaluate with each of
-    `methods`; write the artifacts of the best method; for PLANNED also validate and plan.
-    Returns the model's summary record and its report sections."""
+    `methods`; write the artifacts of the best method. Returns the summary record and the
+    best calibration (the other methods' models and sessions are freed on return)."""
     entry = zoo.get(name)
     _log(f"[{name}] export to ONNX")
     model = pipeline.export_zoo_model(name)
@@ -171,16 +191,7 @@ def run_model(
         f"INT8 {record['int8']:.4f} ({best}, delta {record['delta']:+.4f}); "
         f"latency {record['fp32_latency_ms']:.1f} -> {record['int8_latency_ms']:.1f} ms"
     )
-    sections = [Section(name, _calibration_html(record), anchor=name)]
-    if name == PLANNED:
-        record["validation"] = _validate(entry, results[best], out / name / "validate",
-                                         progress)
-        record["plan"] = _plan(name, out / name / "plan", methods, eval_limit, progress)
-        decided = plan.Plan.load(out / name / "plan" / "plan.json")
-        sections.insert(0, _story_section(record, decided, out / name / "plan"))
-        sections.append(Section(f"{name}: precision plan", _plan_html(record["plan"], decided),
-                                anchor="plan"))
-    return record, sections
+    return record, results[best]
 
 
 def _validate(entry, result: pipeline.CalibrationResult, out: Path, progress: bool) -> dict:
@@ -234,7 +245,7 @@ def plan_argv(name: str, out: str, methods: Sequence[str], eval_limit: int | Non
     """The `quantlab plan` command line the demo runs for zoo model `name`."""
     return [name, "--data", "zoo", "--eval", "zoo", "--metric",
             tasks.PRIMARY_METRIC[zoo.get(name).task], "--max-drop", f"{PLAN_MAX_DROP:g}",
-            "--calibrators", *methods,
+            *([] if set(methods) == set(calibrate.METHODS) else ["--calibrators", *methods]),
             *(["--max-samples", str(eval_limit)] if eval_limit else []), "--out", out]
 
 
@@ -244,14 +255,19 @@ def _plan(name: str, out: Path, methods: Sequence[str], eval_limit: int | None,
     report) exactly as the command line does, and return its figures for the story."""
     from quantlab.commands import plan as command
 
-    shown = "quantlab plan " + " ".join(plan_argv(name, f"{name}/plan", methods, eval_limit))
+    folder = f"{name}/plan"  # where it ends up, relative to the demo's folder
+    shown = "quantlab plan " + " ".join(plan_argv(name, folder, methods, eval_limit))
     _log(f"[{name}] {shown}")
     parser = argparse.ArgumentParser(prog="quantlab plan")
     command.add_arguments(parser)
-    command.run(parser.parse_args([*plan_argv(name, str(out), methods, eval_limit),
-                                   *([] if progress else ["--no-progress"])]))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # its lines name the staging folder
+        command.run(parser.parse_args([*plan_argv(name, str(out), methods, eval_limit),
+                                       *([] if progress else ["--no-progress"])]))
+    for line in printed.getvalue().splitlines():
+        _log(f"[{name}] {line.replace(str(out), folder)}")
     summary = read_json(out / "summary.json")
-    return {"command": shown, "folder": f"{name}/plan", "max_drop": PLAN_MAX_DROP,
+    return {"command": shown, "folder": folder, "max_drop": PLAN_MAX_DROP,
             "int8_mac_share": summary["int8_mac_share"], "certificate": summary["certificate"],
             "model_runs": sum(e["model_run"] for e in summary["evaluations"]),
             "repairs": [r["repair"] for r in summary["repairs"]
@@ -268,7 +284,9 @@ def _story_section(record: dict, decided: plan.Plan, folder: Path) -> Section:
     lost = 100 * (record["fp32"] - record["int8"])
     rows = pd.DataFrame({
         "model": ["FP32", f"all INT8 ({record['method']}, the best of "
-                          f"{len(record['methods'])} calibrators)", "planned INT8"],
+                          f"{len(record['methods'])} calibrators)",
+                  "planned INT8" + (f" ({', '.join(planned['repairs'])})"
+                                    if planned["repairs"] else "")],
         "INT8 share of MACs": ["0 %", "100 %", f"{planned['int8_mac_share']:.1%}"],
         label: [record["fp32"], record["int8"], certificate["value"]],
         "vs FP32, points": ["", f"{-lost:+.2f}",
@@ -287,14 +305,16 @@ def _story_section(record: dict, decided: plan.Plan, folder: Path) -> Section:
                           for w in checked["worst"]))
     total = sum(d.macs for d in decided.units.values()) or 1
     pinned = {unit: d for unit, d in decided.units.items() if d.precision != "int8"}
+    # The units a rule spoke about, whatever the measurement then decided, and the pins.
+    shown = {unit: d for unit, d in decided.units.items() if d.reasons or unit in pinned}
     pins = pd.DataFrame({
-        "unit": list(pinned),
-        "runs in": [d.precision.upper() for d in pinned.values()],
-        "share of MACs": [f"{d.macs / total:.2%}" for d in pinned.values()],
-        "why (hover a code)": [reason_codes_html(d.reasons) for d in pinned.values()],
+        "unit": list(shown),
+        "runs in": [d.precision.upper() for d in shown.values()],
+        "share of MACs": [f"{d.macs / total:.2%}" for d in shown.values()],
+        "reasons (hover a code)": [reason_codes_html(d.reasons) for d in shown.values()],
         "local INT8 SQNR, dB": [d.evidence.get("local_sqnr_int8_db", float("nan"))
-                                for d in pinned.values()],
-        "output-noise rank": [d.evidence.get("output_rank") for d in pinned.values()],
+                                for d in shown.values()],
+        "output-noise rank": [d.evidence.get("output_rank") for d in shown.values()],
     })
     build = next(line for line in (folder / "trtexec.txt").read_text().splitlines()
                  if line.startswith("trtexec"))
@@ -311,18 +331,29 @@ def _story_section(record: dict, decided: plan.Plan, folder: Path) -> Section:
                    "(local mode, {} images): {} (<a href=\"{}/report.html\">"
                    "validation report</a>).</li>").format(
         record["validation"]["samples"], where, record["validation"]["folder"])
-    html += Markup("<li><b>Plan</b> (<code>{}</code>): {} of {} units leave INT8, {:.1%} of the "
-                   "MACs{}; certified on {} held-out images after {} evaluation(s) of the real "
-                   "INT8 model (<a href=\"#plan\">below</a>).</li>").format(
-        planned["command"], len(pinned), len(decided.units), 1 - planned["int8_mac_share"],
-        Markup(", after the repair <code>{}</code>").format(", ".join(planned["repairs"]))
-        if planned["repairs"] else "", certificate["samples"], planned["model_runs"])
+    repaired = (Markup(" with the repair(s) <code>{}</code>").format(", ".join(planned["repairs"]))
+                if planned["repairs"] else "")
+    kept = (Markup("{} of the {} units leave INT8, {:.1%} of the MACs").format(
+        len(pinned), len(decided.units), 1 - planned["int8_mac_share"]) if pinned else
+        Markup("every one of the {} units stays in INT8").format(len(decided.units)))
+    unit_of = {node: d for d in decided.units.values() for node in d.nodes}
+    after = [(w, unit_of[w["node"]]) for w in checked["worst"] if w["node"] in unit_of]
+    remeasured = Markup("; the planner measures {} on their own in its plan").format(
+        Markup(", ").join(Markup("<code>{}</code> {} at {:.1f} dB").format(
+            w["node"], d.precision.upper(), d.evidence.get(f"local_sqnr_{d.precision}_db",
+                                                            float("inf")))
+            for w, d in after)) if after else ""
+    html += Markup("<li><b>Plan</b> (<code>{}</code>): {}{}{}; certified on {} held-out images "
+                   "after {} evaluation(s) of the real INT8 model (<a href=\"#plan\">the plan"
+                   "</a>).</li>").format(planned["command"], kept, repaired, remeasured,
+                                         certificate["samples"], planned["model_runs"])
     html += Markup("<li><b>Build</b> the engine with TensorRT 10 in <code>{}/</code> (the "
                    "commands for TensorRT 11 and <code>quantlab build</code> are in its "
                    "<code>trtexec.txt</code>):<pre>{}</pre></li></ol>").format(
         planned["folder"], build)
-    html += Markup(table_html(pins, caption="Units the plan keeps out of INT8, and why"))
-    html += reasons_legend(r for d in pinned.values() for r in d.reasons)
+    html += Markup(table_html(pins, caption="Units a rule flagged or the plan keeps out of "
+                                            "INT8: reasons, and what was measured"))
+    html += reasons_legend(r for d in shown.values() for r in d.reasons)
     return Section(f"{record['name']}: from FP32 to a certified INT8 plan", html, anchor="story")
 
 
@@ -433,15 +464,13 @@ def _per_class_figure(record: dict):
 
 def _calibration_html(record: dict) -> str:
     """A model's calibration methods and metrics, FP32 vs the best method's INT8."""
+    # COCO scores -1 where the split has no object of a size (map_large of 128 px images).
+    shown = [k for k, v in record["metrics_fp32"].items() if not isinstance(v, dict) and v != -1]
     metrics = pd.DataFrame(
         {
-            "metric": [
-                tasks.METRIC_LABELS.get(k, k)
-                for k, v in record["metrics_fp32"].items()
-                if not isinstance(v, dict)
-            ],
-            "FP32": [v for v in record["metrics_fp32"].values() if not isinstance(v, dict)],
-            "INT8": [v for v in record["metrics_int8"].values() if not isinstance(v, dict)],
+            "metric": [tasks.METRIC_LABELS.get(k, k) for k in shown],
+            "FP32": [record["metrics_fp32"][k] for k in shown],
+            "INT8": [record["metrics_int8"][k] for k in shown],
         }
     )
     label = tasks.METRIC_LABELS[record["metric"]]
@@ -488,12 +517,12 @@ def _latency_section(records: Sequence[dict]) -> Section:
                else f"with {found}" if found else "no int8 dot-product instructions")
     html = (
         "<p>A sanity check, not a deployment figure: the deployment latency is the TensorRT "
-        "engine's (<code>quantlab build</code>). "
-        + ("This CPU lacks int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI), so ONNX "
-           "Runtime's int8 kernels widen to 16 bits and run slower than its FP32 ones; "
-           if found == "" else "")
-        + "on CPU, quantize/dequantize and NCHW-to-NHWC layout changes also dominate models "
-        "this small.</p>"
+        "engine's (<code>quantlab build</code>). On CPU, ONNX Runtime's int8 kernels pay for "
+        "quantize/dequantize and NCHW-to-NHWC layout changes, which dominate models this "
+        "small; "
+        + ("and this CPU lacks int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI), so "
+           "they also widen to 16 bits.</p>" if found == "" else
+           f"this CPU's int8 dot-product instructions: {found or 'unknown'}.</p>")
         + table_html(_latency_frame(records), caption="ONNX Runtime CPU latency, all INT8")
         + figure_html(_latency_figure(records, machine),
                       f"ONNX Runtime CPU latency per batch of {LATENCY_BATCH} on this machine")

@@ -78,18 +78,19 @@ def plan_section(result: PlanResult) -> Section:
 
 def decisions_frame(plan: Plan) -> pd.DataFrame:
     """One row per unit: precision, MAC share, reason codes, output-noise rank and
-    contribution, local INT8 and FP16 SQNR, the predicted FP16 contribution, node count."""
+    contribution (INT8), local INT8 and FP16 SQNR, the predicted output noise in FP16, the
+    calibrator it took its scales from, node count."""
     total = sum(d.macs for d in plan.units.values()) or 1
     rows = [{
         "unit": name,
         "precision": d.precision,
-        "mac_share": d.macs / total,
+        "MACs": f"{d.macs / total:.2%}",
         "reasons": reason_codes_html(d.reasons),
-        "output_rank": d.evidence.get("output_rank"),
-        "nsr_contribution": d.predicted,
-        "local_sqnr_int8_db": d.evidence.get("local_sqnr_int8_db"),
-        "local_sqnr_fp16_db": d.evidence.get("local_sqnr_fp16_db"),
-        "fp16_nsr_contribution": d.evidence.get("fp16_nsr_contribution"),
+        "noise rank": d.evidence.get("output_rank"),
+        "output NSR": d.predicted,
+        "local SQNR INT8 dB": d.evidence.get("local_sqnr_int8_db"),
+        "local SQNR FP16 dB": d.evidence.get("local_sqnr_fp16_db"),
+        "FP16 output NSR": d.evidence.get("fp16_nsr_contribution"),
         "calibrator": d.evidence.get("calibrator", ""),
         "nodes": len(d.nodes),
     } for name, d in plan.units.items()]
