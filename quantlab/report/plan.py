@@ -22,6 +22,8 @@ REASON_CODES = {
     SEARCH_CODE: "kept out of INT8 by the search: measured output-noise contribution too "
                  "large for the budget",
 }
+# Most sensitive units named under the strip of units (besides those out of INT8).
+STRIP_NAMED = 3
 # Colours of the precisions in figures (INT8 as the report's accent).
 PRECISION_COLORS = {"int8": "#76b900", "fp16": "#2e86c1", "fp32": "#5b6575"}
 
@@ -209,8 +211,10 @@ def unit_strip_figure(plan: Plan):
     strip.bar(x, 1, width=1.0, color=colors, edgecolor="white", linewidth=0.5)
     strip.set_yticks([])
     strip.set_xlim(-0.5, len(names) - 0.5)
-    pinned = [i for i, d in enumerate(decisions) if d.precision != "int8"]
-    strip.set_xticks(pinned, [names[i] for i in pinned], rotation=30, ha="right", fontsize=7)
+    # Named: the units out of INT8 and the STRIP_NAMED most sensitive ones.
+    named = sorted({i for i, d in enumerate(decisions) if d.precision != "int8"}
+                   | set(np.argsort(-noise, kind="stable")[:STRIP_NAMED].tolist()))
+    strip.set_xticks(named, [names[i] for i in named], rotation=50, ha="right", fontsize=7)
     strip.set_xlabel(f"{len(names)} units in topological order (input left, outputs right)")
     present = dict.fromkeys(d.precision for d in decisions)
     bars.legend(handles=[Patch(color=PRECISION_COLORS[p], label=p.upper()) for p in present],
