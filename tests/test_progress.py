@@ -72,7 +72,7 @@ def test_a_zoo_plan_logged_to_a_file_is_a_few_dozen_plain_lines(tmp_path, capsys
     assert "\r" not in logged.out + logged.err
     assert any(line.startswith("switchboard trials: started") for line in lines)
     assert any(line.startswith("INT8 evaluation: done") for line in lines)
-    assert len(lines) <= 60, "\n".join(lines)
+    assert len(lines) <= 40, "\n".join(lines)
     assert main([*argv, "--no-progress", "--out", str(tmp_path / "quiet")]) == 0
     quiet = capsys.readouterr()
     assert quiet.err == "" and len(quiet.out.splitlines()) <= 3, quiet.out
