@@ -2,7 +2,8 @@
 
 The cache is text: a header ``TRT-<version>-<Algorithm>`` (version is
 TensorRT's version number, e.g. 8601 for 8.6.1, 100300 for 10.3.0), then one
-``<tensor name>: <8 hex digits>`` line per tensor, the hex being the big-endian
+``<tensor name>: <hex>`` line per tensor (up to 8 digits; TensorRT does not pad),
+the hex being the big-endian
 IEEE-754 float32 bit pattern of the scale (amax / 127). Tensor names may hold
 ``:`` or ``/`` (``input_1:0``, ``/conv1/Conv_output_0``), so a line splits at
 its last ``": "``. TensorRT omits tensors it has no scale for and has been
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -26,8 +28,9 @@ from quantlab.experiment import write_text
 ALGORITHMS = ("EntropyCalibration2", "EntropyCalibration", "MinMaxCalibration",
               "LegacyCalibration")
 _HEADER = re.compile(r"TRT-([0-9A-Za-z]+)-([A-Za-z0-9]+)")
-# TensorRT 8.4 writes a zero scale as a bare "0" (a published cache: "366: 0").
-_HEX = re.compile(r"[0-9a-fA-F]{8}|0")
+# TensorRT prints the bit pattern as unpadded hex: 8.4 wrote a zero scale as a bare "0" (a
+# published cache: "366: 0"), so a scale below 2**-100 (< 0x10000000) has fewer digits.
+_HEX = re.compile(r"[0-9a-fA-F]{1,8}")
 
 
 class CacheHeader(NamedTuple):
@@ -59,6 +62,12 @@ def trt_version_number(version: str | int) -> str:
     return str(major * (10000 if major >= 10 else 1000) + minor * 100 + patch)
 
 
+def trt_major(version: str | int) -> int:
+    """The major version of a dotted version or version number ('8.6.1', '8601' -> 8)."""
+    number = trt_version_number(version)
+    return int(number) // (10000 if len(number) >= 6 else 1000)
+
+
 def implicit_int8_version(version: str | int) -> str:
     """`version`'s number (:func:`trt_version_number`), refused from TensorRT 11.0 on.
 
@@ -66,7 +75,15 @@ def implicit_int8_version(version: str | int) -> str:
     there, it builds from the Q/DQ model (docs/tensorrt.md).
     """
     number = trt_version_number(version)
-    major = int(number) // (10000 if len(number) >= 6 else 1000)
+    major = trt_major(number)
+    if major == 10:
+        # NV_TENSORRT_VERSION is major*10000 + minor*100 + patch from 10.0 (NvInferRuntimeBase.h),
+        # but no cache written by a real TensorRT 10 has been seen (trt-review, question 4).
+        warnings.warn(
+            f"the calibration cache header TRT-{number} for TensorRT {version} follows "
+            "NV_TENSORRT_VERSION of TensorRT 10's headers; no cache TensorRT 10 wrote itself "
+            "has confirmed it. If TensorRT recalibrates or refuses the cache, run `quantlab "
+            "doctor` on that machine: it compares the header TensorRT writes.", stacklevel=2)
     if major >= 11:
         raise ConfigError(
             f"TensorRT {version} has no implicit INT8, so it reads no calibration cache: it "
@@ -104,10 +121,11 @@ def write_calibration_cache(
     header = CacheHeader(trt_version_number(trt_version), algorithm)
     lines = [str(header)]
     for name, scale in scales.items():
-        if not (np.isfinite(scale) and scale > 0):
+        # A zero scale is a range TensorRT writes itself (all-zero tensors, shape tensors).
+        if not (np.isfinite(scale) and scale >= 0):
             raise DataError(
-                f"tensor '{name}' has scale {scale}; a calibration cache needs a finite positive "
-                "scale for every tensor. Recalibrate, or leave the tensor out of the cache."
+                f"tensor '{name}' has scale {scale}; a calibration cache needs a finite scale "
+                ">= 0 for every tensor. Recalibrate, or leave the tensor out of the cache."
             )
         if "\n" in name or not name:
             raise DataError(f"tensor name {name!r} cannot be written to a calibration cache line.")

@@ -245,6 +245,9 @@ def open_data(
     fixed = {spec.batch_size for spec in inputs if spec.batch_axis is not None} - {None}
     if fixed:
         batch_size = min(fixed)
+    source = _tensor_as_array(source)
+    if isinstance(source, Mapping):
+        source = {name: _tensor_as_array(value) for name, value in source.items()}
     if isinstance(source, np.ndarray):
         return _array_source(
             {_single_input(inputs, "array").name: source}, "array", inputs, batch_size, max_samples
@@ -257,7 +260,7 @@ def open_data(
     if not path.exists():
         raise DataError(f"data path {path} does not exist.")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        files = _folder_images(path)
         if not files:
             raise DataError(
                 f"data folder {path} contains no images ({', '.join(IMAGE_SUFFIXES)}). "
@@ -328,6 +331,36 @@ def _load_numpy(path: Path, **kwargs):
             f"{path} holds Python objects, which quantlab does not load; save numeric arrays."
         )
     return loaded
+
+
+def _folder_images(path: Path) -> list[Path]:
+    """The image files of a data folder, its subfolders included, in path order."""
+    return sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def data_files(source: object) -> list[Path]:
+    """The files :func:`open_data` reads for `source`: the .npy/.npz file, a folder's images,
+    a COCO file and the images it lists; none for in-memory data or a missing path."""
+    if not isinstance(source, (str, os.PathLike)) or not Path(source).exists():
+        return []
+    path = Path(source)
+    if path.is_dir():
+        return _folder_images(path)
+    return [path, *coco_image_files(path)] if path.suffix.lower() == ".json" else [path]
+
+
+def files_stamp(files: Sequence[Path]) -> str | None:
+    """sha256 of every file's path, size and modification time (None for no files): it
+    changes when a file is edited, replaced, added or removed, without reading the data."""
+    if not files:
+        return None
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
 
 
 def coco_image_files(path: Path) -> list[Path]:
@@ -466,6 +499,41 @@ def _image_source(files, description, inputs, batch_size, max_samples, preproces
         return {spec.name: images.astype(spec.dtype, copy=False)}
 
     return BatchSource(description, len(files), batch_size, load)
+
+
+def _tensor_as_array(value: object) -> object:
+    """A torch tensor (anything with ``detach().cpu().numpy()``) as a NumPy array; any other
+    value unchanged. Without this a tensor is iterated as a sequence of batches, one
+    sample each, and refused as samples of the wrong shape."""
+    if isinstance(value, np.ndarray) or not all(
+            hasattr(value, name) for name in ("detach", "cpu", "numpy", "shape")):
+        return value
+    return value.detach().cpu().numpy()
+
+
+def checked_digest(source: BatchSource, label: str) -> str:
+    """sha256 of every batch `source` yields (its content after preprocessing), each checked
+    for NaN/Inf: a DataError naming `label` (``--eval eval.npy``), the samples and the tensor,
+    as `validate` refuses its data. One pass over the data, before any long work."""
+    import hashlib
+
+    from quantlab.compare import first_nonfinite
+
+    digest = hashlib.sha256()
+    start = 0
+    for batch in source:
+        size = source.length(batch)
+        bad = first_nonfinite(batch, sorted(batch))
+        if bad is not None:
+            raise DataError(
+                f"{label}: input batch of samples {start}..{start + size - 1}: tensor '{bad}' "
+                "contains NaN or Inf. Fix or remove these samples in the data.")
+        for name in sorted(batch):
+            array = np.ascontiguousarray(batch[name])
+            digest.update(f"{name}{array.dtype}{array.shape}".encode())
+            digest.update(array.tobytes())
+        start += size
+    return digest.hexdigest()
 
 
 def _iterable_source(batches: Iterable, inputs, batch_size, max_samples) -> BatchSource:

@@ -31,8 +31,8 @@ from tqdm import tqdm
 from quantlab import calibrate, collect, pipeline, plan, qdq, tasks, zoo
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
 from quantlab.data import open_data
-from quantlab.errors import OutputExistsError
-from quantlab.experiment import check_output, output_folder, read_json, write_json
+from quantlab.errors import DataError, OutputExistsError
+from quantlab.experiment import check_output, output_folder, read_record, write_json
 from quantlab.graph import input_specs
 from quantlab.progress import progress_bar
 from quantlab.report import Section, figure_html, table_html, write_report
@@ -45,6 +45,9 @@ from quantlab.report.plan import (
 from quantlab.validate import validate
 
 DEMO_MARKER = "quantlab demo"
+# What the demo writes into its folder, besides one folder per zoo model; nothing else there
+# is replaced, even with --force.
+DEMO_FILES = ("report.html", "summary.json")
 # Integer kernels ONNX Runtime substitutes for Q/DQ groups; their presence in the
 # optimized graph is the evidence that the INT8 model really runs in int8.
 INTEGER_OPS = (
@@ -80,20 +83,26 @@ def _log(message: str) -> None:
 
 
 def _demo_folder(out: Path, force: bool) -> AbstractContextManager[Path]:
-    """The staging folder of the demo's output (see experiment.output_folder): the demo
-    regenerates its own earlier output; any other non-empty folder needs force."""
-    summary = out / "summary.json"
+    """The staging folder of the demo's output (see experiment.output_folder).
+
+    Only the demo's own files are replaced (DEMO_FILES and a folder per zoo model):
+    an earlier demo's without force, the same names in any other folder with force.
+    Nothing else in `out` (the user's notes, projects, other folders) is ever touched.
+    """
     try:
-        is_old_demo = read_json(summary).get("generator") == DEMO_MARKER
-    except (OSError, ValueError, AttributeError):
+        is_old_demo = read_record(out / "summary.json", "demo summary").get(
+            "generator") == DEMO_MARKER
+    except DataError:
         is_old_demo = False
+    produces = (*DEMO_FILES, *zoo.names())
     try:
-        check_output(out, force=force or is_old_demo)
+        check_output(out, force=force or is_old_demo, produces=produces)
     except OutputExistsError as exc:
         raise OutputExistsError(
-            f"{exc} (quantlab demo only replaces its own earlier output)"
+            f"{exc} (quantlab demo replaces only its own report.html, summary.json and model "
+            "folders, and those of an earlier demo without --force)"
         ) from None
-    return output_folder(out, force=force or is_old_demo)
+    return output_folder(out, force=force or is_old_demo, produces=produces)
 
 
 def median_latency_ms(backend: OnnxRuntimeBackend, batch: dict[str, np.ndarray]) -> float:
@@ -266,7 +275,7 @@ def _plan(name: str, out: Path, methods: Sequence[str], eval_limit: int | None,
                                        *([] if progress else ["--no-progress"])]))
     for line in printed.getvalue().splitlines():
         _log(f"[{name}] {line.replace(str(out), folder)}")
-    summary = read_json(out / "summary.json")
+    summary = read_record(out / "summary.json", "plan summary")
     return {"command": shown, "folder": folder, "max_drop": PLAN_MAX_DROP,
             "int8_mac_share": summary["int8_mac_share"], "certificate": summary["certificate"],
             "model_runs": sum(e["model_run"] for e in summary["evaluations"]),

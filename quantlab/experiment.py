@@ -18,13 +18,13 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from quantlab.errors import ConfigError, DataError, OutputExistsError
+from quantlab.errors import ConfigError, DataError, OutputExistsError, QuantlabError
 
 # Names of the staging folder, of the old results set aside during a swap and of the
 # lock, all next to the output folder OUT: ".OUT.quantlab-tmp-XXXX", ".OUT.quantlab-old-XXXX",
@@ -398,6 +398,13 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
+def recorded_path(description: str) -> str:
+    """A data description as an experiment folder records it: a path made absolute (the
+    folder is read from other working directories), anything else ("arrays") unchanged."""
+    path = Path(description)
+    return str(path.resolve()) if path.exists() else description
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
@@ -447,19 +454,43 @@ def read_json(path: str | os.PathLike) -> Any:
     return _from_json(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
-def read_artifact(path: str | os.PathLike, file_format: str, what: str, made_by: str) -> dict:
-    """A JSON artifact's content, checked to be a dict marked ``"format": file_format``.
+def read_record(path: str | os.PathLike, what: str,
+                fields: Mapping[str, Callable[[Any], Any]] | None = None,
+                file_format: str | None = None, made_by: str = "") -> dict:
+    """A JSON object a command reads back, each of `fields` converted and checked.
 
-    DataError naming `path` when it cannot be read or is another file; `what`
-    ("scales") and `made_by` ("the scales.json written by `quantlab calibrate`")
-    word the message.
+    The one reader of quantlab's JSON files (calibration.json, scales.json, plan.json,
+    summary.json, checkpoints): a DataError names `path` when it cannot be read, is
+    not a JSON object or (with `file_format`) lacks ``"format": file_format``, and
+    names `path` and the field when ``fields[name](value)`` raises (a missing field
+    is passed as None). `what` ("calibration record") and `made_by` ("the
+    calibration.json written by `quantlab calibrate`") word the messages.
     """
     path = Path(path)
+    fix = f" Pass {made_by}, or write it again." if made_by else " Write it again."
     try:
         data = read_json(path)
     except (OSError, ValueError) as exc:
-        raise DataError(f"{path} is not a readable {what} file ({exc}).") from None
-    if not isinstance(data, dict) or data.get("format") != file_format:
+        raise DataError(f"{path} is not a readable {what} file ({exc}).{fix}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path} holds a JSON {type(data).__name__}, not the object of a "
+                        f"{what} file.{fix}")
+    if file_format is not None and data.get("format") != file_format:
         raise DataError(f"{path} is not a quantlab {what} file (no \"format\": "
-                        f"\"{file_format}\"); pass {made_by}.")
+                        f"\"{file_format}\"); pass {made_by or 'another file'}.")
+    for name, convert in (fields or {}).items():
+        value = data.get(name)
+        try:
+            data[name] = convert(value)
+        except (TypeError, ValueError, KeyError, AttributeError, QuantlabError) as exc:
+            shown = repr(value)
+            holds = f" ({shown})" if len(shown) <= 60 else ""
+            raise DataError(f"{path}: field '{name}'{holds} cannot be used: "
+                            f"{str(exc).rstrip('.')}.{fix}") from None
     return data
+
+
+def read_artifact(path: str | os.PathLike, file_format: str, what: str, made_by: str) -> dict:
+    """A JSON artifact's content, checked to be a dict marked ``"format": file_format``
+    (see :func:`read_record`)."""
+    return read_record(path, what, file_format=file_format, made_by=made_by)

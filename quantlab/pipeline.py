@@ -21,9 +21,16 @@ import onnx
 
 from quantlab import cache, calibrate, collect, folding, graph, qdq, trt_ranges
 from quantlab.backends.onnxruntime import SESSION_CONFIG
-from quantlab.data import BatchSource, Preprocess, open_data, scalar_arrays
+from quantlab.data import (
+    BatchSource,
+    Preprocess,
+    data_files,
+    files_stamp,
+    open_data,
+    scalar_arrays,
+)
 from quantlab.errors import ConfigError, ModelError
-from quantlab.experiment import check_output, output_folder, write_json
+from quantlab.experiment import check_output, output_folder, recorded_path, write_json
 from quantlab.zoo_names import ZOO_NAMES
 
 # Files a calibration run writes; a folder holding any of them is refused unless forced.
@@ -109,10 +116,34 @@ def prepare_model(
             f"them and stay separate layers (TensorRT runs such a BN as a scale layer, outside "
             f"the INT8 conv): '{name}': {reason}.", stacklevel=2)
     if left["custom_domain"]:
+        after = untyped_linear_ops(model)
+        also = (f"; so do {len(after)} linear op(s) after them, whose inputs have no type "
+                f"ONNX shape inference can give (a custom op's output): {after[:5]}. Express "
+                "the custom op in standard ONNX ops to quantize those"
+                if after else "")
         warnings.warn(
             f"{len(left['custom_domain'])} node(s) of a custom op domain stay in float (their "
-            f"math is unknown to quantlab): {left['custom_domain'][:5]}.", stacklevel=2)
+            f"math is unknown to quantlab): {left['custom_domain'][:5]}{also}.", stacklevel=2)
     return model
+
+
+def untyped_linear_ops(model: onnx.ModelProto) -> list[str]:
+    """Linear ops downstream of custom-domain nodes that stay in float because an input
+    has no inferred float type (``"name (op)"``, in graph order)."""
+    floats = graph.float_tensors(model) | {
+        init.name for init in model.graph.initializer if init.data_type == onnx.TensorProto.FLOAT}
+    consumers = graph.consumers(model)
+    frontier = [out for node in model.graph.node if node.domain not in qdq._ONNX_DOMAINS
+                for out in node.output]
+    reached: set[str] = set()
+    while frontier:
+        for node in consumers.get(frontier.pop(), []):
+            if node.name not in reached:
+                reached.add(node.name)
+                frontier.extend(node.output)
+    return [f"{node.name} ({node.op_type})" for node in model.graph.node
+            if node.name in reached and node.op_type in qdq.LINEAR_OPS
+            and not all(name in floats for name in node.input[:2])]
 
 
 def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.ModelProto:
@@ -280,7 +311,11 @@ def write_results(
         write_json(
             folder / "calibration.json",
             {
-                "data": result.data.description,
+                # Absolute: a later command (plan --data DIR) may run from anywhere.
+                "data": recorded_path(result.data.description),
+                # Size and mtime of its files: `plan --data DIR` reuses stats.npz only while
+                # they are unchanged.
+                "data_stamp": files_stamp(data_files(result.data.description)),
                 "num_samples": result.data.num_samples,
                 "batch_size": result.data.batch_size,
                 "method": scales.method,

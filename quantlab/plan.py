@@ -24,8 +24,8 @@ import numpy as np
 import onnx
 
 from quantlab import qdq
-from quantlab.errors import ConfigError, ModelError
-from quantlab.experiment import read_json, write_json
+from quantlab.errors import ConfigError, DataError, ModelError
+from quantlab.experiment import read_record, write_json
 from quantlab.graph import Graph
 from quantlab.planner.certify import (  # noqa: F401 (public API)
     METRICS,
@@ -34,7 +34,10 @@ from quantlab.planner.certify import (  # noqa: F401 (public API)
     argmax_agreement,
     certify,
     certify_paired,
+    check_budget,
     data_shortfalls,
+    floor_message,
+    floor_record,
     metric_value,
     output_sqnr,
     resolve_metric,
@@ -100,6 +103,8 @@ from quantlab.planner.units import (  # noqa: F401 (public API)
 FRONT_CHECKS = 4
 # The least INT8 (share of MACs) an evaluation must be able to add over the certified plan.
 MIN_GAIN = 1e-4
+# The checkpoint key of the all-FP16 plan's evaluation (front plans are keyed by index >= 0).
+FLOOR_KEY = -1
 # The reason of a unit the search (not a rule) keeps out of INT8.
 SEARCH_CODE = "M-SEARCH"
 SEARCH_SOURCE = ("quantlab: switchboard group testing on the hardest samples, MILP front, "
@@ -120,11 +125,14 @@ class Checkpoint:
         self.fingerprint = fingerprint
         self.trials: dict[int, float] = {}
         self.evaluations: dict[int, Evaluation] = {}
+        # A file was there but of another run (or unreadable): it is replaced.
+        self.ignored = False
         if self.path is None or not self.path.is_file():
             return
         try:
-            data = read_json(self.path)
+            data = read_record(self.path, "plan checkpoint")
             if data.get("fingerprint") != fingerprint:
+                self.ignored = True
                 return
             self.trials = {int(t): float(v) for t, v in data["trials"].items()}
             self.evaluations = {int(i): Evaluation(
@@ -133,8 +141,9 @@ class Checkpoint:
                                "interval": tuple(e["certificate"]["interval"])}),
                 e["seconds"], e.get("model_run", True), e.get("screened", False))
                 for i, e in data["evaluations"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (DataError, ValueError, KeyError, TypeError, AttributeError):
             self.trials, self.evaluations = {}, {}  # unreadable: start over
+            self.ignored = True
 
     def add_trial(self, index: int, nsr: float) -> None:
         """Record one switchboard trial."""
@@ -259,11 +268,11 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.repairs import bias_shifts, shift_biases
 
-    if (max_drop is None) == (min_sqnr is None):
-        raise ConfigError("give exactly one budget: --max-drop X or --min-sqnr DB.")
-    if min_sqnr is not None and metric != "sqnr":
-        raise ConfigError(f"--min-sqnr is a floor on output SQNR; it does not go with --metric "
-                          f"{metric} (use --max-drop there).")
+    check_budget(metric, max_drop, min_sqnr)
+    for option, count in (("trials", trials), ("hard_count", hard_count),
+                          ("resamples", resamples), ("max_evaluations", max_evaluations)):
+        if count < 1:
+            raise ConfigError(f"{option} must be at least 1, got {count}.")
     task_metric = task is not None and metric == task.primary_metric
     if task is not None:
         task.check_samples(evaluation.num_samples)
@@ -284,6 +293,10 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         return in_runs(run, calibration, size, axes)
 
     fp32_run = runs(fp32.run)
+    if metric_fn is not None:  # a metric that fails or returns no number fails now, not late
+        first_outputs = [fp32_run(first)]
+        metric_value(metric_fn, metric, first_outputs, first_outputs,
+                     "FP32 against itself on the first calibration batch")
     original = RepairedModel(model, amax, ranges, p9999, candidates)
     options = {"none": original, **(repairs or {})}
     weighed = all_int8_nsr(options, first, fp32_run(first), runs) if repairs else {}
@@ -389,12 +402,10 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
     del drawn
     fp32_outputs = [fp32_run(batch) for batch in step(evaluation, desc="FP32 evaluation")]
 
-    def evaluate_point(index: int) -> Evaluation:
-        if index in screened:
-            return screened[index]
-        if checkpoint and index in checkpoint.evaluations:
-            return checkpoint.evaluations[index]
-        point = points[index]
+    def evaluate_plan(point: FrontPoint, key: int) -> Evaluation:
+        """`point` evaluated on the evaluation set (checkpointed as `key`)."""
+        if checkpoint and key in checkpoint.evaluations:
+            return checkpoint.evaluations[key]
         start = time.perf_counter()
         model_run = any(p != "fp32" for p in point.precisions.values())
         if model_run:
@@ -413,15 +424,36 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         result = Evaluation(point.int8_mac_share, point.predicted, certificate,
                             time.perf_counter() - start, model_run)
         if checkpoint:
-            checkpoint.add_evaluation(index, result)
+            checkpoint.add_evaluation(key, result)
         return result
 
+    def evaluate_point(index: int) -> Evaluation:
+        return screened[index] if index in screened else evaluate_plan(points[index], index)
+
+    # The noise floor of the budget: every unit that may run FP16 in FP16, no INT8. It is
+    # also the fallback when no plan with INT8 certifies (FP16 before FP32).
+    all_fp16 = FrontPoint(0.0, sum(fp16_contribution.values()), 0.0,
+                          {u.name: fallback_precision(allowed[u.name], high_precision)
+                           for u in units})
+    floor = None
+    if any(p == "fp16" for p in all_fp16.precisions.values()):
+        floor = evaluate_plan(all_fp16, FLOOR_KEY)
+        message = floor_message(floor.certificate, metric, max_drop)
+        if message:
+            warnings.warn(message, stacklevel=2)
+
     evaluated, index = _search(points, evaluate_point, max_evaluations, max_drop, min_sqnr)
+    chosen = points[index]
+    if floor is not None:
+        evaluated[FLOOR_KEY] = floor
+        if chosen.int8_mac_share == 0.0 and floor.certificate.certified:
+            # No plan with INT8 certified: FP16 everywhere it may run holds the budget.
+            chosen, index = all_fp16, FLOOR_KEY
     decided = Plan.from_rules(units, reasons)
     rank = {u: i + 1 for i, u in enumerate(sensitivity.ranking())}
     for unit in units:
         decision = decided.units[unit.name]
-        decision.precision = points[index].precisions[unit.name]
+        decision.precision = chosen.precisions[unit.name]
         decision.predicted = contribution.get(unit.name, 0.0)
         decision.evidence["output_nsr_contribution"] = decision.predicted
         decision.evidence["output_rank"] = rank[unit.name]
@@ -439,17 +471,25 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
                 SEARCH_CODE, False, (decision.precision,),
                 f"rank {rank[unit.name]} of {len(units)} by output-noise contribution "
                 f"{decision.predicted:.3g} (all INT8: {sensitivity.predicted_nsr(contribution):.3g}"
-                f"); the certified plan of the front keeps it out of INT8", SEARCH_SOURCE))
+                "); " + ("the certified plan of the front keeps it out of INT8"
+                         if chosen.int8_mac_share > 0 else
+                         f"no plan with INT8 held the budget ({len(evaluated)} evaluated)"),
+                SEARCH_SOURCE))
         if decision.precision == "fp32" and "fp16" in allowed[unit.name] and \
                 high_precision == "fp16":
-            decision.reasons.append(Reason(
-                SEARCH_CODE, False, ("fp32",),
-                f"FP16 would add predicted output NSR "
-                f"{fp16_contribution.get(unit.name, 0.0):.3g} (local FP16 SQNR "
-                f"{local.get(unit.name, {}).get('fp16', float('nan')):.3g} dB); the budget left "
-                "by the INT8 units does not hold it", SEARCH_SOURCE))
+            if chosen.int8_mac_share > 0 or floor is None:
+                why = (f"FP16 would add predicted output NSR "
+                       f"{fp16_contribution.get(unit.name, 0.0):.3g} (local FP16 SQNR "
+                       f"{local.get(unit.name, {}).get('fp16', float('nan')):.3g} dB); the "
+                       "budget left by the INT8 units does not hold it")
+            else:
+                why = (f"all-FP16 scored {floor.certificate.value:.4g} against the limit "
+                       f"{floor.certificate.limit:.4g} and could not be certified, so the plan "
+                       "of last resort is the FP32 model")
+            decision.reasons.append(Reason(SEARCH_CODE, False, ("fp32",), why, SEARCH_SOURCE))
     decided.metric = metric
     decided.repairs = repair_records
+    decided.floor = None if floor is None else floor_record(floor.certificate)
     decided.budget = max_drop if max_drop is not None else min_sqnr
     qdq_model = quantized(decided.node_precisions(), high_precision=high_precision)
     differ = {u: p for u, p in read_back(qdq_model, units).items()
@@ -531,7 +571,8 @@ def _screen(point: FrontPoint, run: Callable, inputs: Mapping[str, np.ndarray],
     """
     start = time.perf_counter()
     certificate = certify(metric_fn, metric, [run(inputs)], [references],
-                          max_drop=max_drop, floor=min_sqnr, resamples=resamples)
+                          max_drop=max_drop, floor=min_sqnr, resamples=resamples,
+                          what="random calibration samples")
     if certificate.interval[1] >= 0:
         return None
     return Evaluation(point.int8_mac_share, point.predicted, certificate,

@@ -63,12 +63,17 @@ class Placement:
     weights: dict[tuple[str, int], tuple[str, int | None]] = field(default_factory=dict)
 
 
-def weight_axis(node: onnx.NodeProto, weight_input_index: int) -> int:
-    """Output-channel axis of a Conv / ConvTranspose / Gemm / MatMul weight input.
+def weight_axis(node: onnx.NodeProto, weight_input_index: int, rank: int) -> int | None:
+    """Per-channel axis of a Conv / ConvTranspose / Gemm / MatMul weight input of `rank`
+    dimensions, or None where TensorRT takes only a per-tensor weight scale.
 
-    Conv weights are [C_out, C_in/g, k...] (axis 0); ConvTranspose weights are
-    [C_in, C_out/g, k...] (axis 1); Gemm's B is [N, K] with transB=1 (axis 0) and
-    [K, N] with transB=0 (axis 1); MatMul's constant B is [K, N] (axis 1).
+    Conv weights are [C_out, C_in/g, k...] (axis 0); Gemm's B is [N, K] with
+    transB=1 (axis 0) and [K, N] with transB=0 (axis 1); MatMul's constant 2-D B
+    is [K, N] (axis 1). A MatMul B of any other rank is per-tensor: a 1-D B has
+    no output-channel axis and axis 1 of a 3-D [b, K, N] is the reduction axis.
+    ConvTranspose weights are per-tensor: its ONNX output-channel axis is 1, but
+    NVIDIA's kernels assumed per-*input*-channel scales (axis 0) on 8.x and axis 1
+    is unverified on 10.x/11.x (docs/qdq.md; `quantlab doctor` settles it).
     """
     if LINEAR_OPS.get(node.op_type) != weight_input_index:
         raise ModelError(
@@ -77,12 +82,12 @@ def weight_axis(node: onnx.NodeProto, weight_input_index: int) -> int:
             "output-channel axis. Quantize that input per-tensor instead."
         )
     if node.op_type == "ConvTranspose":
-        return 1
+        return None
     if node.op_type == "Gemm":
         trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
         return 0 if trans_b else 1
     if node.op_type == "MatMul":
-        return 1
+        return 1 if rank == 2 else None
     return 0
 
 
@@ -116,7 +121,7 @@ def _mse_weight_amax(rows: np.ndarray, peak: np.ndarray) -> np.ndarray:
         chosen = peak.astype(np.float64)
         for fraction in np.linspace(1.0, MSE_LOW, MSE_STEPS):
             scale = np.maximum(peak * fraction, _MIN_AMAX)[:, None] / _QMAX
-            error = ((np.clip(np.rint(rows / scale), -_QMAX - 1, _QMAX) * scale - rows) ** 2
+            error = ((np.clip(np.rint(rows / scale), -_QMAX, _QMAX) * scale - rows) ** 2
                      ).sum(axis=1)
             better = error < best
             best[better], chosen[better] = error[better], (peak * fraction)[better]
@@ -184,10 +189,13 @@ def _cast_to_fp16(model: onnx.ModelProto, names: set[str]) -> None:
     Weights and other float32 initializers become float16 initializers instead of
     Casts. A node reading another FP16 node's output reads its float16 value
     directly: Cast(float16) of Cast(float32) of a float16 value is that value.
+    Inputs the ONNX operator types as float32 only (Resize's scales, NMS
+    thresholds) stay float32: ONNX and ONNX Runtime refuse float16 there.
     """
     if not names:
         return
     g = model.graph
+    opset = next((o.version for o in model.opset_import if o.domain in _ONNX_DOMAINS), None)
     fresh = FreshNames(model)
     floats = graph.float_tensors(model)
     initializers = {init.name: init for init in g.initializer}
@@ -202,7 +210,7 @@ def _cast_to_fp16(model: onnx.ModelProto, names: set[str]) -> None:
             nodes.append(node)
             continue
         for index, name in enumerate(node.input):
-            if name not in floats:
+            if name not in floats or not _takes_float16(node, index, opset):
                 continue
             if name not in half:
                 half[name] = fresh(f"{name}_fp16")
@@ -225,6 +233,22 @@ def _cast_to_fp16(model: onnx.ModelProto, names: set[str]) -> None:
                                               to=onnx.TensorProto.FLOAT))
     del g.node[:]
     g.node.extend(nodes)
+
+
+def _takes_float16(node: onnx.NodeProto, index: int, opset: int | None) -> bool:
+    """Whether ONNX allows a float16 tensor at input `index` of `node` (True where the op
+    has no schema here: a custom domain's types are its own)."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset or onnx.defs.onnx_opset_version(),
+                                      node.domain)
+    except onnx.defs.SchemaError:
+        return True
+    if not schema.inputs:
+        return True
+    formal = schema.inputs[min(index, len(schema.inputs) - 1)]  # the last one may be variadic
+    allowed = next((c.allowed_type_strs for c in schema.type_constraints
+                    if c.type_param_str == formal.type_str), [formal.type_str])
+    return "tensor(float16)" in allowed
 
 
 def float_only_nodes(model: onnx.ModelProto) -> dict[str, list[str]]:
@@ -282,6 +306,7 @@ def place(model: onnx.ModelProto | graph.Graph,
         placement.source.setdefault(tensor, source)
         placement.readers.setdefault(tensor, []).append((node.name, index))
 
+    tensors = {init.name: init for init in model.graph.initializer}
     floats = g.floats | {
         init.name for init in model.graph.initializer if init.data_type == onnx.TensorProto.FLOAT}
     for node in model.graph.node:
@@ -292,8 +317,9 @@ def place(model: onnx.ModelProto | graph.Graph,
             for index, name in enumerate(node.input[:2]):
                 if name in initializers:
                     is_weight = index == LINEAR_OPS[node.op_type]
+                    rank = len(tensors[name].dims)
                     placement.weights[(node.name, index)] = (
-                        name, weight_axis(node, index) if is_weight else None
+                        name, weight_axis(node, index, rank) if is_weight else None
                     )
                 else:
                     request(name, node, index, name)
@@ -304,7 +330,6 @@ def place(model: onnx.ModelProto | graph.Graph,
 
     _propagate_backward(g.order, placement, precision, producers, consumers, outputs,
                         initializers)
-    tensors = {init.name: init for init in model.graph.initializer}
     _pair_linear_outputs_before_relu(model, placement, precision, consumers, outputs, tensors)
     return placement
 
@@ -455,12 +480,17 @@ def activation_scale(tensor: str, amax: Mapping[str, float]) -> np.float32:
 
 
 def quantize_weight(weight: np.ndarray, scale: np.ndarray, axis: int | None) -> np.ndarray:
-    """int8 weight: round half to even, saturate to [-128, 127] (ONNX QuantizeLinear)."""
+    """int8 weight: round half to even, saturate to the narrow range [-127, 127].
+
+    Symmetric weights never need -128 (TensorRT's weight quantization is symmetric in
+    [-127, 127]); an amax below max |w| (:func:`weight_amax`'s MSE choice) clips there too,
+    which also keeps ONNX Runtime's u8s8 kernels clear of -128 x 255 saturation.
+    """
     shape = [1] * weight.ndim
     if axis is not None:
         shape[axis] = -1
     scaled = weight.astype(np.float32) / np.reshape(scale, shape)
-    return np.clip(np.rint(scaled), -128, 127).astype(np.int8)
+    return np.clip(np.rint(scaled), -_QMAX, _QMAX).astype(np.int8)
 
 
 def weight_dequantizer(weight: np.ndarray, name: str, axis: int | None, names: FreshNames,

@@ -239,10 +239,13 @@ def _cle_pairs(index: Graph, weights: _Weights) -> tuple[list[_Pair], list[dict]
         while True:
             readers = index.consumers.get(tensor, [])
             if tensor in outputs or len(readers) != 1:
-                if len(readers) > 1 and any(_equalizable(r, weights) for r in readers):
-                    skipped.append({"first": node.name,
-                                    "reason": f"'{tensor}' has {len(readers)} readers; a pair "
-                                              "needs the second op to be the only one"})
+                skipped.append({"first": node.name, "reason": (
+                    f"its output '{tensor}' is a graph output" if tensor in outputs else
+                    f"nothing reads '{tensor}'" if not readers else
+                    f"'{tensor}' has {len(readers)} readers "
+                    f"({', '.join(r.op_type for r in readers[:4])}); a pair needs one linear op "
+                    "reading it alone (a decomposed HardSwish reads it twice: depthwise-input "
+                    "equalization handles such chains)")})
                 break
             reader = readers[0]
             if reader.op_type in HOMOGENEOUS_OPS and reader.domain in _ONNX_DOMAINS:
@@ -257,28 +260,26 @@ def _cle_pairs(index: Graph, weights: _Weights) -> tuple[list[_Pair], list[dict]
                                 "reason": "the second op is not a float Conv/Gemm/MatMul of the "
                                           "same channel layout with constant weights"})
             else:
-                following = index.consumers.get(reader.output[0], []) if reader.output else []
-                if any(_equalizable(f, weights) for f in following):
-                    skipped.append({
-                        "first": node.name, "second": following[0].name,
-                        "reason": f"{reader.op_type} '{reader.name}' between them is not "
-                                  "positive-homogeneous per channel (f(x/s) != f(x)/s); "
-                                  "Clip/ReLU6 would have to become Relu (AIMET does so, at an "
-                                  "accuracy cost)"})
+                skipped.append({
+                    "first": node.name,
+                    "reason": f"{reader.op_type} '{reader.name}' reads its output and is not "
+                              "positive-homogeneous per channel (f(x/s) != f(x)/s)" +
+                              ("; Clip/ReLU6 would have to become Relu (AIMET does so, at an "
+                               "accuracy cost)" if reader.op_type == "Clip" else "")})
             break
     return pairs, skipped
 
 
 def _out_view(node: onnx.NodeProto, weight: np.ndarray) -> np.ndarray:
     """`weight` as [output channels, -1] (a view order; reshape back with _from_out)."""
-    axis = weight_axis(node, 1)
+    axis = weight_axis(node, 1, weight.ndim)
     return np.moveaxis(weight, axis, 0).reshape(weight.shape[axis], -1)
 
 
 def _scale_out(node: onnx.NodeProto, weight: np.ndarray, factor: np.ndarray) -> np.ndarray:
     """`weight` with output channel c multiplied by factor[c]."""
     shape = [1] * weight.ndim
-    shape[weight_axis(node, 1)] = -1
+    shape[weight_axis(node, 1, weight.ndim)] = -1
     return weight * factor.reshape(shape)
 
 
@@ -351,7 +352,7 @@ def cross_layer_equalization(model: onnx.ModelProto, max_sweeps: int = 50,
     usable = []
     for pair in pairs:
         first_w, second_w = weights.get(pair.first.input[1]), weights.get(pair.second.input[1])
-        channels = first_w.shape[weight_axis(pair.first, 1)]
+        channels = first_w.shape[weight_axis(pair.first, 1, first_w.ndim)]
         if _in_groups(pair.second, second_w, channels) is None:
             report.skipped.append({"first": pair.first.name, "second": pair.second.name,
                                    "reason": f"{channels} output channels do not match the "

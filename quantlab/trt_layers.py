@@ -36,7 +36,9 @@ import onnx
 from quantlab import graph
 from quantlab.errors import DataError
 
-_METADATA = re.compile(r"\[ONNX Layer: ([^\]\x1e\x1f]+)\]")
+# onnx-tensorrt's processMetadata writes "[ONNX Layer: NODE]", and "[ONNX Layer: NODE | Local
+# Function: F]" for a node inside an ONNX local function (importerUtils.cpp, main).
+_METADATA = re.compile(r"\[ONNX Layer: ([^\]\x1e\x1f]+?)(?: \| Local Function: [^\]\x1e\x1f]*)?\]")
 _FOREIGN = re.compile(r"^\{ForeignNode\[(.*)\.\.\.(.*)\]\}$")
 _REFORMAT = re.compile(
     r"^(?:Reformatting CopyNode for|Reformatted) (?:Input|Output) Tensor \d+ to ")
@@ -102,9 +104,18 @@ class EngineLayer:
                                                     and not self.nodes)
 
     @property
+    def is_opaque(self) -> bool:
+        """A Myelin region (``{ForeignNode[...]}``, TensorRT 10's transformer blocks): the
+        inspector shows only the region's I/O formats, not what runs inside."""
+        return self.layer_type == "Myelin" or bool(_FOREIGN.match(self.name))
+
+    @property
     def precision(self) -> str | None:
         """The precision the layer computes in: its weights' type, else its inputs' lowest
-        float type (int8 < fp8 < fp16/bf16 < fp32); None where the JSON has no types."""
+        float type (int8 < fp8 < fp16/bf16 < fp32); None where the JSON has no types or the
+        layer is a Myelin region, whose I/O types say nothing of the nodes inside."""
+        if self.is_opaque:
+            return None
         if self.weights_type in ("int8", "fp8", "fp16", "bf16", "fp32", "int4"):
             return self.weights_type
         found = [t for t in self.input_types if t]
@@ -142,6 +153,11 @@ def read_layer_info(source: str | os.PathLike | Mapping | Sequence) -> list[dict
     return [{"Name": layer} if isinstance(layer, str) else dict(layer) for layer in layers]
 
 
+def metadata_nodes(metadata: str) -> list[str]:
+    """The ONNX node names of a layer's ``Metadata`` (``ILayer.metadata``, TensorRT >= 8.6)."""
+    return _METADATA.findall(metadata or "")
+
+
 def engine_layers(source: str | os.PathLike | Mapping | Sequence,
                   model: onnx.ModelProto | None = None) -> list[EngineLayer]:
     """Parse layer information into :class:`EngineLayer` s, each with its ONNX nodes.
@@ -176,7 +192,7 @@ def _layer_nodes(layer: EngineLayer, index: _ModelIndex | None) -> list[str]:
         return []
     # Metadata, where TensorRT wrote it (8.6+), names the layer's nodes; the name may then be
     # a kernel's ("PointWise", "__myl_...").
-    candidates = _METADATA.findall(layer.metadata)
+    candidates = metadata_nodes(layer.metadata)
     foreign = _FOREIGN.match(layer.name)
     if not candidates and foreign:
         first, last = foreign.groups()
@@ -239,25 +255,90 @@ class PrecisionMismatch:
     layer: str | None
 
 
-def node_layers(layers: Sequence[EngineLayer]) -> dict[str, EngineLayer]:
-    """ONNX node name -> the engine layer that computes it (the first that holds it)."""
-    result: dict[str, EngineLayer] = {}
+def node_layers(layers: Sequence[EngineLayer]) -> dict[str, list[EngineLayer]]:
+    """ONNX node name -> every engine layer that holds it, reformats left out (a Gemm is a
+    MatMul layer and an unnamed bias-add layer: onnx-tensorrt's Gemm importer)."""
+    result: dict[str, list[EngineLayer]] = {}
     for layer in layers:
+        if layer.is_reformat:
+            continue
         for node in layer.nodes:
-            result.setdefault(node, layer)
+            result.setdefault(node, []).append(layer)
     return result
 
 
 def precision_mismatches(layers: Sequence[EngineLayer],
                          plan: Mapping[str, str]) -> list[PrecisionMismatch]:
-    """Every node of `plan` (``{ONNX node name: "int8" | "fp16" | "fp32"}``) whose engine layer
-    computes in another precision, or that no layer holds, in plan order."""
+    """Every node of `plan` (``{ONNX node name: "int8" | "fp16" | "fp32"}``) with an engine
+    layer computing in another precision, or that no layer holds, in plan order. Nodes inside
+    Myelin regions are left out (:func:`opaque_nodes`): the inspector does not say their
+    precision."""
     where = node_layers(layers)
     result = []
     for node, planned in plan.items():
         planned = str(planned).lower()
-        layer = where.get(node)
-        engine = layer.precision if layer else None
-        if engine != planned:
-            result.append(PrecisionMismatch(node, planned, engine, layer.name if layer else None))
+        held = [layer for layer in where.get(node, []) if not layer.is_opaque]
+        if not held and where.get(node):
+            continue
+        if not held:
+            result.append(PrecisionMismatch(node, planned, None, None))
+        result.extend(PrecisionMismatch(node, planned, layer.precision, layer.name)
+                      for layer in held if layer.precision != planned)
     return result
+
+
+def opaque_nodes(layers: Sequence[EngineLayer], plan: Mapping[str, str]) -> list[str]:
+    """Nodes of `plan` that only Myelin regions hold: their precision is not reported."""
+    where = node_layers(layers)
+    return [node for node in plan
+            if where.get(node) and all(layer.is_opaque for layer in where[node])]
+
+
+def engine_tensor_names(layers: Sequence[EngineLayer],
+                        model: onnx.ModelProto | graph.Graph) -> dict[str, str]:
+    """Engine tensor name -> the ONNX tensor of `model` it holds.
+
+    A tensor keeps its ONNX name where the ONNX parser named it so and TensorRT
+    did not rename it. Otherwise (a reformat's ``Reformatted ... Tensor`` or a
+    fused layer's internal output, the names TensorRT >= 10.12 reports for
+    unfused debug tensors, ``NvInfer.h`` markUnfusedTensorsAsDebugTensors) it is
+    mapped when one thing says which ONNX tensor it is: a reformat copying an
+    ONNX-named tensor, or a layer with one output whose ONNX nodes (Metadata or
+    name) leave exactly one tensor to the rest of the graph. An ONNX tensor
+    already held under its own name is not mapped twice.
+    """
+    index = graph.Graph.of(model)
+    onnx_tensors = set(index.order)
+    result = {name: name for layer in layers for name in (*layer.inputs, *layer.outputs)
+              if name in onnx_tensors}
+    held = set(result.values())
+    outputs = set(index.outputs)
+    producing = {node.name: node for node in index.model.graph.node}
+    for layer in layers:
+        internal = [name for name in layer.outputs if name not in result]
+        if len(layer.outputs) != 1 or not internal:
+            continue
+        if layer.is_reformat:
+            found = [name for name in layer.inputs if name in onnx_tensors]
+        else:
+            nodes = {name for name in layer.nodes if name in producing}
+            found = [tensor for name in nodes for tensor in producing[name].output
+                     if tensor in outputs or any(reader.name not in nodes
+                                                 for reader in index.consumers.get(tensor, []))]
+        if len(found) == 1 and found[0] not in held:
+            result[internal[0]] = found[0]
+            held.add(found[0])
+    return result
+
+
+def surviving_tensors(layers: Sequence[EngineLayer],
+                      model: onnx.ModelProto | graph.Graph) -> list[str]:
+    """The intermediate float ONNX tensors of `model` that an engine keeps under their own name
+    (layer inputs and outputs; graph inputs left out), in topological order: marking them
+    (mark_debug, or as outputs before TensorRT 10) keeps the fusions of the engine that was
+    inspected."""
+    index = graph.Graph.of(model)
+    names = {name for layer in layers for name in (*layer.inputs, *layer.outputs)}
+    inputs = set(index.input_names)
+    return [name for name in index.order
+            if name in names and name in index.floats and name not in inputs]

@@ -40,7 +40,7 @@ def tensors_to_calibrate(model: onnx.ModelProto | graph.Graph) -> list[str]:
 
 
 def missing_ranges(model: onnx.ModelProto, scales: Mapping[str, float]) -> list[str]:
-    """Tensors an implicit-INT8 build of `model` needs that `scales` (a cache) has no positive
-    range for: each makes TensorRT run the layers around it outside INT8."""
-    return [name for name in tensors_needing_ranges(model)
-            if not (name in scales and scales[name] > 0)]
+    """Tensors an implicit-INT8 build of `model` needs that `scales` (a cache) has no range
+    for: each makes TensorRT run the layers around it outside INT8. A zero range is a range
+    (TensorRT writes 0 for all-zero tensors itself)."""
+    return [name for name in tensors_needing_ranges(model) if name not in scales]

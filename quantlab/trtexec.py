@@ -1,13 +1,15 @@
 """trtexec command lines that build (and inspect) the engines of a calibration folder.
 
 Flags as trtexec parses them (samples/common/sampleOptions.cpp of TensorRT
-10.16 and 11.1, docs/tensorrt.md): ``--stronglyTyped`` (10.x; a deprecated
-no-op in 11.x, where every network is strongly typed), ``--int8``,
+8.6, 10.16 and 11.1, docs/tensorrt.md): ``--stronglyTyped`` (9.0 - 10.x; a
+deprecated no-op in 11.x, where every network is strongly typed), ``--int8``,
 ``--fp16``, ``--calib=FILE``, ``--precisionConstraints=obey``,
 ``--layerPrecisions`` and ``--layerOutputTypes=name:precision,...`` (10.x and
 older; removed in 11.0),
 ``--minShapes/--optShapes/--maxShapes=name:AxBxC,...``,
-``--profilingVerbosity=detailed --exportLayerInfo=FILE`` (both).
+``--profilingVerbosity=detailed --exportLayerInfo=FILE`` (all). A Q/DQ model
+given ``--int8`` is built with explicit quantization: trtexec attaches no
+calibrator to a network with Q/DQ layers (``hasQDQLayers``, sampleEngines.cpp).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from quantlab.backends.tensorrt import LayerPins
 from quantlab.errors import ConfigError
 
 # trtexec's --layerPrecisions precisions (stringToValue<DataType> in sampleOptions.cpp).
@@ -84,48 +87,62 @@ def strongly_typed_command(qdq_model: str | Path, engine: str | Path,
     arguments = ["trtexec", f"--onnx={qdq_model}"]
     if trt_major < 11:
         arguments.append("--stronglyTyped")  # opt-in in 10.x; always on (a no-op flag) in 11.x
-    arguments += shape_options(profile or {})
-    arguments.append(f"--saveEngine={engine}")
-    if layer_info:
-        arguments += ["--profilingVerbosity=detailed", f"--exportLayerInfo={layer_info}"]
-    return _line(arguments)
+    return _line(arguments + _tail(profile, engine, layer_info))
+
+
+def explicit_command(qdq_model: str | Path, engine: str | Path, fp16: bool = False,
+                     profile: Mapping[str, Sequence[Sequence[int]]] | None = None,
+                     layer_info: str | Path | None = None) -> str:
+    """trtexec building the Q/DQ model weakly typed with INT8 on (TensorRT 8.6 - 10.x): explicit
+    quantization, no calibration; `fp16` where the model has float16 (Cast) parts."""
+    arguments = ["trtexec", f"--onnx={qdq_model}", "--int8"] + (["--fp16"] if fp16 else [])
+    return _line(arguments + _tail(profile, engine, layer_info))
 
 
 def implicit_command(fp32_model: str | Path, calibration_cache: str | Path, engine: str | Path,
-                     plan: Mapping[str, str] | None = None,
+                     pins: LayerPins | None = None,
                      profile: Mapping[str, Sequence[Sequence[int]]] | None = None,
                      layer_info: str | Path | None = None) -> str:
     """trtexec building the implicit INT8 engine of the FP32 model from the calibration cache,
-    with the plan's fp32/fp16 layers' precision and output types pinned and obeyed
-    (TensorRT <= 10.x)."""
-    pins = layer_precisions(plan or {})
+    with the layers `pins` (:func:`quantlab.backends.tensorrt.implicit_pins`) pinned and
+    obeyed (TensorRT <= 10.x)."""
+    pins = pins or LayerPins()
     arguments = ["trtexec", f"--onnx={fp32_model}", "--int8"]
-    if "fp16" in {str(p).lower() for p in (plan or {}).values()}:
+    if pins.fp16:
         arguments.append("--fp16")
     arguments.append(f"--calib={calibration_cache}")
-    if pins:
+    if pins.precisions:
         # Output types too: otherwise a pinned layer may still write INT8 for an INT8 reader,
         # and its output is quantized after all (one type applies to every output of a layer).
-        arguments += ["--precisionConstraints=obey", f"--layerPrecisions={pins}",
-                      f"--layerOutputTypes={pins}"]
-    arguments += shape_options(profile or {})
-    arguments.append(f"--saveEngine={engine}")
+        arguments += ["--precisionConstraints=obey",
+                      f"--layerPrecisions={layer_precisions(pins.precisions)}"]
+    if pins.output_types:
+        arguments.append(f"--layerOutputTypes={layer_precisions(pins.output_types)}")
+    return _line(arguments + _tail(profile, engine, layer_info))
+
+
+def _tail(profile, engine, layer_info) -> list[str]:
+    arguments = shape_options(profile or {}) + [f"--saveEngine={engine}"]
     if layer_info:
         arguments += ["--profilingVerbosity=detailed", f"--exportLayerInfo={layer_info}"]
-    return _line(arguments)
+    return arguments
 
 
-def trtexec_text(plan: Mapping[str, str] | None = None,
+def trtexec_text(pins: LayerPins | None = None,
                  profile: Mapping[str, Sequence[Sequence[int]]] | None = None,
                  cache_name: str | None = "calibration.cache",
-                 cache_header: str | None = None) -> str:
-    """The content of ``trtexec.txt``: the commands for TensorRT 10.x / 11.x (strongly typed)
-    and <= 10.x (implicit INT8 from `cache_name`; None: the folder has no cache, and a
-    comment says how to get one), with paths relative to the calibration folder they are
-    run in."""
-    pins = layer_precisions(plan or {})
+                 cache_header: str | None = None,
+                 qdq_fp16: bool = False) -> str:
+    """The content of ``trtexec.txt``: the commands for TensorRT 8.6 - 10.x (explicit Q/DQ),
+    10.x / 11.x (strongly typed) and <= 10.x (implicit INT8 from `cache_name` with `pins`;
+    None: the folder has no cache, and a comment says how to get one), with paths relative
+    to the calibration folder they are run in. `qdq_fp16`: model.int8.onnx has float16 parts."""
+    pins = pins or LayerPins()
     lines = [
         "# trtexec commands that build this folder's engine; run them inside this folder.",
+        "# TensorRT 8.6 - 10.x: the Q/DQ model with INT8 on, weakly typed (explicit "
+        "quantization: trtexec does not calibrate a network with Q/DQ layers)",
+        explicit_command("model.int8.onnx", "model.plan", qdq_fp16, profile, "layers.json"),
         "# TensorRT 10.x: strongly typed from the Q/DQ model (precisions from Q/DQ and types)",
         strongly_typed_command("model.int8.onnx", "model.plan", profile, "layers.json", 10),
         "# TensorRT 11.x: every network is strongly typed (--stronglyTyped is a no-op there)",
@@ -137,10 +154,17 @@ def trtexec_text(plan: Mapping[str, str] | None = None,
                      "(quantlab calibrate or plan)")
         return "\n".join(lines) + "\n"
     lines.append("# TensorRT <= 10.x: implicit INT8 from the FP32 model and the calibration cache"
-                 + (", the plan's fp32/fp16 layers obeyed" if pins else ""))
+                 + (", the plan's fp32/fp16 layers obeyed" if pins.precisions else ""))
+    if pins.fp16:
+        lines.append("# (--fp16 lets TensorRT run any unconstrained layer in FP16: every float "
+                     "layer the Q/DQ model keeps in FP32 is pinned fp32; layers the ONNX parser "
+                     "leaves unnamed, such as a Gemm's bias add, cannot be named here)")
     if cache_header:
-        lines.append(f"# ({cache_name} is {cache_header}: TensorRT uses it only if it is that "
-                     "version; another version recalibrates on trtexec's random data)")
-    lines.append(implicit_command("model.onnx", cache_name, "model.implicit.plan", plan, profile,
+        # trtexec's calibrator allocates no input when the cache file exists
+        # (RndInt8Calibrator, sampleEngines.cpp): a cache TensorRT rejects is not recalibrated,
+        # the build fails (TensorRT#3430, DLA-SW#26).
+        lines.append(f"# ({cache_name} is {cache_header}: trtexec builds from it only on that "
+                     "TensorRT version; on another one it rejects the cache and the build fails)")
+    lines.append(implicit_command("model.onnx", cache_name, "model.implicit.plan", pins, profile,
                                   "layers.implicit.json"))
     return "\n".join(lines) + "\n"

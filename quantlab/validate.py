@@ -44,7 +44,13 @@ from quantlab.choices import MODES
 from quantlab.compare import PairResult
 from quantlab.data import BatchSource
 from quantlab.errors import ConfigError, DataError
-from quantlab.experiment import atomic_write, check_output, output_folder, write_json
+from quantlab.experiment import (
+    atomic_write,
+    check_output,
+    output_folder,
+    recorded_path,
+    write_json,
+)
 from quantlab.progress import progress_bar
 from quantlab.report import write_report
 from quantlab.report.validation import validation_section
@@ -177,7 +183,7 @@ def validate(
     metrics = {name: score.result() for name, score in streamed.scores.items()}
     summary = {
         "samples": data.num_samples,
-        "data": data.description,
+        "data": recorded_path(data.description),
         "mode": mode,
         "stages": {s.name: STAGE_DESCRIPTIONS.get(s.name, type(s).__name__)
                    for s in (torch_stage, fp32, engine) if s is not None},
@@ -319,12 +325,16 @@ def run_stages(
     else:
         engine_tensors = [t for t in index.order if t in set(local.outputs.values())]
         upstream = {}  # fed the FP32 inputs, a node's only error is its own: judged against +inf
+    extra = {"quantized_inputs": local.quantized_inputs} if local else {}
+    sources = getattr(engine, "tensor_sources", None)  # TensorRT: how each tensor was obtained
+    if sources:
+        extra["obtained"] = {t: [sources[t]] for t in engine_tensors if t in sources}
     pairs.append(_Pair(
         fp32.name, engine.name, mode,
         compare.Comparison(engine_tensors, fp32.name, engine.name, atol, rtol),
         compare.Comparison(index.outputs, fp32.name, engine.name, atol, rtol),
         upstream, [t for t in index.order if t in index.floats and t not in set(engine_tensors)],
-        {"quantized_inputs": local.quantized_inputs} if local else {}))
+        extra, list(getattr(engine, "notes", []))))
     scores = {s.name: task.score() for s in (torch_stage, fp32, engine) if s is not None} \
         if task is not None else {}
     torch_tensors = pairs[0].comparison.tensors if torch_stage is not None else []

@@ -300,9 +300,28 @@ def _fonts() -> list[str]:
     return [f for f in found if "Display" not in f]
 
 
-def _font(size: int, rng: np.random.Generator, style: str = "any"):
+# Debian's fonts-wqy-microhei (installed by .ci/run): the CJK pages' font.
+CJK_FONT = Path("/usr/share/fonts/truetype/wqy/wqy-microhei.ttc")
+# Common simplified Chinese characters: the CJK pages' text is drawn from them.
+_HANZI = ("的一是在不了有和人这中大为上个国我以要他时来用们生到作地于出就分对成会可主发年动同工"
+          "也能下过子说产种面而方后多定行学法所民得经十三之进着等部度家电力里如水化高自二理起小物"
+          "现实加量都两体制机当使点从业本去把性好应开它合还因由其些然前外天政四日那社义事平形相全"
+          "表间样与关各重新线内数正心反你明看原又么利比或但质气第向道命此变条只没结解问意建月公无"
+          "系军很情者最立代想已通并提直题党程展五果料象员革位入常文总次品式活设及管特件长求老头基"
+          "资边流路级少图山统接知较将组见计别她手角期根论运农指几九区强放决西被干做必战先回则任取"
+          "据处理模型网络量化校准张量尺度引擎精度检测页表格结果方法数据值节分析文档布局图像区域文本"
+          "列报告测样本误差范围")
+
+
+def _font(size: int, rng: np.random.Generator, style: str = "any", script: str = "latin"):
     from PIL import ImageFont
 
+    if script == "cjk":
+        if not CJK_FONT.is_file():
+            raise RuntimeError(f"the CJK layout pages need the font {CJK_FONT}: install "
+                               "Debian's fonts-wqy-microhei (apt-get install "
+                               "fonts-wqy-microhei; .ci/run does).")
+        return ImageFont.truetype(str(CJK_FONT), size)
     fonts = _fonts()
     if style == "bold":
         fonts = [f for f in fonts if "Bold" in f] or fonts
@@ -324,16 +343,21 @@ _WORDS = (
 ).split()
 
 
-def _sentence(rng: np.random.Generator, words: int) -> str:
+def _sentence(rng: np.random.Generator, words: int, script: str = "latin") -> str:
+    if script == "cjk":  # about two characters a word, no spaces, a full stop
+        return "".join(_HANZI[int(i)] for i in rng.integers(len(_HANZI), size=2 * words)) + "。"
     chosen = [_WORDS[int(i)] for i in rng.integers(len(_WORDS), size=words)]
     text = " ".join(chosen)
     return text[0].upper() + text[1:] + "."
 
 
 def _wrap(draw, text: str, font, width: int) -> list[str]:
+    """Lines of `text` that fit `width`: broken at spaces, or anywhere in text without any
+    (CJK)."""
     lines, line = [], ""
-    for word in text.split():
-        trial = f"{line} {word}".strip()
+    joiner = " " if " " in text else ""
+    for word in text.split() if joiner else text:
+        trial = f"{line}{joiner}{word}".strip()
         if draw.textlength(trial, font=font) <= width or not line:
             line = trial
         else:
@@ -391,21 +415,25 @@ def layout_preprocess(rgb: np.ndarray) -> np.ndarray:
     return normalized.transpose(2, 0, 1).astype(np.float32)
 
 
-def _layout_page(rng: np.random.Generator, width: int = 1240, height: int = 1754):
-    """One A4 page at 150 dpi: title, 1 or 2 text columns, ruled tables, figures, captions."""
+def _layout_page(rng: np.random.Generator, width: int = 1240, height: int = 1754,
+                 script: str = "latin"):
+    """One A4 page at 150 dpi: title, 1 or 2 text columns, ruled tables, figures, captions
+    (`script` "latin" or "cjk": simplified Chinese text)."""
     from PIL import Image, ImageDraw
 
     page = Image.new("RGB", (width, height), (255, 255, 255))
+    space = " " if script == "latin" else ""
+    table_word, figure_word = ("Table", "Figure") if script == "latin" else ("表", "图")
     draw = ImageDraw.Draw(page)
     margin = int(rng.integers(90, 140))
     ink = (20, 20, 20)
-    header_font = _font(18, rng, "plain")
-    draw.text((margin, 50), _sentence(rng, 5)[:-1], font=header_font, fill=(90, 90, 90))
+    header_font = _font(18, rng, "plain", script)
+    draw.text((margin, 50), _sentence(rng, 5, script)[:-1], font=header_font, fill=(90, 90, 90))
     draw.text((width // 2 - 10, height - 70), str(int(rng.integers(1, 300))), font=header_font,
               fill=(90, 90, 90))
     y = margin + 20
-    title_font = _font(int(rng.integers(34, 46)), rng, "bold")
-    for line in _wrap(draw, _sentence(rng, int(rng.integers(4, 10)))[:-1], title_font,
+    title_font = _font(int(rng.integers(34, 46)), rng, "bold", script)
+    for line in _wrap(draw, _sentence(rng, int(rng.integers(4, 10)), script)[:-1], title_font,
                       width - 2 * margin):
         draw.text((margin, y), line, font=title_font, fill=ink)
         y += int(title_font.size * 1.3)
@@ -414,8 +442,8 @@ def _layout_page(rng: np.random.Generator, width: int = 1240, height: int = 1754
     gap = 40
     col_w = (width - 2 * margin - (columns - 1) * gap) // columns
     body_size = int(rng.integers(17, 23))
-    body = _font(body_size, rng, "plain")
-    caption_font = _font(body_size - 2, rng, "plain")
+    body = _font(body_size, rng, "plain", script)
+    caption_font = _font(body_size - 2, rng, "plain", script)
     top = y
     figure_no, table_no = 1, 1
     for col in range(columns):
@@ -424,7 +452,7 @@ def _layout_page(rng: np.random.Generator, width: int = 1240, height: int = 1754
         while y < bottom - 60:
             kind = rng.choice(["text", "text", "text", "table", "figure"])
             if kind == "text":
-                lines = _wrap(draw, " ".join(_sentence(rng, int(rng.integers(6, 16)))
+                lines = _wrap(draw, space.join(_sentence(rng, int(rng.integers(6, 16)), script)
                                              for _ in range(int(rng.integers(2, 6)))),
                               body, col_w)
                 for line in lines:
@@ -438,8 +466,8 @@ def _layout_page(rng: np.random.Generator, width: int = 1240, height: int = 1754
                 row_h = body_size + 14
                 if y + (rows + 2) * row_h > bottom:
                     break
-                draw.text((x, y), f"Table {table_no}: {_sentence(rng, 5)}", font=caption_font,
-                          fill=ink)
+                draw.text((x, y), f"{table_word} {table_no}: {_sentence(rng, 5, script)}",
+                          font=caption_font, fill=ink)
                 table_no += 1
                 y += row_h
                 cell_w = col_w // cols
@@ -451,7 +479,8 @@ def _layout_page(rng: np.random.Generator, width: int = 1240, height: int = 1754
                               width=1)
                 for r in range(rows):
                     for c in range(cols):
-                        text = (_WORDS[int(rng.integers(len(_WORDS)))] if r == 0
+                        text = (_WORDS[int(rng.integers(len(_WORDS)))] if r == 0 and
+                                script == "latin" else _sentence(rng, 1, script)[:-1] if r == 0
                                 else f"{rng.uniform(0, 100):.{int(rng.integers(0, 3))}f}")
                         draw.text((x + c * cell_w + 6, y + r * row_h + 6), text,
                                   font=caption_font, fill=ink)
@@ -487,8 +516,8 @@ def _layout_page(rng: np.random.Generator, width: int = 1240, height: int = 1754
                                                           Image.Resampling.BICUBIC)
                     page.paste(photo, (fx + 4, y + 4))
                 y += fig_h + 8
-                for line in _wrap(draw, f"Figure {figure_no}: {_sentence(rng, 10)}",
-                                  caption_font, col_w):
+                caption = f"{figure_word} {figure_no}: {_sentence(rng, 10, script)}"
+                for line in _wrap(draw, caption, caption_font, col_w):
                     draw.text((x, y), line, font=caption_font, fill=ink)
                     y += int(caption_font.size * 1.4)
                 figure_no += 1
@@ -496,16 +525,41 @@ def _layout_page(rng: np.random.Generator, width: int = 1240, height: int = 1754
     return page
 
 
+def _scanned(page, rng: np.random.Generator):
+    """`page` as a flatbed scan: skewed up to 1.5 degrees, yellowed paper, blurred, noisy."""
+    from PIL import Image, ImageFilter
+
+    angle = float(rng.uniform(-1.5, 1.5))
+    page = page.rotate(angle, resample=Image.Resampling.BICUBIC, expand=False,
+                       fillcolor=(255, 255, 255))
+    page = page.filter(ImageFilter.GaussianBlur(float(rng.uniform(0.5, 1.1))))
+    pixels = np.asarray(page, np.float32) / 255.0
+    paper = np.array([rng.uniform(0.90, 0.97), rng.uniform(0.86, 0.94), rng.uniform(0.74, 0.86)])
+    ink = pixels ** float(rng.uniform(1.2, 1.8))  # toner darker than the drawn ink
+    scan = ink * paper * 255 + rng.normal(0, 5, pixels.shape)
+    return Image.fromarray(np.clip(scan, 0, 255).astype(np.uint8))
+
+
+# Layout page variants: English synthetic pages, and simplified Chinese pages as scanned.
+LAYOUT_VARIANTS = ("synthetic", "scan-cjk")
+
+
 def make_layout(out: str | os.PathLike, n_calib: int = 8, n_val: int = 4,
-                seed: int = 0) -> dict[str, Path]:
-    """A4 pages as PNG (``calib/``, ``val/``) and rapid_layout's preprocessing as ``.npy``."""
+                seed: int = 0, variant: str = "synthetic") -> dict[str, Path]:
+    """A4 pages as PNG (``calib/``, ``val/``) and rapid_layout's preprocessing as ``.npy``;
+    `variant` "scan-cjk" draws Chinese text (Debian's fonts-wqy-microhei) and scans it."""
+    if variant not in LAYOUT_VARIANTS:
+        raise ValueError(f"layout variant {variant!r} is not one of {LAYOUT_VARIANTS}")
     out = Path(out)
     rng = np.random.default_rng(seed)
     paths = {}
     for split, count in (("calib", n_calib), ("val", n_val)):
         arrays = []
         for i in range(count):
-            page = _layout_page(rng)
+            if variant == "synthetic":
+                page = _layout_page(rng)
+            else:
+                page = _scanned(_layout_page(rng, script="cjk"), rng)
             _save_png(page, out / split / f"page_{i:03d}.png")
             arrays.append(layout_preprocess(np.asarray(page)))
         np.save(out / f"{split}.npy", np.stack(arrays))
@@ -681,7 +735,16 @@ def make_onet(out: str | os.PathLike, n_calib: int = 32, n_val: int = 16,
     return paths
 
 
-GENERATORS = {"layout": make_layout, "orientation": make_orientation, "vad": make_vad,
+def make_layout_suite(out: str | os.PathLike, n_calib: int = 8, n_val: int = 4,
+                      seed: int = 0) -> dict[str, Path]:
+    """The suite's layout data: the synthetic pages (keys as :func:`make_layout`) and the
+    scanned Chinese pages (the same keys prefixed ``cjk_``, in ``cjk/``)."""
+    paths = make_layout(out, n_calib, n_val, seed)
+    cjk = make_layout(Path(out) / "cjk", n_calib, n_val, seed, variant="scan-cjk")
+    return {**paths, **{f"cjk_{key}": path for key, path in cjk.items()}}
+
+
+GENERATORS = {"layout": make_layout_suite, "orientation": make_orientation, "vad": make_vad,
               "onet": make_onet}
 
 

@@ -78,7 +78,7 @@ def test_reads_colons_zero_and_infinity_scales(tmp_path):
     ("", "empty"),
     ("TRT-8601-KLCalibration\nx: 3c010204\n", "line 1"),
     ("x: 3c010204\n", "line 1"),
-    ("TRT-8601-EntropyCalibration2\nx: 3c01020\n", "line 2"),
+    ("TRT-8601-EntropyCalibration2\nx: 3c0102040\n", "line 2"),
     ("TRT-8601-EntropyCalibration2\nx 3c010204\n", "line 2"),
     ("TRT-8601-EntropyCalibration2\nx: 3c010204\ny: zz010204\n", "line 3"),
     ("TRT-8601-EntropyCalibration2\nx: 3c010204\nx: 3c010204\n", "line 3"),
@@ -105,7 +105,9 @@ def test_version_numbers_and_writer_checks(tmp_path):
     with pytest.raises(ConfigError):
         trt_version_number("eight")
     with pytest.raises(DataError, match="'bad'"):
-        write_calibration_cache(tmp_path / "c.cache", {"bad": 0.0}, trt_version="8.6.1")
+        write_calibration_cache(tmp_path / "c.cache", {"bad": -1.0}, trt_version="8.6.1")
+    with pytest.raises(DataError, match="'nan'"):
+        write_calibration_cache(tmp_path / "c.cache", {"nan": float("nan")}, trt_version="8.6.1")
     with pytest.raises(ConfigError):
         write_calibration_cache(tmp_path / "c.cache", {"x": 1.0}, algorithm="KL",
                                 trt_version="8.6.1")
@@ -121,3 +123,23 @@ def test_reads_tensorrt_84_bare_zero_scale():
     assert header == CacheHeader("8401", "EntropyCalibration2")
     assert scales["366"] == 0 and scales["(Unnamed Layer* 64) [Shuffle]_output"] == 0
     assert scales["395"] == hex_to_scale("3cbe52af")
+
+
+def test_unpadded_hex_and_zero_scales(tmp_path):
+    # trt-review F21/F15: TensorRT prints the bit pattern unpadded (8.4's bare "0"), so a
+    # scale below 2**-100 has fewer than 8 digits; a zero scale is a range TensorRT writes.
+    header, scales = parse_calibration_cache(b"TRT-8601-EntropyCalibration2\ntiny: 1a\n")
+    assert scales["tiny"] == np.array([0x1a], np.uint32).view(np.float32)[0]
+    path = write_calibration_cache(tmp_path / "c.cache", {"mask": 0.0, "x": 1 / 127},
+                                   trt_version="8.6.1")
+    assert read_calibration_cache(path)[1] == {"mask": 0.0, "x": np.float32(1 / 127)}
+
+
+def test_tensorrt_10_header_warns_that_it_is_inferred():
+    # trt-review question 4: no real TensorRT 10 cache header has been seen.
+    from quantlab.cache import implicit_int8_version
+
+    with pytest.warns(UserWarning, match="TRT-100300 for TensorRT 10.3.0.*quantlab doctor"):
+        assert implicit_int8_version("10.3.0") == "100300"
+    with pytest.raises(ConfigError, match="no implicit INT8"):
+        implicit_int8_version("11.0.0")

@@ -220,7 +220,40 @@ def test_segmented_collection_equals_unsegmented_on_zoo_models(zoo_name):
     whole = collect(model, source(model, samples, batch_size=8), tensors, progress=False)
     segmented = collect(model, source(model, samples, batch_size=8), tensors, progress=False,
                         memory_budget=8 << 10)
-    assert_identical(segmented, whole, max_sample=True)
+    assert_same_up_to_kernel_rounding(segmented, whole)
+
+
+# Float32 rounding a different kernel may add to the same math: a segment is another graph,
+# which ONNX Runtime fuses differently (Conv+Relu fused or not), and a CPU's vector width
+# (AVX2, AVX-512) orders the sums differently. A few ULPs: 8 ULPs of float32 is 2**-20.
+KERNEL_RTOL = 2.0 ** -20
+
+
+def assert_same_up_to_kernel_rounding(a: Statistics, b: Statistics):
+    """Statistics of the same tensors computed by different graphs or kernels.
+
+    Exact by construction: the tensors, sample and value counts, the total of each
+    histogram. Within KERNEL_RTOL: min and max. Histograms: a value within KERNEL_RTOL
+    of a bin edge may land in the neighbouring bin (on an AVX-512 machine one
+    max_pool2d value of digits-cnn does), so the histograms may differ by moves of one
+    bin each, of at most the share of values that close to an edge: a bin is
+    2**exponent / len(hist) wide and values are below 2**exponent, so at most
+    2 * KERNEL_RTOL * len(hist) of them (2**-5 with digits-cnn's 2**14 bins), far above
+    the 2 moves seen in 12288 values; a wrong segment (values missed, doubled or misplaced) moves
+    whole histograms. The moves are counted as the earth mover's distance in bins,
+    sum |cumsum(a) - cumsum(b)|. The sample holding the max is compared exactly: two
+    samples' maxima within rounding of each other are as unlikely as the exponent
+    (a power of two) falling between the two maxima.
+    """
+    assert a.num_samples == b.num_samples and list(a.tensors) == list(b.tensors)
+    for name in a.tensors:
+        x, y = a.tensors[name], b.tensors[name]
+        assert x.count == y.count and x.hist.sum() == y.hist.sum(), name
+        np.testing.assert_allclose([x.min, x.max], [y.min, y.max], rtol=KERNEL_RTOL, err_msg=name)
+        assert x.exponent == y.exponent and len(x.hist) == len(y.hist), name
+        assert x.max_sample == y.max_sample, name
+        moves = np.abs(np.cumsum(x.hist, dtype=np.int64) - np.cumsum(y.hist, dtype=np.int64))
+        assert moves.sum() <= 2 * KERNEL_RTOL * len(x.hist) * x.count, (name, moves.sum())
 
 
 def test_sizes_come_from_the_real_input_shapes(tiny_model):

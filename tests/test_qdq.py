@@ -2,7 +2,8 @@
 
 The simulation never reads the Q/DQ graph: it evaluates the FP32 graph node by
 node in float64 with onnx.reference and fake-quantizes (round half to even,
-clip to [-128, 127], zero point 0) exactly the inputs the placement rules name.
+clip to [-128, 127] for activations, [-127, 127] for weights, zero point 0) exactly the
+inputs the placement rules name.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ INTEGER_OPS = {"QLinearConv", "QLinearMatMul", "MatMulInteger", "QGemm", "MatMul
 
 # ---------------------------------------------------------------- reference simulation
 
-def fake_quant(x: np.ndarray, amax, axis: int | None = None) -> np.ndarray:
-    """Symmetric int8 fake quantization with scale = float32(amax / 127), returned in float64.
+def fake_quant(x: np.ndarray, amax, axis: int | None = None, low: int = -128) -> np.ndarray:
+    """Symmetric int8 fake quantization with scale = float32(amax / 127), returned in float64,
+    saturating at [low, 127] (activations: -128 as QuantizeLinear; weights: narrow, -127).
 
     The division x / scale is done in float32 as ONNX QuantizeLinear defines it for
     float32 inputs, so both sides round the same quotient; the rest is float64.
@@ -37,7 +39,7 @@ def fake_quant(x: np.ndarray, amax, axis: int | None = None) -> np.ndarray:
         shape[axis] = -1
         scale = scale.reshape(shape)
     quotient = np.asarray(x, np.float32) / scale
-    return np.clip(np.rint(quotient), -128, 127).astype(np.float64) * scale.astype(np.float64)
+    return np.clip(np.rint(quotient), low, 127).astype(np.float64) * scale.astype(np.float64)
 
 
 def channel_amax(w: np.ndarray, axis: int) -> np.ndarray:
@@ -54,7 +56,7 @@ def channel_amax(w: np.ndarray, axis: int) -> np.ndarray:
             scale = peak * fraction / 127
             if scale == 0:
                 break
-            error = np.sum((np.clip(np.rint(values / scale), -128, 127) * scale - values) ** 2)
+            error = np.sum((np.clip(np.rint(values / scale), -127, 127) * scale - values) ** 2)
             if error < best:
                 best, chosen = error, peak * fraction
         result.append(chosen)
@@ -66,8 +68,10 @@ def simulated_input(rule, node, index, name, value, is_constant, amax):
     how = rule(node, index, is_constant)
     if how == "act":
         return fake_quant(value, amax[name])
+    if how == "tensor":
+        return fake_quant(value, channel_amax(value.reshape(1, -1), 0)[0], low=-127)
     if how is not None:
-        return fake_quant(value, channel_amax(value, how), how)
+        return fake_quant(value, channel_amax(value, how), how, low=-127)
     return value
 
 
@@ -75,7 +79,8 @@ def simulate(model, feeds, amax, rule):
     """Evaluate `model` node by node in float64, fake-quantizing the inputs `rule` names.
 
     `rule(node, index, is_initializer)` returns None (leave float), "act"
-    (per-tensor with amax[input name]) or an int axis (per-channel weight).
+    (per-tensor with amax[input name]), "tensor" (per-tensor weight) or an int axis
+    (per-channel weight).
     """
     values = {k: np.asarray(v, np.float64) for k, v in feeds.items()}
     values.update({k: v.astype(np.float64) if v.dtype == np.float32 else v
@@ -111,10 +116,12 @@ def linear_rule(residual: dict[str, int] | None = None, fp32: frozenset = frozen
     return rule
 
 
-def expected_axis(node) -> int:
-    """Output-channel axis, stated from the ONNX operator definitions."""
+def expected_axis(node) -> int | str:
+    """Output-channel axis of a weight, stated from the ONNX operator definitions, or "tensor"
+    for ConvTranspose, whose weights are per-tensor (TensorRT#2380, #1694; docs/qdq.md)."""
     trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
-    return {"Conv": 0, "ConvTranspose": 1, "MatMul": 1, "Gemm": 0 if trans_b else 1}[node.op_type]
+    return {"Conv": 0, "ConvTranspose": "tensor", "MatMul": 1,
+            "Gemm": 0 if trans_b else 1}[node.op_type]
 
 
 def rule_from_qdq_graph(quantized):
@@ -221,14 +228,16 @@ def q_nodes_on(model, tensor):
 def test_weight_axis_attribute_and_values(kind):
     model, feeds, name = linear_case(kind)
     node = next(n for n in model.graph.node if n.name == name)
-    axis = expected_axis(node)
-    assert qdq.weight_axis(node, 1) == axis
+    expected = expected_axis(node)
+    axis = None if expected == "tensor" else expected
+    assert qdq.weight_axis(node, 1, rank=2 if kind != "ConvTranspose" else 4) == axis
 
     amax = fp32_amax(model, feeds)
     quantized = qdq.quantize_model(model, amax)
     dq = dq_feeding(quantized, name, 1)
     assert dq.op_type == "DequantizeLinear"
-    assert next(helper.get_attribute_value(a) for a in dq.attribute if a.name == "axis") == axis
+    assert next((helper.get_attribute_value(a) for a in dq.attribute if a.name == "axis"),
+                None) == axis
     stored = graph.initializers(quantized)
     assert stored[dq.input[0]].dtype == np.int8
     assert not stored[dq.input[2]].any()  # zero point 0
@@ -236,8 +245,10 @@ def test_weight_axis_attribute_and_values(kind):
     weight = graph.initializers(model)["w"]
     # The int8 weight times its scale is exactly the fake-quantized float weight
     # (both are one float32 product; only float64-vs-float32 rounding remains).
-    expected = fake_quant(weight.astype(np.float64), channel_amax(weight, axis), axis)
-    np.testing.assert_allclose(dequantized, expected, rtol=1e-6, atol=0)
+    weight_amax = (channel_amax(weight.reshape(1, -1), 0)[0] if axis is None
+                   else channel_amax(weight, axis))
+    want = fake_quant(weight.astype(np.float64), weight_amax, axis, low=-127)
+    np.testing.assert_allclose(dequantized, want, rtol=1e-6, atol=0)
     # The bias stays a float initializer read directly by the op (docs/qdq.md).
     op = next(n for n in quantized.graph.node if n.name == name)
     if len(op.input) > 2:
@@ -391,16 +402,51 @@ def test_mse_weight_amax_equals_reference_and_never_raises_the_error():
     assert (mse <= peak).all() and (mse < peak).any()
 
     def error(amax):
-        return ((fake_quant(w, amax, 0) - w) ** 2).reshape(16, -1).sum(axis=1)
+        return ((fake_quant(w, amax, 0, low=-127) - w) ** 2).reshape(16, -1).sum(axis=1)
 
     assert (error(mse) <= error(peak) * (1 + 1e-9)).all()
     assert error(mse).sum() < error(peak).sum()
 
 
+@pytest.mark.parametrize("shape, x_shape", [((12,), [2, 12]), ((3, 12, 7), [3, 4, 12])])
+def test_matmul_weight_of_rank_other_than_two_is_per_tensor(shape, x_shape):
+    # trt-review F7: a 1-D B crashed quantize_model (IndexError) and a 3-D [b, K, N] B was
+    # scaled along K, the reduction axis. docs/qdq.md: any rank but 2 is per-tensor.
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="op")
+    model = make_model([node], {"x": x_shape}, {"w": rand(*shape)})
+    feeds = {"x": rand(*x_shape, seed=1)}
+    quantized = qdq.quantize_model(model, fp32_amax(model, feeds))
+    dq = dq_feeding(quantized, "op", 1)
+    assert dq.op_type == "DequantizeLinear"
+    assert not [a for a in dq.attribute if a.name == "axis"]
+    assert graph.initializers(quantized)[dq.input[1]].shape == ()
+    per_tensor = lambda node, index, is_initializer: "tensor" if is_initializer else "act"  # noqa: E731
+    want = simulate(model, feeds, fp32_amax(model, feeds), per_tensor)["y"]
+    np.testing.assert_allclose(run(quantized, feeds)["y"], want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
+
+
+def test_fp16_node_keeps_float32_only_inputs():
+    # trt-review F23: an fp16 Resize got float16 `scales`, which ONNX types tensor(float) only;
+    # ONNX's checker and ONNX Runtime refused the model.
+    conv = helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1])
+    resize = helper.make_node("Resize", ["c", "", "scales"], ["y"], name="resize",
+                              mode="nearest")
+    model = make_model([conv, resize], {"x": [1, 3, 4, 4]},
+                       {"w": rand(2, 3, 3, 3), "scales": np.array([1, 1, 2, 2], np.float32)})
+    feeds = {"x": rand(1, 3, 4, 4, seed=1)}
+    half = qdq.quantize_model(model, fp32_amax(model, feeds), plan={"resize": "fp16"})
+    onnx.checker.check_model(half, full_check=True)
+    node = next(n for n in half.graph.node if n.name == "resize")
+    assert node.input[2] == "scales"
+    assert graph.initializers(half)["scales"].dtype == np.float32
+    assert run(half, feeds)["y"].shape == (1, 2, 8, 8)
+
+
 def test_weight_axis_rejects_non_weight_input():
     node = helper.make_node("Conv", ["x", "w"], ["y"], name="c")
     with pytest.raises(ModelError, match="'c'"):
-        qdq.weight_axis(node, 0)
+        qdq.weight_axis(node, 0, rank=4)
 
 
 def test_errors_name_the_tensor_and_node():
@@ -709,7 +755,11 @@ def test_fp16_node_matches_float16_reference(kind):
     # its error is at most gamma_(K+1) * sum |x_k w_k| (Higham, Accuracy and Stability,
     # eq. 3.5), plus half an ULP for rounding the result to float16; Relu is 1-Lipschitz.
     weight = graph.initializers(model)["w"]
-    terms = weight.size // weight.shape[qdq.weight_axis(op, 1)] + 1
+    # One output sums every input channel and kernel tap: the weight's size over its output
+    # channels (ONNX layouts: axis 0 of Conv, 1 of ConvTranspose and MatMul, by transB for Gemm).
+    trans_b = next((a.i for a in op.attribute if a.name == "transB"), 0)
+    out_axis = {"Conv": 0, "Gemm": 0 if trans_b else 1}.get(op.op_type, 1)
+    terms = weight.size // weight.shape[out_axis] + 1
     gamma = terms * FP16_UNIT_ROUNDOFF / (1 - terms * FP16_UNIT_ROUNDOFF)
     bound = gamma * magnitude + FP16_UNIT_ROUNDOFF * np.abs(want) + 1e-6 * magnitude.max()
     assert np.all(np.abs(got - want) <= bound)

@@ -44,19 +44,25 @@ class Case:
 
 # Why these floors: each is the worst output's SQNR measured on this seeded data (quantlab
 # 2026-11-23, ORT 1.32, 2-core AVX2 x86 without VNNI) minus ~3 dB for ORT/CPU and kernel
-# differences. Measured (entropy / percentile, dB): layout -1.74 / 4.24, orientation
+# differences. Layout since depthwise-input equalization (2026-11-25, AVX-512 VNNI): 19.61
+# (percentile) and -2.28 (entropy) on the synthetic pages, 15.82 / 12.43 on the scanned
+# Chinese pages. Measured before (entropy / percentile, dB): layout -1.74 / 4.24, orientation
 # 30.71 / 57.29 (.npy and images alike: the PNGs decode to the .npy exactly), onet (both
 # legacy exports and images) 20.00 / 24.18, vad 18.64 / 12.23 (its `stateN` output; the
 # speech probability is at 22.9 / 24.0 dB). A broken pipeline (wrong preprocessing, wrong
 # scales, unquantized or mis-fed inputs, a dropped Q/DQ pair) moves these by far more than
 # 3 dB: with the wrong preprocessing orientation fell from 38.5 to 12.8 dB in the field
-# report. Every output must stay above its case's floor. The layout detector is INT8-hostile
-# by nature (the field report measured 0-5 dB with every calibrator and with ORT's own
-# quantize_static), so its floors only assert "finite and no worse than measured".
+# report. Every output must stay above its case's floor. The layout detector's entropy
+# calibration stays broken after equalization (one scale per tensor cannot serve it), so
+# that floor only asserts "finite and no worse than measured".
 CASES = {
     "layout-npy": Case("layout", "calib_npy", "val_npy", "val_npy",
-                       floors={"entropy": -5.0, "percentile": 1.0},
+                       floors={"entropy": -5.0, "percentile": 16.0},
                        marks=(pytest.mark.slow,)),
+    # Simplified Chinese pages as scanned (Debian's fonts-wqy-microhei): harder data.
+    "layout-scan-cjk": Case("layout", "cjk_calib_npy", "cjk_val_npy", "cjk_val_npy",
+                            floors={"entropy": 9.0, "percentile": 12.5},
+                            marks=(pytest.mark.slow,)),
     "orientation-npy": Case("orientation", "calib_npy", "val_npy", "val_npy",
                             floors={"entropy": 27.0, "percentile": 54.0}),
     "orientation-images": Case("orientation", "calib", "val", "val_npy",

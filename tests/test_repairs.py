@@ -500,3 +500,15 @@ def test_depthwise_equalization_inserts_a_mul_and_reports_what_it_skips():
     assert skipped["readers"] == ["dw"] and report.passes == 0
     zero = {"h": np.zeros(CHANNEL_GAINS.size)}
     assert "zero" in repairs.depthwise_equalization(model, zero)[1].skipped[0]["reason"]
+
+
+def test_cle_reports_every_linear_op_it_leaves_alone():
+    # Pointwise Conv -> decomposed HardSwish -> depthwise Conv -> BN (folded): CLE cannot pass
+    # the HardSwish (its input is read twice), and the last Conv feeds the graph output. Both
+    # are listed with their reason: "skipped: 0" read as "no problem here" (layout study).
+    model = hardswish_dw_model()
+    _, report = repairs.cross_layer_equalization(model)
+    assert not report.applied
+    reasons = {entry["first"]: entry["reason"] for entry in report.skipped}
+    assert set(reasons) == {"pw", "dw"}
+    assert "2 readers (Add, Mul)" in reasons["pw"] and "graph output" in reasons["dw"]

@@ -1,32 +1,40 @@
 """TensorRT backend: build engines from quantlab's artifacts and run them, through Polygraphy.
 
 Building and running go through Polygraphy's loaders and runner (NVIDIA's own,
-pure Python, imports TensorRT lazily): ``NetworkFromOnnxPath`` ->
-``SetLayerPrecisions`` / ``MarkDebug`` -> ``CreateConfig`` ->
-``EngineBytesFromNetwork``, and ``TrtRunner`` to run. Which build exists
-depends on the installed TensorRT (docs/tensorrt.md has every call's version
-range and source):
+pure Python, imports TensorRT lazily): ``NetworkFromOnnxPath`` -> a
+``PostprocessNetwork`` pinning layers / ``MarkDebug`` / ``ModifyNetworkOutputs``
+-> ``CreateConfig`` -> ``EngineBytesFromNetwork``, and ``TrtRunner`` to run.
+Every argument TensorRT receives is decided by :func:`build_settings`, plain
+Python tested without TensorRT. Which build exists depends on the installed
+TensorRT (docs/tensorrt.md has every call's version range and source):
 
-- **strongly typed** (TensorRT >= 9.0; the only mode of 11.x): from
-  ``model.int8.onnx``; the Q/DQ pairs and the ONNX types decide every precision;
+- **strongly typed** (TensorRT >= 9.0; the default from 10.0, the only mode of
+  11.x): from ``model.int8.onnx``; the Q/DQ pairs and the ONNX types decide;
+- **explicit** (TensorRT 8.x - 10.x; the default before 10.0): the same
+  ``model.int8.onnx`` in a weakly typed network with ``BuilderFlag.INT8`` (and
+  FP16 where it has float16 parts) and no calibrator, how TensorRT 8.6 builds
+  Q/DQ models;
 - **implicit INT8** (TensorRT <= 10.x; removed in 11.0): from the FP32
   ``model.onnx`` with ``BuilderFlag.INT8`` and a calibrator that either reads
-  quantlab's ``calibration.cache`` or is fed quantlab's batches, plus per-layer
-  precisions obeyed (``{ONNX node name: "fp32" | "fp16" | "int8"}``).
+  quantlab's ``calibration.cache`` or is fed quantlab's batches, plus the plan's
+  fp32/fp16 layers pinned and obeyed (:func:`implicit_pins`).
 
-Intermediate tensors come from debug tensors, never from extra outputs (which
-break TensorRT's fusions): tensors marked with ``mark_debug`` (TensorRT >=
-10.0) or, with ``debug_tensors="unfused"``, every tensor TensorRT did not fuse
-away (``mark_unfused_tensors_as_debug_tensors``, TensorRT >= 10.12). It is
-never faked: where `tensorrt` or `polygraphy` is missing every entry point
-raises :class:`BackendUnavailableError` saying what to install.
+Intermediate tensors for layer-by-layer comparison (``debug_tensors="layers"``)
+are obtained the way the installed version allows (:func:`debug_strategy`):
+unfused debug tensors mapped back to ONNX names through the engine inspector
+(10.12+), ``mark_debug`` on the tensors the engine built without marks keeps
+(10.0+), extra network outputs (8.x, which can change fusions; the report says
+so). It is never faked: where `tensorrt` or `polygraphy` is missing every entry
+point raises :class:`BackendUnavailableError` saying what to install.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -37,15 +45,33 @@ from quantlab import graph
 from quantlab.backends import Backend
 from quantlab.errors import BackendUnavailableError, ConfigError, DataError, ModelError
 
-# Version ranges of the two build paths and of the debug-tensor calls (checked against the
-# Python bindings of every TensorRT release branch, python/src/infer/*.cpp; docs/tensorrt.md).
+# Version ranges of the build paths and of the debug-tensor calls (checked against the Python
+# bindings of every TensorRT release branch, python/src/infer/*.cpp; docs/tensorrt.md).
 STRONGLY_TYPED_SINCE = (9, 0)  # NetworkDefinitionCreationFlag.STRONGLY_TYPED
-IMPLICIT_INT8_UNTIL = (11, 0)  # BuilderFlag.INT8, IInt8*Calibrator, ILayer.precision: gone in 11.0
+IMPLICIT_INT8_UNTIL = (11, 0)  # BuilderFlag.INT8/FP16, IInt8*Calibrator, ILayer.precision: gone
 MARK_DEBUG_SINCE = (10, 0)  # INetworkDefinition.mark_debug, IDebugListener
 MARK_UNFUSED_SINCE = (10, 12)  # INetworkDefinition.mark_unfused_tensors_as_debug_tensors
 PRECISIONS = ("fp32", "fp16", "int8")
-UNFUSED = "unfused"
+# strongly_typed: model.int8.onnx, types decide; explicit: model.int8.onnx in a weakly typed
+# network with BuilderFlag.INT8 (how TensorRT 8.x builds Q/DQ models); implicit: model.onnx with
+# BuilderFlag.INT8 and a calibrator.
+MODES = ("strongly_typed", "explicit", "implicit")
+UNFUSED = "unfused"  # debug_tensors: mark_unfused_tensors_as_debug_tensors (TensorRT >= 10.12)
+LAYERS = "layers"  # debug_tensors: every ONNX tensor the engine keeps, the version's way
 ENGINE_SUFFIXES = (".plan", ".engine", ".trt")  # a prebuilt, serialized engine
+# How a tensor the engine stage compares was obtained (validate's "obtained" column).
+SOURCES = {
+    "graph_output": "a graph output of the engine",
+    "debug_unfused": "an unfused debug tensor (mark_unfused_tensors_as_debug_tensors, TensorRT "
+                     ">= 10.12), reported under TensorRT's internal name and mapped to its ONNX "
+                     "name through the engine inspector's layer information",
+    "debug_marked": "marked with mark_debug (TensorRT >= 10.0) because the engine built without "
+                    "marks keeps it (engine inspector), so the marks leave the fusions as they are",
+    "network_output": "marked as an extra network output (TensorRT < 10 has no debug tensors) "
+                      "because the engine built without marks keeps it; an output can still "
+                      "change TensorRT's fusions",
+    "debug_prebuilt": "a debug tensor of the prebuilt engine (ICudaEngine.is_debug_tensor)",
+}
 
 _INSTALL = (
     "install quantlab[tensorrt] on a machine with an NVIDIA GPU (`pip install -e \".[tensorrt]\"`; "
@@ -88,79 +114,245 @@ def installed_version() -> tuple[int, int, int]:
     return parse_version(require_tensorrt().__version__)
 
 
+def _text(version: Sequence[int]) -> str:
+    return ".".join(str(v) for v in version)
+
+
 def default_mode(version: tuple[int, ...]) -> str:
-    """The build path quantlab takes on TensorRT `version`: 'strongly_typed' from 10.0 on
-    (explicit Q/DQ, the only path of 11.x), 'implicit' before."""
-    return "strongly_typed" if tuple(version) >= (10, 0) else "implicit"
+    """The build of ``model.int8.onnx`` (the model quantlab validated) on TensorRT `version`:
+    'strongly_typed' from 10.0 on (the only path of 11.x), 'explicit' before (TensorRT 8.x
+    builds Q/DQ networks weakly typed with BuilderFlag.INT8)."""
+    return "strongly_typed" if tuple(version) >= (10, 0) else "explicit"
 
 
 def check_mode(mode: str, version: tuple[int, ...]) -> None:
     """ConfigError unless build `mode` exists in TensorRT `version`, saying which does."""
-    text = ".".join(str(v) for v in version)
-    if mode == "implicit" and tuple(version) >= IMPLICIT_INT8_UNTIL:
+    text = _text(version)
+    if mode not in MODES:
+        raise ConfigError(f"build mode '{mode}' is not one of {', '.join(MODES)}.")
+    if mode in ("implicit", "explicit") and tuple(version) >= IMPLICIT_INT8_UNTIL:
         raise ConfigError(
-            f"TensorRT {text} has no implicit INT8: calibrators, BuilderFlag.INT8/FP16, layer "
-            "precisions and precision constraints were removed in TensorRT 11.0. Build the "
-            "strongly typed engine from model.int8.onnx (quantlab build DIR --mode "
-            "strongly_typed), or use TensorRT 10.x for the calibration-cache path."
+            f"TensorRT {text} has no {mode} INT8 build: BuilderFlag.INT8/FP16, calibrators, "
+            "layer precisions and precision constraints were removed in TensorRT 11.0. Build "
+            "the strongly typed engine from model.int8.onnx (quantlab build DIR --mode "
+            "strongly_typed), or use TensorRT 8.6-10.x for this path."
         )
     if mode == "strongly_typed" and tuple(version) < STRONGLY_TYPED_SINCE:
         raise ConfigError(
-            f"TensorRT {text} has no strongly typed networks (added in 9.0; quantlab uses them "
-            "from 10.0). Build the implicit INT8 engine from model.onnx and calibration.cache "
-            "(--mode implicit), or use TensorRT >= 10."
+            f"TensorRT {text} has no strongly typed networks (added in 9.0). Build "
+            "model.int8.onnx with --mode explicit (weakly typed, BuilderFlag.INT8: how "
+            "TensorRT 8.x builds Q/DQ models), or model.onnx with calibration.cache (--mode "
+            "implicit)."
         )
-    if mode not in ("implicit", "strongly_typed"):
-        raise ConfigError(f"build mode '{mode}' is neither 'strongly_typed' nor 'implicit'.")
+
+
+def debug_strategy(version: tuple[int, ...]) -> str:
+    """How the engine stage obtains intermediate tensors on TensorRT `version` (a key of
+    :data:`SOURCES`): unfused debug tensors mapped back through the inspector from 10.12,
+    mark_debug on the tensors the unmarked engine keeps from 10.0, network outputs before."""
+    if tuple(version) >= MARK_UNFUSED_SINCE:
+        return "debug_unfused"
+    if tuple(version) >= MARK_DEBUG_SINCE:
+        return "debug_marked"
+    return "network_output"
 
 
 def check_debug_tensors(debug_tensors: Sequence[str] | str | None,
                         version: tuple[int, ...]) -> None:
-    """ConfigError unless TensorRT `version` can expose `debug_tensors` as debug tensors."""
-    text = ".".join(str(v) for v in version)
-    if not debug_tensors:
-        return
-    if debug_tensors == UNFUSED:
-        if tuple(version) < MARK_UNFUSED_SINCE:
-            raise ConfigError(
-                f"TensorRT {text} cannot mark unfused tensors as debug tensors (added in "
-                "10.12); name the tensors to expose instead (mark_debug, TensorRT >= 10.0), "
-                "which keeps them from being fused."
-            )
-    elif tuple(version) < MARK_DEBUG_SINCE:
+    """ConfigError unless TensorRT `version` can expose `debug_tensors` ('layers', 'unfused' or
+    tensor names: debug tensors from 10.0, extra network outputs before)."""
+    if debug_tensors == UNFUSED and tuple(version) < MARK_UNFUSED_SINCE:
         raise ConfigError(
-            f"TensorRT {text} has no debug tensors (INetworkDefinition.mark_debug and "
-            "IDebugListener arrived in 10.0), so the engine stage can only compare graph "
-            "outputs; run with TensorRT >= 10 for layer-by-layer comparison."
+            f"TensorRT {_text(version)} cannot mark unfused tensors as debug tensors (added in "
+            "10.12); pass debug_tensors='layers', which exposes the tensors the engine keeps "
+            "the way this version can (mark_debug from 10.0, network outputs before)."
         )
 
 
-def layer_precisions_for(plan: Mapping[str, str], version: tuple[int, ...]) -> dict[str, str]:
-    """Check a `{ONNX node name: precision}` plan for an implicit build; return it lowercased."""
-    check_mode("implicit", version)
-    result = {}
-    for node, precision in plan.items():
-        value = str(precision).lower()
-        if value not in PRECISIONS:
+def _names(debug_tensors: Sequence[str] | str | None) -> list[str]:
+    # A single tensor name is one name, not its characters (trt-review F19).
+    if not debug_tensors or debug_tensors in (UNFUSED, LAYERS):
+        return []
+    return [debug_tensors] if isinstance(debug_tensors, str) else list(debug_tensors)
+
+
+@dataclass(frozen=True)
+class LayerPins:
+    """Layer precisions and output types an implicit INT8 build pins and obeys.
+
+    Only fp32/fp16 are pinned: an int8 pin makes an OBEY build fail where a layer
+    has no INT8 kernel (INT8 nodes are left to TensorRT, as trtexec does), and
+    output types are set only on nodes whose outputs are all float (a type broadcast
+    onto index or Bool outputs fails the build). With an fp16 pin the FP16 builder
+    flag lets TensorRT pick FP16 for *every* unconstrained layer, so every other
+    float node the Q/DQ model leaves unquantized is pinned fp32: what was validated.
+    """
+
+    precisions: dict[str, str] = field(default_factory=dict)
+    output_types: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def fp16(self) -> bool:
+        """Whether the build needs BuilderFlag.FP16 (an fp16 pin)."""
+        return "fp16" in self.precisions.values()
+
+
+def implicit_pins(model: onnx.ModelProto, plan: Mapping[str, str]) -> LayerPins:
+    """The :class:`LayerPins` of `plan` (``{ONNX node: precision}``) on the FP32 `model`."""
+    from quantlab import qdq
+
+    index = graph.Graph.of(model)
+    nodes = {node.name: node for node in index.model.graph.node}
+    unknown = [name for name in plan if name not in nodes]
+    if unknown:
+        raise ConfigError(f"the plan names {len(unknown)} node(s) the model does not have: "
+                          f"{unknown[:5]}; plan this model.")
+    plan = {node: str(p).lower() for node, p in plan.items()}
+    bad = {node: p for node, p in plan.items() if p not in PRECISIONS}
+    if bad:
+        raise ConfigError(f"the plan gives node(s) {list(bad)[:5]} precision(s) "
+                          f"{sorted(set(bad.values()))}; layer precisions are "
+                          f"{', '.join(PRECISIONS)}.")
+    float_out = {name for name, node in nodes.items()
+                 if node.output and all(o in index.floats for o in node.output if o)}
+    precisions = {node: p for node, p in plan.items() if p in ("fp32", "fp16")}
+    if "fp16" in precisions.values():
+        placement = qdq.place(index, plan)
+        quantized = {node for edges in placement.readers.values() for node, _ in edges}
+        quantized.update(node for node, _ in placement.weights)
+        for name in nodes:
+            if name in float_out and name not in quantized and plan.get(name) != "int8":
+                precisions.setdefault(name, "fp32")
+    precisions = {name: precisions[name] for name in nodes if name in precisions}
+    return LayerPins(precisions, {n: p for n, p in precisions.items() if n in float_out})
+
+
+def layer_pin(name: str, metadata: str, precisions: Mapping[str, str]) -> str | None:
+    """The pinned precision of a network layer: its name's, else that of the ONNX node its
+    ``Metadata`` names (onnx-tensorrt names one layer per node and leaves the others, e.g. a
+    Gemm's bias add, "(Unnamed Layer* N)"; Metadata names the node on every one, 8.6+)."""
+    if name in precisions:
+        return precisions[name]
+    from quantlab.trt_layers import metadata_nodes
+
+    return next((precisions[node] for node in metadata_nodes(metadata) if node in precisions),
+                None)
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """Every choice quantlab hands Polygraphy and TensorRT for one build (:func:`build_settings`).
+
+    `tf32` keeps TensorRT's default (trtexec's too; Polygraphy clears it unless asked),
+    so the engine built here is the one ``trtexec.txt`` builds.
+    """
+
+    mode: str
+    strongly_typed: bool
+    int8: bool
+    fp16: bool
+    tf32: bool
+    precision_constraints: str | None
+    pins: LayerPins
+    mark_unfused: bool
+    mark_debug: tuple[str, ...]
+    mark_outputs: tuple[str, ...]
+    profile: dict[str, tuple[tuple[int, ...], ...]]
+
+
+def build_settings(
+    model: onnx.ModelProto,
+    version: tuple[int, ...],
+    mode: str | None = None,
+    calibrated: bool = False,
+    layer_precisions: Mapping[str, str] | None = None,
+    debug_tensors: Sequence[str] | str | None = None,
+    max_batch: int = 1,
+    input_shapes: Mapping[str, Sequence[Sequence[int]]] | None = None,
+    calibration_batch: int | None = None,
+) -> BuildSettings:
+    """The :class:`BuildSettings` of building `model` on TensorRT `version` (see build_engine).
+
+    `calibrated`: a calibrator is given; `calibration_batch`: its samples per
+    batch, which must be the calibration profile's OPT batch (TensorRT reads
+    exactly the OPT volume from each batch pointer).
+    """
+    mode = mode or default_mode(version)
+    check_mode(mode, version)
+    check_debug_tensors(debug_tensors, version)
+    if mode != "implicit" and (calibrated or layer_precisions):
+        raise ConfigError(
+            f"a {mode} build takes its precisions from the Q/DQ model; a calibrator or layer "
+            "precisions apply only to an implicit INT8 build from model.onnx (TensorRT <= 10)."
+        )
+    if mode == "implicit" and not calibrated:
+        raise ConfigError(
+            "an implicit INT8 build needs a calibrator reading calibration.cache or fed "
+            "calibration batches (quantlab.backends.trt_calibrator.make_calibrator)."
+        )
+    pins = LayerPins()
+    if layer_precisions:
+        pins = implicit_pins(model, layer_precisions)
+    profile = input_profile(model, max_batch, input_shapes)
+    if calibration_batch is not None:
+        _check_calibration_batch(model, profile, calibration_batch)
+    names = _names(debug_tensors)
+    marked = tuple(names) if tuple(version) >= MARK_DEBUG_SINCE else ()
+    outputs = tuple(names) if tuple(version) < MARK_DEBUG_SINCE else ()
+    unfused = debug_tensors == UNFUSED or (debug_tensors == LAYERS
+                                           and debug_strategy(version) == "debug_unfused")
+    fp16 = pins.fp16 if mode == "implicit" else mode == "explicit" and has_float16(model)
+    if fp16 and mode == "explicit":
+        warnings.warn(
+            f"TensorRT {_text(version)}: a weakly typed build runs the Q/DQ model's float16 "
+            "parts in FP16 only with BuilderFlag.FP16, which also lets TensorRT pick FP16 for "
+            "any other float layer; the engine may differ from the validated model there. "
+            "Strongly typed builds (TensorRT >= 9) keep the model's types exactly.", stacklevel=2)
+    return BuildSettings(
+        mode=mode, strongly_typed=mode == "strongly_typed", int8=mode != "strongly_typed",
+        fp16=fp16, tf32=True, precision_constraints="obey" if pins.precisions else None,
+        pins=pins, mark_unfused=unfused, mark_debug=marked, mark_outputs=outputs,
+        profile=profile)
+
+
+def has_float16(model: onnx.ModelProto) -> bool:
+    """Whether the Q/DQ `model` has fp16 nodes (Cast to float16 or float16 weights): a weakly
+    typed build runs them in FP16 only with BuilderFlag.FP16."""
+    half = onnx.TensorProto.FLOAT16
+    return any(init.data_type == half for init in model.graph.initializer) or any(
+        node.op_type == "Cast" and any(a.name == "to" and a.i == half for a in node.attribute)
+        for node in model.graph.node)
+
+
+def _check_calibration_batch(model: onnx.ModelProto, profile: Mapping, batch: int) -> None:
+    for spec in graph.input_specs(model):
+        if spec.batch_axis is None or spec.name not in profile:
+            continue
+        opt = profile[spec.name][1][spec.batch_axis]
+        if opt != batch:
             raise ConfigError(
-                f"node '{node}' has precision '{precision}'; layer precisions are "
-                f"{', '.join(PRECISIONS)}."
+                f"the calibrator hands batches of {batch} sample(s) but the calibration "
+                f"profile's OPT shape of input '{spec.name}' has {opt}; TensorRT reads exactly "
+                "the OPT volume from each batch, so it would calibrate on part of a batch or "
+                f"read past it. Build with max_batch={batch} or make the feeder with "
+                f"batch={opt}."
             )
-        result[node] = value
-    return result
 
 
-def _trt_dtype(trt: ModuleType, precision: str):
-    return {"fp32": trt.float32, "fp16": trt.float16, "int8": trt.int8}[precision]
-
-
-def _pin_output_types(network: object, dtypes: Mapping[str, object]) -> None:
-    # A pinned layer's outputs in its precision too (ILayer.set_output_type, 8.x - 10.x), as
-    # trtexec's --layerOutputTypes: else it may write INT8 for an INT8 reader.
+def _pin_layers(network: object, pins: LayerPins, trt: ModuleType) -> None:
+    # ILayer.precision and ILayer.set_output_type (8.x - 10.x); output types only on float
+    # outputs, the way trtexec's --layerOutputTypes skips shape and index tensors.
+    dtypes = {"fp32": trt.float32, "fp16": trt.float16}
+    floats = (trt.float32, trt.float16)
     for layer in network:
-        if layer.name in dtypes:
+        precision = layer_pin(layer.name, getattr(layer, "metadata", ""), pins.precisions)
+        if precision is None:
+            continue
+        layer.precision = dtypes[precision]
+        if layer_pin(layer.name, getattr(layer, "metadata", ""), pins.output_types):
             for index in range(layer.num_outputs):
-                layer.set_output_type(index, dtypes[layer.name])
+                if layer.get_output(index).dtype in floats:
+                    layer.set_output_type(index, dtypes[precision])
 
 
 def input_profile(model: onnx.ModelProto, max_batch: int,
@@ -212,77 +404,68 @@ def build_engine(
 ) -> bytes:
     """Build a serialized TensorRT engine from the ONNX file `model`.
 
-    `mode` 'strongly_typed' (default on TensorRT >= 10) builds `model` as typed
-    (pass ``model.int8.onnx``); 'implicit' (TensorRT <= 10) builds the FP32
-    `model` with ``BuilderFlag.INT8`` and `calibrator` (see
-    :func:`quantlab.backends.trt_calibrator.make_calibrator`; it reads
-    ``calibration.cache`` or is fed batches) and obeys `layer_precisions`.
-    `debug_tensors` lists tensors to expose to :meth:`TensorRTBackend.run`, or
-    is 'unfused' for every tensor TensorRT keeps.
+    `mode` (:data:`MODES`; default :func:`default_mode`): 'strongly_typed'
+    (TensorRT >= 9) and 'explicit' (8.x - 10.x, weakly typed with
+    ``BuilderFlag.INT8``) build the Q/DQ ``model.int8.onnx``; 'implicit'
+    (TensorRT <= 10) builds the FP32 `model` with ``BuilderFlag.INT8`` and
+    `calibrator` (:func:`quantlab.backends.trt_calibrator.make_calibrator`)
+    and pins `layer_precisions` (:func:`implicit_pins`). `debug_tensors` lists
+    tensors to expose to :meth:`TensorRTBackend.run` (mark_debug from 10.0, network
+    outputs before), or is 'unfused' (10.12+). Every argument TensorRT gets comes
+    from :func:`build_settings`.
     """
     trt = require_tensorrt()
     from polygraphy.backend.trt import (
         CreateConfig,
         EngineBytesFromNetwork,
         MarkDebug,
+        ModifyNetworkOutputs,
         NetworkFromOnnxPath,
         PostprocessNetwork,
         Profile,
-        SetLayerPrecisions,
     )
 
-    version = parse_version(trt.__version__)
-    mode = mode or default_mode(version)
-    check_mode(mode, version)
-    check_debug_tensors(debug_tensors, version)
     path = Path(model)
     if not path.is_file():
         raise ModelError(f"ONNX model {path} does not exist.")
-    if mode == "strongly_typed" and (calibrator is not None or layer_precisions):
-        raise ConfigError(
-            "a strongly typed build takes its precisions from the Q/DQ model and its types; "
-            "a calibrator or layer precisions apply only to an implicit INT8 build "
-            "(TensorRT <= 10)."
-        )
-    if mode == "implicit" and calibrator is None:
-        raise ConfigError(
-            "an implicit INT8 build needs a calibrator reading calibration.cache or fed "
-            "calibration batches (quantlab.backends.trt_calibrator.make_calibrator)."
-        )
-    precisions = layer_precisions_for(layer_precisions, version) if layer_precisions else {}
-    fp32_model = graph.load_model(path)
+    feeder = getattr(calibrator, "feeder", None)
+    onnx_model = graph.load_model(path)
+    settings = build_settings(onnx_model, parse_version(trt.__version__), mode,
+                              calibrator is not None, layer_precisions, debug_tensors, max_batch,
+                              input_shapes, getattr(feeder, "batch", None))
     profile = Profile()
-    for name, (low, opt, high) in input_profile(fp32_model, max_batch, input_shapes).items():
+    for name, (low, opt, high) in settings.profile.items():
         profile.add(name, min=low, opt=opt, max=high)
-
-    network = NetworkFromOnnxPath(
-        str(path),
-        strongly_typed=mode == "strongly_typed",
-        mark_unfused_tensors_as_debug_tensors=debug_tensors == UNFUSED,
-    )
-    if precisions:
-        dtypes = {node: _trt_dtype(trt, p) for node, p in precisions.items()}
-        network = SetLayerPrecisions(network, dtypes)
-        network = PostprocessNetwork(network, lambda network: _pin_output_types(network, dtypes),
-                                     "pin output types")
-    if debug_tensors and debug_tensors != UNFUSED:
-        network = MarkDebug(network, list(debug_tensors))
+    network = NetworkFromOnnxPath(str(path), strongly_typed=settings.strongly_typed,
+                                  mark_unfused_tensors_as_debug_tensors=settings.mark_unfused)
+    if settings.pins.precisions:
+        network = PostprocessNetwork(network, lambda network: _pin_layers(network, settings.pins,
+                                                                          trt), "pin layers")
+    if settings.mark_debug:
+        network = MarkDebug(network, list(settings.mark_debug))
+    if settings.mark_outputs:
+        outputs = [o.name for o in onnx_model.graph.output]
+        network = ModifyNetworkOutputs(network, outputs + [t for t in settings.mark_outputs
+                                                           if t not in outputs])
     # DETAILED: the engine inspector then reports each layer's tensors, types and ONNX nodes.
-    options = {"profiles": [profile], "profiling_verbosity": trt.ProfilingVerbosity.DETAILED}
+    options = {"profiles": [profile], "profiling_verbosity": trt.ProfilingVerbosity.DETAILED,
+               "tf32": settings.tf32 and hasattr(trt.BuilderFlag, "TF32")}
     if workspace:
         options["memory_pool_limits"] = {trt.MemoryPoolType.WORKSPACE: int(workspace)}
-    if mode == "implicit":
-        options.update(
-            int8=True,
-            fp16="fp16" in precisions.values(),
-            calibrator=calibrator,
-            precision_constraints="obey" if precisions else None,
-        )
-    config = CreateConfig(**options)
+    if settings.int8:
+        options.update(int8=True, fp16=settings.fp16, calibrator=calibrator,
+                       precision_constraints=settings.precision_constraints)
     try:
-        return bytes(EngineBytesFromNetwork(network, config=config)())
+        engine = bytes(EngineBytesFromNetwork(network, config=CreateConfig(**options))())
     except Exception as exc:  # Polygraphy raises PolygraphyException after TensorRT's log
+        if feeder is not None:
+            feeder.raise_error()  # the calibrator's own error explains the failure better
         raise ModelError(f"TensorRT could not build an engine from {path}: {exc}") from None
+    if feeder is not None:
+        # TensorRT's trampoline prints and swallows a callback's exception (pyInt8.cpp): a
+        # refused cache is not written, a failing get_batch ends calibration (trt-review F4).
+        feeder.raise_error()
+    return engine
 
 
 def layer_information(engine: bytes) -> str:
@@ -296,15 +479,88 @@ def layer_information(engine: bytes) -> str:
     return inspector.get_engine_information(trt.LayerInformationFormat.JSON)
 
 
+@dataclass
+class ExposedTensors:
+    """Which ONNX tensors an engine returns and how: ``sources`` maps an ONNX tensor to a key of
+    :data:`SOURCES`, ``engine_names`` an ONNX tensor to the name TensorRT reports it under, and
+    ``notes`` say what the strategy costs (validate shows them with the results)."""
+
+    sources: dict[str, str] = field(default_factory=dict)
+    engine_names: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, onnx_name: str, source: str, engine_name: str | None = None) -> None:
+        """Record that `onnx_name` comes back (under `engine_name`, default its own name)."""
+        self.sources.setdefault(onnx_name, source)
+        self.engine_names.setdefault(onnx_name, engine_name or onnx_name)
+
+    def table(self, model: onnx.ModelProto | graph.Graph) -> list[dict[str, str]]:
+        """One row per float tensor of `model` (graph inputs left out), in topological order:
+        ``tensor``, ``obtained`` (a :data:`SOURCES` key, or 'not exposed') and
+        ``engine_name`` (what TensorRT calls it)."""
+        index = graph.Graph.of(model)
+        inputs = set(index.input_names)
+        return [{"tensor": name, "obtained": self.sources.get(name, "not exposed"),
+                 "engine_name": self.engine_names.get(name, "")}
+                for name in index.order if name in index.floats and name not in inputs]
+
+    def keep_returned(self, returned: set[str]) -> None:
+        """Drop the unfused tensors TensorRT did not return in a run: NvInfer.h promises no
+        more than that *some* unfused tensors are marked."""
+        dropped = [name for name, source in self.sources.items()
+                   if source == "debug_unfused" and self.engine_names[name] not in returned]
+        for name in dropped:
+            del self.sources[name], self.engine_names[name]
+        if dropped:
+            self.notes.append(f"{len(dropped)} unfused tensor(s) the inspector lists were not "
+                              "reported by TensorRT's debug listener and are not compared")
+
+
+def exposed_tensors(layer_info: str | Mapping | Sequence, model: onnx.ModelProto | graph.Graph,
+                    source: str, marked: Sequence[str] = ()) -> ExposedTensors:
+    """The :class:`ExposedTensors` of an engine built from `model` whose inspector layer
+    information is `layer_info`, intermediate tensors obtained the `source` way.
+
+    'debug_unfused': every engine tensor :func:`quantlab.trt_layers.engine_tensor_names`
+    maps to an ONNX tensor; 'debug_marked' / 'network_output': the `marked` tensors the
+    engine still holds. Graph outputs are always there; the rest of the float tensors is
+    what the engine does not expose (:meth:`TensorRTBackend.not_exposed`).
+    """
+    from quantlab.trt_layers import engine_layers, engine_tensor_names
+
+    index = graph.Graph.of(model)
+    result = ExposedTensors()
+    for name in index.outputs:
+        result.add(name, "graph_output")
+    layers = engine_layers(layer_info, index.model)
+    if source == "debug_unfused":
+        mapping = engine_tensor_names(layers, index)
+        inputs = set(index.input_names)
+        for engine_name, onnx_name in mapping.items():
+            if onnx_name in index.floats and onnx_name not in inputs:
+                result.add(onnx_name, source, engine_name)
+    else:
+        held = {name for layer in layers for name in (*layer.inputs, *layer.outputs)}
+        for name in marked:
+            if name in held or source == "network_output":
+                result.add(name, source)
+    ordered = {name: result.sources[name] for name in index.order if name in result.sources}
+    result.sources = ordered
+    result.notes.append(f"intermediate tensors: {SOURCES[source]}")
+    return result
+
+
 class TensorRTBackend:
     """Run an engine built from `model` (or the prebuilt `engine` file) in TensorRT.
 
     `model` is the ONNX file the engine is built from (``model.int8.onnx`` for a
-    strongly typed build, ``model.onnx`` for an implicit one; with a prebuilt
-    `engine` it only names the tensors); `build` holds :func:`build_engine`'s
-    options. ``run(batch, tensors)`` returns graph outputs
-    and debug tensors: only tensors marked at build time (`debug_tensors`) can
-    be requested.
+    strongly typed or explicit build, ``model.onnx`` for an implicit one; with a
+    prebuilt `engine` it names the tensors); `build` holds :func:`build_engine`'s
+    options. `debug_tensors` is None (graph outputs only), a list of names,
+    'unfused' (10.12+), or 'layers': every ONNX tensor the engine keeps, obtained
+    the installed version's way (:func:`debug_strategy`). ``run(batch, tensors)``
+    returns outputs and exposed tensors under their ONNX names; ``exposed`` says how
+    each was obtained.
     """
 
     def __init__(
@@ -332,12 +588,15 @@ class TensorRTBackend:
         # validate matches stages by); None for a prebuilt engine given without it.
         self.model = graph.load_model(model) if model is not None else None
         if engine is None:
-            engine = build_engine(model, debug_tensors=debug_tensors, **build)
-        elif not isinstance(engine, bytes):
-            path = Path(engine)
-            if not path.is_file():
-                raise ModelError(f"engine file {path} does not exist.")
-            engine = path.read_bytes()
+            engine, self.exposed = self._build(model, debug_tensors, build)
+        else:
+            if not isinstance(engine, bytes):
+                path = Path(engine)
+                if not path.is_file():
+                    raise ModelError(f"engine file {path} does not exist.")
+                engine = path.read_bytes()
+            self.exposed = ExposedTensors(notes=["a prebuilt engine: only its outputs and the "
+                                                 "tensors it was built to expose are compared"])
         self.engine_bytes = engine
         self.debug_tensors = debug_tensors
         self._runner = TrtRunner(EngineFromBytes(engine), name=name)
@@ -346,14 +605,71 @@ class TensorRTBackend:
         self.inputs = {name: np.dtype(DataType.to_dtype(m.dtype, "numpy"))
                        for name, m in meta.items()}
         engine_obj = self._runner.engine
-        self.outputs = [engine_obj.get_tensor_name(i) for i in range(engine_obj.num_io_tensors)
-                        if engine_obj.get_tensor_mode(engine_obj.get_tensor_name(i))
-                        == trt.TensorIOMode.OUTPUT]
+        outputs = [engine_obj.get_tensor_name(i) for i in range(engine_obj.num_io_tensors)
+                   if engine_obj.get_tensor_mode(engine_obj.get_tensor_name(i))
+                   == trt.TensorIOMode.OUTPUT]
+        # Extra network outputs (TensorRT < 10) are exposed tensors, not the model's outputs.
+        model_outputs = {o.name for o in self.model.graph.output} if self.model else None
+        self.outputs = [o for o in outputs if model_outputs is None or o in model_outputs]
+        for output in self.outputs:
+            self.exposed.add(output, "graph_output")
+        if self.model is not None and hasattr(engine_obj, "is_debug_tensor"):
+            for tensor in graph.topological_tensors(self.model):
+                if engine_obj.is_debug_tensor(tensor):
+                    self.exposed.add(tensor, "debug_prebuilt")
+        if "debug_unfused" in self.exposed.sources.values():
+            self.exposed.keep_returned(set(self._runner.infer(self._zeros(engine_obj))))
+
+    def _zeros(self, engine_obj: object) -> dict[str, np.ndarray]:
+        """A batch of zeros at each input's smallest profile shape (a probe run)."""
+        feed = {}
+        for name, dtype in self.inputs.items():
+            shape = tuple(engine_obj.get_tensor_shape(name))
+            if -1 in shape:
+                shape = tuple(engine_obj.get_tensor_profile_shape(name, 0)[0])
+            feed[name] = np.zeros(shape, dtype)
+        return feed
+
+    def _build(self, model: str | os.PathLike, debug_tensors, build: dict
+               ) -> tuple[bytes, ExposedTensors]:
+        """Build the engine exposing `debug_tensors`; for 'layers' (and 'unfused') read the
+        inspector to know which ONNX tensors come back, and how."""
+        names = _names(debug_tensors)
+        if debug_tensors not in (LAYERS, UNFUSED):
+            engine = build_engine(model, debug_tensors=names or None, **build)
+            source = "debug_marked" if self.version >= MARK_DEBUG_SINCE else "network_output"
+            exposed = ExposedTensors()
+            for name in names:
+                exposed.add(name, source)
+            return engine, exposed
+        strategy = "debug_unfused" if debug_tensors == UNFUSED else debug_strategy(self.version)
+        if strategy == "debug_unfused":
+            engine = build_engine(model, debug_tensors=UNFUSED, **build)
+            return engine, exposed_tensors(layer_information(engine), self.model, strategy)
+        from quantlab.trt_layers import engine_layers, surviving_tensors
+
+        # Marks (debug or output) keep a tensor from being fused: mark only what the engine
+        # built without marks keeps, so the engine compared is that one.
+        plain = build_engine(model, **build)
+        outputs = {o.name for o in self.model.graph.output}
+        kept = [t for t in surviving_tensors(engine_layers(layer_information(plain), self.model),
+                                             self.model) if t not in outputs]
+        if strategy == "network_output":
+            kept = [t for t in kept if not set("*?[") & set(t)]  # Polygraphy reads fnmatch
+        engine = build_engine(model, debug_tensors=kept or None, **build)
+        exposed = exposed_tensors(layer_information(engine), self.model, strategy, kept)
+        if strategy == "network_output":
+            exposed.notes.append(
+                f"TensorRT {_text(self.version)} has no debug tensors: {len(kept)} intermediate "
+                "tensor(s) were marked as network outputs, which can change TensorRT's fusions; "
+                "compare end to end on the engine built without them (quantlab build)")
+        return engine, exposed
 
     def run(
         self, batch: Mapping[str, np.ndarray], tensors: Sequence[str] | None = None
     ) -> dict[str, np.ndarray]:
-        """Run one batch; return the requested tensors (default: the engine's outputs)."""
+        """Run one batch; return the requested tensors (default: the engine's outputs) under
+        their ONNX names."""
         missing = [name for name in self.inputs if name not in batch]
         if missing:
             raise DataError(f"batch has no array for engine input(s) {missing}.")
@@ -361,27 +677,34 @@ class TensorRTBackend:
                 for name, dtype in self.inputs.items()}
         values = self._runner.infer(feed)
         wanted = list(tensors) if tensors is not None else self.outputs
-        absent = [name for name in wanted if name not in values]
+        where = {name: self.exposed.engine_names.get(name, name) for name in wanted}
+        absent = [name for name in wanted if where[name] not in values]
         if absent:
             raise ModelError(
-                f"tensor(s) {absent[:5]} are neither outputs nor debug tensors of the engine "
-                f"'{self.name}' (debug tensors: {self._debug_description()}). TensorRT fused "
-                "them away or they were not marked: build with debug_tensors=[...] naming "
-                "them (mark_debug keeps them unfused)."
+                f"tensor(s) {absent[:5]} are neither outputs nor exposed tensors of the engine "
+                f"'{self.name}' (exposed: {list(self.exposed.sources)[:5]}). TensorRT fused "
+                "them away or they were not marked: build with debug_tensors='layers' or "
+                "[...] naming them."
             )
-        return {name: np.array(values[name]) for name in wanted}
+        return {name: np.array(values[where[name]]) for name in wanted}
 
     def available(self, names: Sequence[str]) -> list[str]:
-        """The tensors of `names` that :meth:`run` can return: engine outputs and debug tensors
-        (``ICudaEngine.is_debug_tensor``, TensorRT >= 10.0), in the order given."""
-        engine = self._runner.engine
-        debug = getattr(engine, "is_debug_tensor", lambda name: False)
-        return [name for name in names if name in self.outputs or debug(name)]
+        """The tensors of `names` that :meth:`run` can return, in the order given."""
+        return [name for name in names if name in self.exposed.sources]
 
-    def _debug_description(self) -> str:
-        if self.debug_tensors == UNFUSED:
-            return "every unfused tensor"
-        return f"{list(self.debug_tensors or [])[:5]}"
+    def not_exposed(self, names: Sequence[str]) -> list[str]:
+        """The tensors of `names` the engine does not return (fused away or not marked)."""
+        return [name for name in names if name not in self.exposed.sources]
+
+    @property
+    def tensor_sources(self) -> dict[str, str]:
+        """ONNX tensor -> how it is obtained (a key of :data:`SOURCES`)."""
+        return dict(self.exposed.sources)
+
+    @property
+    def notes(self) -> list[str]:
+        """What the way tensors were obtained costs, for the report."""
+        return list(self.exposed.notes)
 
     def close(self) -> None:
         """Release the engine and its device memory."""
@@ -401,9 +724,9 @@ def make_engine_backend(
 
     `kind` 'onnxruntime' runs the Q/DQ model `path_or_model` in ONNX Runtime
     (any tensor can be requested; `max_batch` and `debug_tensors` do not apply).
-    'tensorrt' builds an engine from the ONNX file (strongly typed from
-    ``model.int8.onnx`` on TensorRT >= 10) for batches of up to `max_batch`
-    samples, exposing `debug_tensors` (names, or 'unfused'), or loads a prebuilt
+    'tensorrt' builds an engine from the ONNX file (``model.int8.onnx``: strongly
+    typed on TensorRT >= 10, explicit before) for batches of up to `max_batch`
+    samples, exposing `debug_tensors` (names, 'unfused' or 'layers'), or loads a prebuilt
     ``.plan``/``.engine`` file (``model=`` the ONNX file it was built from names its
     tensors). `options` go to the backend's constructor.
     """
@@ -417,8 +740,8 @@ def make_engine_backend(
     if isinstance(path_or_model, onnx.ModelProto):
         raise ConfigError("the TensorRT backend builds from an ONNX file path, not a ModelProto.")
     path = Path(path_or_model)
-    if path.suffix.lower() in ENGINE_SUFFIXES:
+    if path.suffix.lower() in ENGINE_SUFFIXES:  # built already: nothing left to mark
         return TensorRTBackend(options.pop("model", None), name=name or "tensorrt", engine=path,
-                               debug_tensors=debug_tensors, **options)
+                               **options)
     return TensorRTBackend(path, name=name or "tensorrt", debug_tensors=debug_tensors,
                            max_batch=max_batch, **options)

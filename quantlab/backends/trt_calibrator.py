@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from quantlab import cache
-from quantlab.errors import ConfigError
+from quantlab.errors import ConfigError, DataError, QuantlabError
 from quantlab.experiment import write_text
 from quantlab.graph import TensorSpec
 
@@ -40,13 +40,20 @@ class CalibrationFeeder:
     """The calibrator callbacks over `batches` and the cache file `cache_path`.
 
     `inputs` are the network's inputs (``graph.input_specs``) and `batch` the
-    number of samples per calibration batch: TensorRT calibrates at the opt
-    shape of the calibration profile, so a batch with another sample count (the
-    short last one) is skipped and counted in `skipped_samples`. Float inputs
-    are handed over as float32 (TensorRT's calibration inputs are float32).
-    `allocate(name, array)` returns what ``get_batch`` hands TensorRT for one
-    input (a device pointer); without it the host arrays are returned.
-    `trt_version` ('10.3.0'), when given, is checked against the cache header.
+    number of samples per calibration batch: TensorRT calibrates at the OPT
+    shape of the calibration profile and reads exactly its volume from each
+    pointer, so a batch of another shape (the short last one) is skipped and
+    counted in `skipped_samples`. :meth:`set_input_metadata` (called by
+    Polygraphy's ``CreateConfig`` with the network's inputs at the OPT shape)
+    gives the exact shapes and types TensorRT reads. Float inputs are handed over
+    as float32 (TensorRT's calibration inputs are float32); integer inputs in the
+    network's type: TensorRT 8.x's ONNX parser turns INT64 inputs into INT32
+    (onnx2trt_utils.cpp, 8.6-GA). `allocate(name, array)` returns what
+    ``get_batch`` hands TensorRT for one input (a device pointer; an allocator with
+    ``free()`` is freed once the batches are done); without it the host arrays are
+    returned. `trt_version` ('10.3.0'), when given, is checked against the cache
+    header. TensorRT swallows a callback's exception (its trampoline prints it and
+    goes on), so :meth:`callback` keeps the first one for :meth:`raise_error`.
     """
 
     def __init__(
@@ -73,12 +80,42 @@ class CalibrationFeeder:
         self.allocate = allocate
         self.used_batches = 0
         self.skipped_samples = 0
+        self.cache_reads = 0  # times TensorRT asked for the cache and got one
+        self.cache_writes = 0  # times TensorRT handed a cache to write
+        self.error: BaseException | None = None
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, np.dtype] = {}
         self._iterator = None
 
     def reset(self) -> None:
         """Start the batches again (TensorRT may calibrate more than once)."""
         self._iterator = None
         self.used_batches = self.skipped_samples = 0
+
+    def set_input_metadata(self, metadata: Mapping[str, tuple[np.dtype, Sequence[int]]]) -> None:
+        """The network's inputs as TensorRT calibrates them: ``{name: (dtype, OPT shape)}``."""
+        self.dtypes = {name: np.dtype(dtype) for name, (dtype, _) in metadata.items()}
+        self.shapes = {name: tuple(int(d) for d in shape) for name, (_, shape) in metadata.items()}
+
+    def callback(self, name: str, *args: object) -> object:
+        """Call the callback `name`; on an exception keep the first one and return None (what
+        TensorRT's trampoline makes of it anyway), so :meth:`raise_error` can raise it."""
+        try:
+            return getattr(self, name)(*args)
+        except Exception as exc:  # re-raised by raise_error once TensorRT returns
+            self.error = self.error or exc
+            return None
+
+    def raise_error(self) -> None:
+        """Raise the exception a callback hit, if any (after TensorRT returned)."""
+        error, self.error = self.error, None
+        if isinstance(error, QuantlabError):
+            raise error
+        if error is not None:
+            raise DataError(
+                f"the calibrator failed inside TensorRT ({type(error).__name__}: {error}); "
+                "TensorRT ignored it, so calibration ended early or its cache was not written."
+            ) from error
 
     def get_batch_size(self) -> int:
         """1: networks from ONNX have an explicit batch axis, whose size the batches carry
@@ -99,24 +136,42 @@ class CalibrationFeeder:
             if self.allocate is None:
                 return [arrays[name] for name in names]
             return [self.allocate(name, arrays[name]) for name in names]
+        if hasattr(self.allocate, "free"):  # device memory is not needed past the last batch
+            self.allocate.free()
         return None
 
     def _arrays(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         arrays = {}
         for spec in self.inputs:
+            if spec.name not in batch:
+                raise DataError(f"calibration batch has no array for input '{spec.name}' (it "
+                                f"has {sorted(batch)[:5]}).")
             array = np.asarray(batch[spec.name])
-            if spec.batch_axis is not None and array.shape[spec.batch_axis] != self.batch:
-                self.skipped_samples += array.shape[spec.batch_axis]
+            expected = self.shapes.get(spec.name)
+            if expected is not None and array.shape != expected or (
+                    expected is None and spec.batch_axis is not None
+                    and array.shape[spec.batch_axis] != self.batch):
+                axis = spec.batch_axis if spec.batch_axis is not None else 0
+                self.skipped_samples += array.shape[axis] if array.ndim else 1
                 return None
-            dtype = np.float32 if np.issubdtype(array.dtype, np.floating) else spec.dtype
-            arrays[spec.name] = np.ascontiguousarray(array, dtype=dtype)
+            arrays[spec.name] = np.ascontiguousarray(array, dtype=self._dtype(spec, array))
         return arrays
+
+    def _dtype(self, spec: TensorSpec, array: np.ndarray) -> np.dtype:
+        if np.issubdtype(array.dtype, np.floating):
+            return np.dtype(np.float32)
+        if spec.name in self.dtypes:
+            return self.dtypes[spec.name]
+        if spec.dtype == np.int64 and self.trt_version and cache.trt_major(self.trt_version) < 10:
+            return np.dtype(np.int32)  # TensorRT < 10 has no INT64 inputs: the parser makes INT32
+        return np.dtype(spec.dtype)
 
     def check_cache(self) -> dict[str, np.float32] | None:
         """The cache's scales if the file exists, after checking that TensorRT will use it.
 
         ConfigError when its header names another algorithm or TensorRT version:
-        TensorRT would silently ignore it and recalibrate.
+        TensorRT would not use it (the calibrator class must match, and so must the
+        version: DLA-SW#26 shows a mismatched version rejected).
         """
         if not self.cache_path.is_file() or not self.cache_path.stat().st_size:
             return None
@@ -131,7 +186,7 @@ class CalibrationFeeder:
             raise ConfigError(
                 f"calibration cache {self.cache_path} is for TensorRT version number "
                 f"{header.trt_version} but TensorRT {self.trt_version} is installed, which "
-                "ignores it and recalibrates. Recalibrate with quantlab calibrate --trt-version "
+                "rejects it. Recalibrate with quantlab calibrate --trt-version "
                 f"{self.trt_version}."
             )
         return scales
@@ -140,11 +195,13 @@ class CalibrationFeeder:
         """The cache file's bytes, or None (calibrate from the batches) when there is none."""
         if not self.cache_path.is_file() or not self.cache_path.stat().st_size:
             return None
+        self.cache_reads += 1
         return self.cache_path.read_bytes()
 
     def write_calibration_cache(self, data: bytes | memoryview) -> None:
         """Check the cache TensorRT computed and write it atomically to `cache_path`."""
         text = bytes(data)
+        self.cache_writes += 1
         cache.parse_calibration_cache(text, f"calibration cache written by TensorRT for "
                                             f"{self.cache_path}")
         write_text(self.cache_path, text.decode("ascii"))
@@ -182,6 +239,8 @@ def make_calibrator(feeder: CalibrationFeeder) -> object:
     from quantlab.backends.tensorrt import check_mode, parse_version, require_tensorrt
 
     trt = require_tensorrt()
+    from polygraphy.datatype import DataType
+
     check_mode("implicit", parse_version(trt.__version__))
     feeder.check_cache()
     base = getattr(trt, CALIBRATOR_CLASSES[feeder.algorithm])
@@ -189,21 +248,29 @@ def make_calibrator(feeder: CalibrationFeeder) -> object:
         feeder.allocate = DeviceBuffers()
 
     class QuantlabCalibrator(base):
+        # Polygraphy's CreateConfig calls set_input_metadata of calibrators that say this, with
+        # the network's inputs at the calibration profile's OPT shape (backend/trt/util.py).
+        is_polygraphy_calibrator = True
+
         def __init__(self):
             # pybind11 trampolines need the base initialized explicitly (TensorRT's docs).
             base.__init__(self)
             self.feeder = feeder
 
+        def set_input_metadata(self, metadata):
+            feeder.set_input_metadata({name: (DataType.to_dtype(meta.dtype, "numpy"), meta.shape)
+                                       for name, meta in metadata.items()})
+
         def get_batch_size(self):
             return feeder.get_batch_size()
 
         def get_batch(self, names):
-            return feeder.get_batch(names)
+            return feeder.callback("get_batch", names)
 
         def read_calibration_cache(self):
-            return feeder.read_calibration_cache()
+            return feeder.callback("read_calibration_cache")
 
         def write_calibration_cache(self, data):
-            feeder.write_calibration_cache(data)
+            feeder.callback("write_calibration_cache", data)
 
     return QuantlabCalibrator()

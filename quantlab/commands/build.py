@@ -3,15 +3,17 @@ reproduce it.
 
 DIR is a folder written by `quantlab calibrate` (model.onnx, model.int8.onnx, and
 calibration.cache if it was run with --trt-version). Always writes DIR/trtexec.txt:
-the trtexec command lines for TensorRT 10.x and 11.x (strongly typed, from
-model.int8.onnx) and, where the folder has a cache, for TensorRT <= 10.x (implicit
-INT8 from model.onnx and the calibration cache, with the plan's fp32/fp16 layers
-pinned by --layerPrecisions, --layerOutputTypes and --precisionConstraints=obey; the
-plan is DIR/plan.json unless --plan names one). Where TensorRT is installed (an
-NVIDIA GPU and quantlab[tensorrt]) it also builds DIR/model.plan -- strongly typed
-on TensorRT >= 10, implicit INT8 before, or as --mode says -- and writes the
-engine's layer information to DIR/layers.json, listing the plan's nodes whose engine
-layer runs in another precision.
+the trtexec command lines for TensorRT 8.6 - 10.x (explicit: model.int8.onnx with
+--int8), 10.x and 11.x (strongly typed, from model.int8.onnx) and, where the folder
+has a cache, for TensorRT <= 10.x (implicit INT8 from model.onnx and the calibration
+cache, with the plan's fp32/fp16 layers pinned by --layerPrecisions,
+--layerOutputTypes and --precisionConstraints=obey; the plan is DIR/plan.json unless
+--plan names one). Where TensorRT is installed (an NVIDIA GPU and quantlab[tensorrt])
+it also builds DIR/model.plan -- from model.int8.onnx, strongly typed on TensorRT >=
+10 and explicit before, or as --mode says -- and writes the engine's layer
+information to DIR/layers.json, listing the plan's nodes whose engine layers run in
+another precision. An implicit build reads a scratch copy of calibration.cache, so
+TensorRT never rewrites the folder's cache.
 
 examples:
   quantlab build runs/cnn
@@ -24,13 +26,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from quantlab.commands.options import positive_int
+
 HELP = "build the TensorRT engine of a calibration folder; write its trtexec commands"
 ENGINE_FILE = "model.plan"
 TRTEXEC_FILE = "trtexec.txt"
 LAYERS_FILE = "layers.json"
 # trtexec's calibrator is an IInt8EntropyCalibrator2 (samples/common/sampleEngines.cpp,
-# RndInt8Calibrator), so it uses only caches with that header; a MinMaxCalibration cache
-# makes it calibrate again on random data (TensorRT#3430). Same scales, relabelled header.
+# RndInt8Calibrator), so it uses only caches with that header; with a cache file present it
+# allocates no calibration input, so a cache it rejects fails the build (TensorRT#3430).
+# Same scales, relabelled header.
 TRTEXEC_CACHE = "calibration.trtexec.cache"
 
 
@@ -38,16 +43,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab build`."""
     parser.add_argument("folder", metavar="DIR", help="a folder written by quantlab calibrate")
     parser.add_argument(
-        "--mode", choices=("auto", "strongly_typed", "implicit"), default="auto",
-        help="strongly_typed: from model.int8.onnx (TensorRT >= 10; the only mode of 11); "
-        "implicit: INT8 from model.onnx + calibration.cache (TensorRT <= 10); auto: the "
-        "installed TensorRT decides (default)")
+        "--mode", choices=("auto", "strongly_typed", "explicit", "implicit"), default="auto",
+        help="strongly_typed: from model.int8.onnx (TensorRT >= 9; the only mode of 11); "
+        "explicit: model.int8.onnx weakly typed with INT8 on (TensorRT 8.6 - 10); implicit: "
+        "INT8 from model.onnx + calibration.cache (TensorRT <= 10); auto: strongly_typed on "
+        "TensorRT >= 10, explicit before (default)")
     parser.add_argument("--plan", metavar="FILE",
                         help="plan.json (quantlab plan) or a JSON {node: precision}: its "
                         "fp32/fp16 nodes are pinned in implicit builds and checked in the engine "
                         "(default: DIR/plan.json if there is one)")
-    parser.add_argument("--max-batch", type=int, default=1, metavar="N",
-                        help="largest batch of a dynamic sample axis (default: %(default)s)")
+    parser.add_argument("--max-batch", type=positive_int, metavar="N",
+                        help="largest batch of a dynamic sample axis (default: the batch a "
+                             "`quantlab plan` folder was planned with, its trtexec.txt's; "
+                             "else 1)")
     parser.add_argument("--force", action="store_true",
                         help="replace an existing model.plan or a trtexec.txt of other commands")
 
@@ -55,21 +63,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def read_plan(path: str | Path) -> dict[str, str]:
     """{ONNX node name: precision} from a plan.json or a flat JSON mapping."""
     from quantlab.errors import DataError
-    from quantlab.experiment import read_json
+    from quantlab.experiment import read_record
 
-    try:
-        data = read_json(path)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"plan {path} cannot be read as JSON ({exc}).") from None
-    if isinstance(data, dict) and isinstance(data.get("units"), dict):
+    data = read_record(path, "plan", made_by="the plan.json written by `quantlab plan` or a "
+                                             "JSON {node: precision}")
+    if isinstance(data.get("units"), dict):
         try:
             return {node: str(unit["precision"]) for unit in data["units"].values()
                     for node in unit["nodes"]}
         except (KeyError, TypeError):
             raise DataError(f"plan {path}: a unit lacks 'precision' or 'nodes'.") from None
-    if isinstance(data, dict) and all(isinstance(v, str) for v in data.values()):
+    if all(isinstance(v, str) for v in data.values()):
         return dict(data)
     raise DataError(f"plan {path} is neither a plan.json nor a JSON {{node: precision}} mapping.")
+
+
+def planned_batch(folder: Path) -> int | None:
+    """The batch a `quantlab plan` folder's trtexec.txt was written for (its summary.json),
+    or None for another folder."""
+    from quantlab.commands.plan import GENERATOR
+    from quantlab.experiment import read_record
+
+    if not (folder / "summary.json").is_file():
+        return None
+
+    def batch(value):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError("expected a whole number of at least 1")
+        return value
+
+    summary = read_record(folder / "summary.json", "plan summary", {"max_batch": batch},
+                          made_by="the summary.json written by `quantlab plan`")
+    return summary["max_batch"] if summary.get("generator") == GENERATOR else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,29 +109,37 @@ def run(args: argparse.Namespace) -> int:
         if not (folder / name).is_file():
             raise ModelError(f"{folder / name} does not exist; build takes a folder written by "
                              "quantlab calibrate.")
-    if args.max_batch < 1:
-        raise ConfigError(f"--max-batch must be at least 1, got {args.max_batch}.")
+    planned = planned_batch(folder)
+    max_batch = args.max_batch or planned or 1
     # The planner (`quantlab plan`) leaves plan.json in its folder: used unless --plan says.
     plan_path = args.plan or (folder / "plan.json" if (folder / "plan.json").is_file() else None)
+    if plan_path is None and planned is not None:
+        raise ConfigError(f"{folder} was written by quantlab plan but has no plan.json: "
+                          "without it the plan's FP16/FP32 pins would be dropped from the "
+                          "implicit build. Plan again, or pass --plan FILE.")
     plan = read_plan(plan_path) if plan_path else {}
     model = graph.load_model(folder / "model.onnx")
+    int8_model = graph.load_model(folder / "model.int8.onnx")  # damaged: fails here, not in TRT
     unknown = sorted(set(plan) - {node.name for node in model.graph.node})
     if unknown:
         raise ConfigError(f"the plan names {len(unknown)} node(s) that {folder / 'model.onnx'} "
                           f"does not have: {unknown[:5]}; plan this folder's model.")
-    profile = trt_backend.input_profile(model, args.max_batch, dynamic_only=True)
+    pins = trt_backend.implicit_pins(model, plan)
+    profile = trt_backend.input_profile(model, max_batch, dynamic_only=True)
     header = scales = cache_name = None
     if (folder / "calibration.cache").is_file():
         header, scales = cache.read_calibration_cache(folder / "calibration.cache")
         cache_name = ("calibration.cache" if header.algorithm == "EntropyCalibration2"
                       else TRTEXEC_CACHE)
-    text = trtexec.trtexec_text(plan, profile, cache_name, header and str(header))
+    qdq_fp16 = trt_backend.has_float16(int8_model)
+    text = trtexec.trtexec_text(pins, profile, cache_name, header and str(header), qdq_fp16)
     # trtexec.txt is derived from the folder and the plan: rewriting it unchanged is no loss,
     # replacing different lines needs --force like every other result.
     target = folder / TRTEXEC_FILE
     if target.exists() and target.read_text(encoding="utf-8") != text and not args.force:
-        raise OutputExistsError(f"{target} holds other commands (another plan or --max-batch);"
-                                " pass --force to replace it.")
+        raise OutputExistsError(f"{target} holds other commands than the ones for this "
+                                f"folder's plan at --max-batch {max_batch} (another plan, or "
+                                "another --max-batch); pass --force to replace it.")
     engine_path = folder / ENGINE_FILE
     try:
         version = trt_backend.installed_version()
@@ -128,30 +161,61 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"{folder} has no calibration.cache, which an implicit INT8 build needs: calibrate "
             f"again with --trt-version {'.'.join(map(str, version))} (the installed TensorRT), "
-            "or build strongly typed from model.int8.onnx (--mode strongly_typed, TensorRT "
-            ">= 10).")
-    pins = {node: p for node, p in plan.items() if str(p).lower() != "int8"}
-    source = folder / ("model.int8.onnx" if mode == "strongly_typed" else "model.onnx")
-    if mode == "strongly_typed":
-        engine = trt_backend.build_engine(source, mode, max_batch=args.max_batch)
+            "or build from model.int8.onnx (--mode strongly_typed or explicit).")
+    source = folder / ("model.onnx" if mode == "implicit" else "model.int8.onnx")
+    if mode == "implicit":
+        engine = build_implicit(folder, model, plan, header.algorithm, version, max_batch)
     else:
-        from quantlab.backends.trt_calibrator import CalibrationFeeder, make_calibrator
-
-        feeder = CalibrationFeeder(None, folder / "calibration.cache", graph.input_specs(model),
-                                   batch=args.max_batch, algorithm=header.algorithm,
-                                   trt_version=".".join(map(str, version)))
-        engine = trt_backend.build_engine(source, mode, calibrator=make_calibrator(feeder),
-                                          layer_precisions=pins, max_batch=args.max_batch)
+        engine = trt_backend.build_engine(source, mode, max_batch=max_batch)
     from quantlab.experiment import atomic_write
-    from quantlab.trt_layers import engine_layers, precision_mismatches
+    from quantlab.trt_layers import engine_layers, opaque_nodes, precision_mismatches
 
     atomic_write(engine_path, lambda tmp: Path(tmp).write_bytes(engine))
     info = trt_backend.layer_information(engine)
     write_text(folder / LAYERS_FILE, info)
     print(f"wrote {engine_path} ({mode}, TensorRT {'.'.join(map(str, version))}) and "
           f"{folder / LAYERS_FILE}")
-    for mismatch in precision_mismatches(engine_layers(info, graph.load_model(source)), plan):
+    layers = engine_layers(info, graph.load_model(source))
+    for mismatch in precision_mismatches(layers, plan):
         where = f"layer '{mismatch.layer}'" if mismatch.layer else "no engine layer"
         print(f"  plan {mismatch.planned} != engine {mismatch.engine}: node '{mismatch.node}' "
               f"({where})")
+    hidden = opaque_nodes(layers, plan)
+    if hidden:
+        print(f"  {len(hidden)} planned node(s) run inside Myelin regions, whose precision the "
+              f"engine inspector does not report: {hidden[:5]}")
     return 0
+
+
+def build_implicit(folder: Path, model, plan: dict[str, str], algorithm: str,
+                   version: tuple[int, ...], max_batch: int) -> bytes:
+    """The implicit INT8 engine of `folder`'s model.onnx from a scratch copy of its
+    calibration.cache (whether TensorRT rewrites a cache it accepted is unsettled: the
+    folder's file is never handed to it)."""
+    import shutil
+    import tempfile
+    import warnings
+
+    from quantlab import graph
+    from quantlab.backends import tensorrt as trt_backend
+    from quantlab.backends.trt_calibrator import CalibrationFeeder, make_calibrator
+
+    if any(node.op_type == "Gemm" for node in model.graph.node):
+        warnings.warn(
+            f"TensorRT {'.'.join(map(str, version))} may want ranges for tensors its ONNX "
+            "parser makes inside a Gemm (the weight constant and the MatMul output, unnamed), "
+            "which quantlab's cache cannot name; whether the Gemm then leaves INT8 is unsettled "
+            "(`quantlab doctor` checks it). The engine's layer precisions below show it.",
+            stacklevel=2)
+    with tempfile.TemporaryDirectory(prefix="quantlab-build-") as scratch:
+        copy = Path(scratch) / "calibration.cache"
+        shutil.copyfile(folder / "calibration.cache", copy)
+        feeder = CalibrationFeeder(None, copy, graph.input_specs(model), batch=max_batch,
+                                   algorithm=algorithm, trt_version=".".join(map(str, version)))
+        engine = trt_backend.build_engine(folder / "model.onnx", "implicit",
+                                          calibrator=make_calibrator(feeder),
+                                          layer_precisions=plan, max_batch=max_batch)
+    if feeder.cache_writes:
+        print(f"  TensorRT wrote back the calibration cache it read ({feeder.cache_writes} "
+              f"time(s)); {folder / 'calibration.cache'} is unchanged.")
+    return engine

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 
-from quantlab.commands.options import DATA_HELP, add_data_arguments
+from quantlab.commands.options import DATA_HELP, add_data_arguments, memory_size
 
 HELP = "collect statistics, compute scales, write the Q/DQ model (and a TensorRT cache)"
 EPILOG = DATA_HELP
@@ -62,8 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "every float tensor (about 2x longer). Not needed for TensorRT 10/11 explicit builds "
         "from model.int8.onnx",
     )
-    parser.add_argument("--memory", metavar="SIZE", help="memory budget of collection, e.g. 2G "
-                        "(default 2G; a larger model runs in segments)")
+    parser.add_argument("--memory", type=memory_size, metavar="SIZE",
+                        help="memory budget of collection, e.g. 2G (default 2G; a larger "
+                             "model runs in segments)")
     parser.add_argument("--no-equalize", action="store_true",
                         help="do not equalize depthwise-conv inputs (by default each depthwise "
                         "input whose channels differ in range gets per-channel scales folded "

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 
+from quantlab.commands.options import positive_int
+
 HELP = "calibrate the zoo, validate and plan shapes-det; write reports/demo/report.html"
 
 
@@ -33,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         default="reports/demo",
-        help="output folder (default: %(default)s); the demo replaces its own "
-        "earlier output, any other non-empty folder needs --force",
+        help="output folder (default: %(default)s); the demo replaces its own earlier "
+        "report.html, summary.json and model folders and nothing else; the same names in a "
+        "folder of other results need --force",
     )
     parser.add_argument(
         "--models",
@@ -53,13 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--eval-limit",
-        type=int,
+        type=positive_int,
         metavar="N",
         help="evaluate on the first N held-out samples only, and plan on the first N "
         "calibration and held-out samples (default: all)",
     )
     parser.add_argument(
-        "--force", action="store_true", help="replace the contents of a non-empty --out folder"
+        "--force", action="store_true",
+        help="replace report.html, summary.json and model folders in --out that an earlier "
+        "demo did not write (nothing else in --out is touched)"
     )
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 DATA_HELP = """\
 data:
@@ -30,10 +31,10 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
                                         "below)") -> None:
     """--data, --batch-size, --max-samples, the input options and image preprocessing."""
     parser.add_argument("--data", required=required, metavar="DATA", help=data_help)
-    parser.add_argument("--batch-size", type=int, default=32, metavar="B",
+    parser.add_argument("--batch-size", type=positive_int, default=32, metavar="B",
                         help="samples per batch (default: %(default)s; a model with a fixed "
                              "batch dimension gets batches of that size)")
-    parser.add_argument("--max-samples", type=int, metavar="N",
+    parser.add_argument("--max-samples", type=positive_int, metavar="N",
                         help="use at most the first N samples (default: all)")
     inputs = parser.add_argument_group("model inputs")
     inputs.add_argument("--input", dest="constants", action="append", default=[],
@@ -46,65 +47,157 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
                              "the one dynamic axis of an input whose axis 0 is fixed while "
                              "the others' is dynamic); 'none' for an input without samples")
     images = parser.add_argument_group("image preprocessing (image folders and COCO files)")
-    images.add_argument("--resize", type=int, nargs=2, metavar=("H", "W"),
+    images.add_argument("--resize", type=positive_int, nargs=2, metavar=("H", "W"),
                         help="input height and width (default: the model input's size)")
-    images.add_argument("--resize-mode", default="squash",
-                        choices=("squash", "letterbox", "center-crop"),
+    # The preprocessing options default to None: an option left out takes the value a
+    # calibration folder recorded (or Preprocess's default), one given always wins, even
+    # when it equals the default (see preprocess_from_args).
+    images.add_argument("--resize-mode", choices=("squash", "letterbox", "center-crop"),
                         help="squash: stretch to H x W; letterbox: fit inside, keep the aspect "
                              "ratio, pad with --pad-value; center-crop: scale the short side to "
-                             "--resize-short, crop the centre (default: %(default)s)")
-    images.add_argument("--resize-short", type=int, metavar="S",
+                             "--resize-short, crop the centre (default: squash)")
+    images.add_argument("--resize-short", type=positive_int, metavar="S",
                         help="center-crop: short side before cropping (default: max(H, W); "
                              "ImageNet style: --resize 224 224 --resize-short 256)")
-    images.add_argument("--pad-value", type=float, default=114.0, metavar="V",
-                        help="letterbox padding, in pixel units 0..255 (default: %(default)s)")
-    images.add_argument("--interpolation", default="bilinear",
-                        choices=("nearest", "bilinear", "bicubic", "lanczos"),
-                        help="resampling filter (default: %(default)s)")
-    images.add_argument("--scale", type=float, default=1 / 255,
+    images.add_argument("--pad-value", type=finite_float, metavar="V",
+                        help="letterbox padding, in pixel units 0..255 (default: 114)")
+    images.add_argument("--interpolation", choices=("nearest", "bilinear", "bicubic", "lanczos"),
+                        help="resampling filter (default: bilinear)")
+    images.add_argument("--scale", type=finite_float,
                         help="pixel multiplier before mean/std (default: 1/255)")
-    images.add_argument("--mean", type=float, nargs="+",
+    images.add_argument("--mean", type=finite_float, nargs="+",
                         help="per-channel mean, after scaling (default: 0 per channel)")
-    images.add_argument("--std", type=float, nargs="+",
+    images.add_argument("--std", type=finite_float, nargs="+",
                         help="per-channel std (default: 1 per channel)")
-    images.add_argument("--channel-order", default="RGB", choices=("RGB", "BGR", "L"),
+    images.add_argument("--channel-order", choices=("RGB", "BGR", "L"),
                         help="channel order fed to the model (default: RGB; L = grayscale)")
-    images.add_argument("--layout", default="NCHW", choices=("NCHW", "NHWC"),
+    images.add_argument("--layout", choices=("NCHW", "NHWC"),
                         help="tensor layout of the model input (default: NCHW)")
 
 
-def preprocess_from_args(args: argparse.Namespace, recorded: dict | None = None):
-    """The Preprocess the options give; options left at their defaults take `recorded` values.
+# Preprocess field -> the option that sets it.
+PREPROCESS_OPTIONS = {"size": "--resize", "scale": "--scale", "mean": "--mean", "std": "--std",
+                      "channel_order": "--channel-order", "layout": "--layout",
+                      "resize_mode": "--resize-mode", "resize_short": "--resize-short",
+                      "pad_value": "--pad-value", "interpolation": "--interpolation"}
 
-    `recorded` is the ``preprocess`` entry of a calibration folder's
-    ``calibration.json``, so `validate --from DIR` reads images as calibration did
-    unless the user overrides an option explicitly.
+
+def given_preprocessing(args: argparse.Namespace) -> dict:
+    """The Preprocess fields the options set explicitly (every option left out is None)."""
+    values = {field: getattr(args, option[2:].replace("-", "_"))
+              for field, option in PREPROCESS_OPTIONS.items()}
+    return {field: tuple(value) if isinstance(value, list) else value
+            for field, value in values.items() if value is not None}
+
+
+def preprocess_from_args(args: argparse.Namespace, recorded=None):
+    """The Preprocess the options give; options left out take `recorded` values.
+
+    `recorded` is the Preprocess a calibration folder's ``calibration.json`` holds
+    (:func:`read_calibration_record`), so `validate --from DIR` reads images as
+    calibration did; an option given explicitly always wins, even when it equals the
+    default.
     """
+    from dataclasses import replace
+
     from quantlab.data import Preprocess
 
-    given = {
-        "size": tuple(args.resize) if args.resize else None,
-        "scale": args.scale,
-        "mean": tuple(args.mean) if args.mean else None,
-        "std": tuple(args.std) if args.std else None,
-        "channel_order": args.channel_order,
-        "layout": args.layout,
-        "resize_mode": args.resize_mode,
-        "resize_short": args.resize_short,
-        "pad_value": args.pad_value,
-        "interpolation": args.interpolation,
-    }
-    if recorded:
-        defaults = Preprocess()
-        base = Preprocess.from_dict(recorded)
-        given = {key: value if value != getattr(defaults, key) else getattr(base, key)
-                 for key, value in given.items()}
-    return Preprocess(**given)
+    return replace(recorded or Preprocess(), **given_preprocessing(args))
+
+
+def read_calibration_record(folder) -> dict:
+    """``calibration.json`` of a `quantlab calibrate` folder, its fields checked (a DataError
+    names the file and the field): ``data`` an absolute path (one recorded relative, by
+    an older quantlab, is resolved against the folder), ``preprocess`` a Preprocess or
+    None, ``data_stamp`` (:func:`quantlab.data.files_stamp`) a string or None,
+    ``frozen_inputs`` and ``sample_axes`` dicts."""
+    from pathlib import Path
+
+    from quantlab.data import Preprocess
+    from quantlab.experiment import read_record
+
+    folder = Path(folder)
+
+    def data_path(value):
+        if not isinstance(value, str) or not value:
+            raise TypeError("expected the path of the calibration data")
+        path = Path(value)
+        if path.is_absolute():
+            return str(path)
+        # An older quantlab recorded the path as typed: against the folder, else the cwd.
+        return str((folder / path if (folder / path).exists() else path).resolve())
+
+    def mapping(value):
+        if value is not None and not isinstance(value, dict):
+            raise TypeError(f"expected a JSON object, not a {type(value).__name__}")
+        return dict(value or {})
+
+    def preprocess(value):
+        if value is None:
+            return None
+        fields = mapping(value)
+        for key in ("size", "mean", "std"):
+            numbers = fields.get(key)
+            if numbers is not None and not (isinstance(numbers, list) and all(
+                    isinstance(n, (int, float)) and not isinstance(n, bool) for n in numbers)):
+                raise TypeError(f"its {key} is {numbers!r}, not a list of numbers")
+        return Preprocess.from_dict(fields)
+
+    def stamp(value):
+        if value is not None and not isinstance(value, str):
+            raise TypeError("expected a hexadecimal digest")
+        return value
+
+    return read_record(folder / "calibration.json", "calibration record",
+                       {"data": data_path, "preprocess": preprocess, "data_stamp": stamp,
+                        "frozen_inputs": mapping, "sample_axes": mapping},
+                       made_by="the folder of a finished `quantlab calibrate` run")
 
 
 def input_options(args: argparse.Namespace) -> dict:
     """``constants`` and ``batch_axes`` for :func:`quantlab.pipeline.prepare_model`."""
     return {"constants": dict(args.constants), "batch_axes": dict(args.batch_axes)}
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number.") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}.")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (not nan or inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number.") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}.")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}.")
+    return value
+
+
+def memory_size(text: str) -> int:
+    """argparse type: a memory budget in bytes from ``2G``, ``512M`` (collect.parse_memory)."""
+    from quantlab.collect import parse_memory
+    from quantlab.errors import ConfigError
+
+    try:
+        return parse_memory(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _constant(text: str) -> tuple[str, object]:

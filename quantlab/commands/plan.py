@@ -40,13 +40,22 @@ examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 
-from quantlab.commands.options import DATA_HELP, add_data_arguments
+from quantlab.commands.options import (
+    DATA_HELP,
+    add_data_arguments,
+    finite_float,
+    nonnegative_float,
+    positive_int,
+)
 
 HELP = "choose INT8/FP16/FP32 per layer under an accuracy budget, certified on held-out data"
 EPILOG = DATA_HELP
 # The zoo's task metrics (--eval zoo): top-1 for classifiers, COCO mAP@[.5:.95] for detectors.
 TASK_METRICS = ("top1", "map")
+# summary.json's "generator": `quantlab build` reads the plan's batch from such a folder.
+GENERATOR = "quantlab plan"
 # The checkpoint of a running plan, left in --out when it is interrupted.
 PROGRESS_FILE = ".plan-progress.json"
 # quantlab.repairs applied to the FP32 model and weighed by the planner (bias correction, which
@@ -75,9 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on another axis, a state [layers, N, hidden], comes with that "
                              "axis moved first) (default: %(default)s)")
     budget = parser.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--max-drop", type=float, metavar="X",
+    budget.add_argument("--max-drop", type=nonnegative_float, metavar="X",
                         help="largest allowed drop of the metric from FP32, in its own units")
-    budget.add_argument("--min-sqnr", type=float, metavar="DB",
+    budget.add_argument("--min-sqnr", type=finite_float, metavar="DB",
                         help="lowest allowed output SQNR in dB (metric sqnr)")
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS,
                         help="calibrator of the tensors no unit quantizes (TensorRT <= 10 "
@@ -105,15 +114,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--high-precision", default="fp16", choices=("fp16", "fp32"),
                         help="what non-INT8 units run in where the rules allow FP16 "
                              "(default: %(default)s)")
-    parser.add_argument("--trials", type=int, default=24, metavar="K",
+    parser.add_argument("--trials", type=positive_int, default=24, metavar="K",
                         help="randomized switchboard passes (default: %(default)s); up to 8 "
                              "more then check plans of the predicted front and refit")
-    parser.add_argument("--hard-samples", type=int, default=64, metavar="N",
+    parser.add_argument("--hard-samples", type=positive_int, default=64, metavar="N",
                         help="hardest calibration samples the passes run on (default: "
                              "%(default)s); with a label-free metric, an all-INT8 plan that "
                              "fails beyond doubt on a random draw of N calibration samples is "
                              "not evaluated on --eval")
-    parser.add_argument("--resamples", type=int, default=200, metavar="B",
+    parser.add_argument("--resamples", type=positive_int, default=200, metavar="B",
                         help="paired bootstrap resamples of the certificate (default: "
                              "%(default)s)")
     parser.add_argument("--trt-version", metavar="X.Y.Z",
@@ -130,15 +139,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _recorded(args) -> dict | None:
-    """``calibration.json`` of --data when it is a calibration folder (with ``stats.npz``)."""
+    """``calibration.json`` of --data when it is a calibration folder (with ``stats.npz``),
+    read and checked by :func:`quantlab.commands.options.read_calibration_record`."""
     from pathlib import Path
 
-    from quantlab.experiment import read_json
+    from quantlab.commands.options import read_calibration_record
 
     folder = Path(args.data)
     if (folder / "stats.npz").is_file() and (folder / "calibration.json").is_file():
-        return read_json(folder / "calibration.json")
+        return read_calibration_record(folder)
     return None
+
+
+def _check_overrides(args, recorded, preprocess) -> None:
+    """Refuse preprocessing options that contradict the calibration folder whose statistics
+    are reused: stats.npz holds tensors of images read the recorded way, while the
+    calibration and evaluation images would be read the new way."""
+    from pathlib import Path
+
+    from quantlab.commands.options import PREPROCESS_OPTIONS
+    from quantlab.errors import ConfigError
+
+    data = Path(recorded["data"])
+    if recorded["preprocess"] is None or not (data.is_dir() or data.suffix.lower() == ".json"):
+        return  # arrays (.npy, .npz) are not preprocessed
+    before, after = recorded["preprocess"].to_dict(), preprocess.to_dict()
+    changed = [f"{PREPROCESS_OPTIONS[k]} {after[k]} (recorded: {before[k]})"
+               for k in before if before[k] != after[k]]
+    if changed:
+        raise ConfigError(
+            f"{', '.join(changed)} contradicts the preprocessing {args.data}/stats.npz was "
+            f"collected with ({args.data}/calibration.json): its statistics would not match "
+            "the images read now. Drop the option to plan with the recorded preprocessing, or "
+            f"pass the calibration data itself ({data}) with --data to collect statistics "
+            "with the new one.")
 
 
 def _calibration(args, model, recorded, preprocess):
@@ -147,7 +181,7 @@ def _calibration(args, model, recorded, preprocess):
     from pathlib import Path
 
     from quantlab import collect, graph
-    from quantlab.data import open_data
+    from quantlab.data import data_files, files_stamp, open_data
     from quantlab.errors import DataError
 
     inputs = graph.input_specs(model)
@@ -160,10 +194,76 @@ def _calibration(args, model, recorded, preprocess):
         if not Path(recorded["data"]).exists():
             raise DataError(f"{args.data}/calibration.json names data {recorded['data']}, which "
                             "no longer exists; pass the calibration data itself with --data.")
+        if recorded["data_stamp"] not in (None, files_stamp(data_files(recorded["data"]))):
+            raise DataError(
+                f"{recorded['data']} changed since `quantlab calibrate` collected "
+                f"{args.data}/stats.npz from it (a file's size or modification time differs, or "
+                "files were added or removed), so those statistics no longer describe it. "
+                "Calibrate again, or pass the data itself with --data to collect them here.")
         source = open_data(recorded["data"], inputs, args.batch_size, args.max_samples,
                            preprocess)
+        unchanged = " (unchanged since)" if recorded["data_stamp"] else ""
+        print(f"plan: reusing {args.data}/stats.npz, collected from {recorded['data']}"
+              f"{unchanged} with its recorded preprocessing.")
         return source, collect.Statistics.load(Path(args.data) / "stats.npz")
     return open_data(args.data, inputs, args.batch_size, args.max_samples, preprocess), None
+
+
+def _check_metric(args) -> None:
+    """The metric is known and fits --eval and the model, before any data is read."""
+    from quantlab import plan
+    from quantlab.errors import ConfigError
+
+    if args.metric not in TASK_METRICS:
+        plan.resolve_metric(args.metric)  # an unknown metric fails before any work
+    elif args.eval != "zoo":
+        raise ConfigError(f"--metric {args.metric} needs ground truth: with a zoo model, pass "
+                          "--eval zoo (its held-out split).")
+    else:
+        _check_task_metric(args)
+    plan.check_budget(args.metric, args.max_drop, args.min_sqnr)
+
+
+def _check_task_metric(args) -> None:
+    """--metric top1 or map fits the zoo model planned (top1: a classifier, map: a detector)."""
+    from quantlab.errors import ConfigError
+    from quantlab.tasks import PRIMARY_METRIC
+    from quantlab.zoo_names import ZOO_NAMES
+
+    if args.model not in ZOO_NAMES:
+        raise ConfigError(f"--metric {args.metric} is a zoo model's task metric; {args.model} "
+                          "is not a zoo model. Use sqnr, agreement or module:function.")
+    from quantlab import zoo
+
+    task = zoo.get(args.model).task
+    if args.metric != PRIMARY_METRIC[task]:
+        raise ConfigError(f"--metric {args.metric} does not fit {args.model}, a {task} model: "
+                          f"its task metric is {PRIMARY_METRIC[task]}.")
+
+
+def _check_eval_shapes(model, evaluation, args) -> None:
+    """Refuse evaluation data whose dynamic dimensions (image size, audio length) differ
+    from the calibration data's: the plan would be certified on shapes that trtexec.txt's
+    TensorRT profile (the calibration data's, graph.record_data_shapes) does not build."""
+    import numpy as np
+
+    from quantlab import graph
+    from quantlab.errors import DataError
+
+    recorded = graph.data_shapes(model)
+    if not recorded:
+        return
+    batch = next(iter(evaluation))
+    for name, shape in recorded.items():
+        fed = [None if d is None else int(e) for d, e in zip(shape, np.shape(batch[name]),
+                                                             strict=True)]
+        if fed != shape:
+            raise DataError(
+                f"--eval {args.eval} feeds input '{name}' samples of shape {fed} (None: the "
+                f"sample axis), but the calibration data {shape}: trtexec.txt's TensorRT "
+                "profile takes the calibration data's shape, so the plan would be certified "
+                "on shapes the engine is not built for. Pass evaluation data of the "
+                "calibration data's shape (--resize H W for images).")
 
 
 def _prepared(args, recorded):
@@ -179,7 +279,7 @@ def _prepared(args, recorded):
     from quantlab import graph
     from quantlab.commands.options import input_options
     from quantlab.data import scalar_arrays
-    from quantlab.errors import DataError
+    from quantlab.errors import ConfigError, DataError
     from quantlab.pipeline import prepare_model
 
     options, data, source = input_options(args), args.data, args.model
@@ -187,8 +287,16 @@ def _prepared(args, recorded):
         data = None
         # The folder's statistics belong to its model.onnx (repaired as calibration.json says).
         source = Path(args.data) / "model.onnx"
-        options["constants"] = {**recorded.get("frozen_inputs", {}), **options["constants"]}
-        options["batch_axes"] = {**recorded.get("sample_axes", {}), **options["batch_axes"]}
+        for key, field, option in (("constants", "frozen_inputs", "--input"),
+                                   ("batch_axes", "sample_axes", "--batch-axis")):
+            for name, value in options[key].items():  # stats.npz was collected the recorded way
+                if name in recorded[field] and not np.array_equal(value, recorded[field][name]):
+                    raise ConfigError(
+                        f"{option} {name}={value} contradicts {args.data}/calibration.json "
+                        f"({name}={recorded[field][name]}), with which its stats.npz was "
+                        "collected. Drop the option, or pass the calibration data itself with "
+                        "--data to collect statistics here.")
+            options[key] = {**recorded[field], **options[key]}
     model = prepare_model(source, None if data == "zoo" else data, **options)
     frozen = graph.frozen_inputs(model)
     for name, value in scalar_arrays(args.eval).items():
@@ -248,33 +356,27 @@ def _calibrated(stats, args):
 
 def run(args: argparse.Namespace) -> int:
     """Plan, certify and write the plan's folder."""
-    from functools import partial
     from pathlib import Path
 
-    from quantlab import cache, graph, plan, qdq, repairs, trtexec
+    from quantlab import cache, graph, qdq
     from quantlab.backends import tensorrt as trt_backend
-    from quantlab.commands.build import TRTEXEC_CACHE
     from quantlab.commands.options import preprocess_from_args
-    from quantlab.data import open_data
-    from quantlab.errors import ConfigError, DataError
-    from quantlab.experiment import check_output, output_folder, write_json, write_text
-    from quantlab.pipeline import CACHE_ALGORITHM, quantized_inputs
-    from quantlab.progress import progress_bar
-    from quantlab.report import write_report
-    from quantlab.report.plan import plan_section
+    from quantlab.data import checked_digest, open_data
+    from quantlab.errors import DataError
+    from quantlab.experiment import check_output
+    from quantlab.pipeline import quantized_inputs
 
+    # Every option, the budget and the metric are checked before any data is read.
     check_output(args.out, force=args.force, produces=PLAN_FILES)
     if args.trt_version is not None:
         cache.implicit_int8_version(args.trt_version)
-    if args.metric not in TASK_METRICS:
-        plan.resolve_metric(args.metric)  # an unknown metric fails before any work
-    elif args.eval != "zoo":
-        raise ConfigError(f"--metric {args.metric} needs ground truth: with a zoo model, pass "
-                          "--eval zoo (its held-out split).")
+    _check_metric(args)
     recorded = _recorded(args)
     # Calibration and evaluation images are read alike: a calibration folder's recorded
-    # preprocessing, any option given overriding it.
-    preprocess = preprocess_from_args(args, recorded and recorded.get("preprocess"))
+    # preprocessing, any option given overriding it (refused where stats.npz is reused).
+    preprocess = preprocess_from_args(args, recorded and recorded["preprocess"])
+    if recorded is not None:
+        _check_overrides(args, recorded, preprocess)
     model = _prepared(args, recorded)
     quantized_inputs(model, "plan. If an input decides a branch holding them, freeze it with "
                      "--input NAME=VALUE")
@@ -300,6 +402,41 @@ def run(args: argparse.Namespace) -> int:
     else:
         evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
                                args.max_samples, preprocess)
+    _check_eval_shapes(model, evaluation, args)
+    # One pass over each: NaN/Inf refused, and the content identifies the run (checkpoint).
+    digests = (checked_digest(source, f"--data {recorded['data'] if recorded else args.data}"),
+               checked_digest(evaluation, f"--eval {args.eval}"))
+    out = Path(args.out)
+    existed = {path for path in (out, *out.parents) if path.exists()}
+    had_checkpoint = (out / PROGRESS_FILE).exists()
+    try:
+        return _plan(args, model, source, stats, evaluation, task, profile, preprocess, digests)
+    except Exception:
+        # A failure, not an interruption (Ctrl-C, SIGTERM keep the checkpoint to resume
+        # from): the folder is left as it was.
+        if not had_checkpoint:
+            (out / PROGRESS_FILE).unlink(missing_ok=True)
+        for folder in (out, *out.parents):
+            if folder not in existed:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+        raise
+
+
+def _plan(args, model, source, stats, evaluation, task, profile, preprocess, digests) -> int:
+    """The long work of :func:`run` once everything is checked: statistics, the plan, the
+    folder. `digests` (calibration, evaluation) identify the data's content."""
+    from functools import partial
+    from pathlib import Path
+
+    from quantlab import cache, graph, plan, repairs, trtexec
+    from quantlab.commands.build import TRTEXEC_CACHE
+    from quantlab.experiment import output_folder, recorded_path, write_json, write_text
+    from quantlab.pipeline import CACHE_ALGORITHM
+    from quantlab.progress import progress_bar
+    from quantlab.report import write_report
+    from quantlab.report.plan import plan_section
+
     stats = _statistics(model, source, stats, args)
     scales, ranges, p9999, candidates = _calibrated(stats, args)
     repaired = {}
@@ -321,14 +458,21 @@ def run(args: argparse.Namespace) -> int:
             changed, changed_scales.amax, changed_ranges, changed_p9999,
             changed_candidates if len(changed_candidates) > 1 else None, report.to_dict())
     progress = None if args.no_progress else partial(progress_bar, leave=False)
-    # Trials and evaluations are checkpointed in --out: an interrupted run resumes from there.
+    # Trials and evaluations are checkpointed in --out: an interrupted run resumes from there,
+    # only when the model, the data's content, the preprocessing and the options are the same.
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     checkpoint = plan.Checkpoint(out / PROGRESS_FILE, plan.fingerprint(
-        model, source.description, source.num_samples, evaluation.description,
-        evaluation.num_samples, args.metric, args.max_drop, args.min_sqnr, args.trials,
+        model, *digests, source.num_samples, evaluation.num_samples, preprocess.to_dict(),
+        args.batch_size, args.metric, args.max_drop, args.min_sqnr, args.trials,
         args.hard_samples, args.high_precision, args.resamples, sorted(scales.amax.items()),
         sorted(candidates), sorted(repaired), args.bias_correction))
+    if checkpoint.trials or checkpoint.evaluations:
+        print(f"plan: resuming from {checkpoint.path}: {len(checkpoint.trials)} switchboard "
+              f"trial(s) and {len(checkpoint.evaluations)} evaluation(s) of an interrupted run "
+              "of the same model, data (same content), preprocessing and options are reused.")
+    elif checkpoint.ignored:
+        print(f"plan: {checkpoint.path} is from a run of another model, data or options "
+              "(or unreadable); starting over.")
     result = plan.make_plan(model, source, evaluation, scales.amax, ranges, p9999,
                             metric=args.metric, max_drop=args.max_drop,
                             min_sqnr=args.min_sqnr, trials=args.trials,
@@ -373,9 +517,12 @@ def run(args: argparse.Namespace) -> int:
                       for p in result.front],
             "switchboard_trials": len(result.sensitivity.nsr),
             "hard_samples": result.hard_samples,
-            "calibration": {"data": source.description, "method": scales.method,
+            "calibration": {"data": recorded_path(source.description), "method": scales.method,
                             "calibrators": list(candidates)},
-            "eval": {"data": evaluation.description, "num_samples": evaluation.num_samples},
+            "eval": {"data": recorded_path(evaluation.description),
+                     "num_samples": evaluation.num_samples},
+            # `quantlab build DIR` reads these: trtexec.txt's profile is for this batch.
+            "generator": GENERATOR, "max_batch": args.batch_size,
             "repairs": result.plan.repairs,
         })
     (out / PROGRESS_FILE).unlink(missing_ok=True)
@@ -388,4 +535,8 @@ def run(args: argparse.Namespace) -> int:
           f"model; wrote {args.out}/")
     if certificate.too_small:
         print(certificate.too_small_message())
+    if not certificate.certified and args.min_sqnr is not None and args.high_precision == "fp16":
+        print(f"no plan certifies {args.min_sqnr:g} dB with FP16 outside INT8; with "
+              "--high-precision fp32 the plan without INT8 is the FP32 model itself, which "
+              "certifies any floor.")
     return 0 if certificate.certified else 1

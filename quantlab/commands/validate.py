@@ -4,7 +4,9 @@ Every stage runs over the evaluation data batch by batch; adjacent stages are
 compared tensor by tensor (cosine, SQNR, relative L2, max |error|, fraction
 outside tolerance) and scored end to end on the task when ground truth is known.
 
-The engine stage is the Q/DQ model in ONNX Runtime (TensorRT is not installed).
+The engine stage is the Q/DQ model in ONNX Runtime, or with --engine-backend tensorrt
+a TensorRT engine compared on every tensor it keeps (the layer table says how each
+was obtained on the installed version; docs/tensorrt.md).
 --mode local feeds each quantized layer the FP32 input, isolating its own error.
 
 Writes into --out: layers_<A>_vs_<B>.csv per stage pair, summary.json, report.html.
@@ -117,7 +119,6 @@ def run(args: argparse.Namespace) -> int:
 
     # Every option is checked before any long work (export, calibration, validation).
     check_threshold(args.threshold_db, 10.0)
-    _check_counts(args)
     if args.engine_backend == "tensorrt":
         from quantlab.backends.tensorrt import require_tensorrt
 
@@ -181,26 +182,19 @@ def run(args: argparse.Namespace) -> int:
 def _engine_stage(engine_path, onnx_path, data, args: argparse.Namespace):
     """The engine stage: the Q/DQ model for ONNX Runtime, or a TensorRT engine backend."""
     from quantlab import pipeline
-    from quantlab.backends.tensorrt import ENGINE_SUFFIXES, make_engine_backend
+    from quantlab.backends.tensorrt import ENGINE_SUFFIXES, LAYERS, make_engine_backend
     from quantlab.commands.options import input_options
 
     if args.engine_backend == "tensorrt":
-        prebuilt = Path(engine_path).suffix.lower() in ENGINE_SUFFIXES
+        # A prebuilt engine is compared on what it exposes; a built one exposes every tensor it
+        # keeps, the way the installed TensorRT allows (docs/tensorrt.md, per-version strategy).
+        if Path(engine_path).suffix.lower() in ENGINE_SUFFIXES:
+            return make_engine_backend("tensorrt", engine_path, model=onnx_path)
         return make_engine_backend("tensorrt", engine_path, max_batch=args.batch_size,
-                                   debug_tensors="unfused",
-                                   **({"model": onnx_path} if prebuilt else {}))
+                                   debug_tensors=LAYERS)
     with warnings.catch_warnings():  # the INT8 model's float-only parts are the FP32 one's
         warnings.simplefilter("ignore")
         return pipeline.prepare_model(engine_path, data, **input_options(args))
-
-
-def _check_counts(args: argparse.Namespace) -> None:
-    from quantlab.errors import ConfigError
-
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ConfigError(f"batch size must be at least 1, got {args.batch_size}.")
-    if args.max_samples is not None and args.max_samples < 1:
-        raise ConfigError(f"max samples must be at least 1, got {args.max_samples}.")
 
 
 def _open_data(data, model, args: argparse.Namespace, recorded: dict | None):
@@ -243,17 +237,16 @@ def _print_result(result) -> None:
     print(f"report: {result.report}")
 
 
-def _calibration_folder(folder: Path, args) -> tuple[Path, Path, dict | None]:
-    """FP32 and INT8 models of a calibration folder, and the preprocessing it recorded."""
+def _calibration_folder(folder: Path, args) -> tuple[Path, Path, object]:
+    """FP32 and INT8 models of a calibration folder, and the Preprocess it recorded."""
+    from quantlab.commands.options import read_calibration_record
     from quantlab.errors import ConfigError
-    from quantlab.experiment import read_json
 
-    record_path = folder / "calibration.json"
-    if not record_path.is_file():
+    if not (folder / "calibration.json").is_file():
         raise ConfigError(
             f"--from {folder}: no calibration.json there; point --from at the --out folder of "
             "a finished `quantlab calibrate` run.")
-    record = read_json(record_path)
+    record = read_calibration_record(folder)
     onnx_path = Path(args.onnx) if args.onnx else folder / "model.onnx"
     engine_path = Path(args.engine) if args.engine else folder / "model.int8.onnx"
-    return onnx_path, engine_path, record.get("preprocess")
+    return onnx_path, engine_path, record["preprocess"]

@@ -16,9 +16,15 @@ Outputs = list[dict[str, np.ndarray]]
 
 
 def output_sqnr(outputs: Outputs, references: Outputs) -> float:
-    """Output SQNR in dB over all samples: -10 log10 of the mean per-sample NSR."""
+    """Output SQNR in dB over all samples: -10 log10 of the mean per-sample NSR.
+
+    +inf only when no sample has any noise (FP32 against itself); NaN when an output
+    holds NaN (:func:`metric_value` refuses it: it must never pass as "no noise").
+    """
     nsr = np.concatenate([sample_nsr(o, r) for o, r in zip(outputs, references, strict=True)])
     mean = float(nsr.mean())
+    if np.isnan(mean):
+        return float("nan")
     return float(-10.0 * np.log10(mean)) if mean > 0 else float("inf")
 
 
@@ -54,18 +60,55 @@ def resolve_metric(name: str) -> Callable[[Outputs, Outputs], float]:
     return function
 
 
-def metric_value(metric: Callable, name: str, outputs: Outputs, references: Outputs) -> float:
-    """`metric` on the outputs, checked to be a real number (NaN is refused, not compared)."""
-    value = metric(outputs, references)
+def check_budget(metric: str, max_drop: float | None, min_sqnr: float | None) -> None:
+    """ConfigError unless the budget can work with `metric`; known before any model run, so
+    `quantlab plan` checks it before it reads any data."""
+    if (max_drop is None) == (min_sqnr is None):
+        raise ConfigError("give exactly one budget: --max-drop X or --min-sqnr DB.")
+    if min_sqnr is not None and metric != "sqnr":
+        raise ConfigError(f"--min-sqnr is a floor on output SQNR; it does not go with --metric "
+                          f"{metric} (use --max-drop there).")
+    if max_drop is not None and metric == "sqnr":
+        raise ConfigError("--max-drop cannot work with --metric sqnr: the FP32 model's output "
+                          "SQNR against itself is infinite, so a drop from it means nothing. "
+                          "Give a floor (--min-sqnr DB) or another --metric.")
+    for option, value in (("--max-drop", max_drop), ("--min-sqnr", min_sqnr)):
+        if value is not None and not np.isfinite(value):
+            raise ConfigError(f"{option} must be a finite number, got {value}.")
+    if max_drop is not None and max_drop < 0:
+        raise ConfigError(f"--max-drop must be >= 0, got {max_drop}: impossible even in FP32, "
+                          "which is the reference every plan is compared with.")
+
+
+def metric_value(metric: Callable, name: str, outputs: Outputs, references: Outputs,
+                 where: str = "the evaluation samples") -> float:
+    """`metric` on the outputs of `where` (words for the message), checked to be a finite
+    number; the built-in SQNR alone may be +inf (no noise at all, exact by construction).
+
+    A metric that raises, returns a non-number, NaN or an infinity is a DataError naming
+    it and the samples: such a value is never compared with a budget (a NaN sample made
+    SQNR +inf, which certified any plan).
+    """
+    try:
+        value = metric(outputs, references)
+    except Exception as exc:  # the user's code: any exception is the metric failing
+        raise DataError(
+            f"metric '{name}' failed on {where}: {type(exc).__name__}: {exc}. It is called "
+            "function(outputs, references) with two lists of {output name: array} (one entry "
+            "per batch, samples on axis 0) and must return a number, higher is better."
+        ) from None
     try:
         value = float(value)
     except (TypeError, ValueError):
-        raise DataError(f"metric '{name}' returned {value!r}; it must return a number "
-                        "(higher is better).") from None
-    if np.isnan(value):
-        raise DataError(f"metric '{name}' returned NaN on {len(outputs)} batches; it must "
-                        "return a number for any non-empty list of batches (check for a "
-                        "division by zero or an empty selection in it).")
+        raise DataError(f"metric '{name}' returned {value!r} on {where}; it must return a "
+                        "number (higher is better).") from None
+    if np.isnan(value) or (np.isinf(value) and not (metric is output_sqnr and value > 0)):
+        cause = ("an output holds NaN or Inf (check the evaluation data and the model)"
+                 if metric is output_sqnr else "check for a division by zero, a log of 0 or "
+                 "an empty selection in it")
+        shown = "NaN" if np.isnan(value) else f"{value:+}"
+        raise DataError(f"metric '{name}' returned {shown} on {where} ({len(outputs)} "
+                        f"batch(es)); a plan is never judged on that: {cause}.")
     return value
 
 
@@ -121,20 +164,24 @@ class Certificate:
 
 def certify(metric: Callable, name: str, outputs: Outputs, references: Outputs, *,
             max_drop: float | None = None, floor: float | None = None,
-            resamples: int = 200, confidence: float = 0.95, seed: int = 0) -> Certificate:
+            resamples: int = 200, confidence: float = 0.95, seed: int = 0,
+            what: str = "evaluation samples") -> Certificate:
     """Check a candidate's outputs against FP32's with a metric function (see certify_paired).
 
-    Resamples hand the metric one entry per sample, FP32 scored on the same ones.
+    Resamples hand the metric one entry per sample, FP32 scored on the same ones;
+    `what` names the samples in a metric's error.
     """
     samples, refs = split_samples(outputs), split_samples(references)
+    resample = f"a bootstrap resample of the {len(samples)} {what}"
 
     def evaluate(pick: np.ndarray) -> tuple[float, float]:
         chosen, fp32 = [samples[i] for i in pick], [refs[i] for i in pick]
-        return (metric_value(metric, name, chosen, fp32),
-                metric_value(metric, name, fp32, fp32))
+        return (metric_value(metric, name, chosen, fp32, resample),
+                metric_value(metric, name, fp32, fp32, f"FP32 on {resample}"))
 
-    reference = metric_value(metric, name, references, references)
-    value = metric_value(metric, name, outputs, references)
+    whole = f"{what} 0..{len(samples) - 1}"
+    reference = metric_value(metric, name, references, references, f"FP32 on {whole}")
+    value = metric_value(metric, name, outputs, references, whole)
     return certify_paired(name, evaluate, len(samples), (value, reference), max_drop=max_drop,
                           floor=floor, resamples=resamples, confidence=confidence, seed=seed)
 
@@ -233,10 +280,50 @@ def data_shortfalls(calibration_samples: int, evaluation_samples: int, hard_coun
     share = metric == "agreement" or (task is not None and task.kind == "classification"
                                        and metric == task.primary_metric)
     if share and max_drop is not None and max_drop * evaluation_samples < 1:
+        needed = (f"Pass at least {int(np.ceil(1 / max_drop))} samples with --eval (more the "
+                  "more predictions a plan changes)" if max_drop > 0 else
+                  "A drop of 0 allows no changed prediction whatever the evaluation set")
         messages.append(
             f"a drop of {max_drop:g} in {metric} is less than one sample of the "
             f"{evaluation_samples} in the evaluation set (1/{evaluation_samples} = "
             f"{1 / evaluation_samples:.3g}): only a plan that changes no prediction can be "
-            f"certified. Pass at least {int(np.ceil(1 / max_drop))} samples with --eval (more "
-            "the more predictions a plan changes), or allow a larger --max-drop.")
+            f"certified. {needed}, or allow a larger --max-drop.")
     return messages
+
+
+def floor_record(certificate: Certificate) -> dict:
+    """The all-FP16 plan's evaluation as plain data: the noise floor of the budget."""
+    return {"metric": certificate.metric, "value": certificate.value,
+            "reference": certificate.reference, "limit": certificate.limit,
+            "drop": certificate.reference - certificate.value,
+            "margin_interval": list(certificate.interval), "samples": certificate.samples,
+            "certified": certificate.certified}
+
+
+def floor_message(certificate: Certificate, metric: str, max_drop: float | None) -> str:
+    """A warning when FP16 alone (no INT8) uses half the budget or more, counting the
+    evaluation set's resolution (the bootstrap half-width); '' otherwise."""
+    half = (certificate.interval[1] - certificate.interval[0]) / 2
+    if max_drop is not None:
+        drop = certificate.reference - certificate.value
+        if drop + half < max_drop / 2:
+            return ""
+        head = (f"all-FP16 (no INT8 at all) already drops {metric} by {drop:.3g} "
+                f"(+-{half:.2g} on {certificate.samples} samples), against a budget of "
+                f"{max_drop:.3g}: what is left for INT8 is at the evaluation set's resolution, "
+                "so plans are decided by rounding noise.")
+    else:
+        if certificate.value - half > certificate.limit + 1.0:
+            return ""
+        head = (f"all-FP16 (no INT8 at all) reaches only {certificate.value:.3g} dB "
+                f"(+-{half:.2g} on {certificate.samples} samples) against a floor of "
+                f"{certificate.limit:.3g} dB: little is left for INT8.")
+    if metric == "map":
+        hint = (" COCO mAP@[.5:.95] moves with the IoU 0.9-0.95 bins, where FP16 rounding "
+                "already shifts boxes; AP50 or F1 agreement at IoU 0.5 (--metric "
+                "module:function) resolves such budgets, as do more --eval samples.")
+    else:
+        hint = (" Allow a larger budget, pass more --eval samples, or use a metric less "
+                "sensitive to rounding (for detectors, AP50 or F1 agreement at IoU 0.5 through "
+                "--metric module:function, rather than mAP@[.5:.95]).")
+    return head + hint

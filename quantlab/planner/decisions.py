@@ -44,6 +44,8 @@ class Plan:
     budget: float | None = None
     # The repairs weighed before pins: one plain dict each (see make_plan).
     repairs: list[dict] = field(default_factory=list)
+    # The all-FP16 plan's evaluation, the noise floor of the budget (certify.floor_record).
+    floor: dict | None = None
 
     @classmethod
     def from_rules(cls, units: Sequence[Unit], reasons: Mapping[str, Sequence[Reason]]) -> Plan:
@@ -68,7 +70,7 @@ class Plan:
                                  "metric": self.metric, "budget": self.budget,
                                  "int8_mac_share": self.int8_mac_share(),
                                  "units": {name: asdict(d) for name, d in self.units.items()},
-                                 "repairs": self.repairs})
+                                 "repairs": self.repairs, "floor": self.floor})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
@@ -89,7 +91,7 @@ class Plan:
                     entry["precision"], list(entry["nodes"]), int(entry["macs"]), reasons,
                     dict(entry["evidence"]), entry["predicted"], entry["measured"])
             return cls(units, str(data["metric"]), data["budget"],
-                       [dict(r) for r in data.get("repairs", [])])
+                       [dict(r) for r in data.get("repairs", [])], data.get("floor"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DataError(f"{path} is a damaged plan file (field {exc}); plan again to "
                             "rewrite it.") from None

@@ -52,6 +52,13 @@ def figure_to_data_uri(figure) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def plot_text(name: str) -> str:
+    """`name` (a tensor, node or unit name from the model) as matplotlib draws it literally:
+    ``$`` escaped, since ``$...$`` is mathtext (a name like ``a$b$c`` is parsed, and a lone
+    ``$^`` fails to parse); what HTML escaping is for names in the report's tables."""
+    return name.replace("$", r"\$")
+
+
 def figure_html(figure, caption: str) -> str:
     """An embedded figure with a caption, as an HTML fragment."""
     return _ENV.get_template("figure.html").render(src=figure_to_data_uri(figure), caption=caption)

@@ -14,7 +14,7 @@ import pandas as pd
 from markupsafe import Markup
 
 from quantlab.plan import RULES, SEARCH_CODE, Plan, PlanResult, Reason
-from quantlab.report import _ENV, Section, figure_html, table_html
+from quantlab.report import _ENV, Section, figure_html, plot_text, table_html
 
 # What each reason code means, for the legend under a table of codes: the rule's own summary.
 REASON_CODES = {
@@ -176,7 +176,7 @@ def waterfall_figure(result: PlanResult):
     for i, (_, removed) in enumerate(pins, start=1):
         axis.bar(i, removed, bottom=levels[i], color="tab:blue")
     axis.bar(len(pins) + 1, levels[-1], color="tab:green")
-    axis.set_xticks(range(len(pins) + 2), ["all INT8", *[n for n, _ in pins], "plan"],
+    axis.set_xticks(range(len(pins) + 2), ["all INT8", *[plot_text(n) for n, _ in pins], "plan"],
                     rotation=60, ha="right", fontsize=7)
     axis.set_ylabel("predicted output NSR")
     return figure

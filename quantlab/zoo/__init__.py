@@ -86,6 +86,8 @@ class ZooModel:
 
     def eval_set(self, limit: int | None = None) -> EvalSet:
         """The held-out evaluation split (its first ``limit`` samples if given)."""
+        if limit is not None and limit < 1:  # a negative slice would drop the last samples
+            raise ConfigError(f"the evaluation limit must be at least 1 sample, got {limit}.")
         return self._make_eval_set(limit)
 
     def postprocess(self, outputs: dict[str, np.ndarray], image_ids: list[int]

@@ -1,0 +1,82 @@
+"""Does the local error rank units by their effect on the output? Spearman rank correlation.
+
+For a model and its calibration data (the calibration folder of `quantlab calibrate`:
+its model.onnx, BatchNorm folded and depthwise inputs equalized as calibrate did, and its
+scales), every unit's local INT8 SQNR (the planner's prior and `validate --mode local`:
+the unit alone on FP32 inputs, measured at the output of the fused layer) is compared with
+its single-unit output impact: that unit alone in INT8, every other unit in FP32, output
+SQNR on the same samples (one switchboard pass per unit). Prints both rankings' Spearman
+correlation and the units the local error ranks worst and the output ranks worst.
+
+    python -m benchmarks.local_rank reports/layout --samples 4
+
+The layout-int8 study measured 0.12 with the error taken before the BatchNorm the Paddle
+export keeps (quantlab before the fold) and 0.60 after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import spearmanr
+
+
+def main(argv: list[str] | None = None) -> int:
+    from quantlab import graph, plan, switchboard
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.calibrate import Scales
+    from quantlab.data import Preprocess, open_data
+    from quantlab.experiment import read_json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", help="a calibration folder (quantlab calibrate --out)")
+    parser.add_argument("--samples", type=int, default=4, help="calibration samples used")
+    parser.add_argument("--top", type=int, default=5, help="worst units listed")
+    args = parser.parse_args(argv)
+
+    folder = Path(args.folder)
+    recorded = read_json(folder / "calibration.json")
+    model = graph.load_model(folder / "model.onnx")
+    g = graph.Graph(model)
+    amax = plan.share_scales(g, Scales.load(folder / "scales.json").amax)
+    preprocess = Preprocess.from_dict(recorded["preprocess"]) if recorded.get("preprocess") \
+        else None
+    source = open_data(recorded["data"], g.inputs, 1, args.samples, preprocess)
+    batches = list(source)
+    fp32 = OnnxRuntimeBackend(model, name="fp32")
+    units = plan.find_units(g, {k: np.shape(v) for k, v in batches[0].items()},
+                            lambda names: {n: a.shape for n, a in
+                                           fp32.run(batches[0], names).items()})
+    local = plan.local_sqnr(g, amax, units, batches, precisions=("int8",))
+    board = switchboard.build(g, units, amax)
+    backend = OnnxRuntimeBackend(board.model, name="switchboard", check_inputs=False)
+    references = [fp32.run(b) for b in batches]
+    impact = {}
+    for unit in units:
+        if unit.name not in local:
+            continue
+        flags = board.feeds({u.name: "int8" if u is unit else "fp32" for u in units})
+        nsr = np.mean([plan.sample_nsr(backend.run({**b, **flags}), r).mean()
+                       for b, r in zip(batches, references, strict=True)])
+        impact[unit.name] = float(-10 * np.log10(nsr)) if nsr > 0 else np.inf
+    names = sorted(impact)
+    rho = spearmanr([local[n]["int8"] for n in names], [impact[n] for n in names]).statistic
+    by_local = sorted(names, key=lambda n: local[n]["int8"])[:args.top]
+    by_output = sorted(names, key=lambda n: impact[n])[:args.top]
+    print(json.dumps({
+        "model": recorded.get("data"), "units": len(names), "samples": len(batches),
+        "spearman_local_vs_output": round(float(rho), 3),
+        "worst_by_local": [(n, round(local[n]["int8"], 1), round(impact[n], 1))
+                           for n in by_local],
+        "worst_by_output": [(n, round(local[n]["int8"], 1), round(impact[n], 1))
+                            for n in by_output],
+    }, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
