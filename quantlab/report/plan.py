@@ -214,7 +214,8 @@ def unit_strip_figure(plan: Plan):
     # Named: the units out of INT8 and the STRIP_NAMED most sensitive ones.
     named = sorted({i for i, d in enumerate(decisions) if d.precision != "int8"}
                    | set(np.argsort(-noise, kind="stable")[:STRIP_NAMED].tolist()))
-    strip.set_xticks(named, [names[i] for i in named], rotation=50, ha="right", fontsize=7)
+    strip.set_xticks(named, [plot_text(names[i]) for i in named], rotation=50, ha="right",
+                     fontsize=7)
     strip.set_xlabel(f"{len(names)} units in topological order (input left, outputs right)")
     present = dict.fromkeys(d.precision for d in decisions)
     bars.legend(handles=[Patch(color=PRECISION_COLORS[p], label=p.upper()) for p in present],
