@@ -325,8 +325,9 @@ def _story_section(record: dict, decided: plan.Plan, folder: Path) -> Section:
                                 for d in shown.values()],
         "output-noise rank": [d.evidence.get("output_rank") for d in shown.values()],
     })
-    build = next(line for line in (folder / "trtexec.txt").read_text().splitlines()
-                 if line.startswith("trtexec"))
+    commands = [line for line in (folder / "trtexec.txt").read_text().splitlines()
+                if line.startswith("trtexec")]
+    build = next((line for line in commands if "--stronglyTyped" in line), commands[0])
     html = Markup("<p><b>{}</b>: {}. {} on its {} held-out images; INT8 is the Q/DQ model on "
                   "ONNX Runtime's integer kernels.</p>").format(
         record["name"], record["description"].rstrip("."), label, record["eval_samples"])
@@ -356,9 +357,10 @@ def _story_section(record: dict, decided: plan.Plan, folder: Path) -> Section:
                    "after {} evaluation(s) of the real INT8 model (<a href=\"#plan\">the plan"
                    "</a>).</li>").format(planned["command"], kept, repaired, remeasured,
                                          certificate["samples"], planned["model_runs"])
-    html += Markup("<li><b>Build</b> the engine with TensorRT 10 in <code>{}/</code> (the "
-                   "commands for TensorRT 11 and <code>quantlab build</code> are in its "
-                   "<code>trtexec.txt</code>):<pre>{}</pre></li></ol>").format(
+    html += Markup("<li><b>Build</b> the engine in <code>{}/</code>, strongly typed from the "
+                   "plan's Q/DQ model (TensorRT 10; the commands for other versions are in its "
+                   "<code>trtexec.txt</code>, <code>quantlab build</code> runs them):<pre>{}</pre>"
+                   "</li></ol>").format(
         planned["folder"], build)
     html += Markup(table_html(pins, caption="Units a rule flagged or the plan keeps out of "
                                             "INT8: reasons, and what was measured"))

@@ -41,8 +41,9 @@ def _plan() -> Plan:
 
 
 def test_story_tells_fp32_all_int8_and_the_plan_with_pins_explained(tmp_path):
-    (tmp_path / "trtexec.txt").write_text("# TensorRT 10.x\ntrtexec --onnx=model.int8.onnx "
-                                          "--stronglyTyped\n")
+    (tmp_path / "trtexec.txt").write_text("# TensorRT 8.6 - 10.x\ntrtexec --onnx=model.int8.onnx "
+                                          "--int8\n# TensorRT 10.x\ntrtexec --onnx=model.int8"
+                                          ".onnx --stronglyTyped\n")
     section = demo._story_section(_record(), _plan(), tmp_path)
     page = render_report("demo", [section])
     # The three rows of the first screen, in numbers.
@@ -52,7 +53,8 @@ def test_story_tells_fp32_all_int8_and_the_plan_with_pins_explained(tmp_path):
     # The validator's layers, the plan's own measure of them, the command that builds it.
     assert "dw_out (depthwise Conv dw&lt;1&gt;, 0.9 dB)" in page
     assert "<code>dw&lt;1&gt;</code> FP16 at 70.0 dB" in page
-    assert "trtexec --onnx=model.int8.onnx --stronglyTyped" in page
+    assert "trtexec --onnx=model.int8.onnx --stronglyTyped" in page  # the TensorRT 10 line
+    assert "--int8" not in page
     # The pinned unit's reason: a short code, its evidence on hover (escaped), the legend.
     assert ('<abbr class="soft" title="R-DW (soft): weight ranges spread &lt;40x&gt;">R-DW'
             '</abbr>') in page
