@@ -20,13 +20,10 @@ import numpy as np
 
 if TYPE_CHECKING:  # collect imports numba and onnxruntime: not needed to parse options
     from quantlab.collect import Statistics, TensorStats
+from quantlab.choices import DEFAULT_METHOD, METHODS  # noqa: F401 (public API)
 from quantlab.errors import ConfigError, DataError
 from quantlab.experiment import read_artifact, write_json
 
-METHODS = ("entropy", "max", "percentile", "mse")
-# The method `quantlab calibrate` uses unless told otherwise: chosen by measurement on
-# the real-model suite and the zoo (benchmarks/default_method.py, docs/calibration.md).
-DEFAULT_METHOD = "percentile"
 # amax given to a tensor that was zero on all calibration data: any positive
 # value represents 0 exactly; 1.0 keeps a usable range if deployment data differs.
 SAFE_AMAX = 1.0

@@ -31,13 +31,13 @@ import numba
 import numpy as np
 import onnx
 from onnx import helper
-from tqdm import tqdm
 
 from quantlab import graph, segments
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.data import BatchSource, batch_length, sample_axes, slice_batch
 from quantlab.errors import ConfigError, DataError
 from quantlab.experiment import atomic_write
+from quantlab.progress import progress_bar
 
 # Internal bins per calibration bin. With 8x, the data of a tensor covers at
 # least 4x as many fine bins as TensorRT's [0, amax] histogram has bins, so the
@@ -427,8 +427,8 @@ def collect(
     # Tensors of a run are counted in parallel (the kernel releases the GIL); each
     # TensorStats is updated by one thread at a time, so no locking is needed.
     with (ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool,
-          tqdm(total=batches.num_samples, unit="sample", desc="collect",
-               disable=not progress, leave=False) as bar):
+          progress_bar(total=batches.num_samples, unit="sample", desc="collect",
+                       enabled=progress, leave=False) as bar):
         for batch_index, batch in enumerate(batches):
             _check_inputs(batch, specs, batch_index)
             size = batch_length(batch, axes)

@@ -229,23 +229,50 @@ def coco_map_resampler(coco_gt: Mapping, detections: Sequence[Mapping],
     sorted_ids = list(params.imgIds)
     position = {image: i for i, image in enumerate(sorted_ids)}
     columns = np.array([position[image] for image in image_ids])
-    blocks = len(params.catIds) * len(params.areaRng)
+    # evalImgs is laid out category, area range, image; stats[0] of COCOeval.summarize reads
+    # area "all" (index 0) at the most detections (the last limit) only.
+    stride = len(params.areaRng) * len(sorted_ids)
+    recalls, most = np.asarray(params.recThrs), params.maxDets[-1]
 
     def score(positions: np.ndarray) -> float:
         picked = columns[np.asarray(positions)]
-        count = len(picked)
-        evaluator.evalImgs = [stored[block * len(sorted_ids) + i]
-                              for block in range(blocks) for i in picked]
-        evaluator.params.imgIds = evaluator._paramsEval.imgIds = list(range(count))
-        with contextlib.redirect_stdout(io.StringIO()):
-            evaluator.accumulate()
-        # stats[0] of COCOeval.summarize: mean precision over IoUs, recalls, classes with
-        # ground truth, area "all" (index 0), 100 detections (last).
-        precision = evaluator.eval["precision"][:, :, :, 0, -1]
-        valid = precision[precision > -1]
-        return float(valid.mean()) if valid.size else -1.0
+        per_category = [_precision_at_recalls(
+            [e for e in (stored[k * stride + i] for i in picked) if e is not None], recalls, most)
+            for k in range(len(params.catIds))]
+        found = [p for p in per_category if p is not None]
+        return float(np.mean(found)) if found else -1.0
 
     return score
+
+
+def _precision_at_recalls(entries: Sequence[Mapping], recalls: np.ndarray,
+                          most: int) -> np.ndarray | None:
+    """Interpolated precision (IoU thresholds x `recalls`) of one category over COCOeval's
+    per-image results `entries`, their first `most` detections: COCOeval.accumulate's
+    arithmetic, vectorized over detections (it loops over them in Python). None where
+    COCOeval leaves the category out (no image, no ground truth that is not ignored)."""
+    if not entries:
+        return None
+    scores = np.concatenate([e["dtScores"][:most] for e in entries])
+    order = np.argsort(-scores, kind="mergesort")  # COCOeval's (Matlab's) stable order
+    matched = np.concatenate([e["dtMatches"][:, :most] for e in entries], axis=1)[:, order]
+    ignored = np.concatenate([e["dtIgnore"][:, :most] for e in entries], axis=1)[:, order]
+    ground_truth = np.count_nonzero(np.concatenate([e["gtIgnore"] for e in entries]) == 0)
+    if ground_truth == 0:
+        return None
+    true = np.cumsum(np.logical_and(matched, ~ignored.astype(bool)), axis=1, dtype=float)
+    false = np.cumsum(np.logical_and(~matched.astype(bool), ~ignored.astype(bool)), axis=1,
+                      dtype=float)
+    recall = true / ground_truth
+    precision = true / (false + true + np.spacing(1))
+    # The precision envelope: the best precision at this recall or beyond.
+    precision = np.maximum.accumulate(precision[:, ::-1], axis=1)[:, ::-1]
+    result = np.zeros((len(recall), len(recalls)))
+    for t in range(len(recall)):
+        at = np.searchsorted(recall[t], recalls, side="left")
+        inside = at < recall.shape[1]
+        result[t, inside] = precision[t, at[inside]]
+    return result
 
 
 def batch_length(batch: Mapping[str, np.ndarray], batches=None) -> int:

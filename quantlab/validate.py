@@ -40,6 +40,7 @@ import pandas as pd
 from quantlab import compare, graph, segments
 from quantlab.backends import Backend
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+from quantlab.choices import MODES
 from quantlab.compare import PairResult
 from quantlab.data import BatchSource
 from quantlab.errors import ConfigError, DataError
@@ -50,6 +51,7 @@ from quantlab.experiment import (
     recorded_path,
     write_json,
 )
+from quantlab.progress import progress_bar
 from quantlab.report import write_report
 from quantlab.report.validation import validation_section
 from quantlab.sensitivity import LocalErrorModel, local_error_model
@@ -58,7 +60,6 @@ from quantlab.tasks import Task, TaskScore
 __all__ = ["ENGINE", "FP32", "MODES", "TORCH", "Task", "ValidationResult", "layers_file",
            "validate"]
 
-MODES = ("global", "local")
 TORCH, FP32, ENGINE = "torch", "onnx_fp32", "engine_int8"
 STAGE_DESCRIPTIONS = {
     TORCH: "PyTorch module (forward hooks)",
@@ -309,8 +310,6 @@ def run_stages(
     The comparisons and task scores are returned; no array of any run outlives
     the segment that produced it (boundary tensors live until their last reader).
     """
-    from tqdm import tqdm
-
     index = graph.Graph(fp32.model)
     engine_index = graph.Graph(engine.model)
     shared = index.common_tensors(engine_index)
@@ -345,8 +344,8 @@ def run_stages(
     start = 0
     # Tensors are folded in parallel: the comparison kernel releases the GIL.
     with (ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as stream.pool,
-          tqdm(total=data.num_samples, desc="validate", unit="sample",
-               disable=not progress) as bar):
+          progress_bar(total=data.num_samples, desc="validate", unit="sample",
+                       enabled=progress) as bar):
         for batch in data:
             size = data.length(batch)
             bad = compare.first_nonfinite(batch, index.input_names)

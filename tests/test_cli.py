@@ -123,19 +123,30 @@ def _python(code, cwd):
                           timeout=300)
 
 
-def test_help_and_parser_do_not_import_torch(tmp_path):
+# What `quantlab --help` must not import: each costs from tens of ms to seconds, and
+# together they made the help take over a second and 170 MB (benchmarks/startup.py).
+HEAVY_MODULES = ("numpy", "pandas", "onnx", "onnxruntime", "torch", "matplotlib", "scipy",
+                 "numba", "tqdm")
+
+
+def test_help_of_every_command_imports_no_numeric_module(tmp_path):
+    from quantlab.cli import COMMANDS
+
     result = _python(
         "import sys\n"
-        "from quantlab.cli import build_parser, main\n"
-        "build_parser()\n"
-        "for argv in (['--help'], ['calibrate', '--help'], ['demo', '--help']):\n"
+        "from quantlab.cli import COMMANDS, main\n"
+        "for argv in (['--help'], *([c, '--help'] for c in COMMANDS)):\n"
         "    try:\n"
         "        main(argv)\n"
         "    except SystemExit:\n"
         "        pass\n"
-        "assert 'torch' not in sys.modules, 'torch imported'\n", tmp_path)
+        f"print('LOADED', [m for m in {HEAVY_MODULES!r} if m in sys.modules])\n", tmp_path)
     assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "LOADED []"
+    assert result.stdout.count("usage: quantlab") == 1 + len(COMMANDS)
     assert "digits-cnn" in result.stdout  # demo --models still lists the zoo names
+    assert "{entropy,max,percentile,mse}" in result.stdout  # calibrate --method's choices
+
 
 
 def test_zoo_names_without_torch_match_the_zoo():

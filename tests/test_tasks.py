@@ -95,3 +95,45 @@ def test_coco_map_resampler_equals_coco_map_with_repeated_images():
     assert score(np.array([1, 1, 2])) == pytest.approx(
         coco_map(_coco(repeated), dets_repeated)["map"])
     assert coco_map_resampler(_coco(boxes), [], [1, 2, 3])(np.arange(3)) == 0.0
+
+
+def test_coco_map_resampler_matches_cocoeval_on_many_detections_and_categories():
+    # The resampler accumulates COCOeval's per-image matches itself (vectorized over
+    # detections); pycocotools' own evaluation of the resampled set, renumbered, is the
+    # reference: three categories (one without ground truth), crowd boxes, misses, ties.
+    rng = np.random.default_rng(3)
+    images, annotations, dets = [], [], []
+    for image_id in range(1, 41):
+        images.append({"id": image_id, "width": 200, "height": 200, "file_name": f"{image_id}"})
+        for _ in range(rng.integers(0, 4)):
+            box = [float(v) for v in rng.uniform(0, 120, 2)] + \
+                  [float(v) for v in rng.uniform(8, 80, 2)]
+            category = int(rng.integers(1, 3))
+            annotations.append({"id": len(annotations) + 1, "image_id": image_id,
+                                "category_id": category, "bbox": box,
+                                "area": box[2] * box[3], "iscrowd": int(rng.random() < 0.05)})
+            if rng.random() < 0.8:  # found, off by a few pixels, with a rounded (tied) score
+                moved = [box[0] + rng.normal(0, 4), box[1] + rng.normal(0, 4), box[2], box[3]]
+                dets.append({"image_id": image_id, "category_id": category, "bbox": moved,
+                             "score": round(float(rng.random()), 1)})
+        for _ in range(rng.integers(0, 3)):  # false positives, some of the empty category
+            dets.append({"image_id": image_id, "category_id": int(rng.integers(1, 4)),
+                         "bbox": [float(v) for v in rng.uniform(0, 150, 4)],
+                         "score": float(rng.random())})
+    coco = {"images": images, "annotations": annotations,
+            "categories": [{"id": k, "name": f"c{k}"} for k in (1, 2, 3)]}
+    order = [image["id"] for image in images]  # tied scores keep COCOeval's image order
+    score = coco_map_resampler(coco, dets, order)
+    assert score(np.arange(40)) == pytest.approx(coco_map(coco, dets)["map"], abs=1e-12)
+    positions = rng.integers(0, 40, 40)
+    renumbered = {"images": [], "annotations": [], "categories": coco["categories"]}
+    resampled = []
+    for new_id, position in enumerate(positions, start=1):
+        old_id = order[position]
+        renumbered["images"].append({**images[old_id - 1], "id": new_id})
+        renumbered["annotations"] += [{**a, "id": len(renumbered["annotations"]) + i + 1,
+                                       "image_id": new_id}
+                                      for i, a in enumerate(a for a in annotations
+                                                            if a["image_id"] == old_id)]
+        resampled += [{**d, "image_id": new_id} for d in dets if d["image_id"] == old_id]
+    assert score(positions) == pytest.approx(coco_map(renumbered, resampled)["map"], abs=1e-12)

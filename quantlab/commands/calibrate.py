@@ -37,7 +37,7 @@ EPILOG = DATA_HELP
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab calibrate`."""
-    from quantlab.calibrate import DEFAULT_METHOD, METHODS
+    from quantlab.choices import DEFAULT_METHOD, METHODS
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder")

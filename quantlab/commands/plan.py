@@ -68,7 +68,7 @@ PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab plan`."""
-    from quantlab.calibrate import DEFAULT_METHOD, METHODS
+    from quantlab.choices import DEFAULT_METHOD, METHODS
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
     parser.add_argument("--eval", required=True, metavar="EVAL",
@@ -429,12 +429,11 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     from functools import partial
     from pathlib import Path
 
-    from tqdm.auto import tqdm
-
     from quantlab import cache, graph, plan, repairs, trtexec
     from quantlab.commands.build import TRTEXEC_CACHE
     from quantlab.experiment import output_folder, recorded_path, write_json, write_text
     from quantlab.pipeline import CACHE_ALGORITHM
+    from quantlab.progress import progress_bar
     from quantlab.report import write_report
     from quantlab.report.plan import plan_section
 
@@ -458,7 +457,7 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
         repaired[name] = plan.RepairedModel(
             changed, changed_scales.amax, changed_ranges, changed_p9999,
             changed_candidates if len(changed_candidates) > 1 else None, report.to_dict())
-    progress = None if args.no_progress else partial(tqdm, leave=False)
+    progress = None if args.no_progress else partial(progress_bar, leave=False)
     # Trials and evaluations are checkpointed in --out: an interrupted run resumes from there,
     # only when the model, the data's content, the preprocessing and the options are the same.
     out = Path(args.out)

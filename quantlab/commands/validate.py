@@ -35,8 +35,7 @@ EPILOG = DATA_HELP
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab validate`."""
-    from quantlab.calibrate import DEFAULT_METHOD, METHODS
-    from quantlab.validate import MODES
+    from quantlab.choices import DEFAULT_METHOD, METHODS, MODES
 
     parser.add_argument("--from", dest="from_dir", metavar="DIR",
                         help="a `quantlab calibrate` folder: its model.onnx and model.int8.onnx, "

@@ -65,9 +65,11 @@ def figure_html(figure, caption: str) -> str:
 
 
 def table_html(frame: pd.DataFrame, float_format: str = "{:.4g}", caption: str = "") -> str:
-    """A DataFrame as an HTML table (values escaped, numbers right-aligned)."""
+    """A DataFrame as an HTML table in a box that scrolls when it is wider or taller than the
+    page (values escaped except Markup fragments, numbers right-aligned)."""
     rows = [
-        [(float_format.format(v) if isinstance(v, float) else str(v)) for v in row]
+        [v if isinstance(v, Markup) else float_format.format(v) if isinstance(v, float)
+         else str(v) for v in row]
         for row in frame.itertuples(index=False)
     ]
     numeric = [pd.api.types.is_numeric_dtype(frame[c]) for c in frame.columns]

@@ -7,12 +7,25 @@ is data handed in (:class:`quantlab.plan.PlanResult`); this module runs nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import pandas as pd
 from markupsafe import Markup
 
-from quantlab.plan import PlanResult
+from quantlab.plan import RULES, SEARCH_CODE, Plan, PlanResult, Reason
 from quantlab.report import _ENV, Section, figure_html, plot_text, table_html
+
+# What each reason code means, for the legend under a table of codes: the rule's own summary.
+REASON_CODES = {
+    **{rule.code: (type(rule).__doc__ or "").strip().rstrip(".") for rule in RULES},
+    SEARCH_CODE: "kept out of INT8 by the search: measured output-noise contribution too "
+                 "large for the budget",
+}
+# Most sensitive units named under the strip of units (besides those out of INT8).
+STRIP_NAMED = 3
+# Colours of the precisions in figures (INT8 as the report's accent).
+PRECISION_COLORS = {"int8": "#76b900", "fp16": "#2e86c1", "fp32": "#5b6575"}
 
 
 def plan_section(result: PlanResult) -> Section:
@@ -57,30 +70,51 @@ def plan_section(result: PlanResult) -> Section:
         waterfall_figure=Markup(figure_html(waterfall_figure(result), "Predicted output noise "
                                             "removed by each non-INT8 unit, from all-INT8 to "
                                             "the plan")),
-        decisions_table=Markup(table_html(decisions_frame(result), caption="Decision per unit")),
+        strip_figure=unit_strip_html(result.plan),
+        decisions_table=Markup(table_html(decisions_frame(result.plan),
+                                          caption="Decision per unit")),
+        legend=reasons_legend(r for d in result.plan.units.values() for r in d.reasons),
     )
     return Section("Precision plan", html, anchor="plan")
 
 
-def decisions_frame(result: PlanResult) -> pd.DataFrame:
-    """One row per unit: precision, MAC share, reasons, output-noise rank and contribution,
-    local INT8 and FP16 SQNR and the predicted FP16 contribution."""
-    total = sum(d.macs for d in result.plan.units.values()) or 1
+def decisions_frame(plan: Plan) -> pd.DataFrame:
+    """One row per unit: precision, MAC share, reason codes, output-noise rank and
+    contribution (INT8), local INT8 and FP16 SQNR, the predicted output noise in FP16, the
+    calibrator it took its scales from, node count."""
+    total = sum(d.macs for d in plan.units.values()) or 1
     rows = [{
         "unit": name,
         "precision": d.precision,
-        "mac_share": d.macs / total,
-        "reasons": "; ".join(f"{r.code} ({'hard' if r.hard else 'soft'}): {r.evidence}"
-                             for r in d.reasons),
-        "output_rank": d.evidence.get("output_rank"),
-        "nsr_contribution": d.predicted,
-        "local_sqnr_int8_db": d.evidence.get("local_sqnr_int8_db"),
-        "local_sqnr_fp16_db": d.evidence.get("local_sqnr_fp16_db"),
-        "fp16_nsr_contribution": d.evidence.get("fp16_nsr_contribution"),
+        "MACs": f"{d.macs / total:.2%}",
+        "reasons": reason_codes_html(d.reasons),
+        "noise rank": d.evidence.get("output_rank"),
+        "output NSR": d.predicted,
+        "local SQNR INT8 dB": d.evidence.get("local_sqnr_int8_db"),
+        "local SQNR FP16 dB": d.evidence.get("local_sqnr_fp16_db"),
+        "FP16 output NSR": d.evidence.get("fp16_nsr_contribution"),
         "calibrator": d.evidence.get("calibrator", ""),
-        "nodes": ", ".join(d.nodes),
-    } for name, d in result.plan.units.items()]
+        "nodes": len(d.nodes),
+    } for name, d in plan.units.items()]
     return pd.DataFrame(rows)
+
+
+def reason_codes_html(reasons: Iterable[Reason]) -> Markup:
+    """Reason codes, each with its full evidence on hover; binding (hard) ones in bold."""
+    return Markup(" ").join(
+        Markup('<abbr class="{}" title="{} ({}): {}">{}</abbr>').format(
+            "hard" if r.hard else "soft", r.code, "hard" if r.hard else "soft", r.evidence,
+            r.code) for r in reasons)
+
+
+def reasons_legend(reasons: Iterable[Reason]) -> Markup:
+    """What the codes among `reasons` mean, with their sources, under a table of codes."""
+    sources = {r.code: r.source for r in reasons}
+    items = Markup("").join(
+        Markup("<dt>{}</dt><dd>{} <span class=\"source\">({})</span></dd>").format(
+            code, REASON_CODES.get(code, ""), sources[code]) for code in sorted(sources))
+    return Markup('<dl class="legend">{}<dt>bold</dt><dd>a binding rule; the others are '
+                  "weighed by measurement. Hover a code for its evidence.</dd></dl>").format(items)
 
 
 def ledger_frame(result: PlanResult) -> pd.DataFrame:
@@ -145,4 +179,45 @@ def waterfall_figure(result: PlanResult):
     axis.set_xticks(range(len(pins) + 2), ["all INT8", *[plot_text(n) for n, _ in pins], "plan"],
                     rotation=60, ha="right", fontsize=7)
     axis.set_ylabel("predicted output NSR")
+    return figure
+
+
+def unit_strip_html(plan: Plan) -> Markup:
+    """:func:`unit_strip_figure` embedded, with its caption."""
+    return Markup(figure_html(unit_strip_figure(plan), "The network as its units in "
+                              "topological order, coloured by precision, over each unit's "
+                              "output-noise contribution in INT8 (measured on the switchboard, "
+                              "hardest calibration samples)"))
+
+
+def unit_strip_figure(plan: Plan):
+    """The network as a strip of units in topological order, coloured by precision, over the
+    bars of their measured output-noise contribution in INT8; the units left out of INT8 named.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    names = list(plan.units)
+    decisions = [plan.units[n] for n in names]
+    colors = [PRECISION_COLORS[d.precision] for d in decisions]
+    noise = np.array([d.predicted or 0.0 for d in decisions])
+    floor = noise[noise > 0].min() / 10 if (noise > 0).any() else 1e-12
+    x = np.arange(len(names))
+    figure, (bars, strip) = plt.subplots(2, 1, figsize=(11, 3.6), sharex=True,
+                                         gridspec_kw={"height_ratios": [3, 1], "hspace": 0.05})
+    bars.bar(x, np.maximum(noise, floor), width=0.8, color=colors)
+    bars.set_yscale("log")
+    bars.set_ylabel("output NSR\ncontribution", fontsize=8)
+    strip.bar(x, 1, width=1.0, color=colors, edgecolor="white", linewidth=0.5)
+    strip.set_yticks([])
+    strip.set_xlim(-0.5, len(names) - 0.5)
+    # Named: the units out of INT8 and the STRIP_NAMED most sensitive ones.
+    named = sorted({i for i, d in enumerate(decisions) if d.precision != "int8"}
+                   | set(np.argsort(-noise, kind="stable")[:STRIP_NAMED].tolist()))
+    strip.set_xticks(named, [plot_text(names[i]) for i in named], rotation=50, ha="right",
+                     fontsize=7)
+    strip.set_xlabel(f"{len(names)} units in topological order (input left, outputs right)")
+    present = dict.fromkeys(d.precision for d in decisions)
+    bars.legend(handles=[Patch(color=PRECISION_COLORS[p], label=p.upper()) for p in present],
+                loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     return figure

@@ -78,8 +78,9 @@ def metrics_frame(metrics: Mapping[str, dict]) -> pd.DataFrame:
     rows = []
     for stage, values in metrics.items():
         row = {"stage": stage}
+        # COCO scores -1 where the data hold no object of a size (map_large of small images).
         row.update({tasks.METRIC_LABELS.get(k, k): v for k, v in values.items()
-                    if not isinstance(v, dict)})
+                    if not isinstance(v, dict) and v != -1})
         per_class = values.get("per_class") or {}
         row.update({f"AP {name}": ap for name, ap in per_class.items()})
         rows.append(row)
