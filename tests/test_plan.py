@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import numpy as np
@@ -981,7 +982,10 @@ def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
     # percentile scales: trtexec reads only EntropyCalibration2 caches, so a relabelled copy.
     assert "--calib=calibration.trtexec.cache" in trtexec
     assert "calibration.trtexec.cache is TRT-" in trtexec and "EntropyCalibration2" in trtexec
-    assert "--layerPrecisions=conv3:fp16,conv5:fp16" in trtexec
+    # The pinned convs in FP16; with an fp16 pin, the unquantized float layers around them are
+    # pinned fp32 so the FP16 flag turns nothing else to FP16 (trt-review F8).
+    pins = dict(p.split(":") for p in re.search(r"--layerPrecisions=(\S+)", trtexec)[1].split(","))
+    assert {n: p for n, p in pins.items() if p != "fp32"} == {"conv3": "fp16", "conv5": "fp16"}
     assert "--minShapes=x:1x16x6x6" in trtexec
     assert cache.read_calibration_cache(out / "calibration.trtexec.cache")[1] == \
         cache.read_calibration_cache(out / "calibration.cache")[1]

@@ -430,6 +430,7 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     from pathlib import Path
 
     from quantlab import cache, graph, plan, repairs, trtexec
+    from quantlab.backends import tensorrt as trt_backend
     from quantlab.commands.build import TRTEXEC_CACHE
     from quantlab.experiment import output_folder, recorded_path, write_json, write_text
     from quantlab.pipeline import CACHE_ALGORITHM
@@ -501,7 +502,8 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
                                               trt_version=args.trt_version)
             header, _ = cache.read_calibration_cache(folder / cache_name)
         write_text(folder / "trtexec.txt", trtexec.trtexec_text(
-            result.plan.node_precisions(), profile, cache_name, header and str(header)))
+            trt_backend.implicit_pins(result.model, result.plan.node_precisions()), profile,
+            cache_name, header and str(header), trt_backend.has_float16(result.qdq_model)))
         write_report(folder / "report.html", f"quantlab plan: {args.model}", [plan_section(result)])
         write_json(folder / "summary.json", {
             "metric": args.metric,
