@@ -155,6 +155,8 @@ def _calibrations(name: str, out: Path, methods: Sequence[str], eval_limit: int 
     model = pipeline.export_zoo_model(name)
     inputs = input_specs(model)
     source = open_data(entry.calibration_set(), inputs, batch_size=32)
+    # As `quantlab calibrate` does by default: depthwise inputs equalized where it helps.
+    model, repaired = pipeline.equalized(model, source)
     _log(f"[{name}] collect statistics on {source.num_samples} calibration samples")
     stats = collect.collect(
         model, source, qdq.activation_tensors_to_calibrate(model), progress=progress
@@ -175,6 +177,7 @@ def _calibrations(name: str, out: Path, methods: Sequence[str], eval_limit: int 
     results, int8 = {}, {}
     for method in methods:
         results[method] = pipeline.calibrate_from_stats(model, stats, source, method)
+        results[method].repairs = repaired
         int8[method] = OnnxRuntimeBackend(results[method].qdq_model, name=f"int8 {method}")
         metrics = _evaluate(entry, int8[method], eval_set, f"int8 ({method})", progress)
         record["methods"][method] = metrics

@@ -208,15 +208,7 @@ def run_calibration(
     # unwritable folder, the cache's version and tensor names. The folder is written all or
     # nothing (experiment.output_folder): a failed run leaves no partial output.
     check_output(out, force=force, produces=CALIBRATION_FILES)
-    applied = {}
-    if equalize:
-        from quantlab import repairs
-
-        model, report = repairs.depthwise_equalization(model, source)
-        if report.applied:
-            model = graph.normalize(model)  # shapes of the renamed tensors
-        if report.applied or report.skipped:
-            applied[report.repair] = report.to_dict()
+    model, applied = equalized(model, source) if equalize else (model, {})
     index = graph.Graph(model)  # built once: every step below reads it
     if trt_version is None:
         tensors = quantized_inputs(index, "calibrate for its Q/DQ model. For TensorRT <= 10's "
@@ -231,6 +223,19 @@ def run_calibration(
     result.repairs = applied
     write_results(result, out, force=force, trt_version=trt_version)
     return result
+
+
+def equalized(model: onnx.ModelProto, source: BatchSource) -> tuple[onnx.ModelProto, dict]:
+    """`model` with its depthwise-conv inputs equalized where that helps
+    (:func:`repairs.depthwise_equalization`, one FP32 pass over `source`), normalized again,
+    and ``{repair name: report}`` for ``calibration.json`` (empty without depthwise convs)."""
+    from quantlab import repairs
+
+    model, report = repairs.depthwise_equalization(model, source)
+    if report.applied:
+        model = graph.normalize(model)  # shapes of the renamed tensors
+    return model, ({report.repair: report.to_dict()} if report.applied or report.skipped
+                   else {})
 
 
 def quantized_inputs(model: onnx.ModelProto | graph.Graph, what: str) -> list[str]:
