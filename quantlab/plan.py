@@ -206,6 +206,9 @@ class PlanResult:
     hard_samples: list[int]
     # The FP32 model planned: the input model, or its repaired copy (plan.repairs says which).
     model: onnx.ModelProto | None = None
+    # The plan with the most INT8 that scored inside the budget but could not be certified
+    # (the evaluation set too small), with its Q/DQ model and evaluation; None if none did.
+    uncertified: tuple[Plan, onnx.ModelProto, Evaluation] | None = None
 
     @property
     def certificate(self) -> Certificate:
@@ -450,6 +453,19 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
             # No plan with INT8 certified: FP16 everywhere it may run holds the budget.
             chosen, index = all_fp16, FLOOR_KEY
     decided = Plan.from_rules(units, reasons)
+    uncertified = None
+    promising = [i for i, e in evaluated.items() if i >= 0 and not e.screened and
+                 e.certificate.inconclusive and e.certificate.value >= e.certificate.limit and
+                 points[i].int8_mac_share > chosen.int8_mac_share]
+    if promising:
+        best = max(promising, key=lambda i: points[i].int8_mac_share)
+        kept = Plan.from_rules(units, reasons)
+        for unit in units:
+            kept.units[unit.name].precision = points[best].precisions[unit.name]
+        kept.metric = metric
+        kept.budget = max_drop if max_drop is not None else min_sqnr
+        uncertified = (kept, quantized(kept.node_precisions(), high_precision=high_precision),
+                       evaluated[best])
     rank = {u: i + 1 for i, u in enumerate(sensitivity.ranking())}
     for unit in units:
         decision = decided.units[unit.name]
@@ -499,7 +515,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
                          "the plan says otherwise; this is a bug, please report it with the model.")
     return PlanResult(decided, qdq_model, dict(amax), points, sensitivity,
                       list(evaluated.values()), list(evaluated).index(index),
-                      hard_indices.tolist(), model)
+                      hard_indices.tolist(), model, uncertified)
 
 
 def _search(points: list[FrontPoint], evaluate: Callable[[int], Evaluation],

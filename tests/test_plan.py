@@ -840,6 +840,15 @@ def test_make_plan_warns_when_a_better_plan_was_only_inconclusive(planted_case, 
                                 max_drop=0.5, trials=8, hard_count=16, high_precision="fp32")
     assert result.plan.int8_mac_share() == 0.0 and result.certificate.certified
     assert any(e.certificate.inconclusive for e in result.evaluations)
+    # The better plan is kept, not lost: the most-INT8 plan that scored inside the budget,
+    # its Q/DQ model running its units as its plan says.
+    kept_plan, kept_model, kept = result.uncertified
+    inside = [e for e in result.evaluations if e.certificate.inconclusive and
+              e.certificate.value >= e.certificate.limit]
+    assert kept.int8_mac_share == max(e.int8_mac_share for e in inside) > 0.0
+    assert kept_plan.int8_mac_share() == pytest.approx(kept.int8_mac_share)
+    assert plan.read_back(kept_model, units) == {
+        u: d.precision for u, d in kept_plan.units.items()}
 
 
 def test_shortfall_power_through_the_two_largest_drops():
@@ -1409,3 +1418,39 @@ def test_make_plan_weighs_bias_correction_and_applies_it_to_the_int8_units(plant
     assert checked or not record["chosen"]
     assert plan.read_back(result.qdq_model, units) == {
         u: d.precision for u, d in result.plan.units.items()}
+
+
+def test_plan_command_writes_the_uncertified_better_plan_beside_the_certified(tmp_path, capsys,
+                                                                            monkeypatch):
+    """The stand-in certify of the test above, through the command: the certified plan is the
+    folder's, the better plan that could not be certified is in uncertified/ with its score,
+    and summary.json says which is which."""
+    from quantlab.cli import main
+
+    def certify(metric, name, outputs, references, *, max_drop, floor, resamples, **_):
+        noise = plan.output_sqnr(outputs, references)
+        low, high = ((max_drop, max_drop) if noise == np.inf else
+                     (-0.5, -0.1) if noise < 15 else (-0.2, 0.9))
+        return plan.Certificate(name, 1.0, 1.0 - max_drop + (low + high) / 2, 1.0 - max_drop,
+                                (low, high), 0.95, 64, low >= 0, high - low > max_drop, 400)
+
+    monkeypatch.setattr(plan, "certify", certify)
+    g = planted_model()
+    graph.save_model(g.model, tmp_path / "planted.onnx")
+    rng = np.random.default_rng(1)
+    np.save(tmp_path / "calib.npy", rng.standard_normal((32, 16, 6, 6)).astype(np.float32))
+    np.save(tmp_path / "eval.npy", rng.standard_normal((16, 16, 6, 6)).astype(np.float32))
+    out = tmp_path / "plan"
+    main(["plan", str(tmp_path / "planted.onnx"), "--data", str(tmp_path / "calib.npy"),
+          "--eval", str(tmp_path / "eval.npy"), "--metric", "agreement", "--max-drop", "0.5",
+          "--out", str(out), "--trials", "8", "--hard-samples", "16", "--high-precision",
+          "fp32", "--calibrators", "percentile", "--no-bias-correction", "--no-progress"])
+    summary = json.loads((out / "summary.json").read_text())
+    kept = summary["uncertified"]
+    assert summary["certificate"]["certified"] and not kept["certified"]
+    assert kept["int8_mac_share"] > summary["int8_mac_share"] and kept["value"] >= kept["limit"]
+    assert kept["needed_samples"] == 400
+    written = plan.Plan.load(out / "uncertified" / "plan.json")
+    assert written.int8_mac_share() == pytest.approx(kept["int8_mac_share"])
+    assert graph.load_model(out / "uncertified" / "model.int8.onnx").graph.node
+    assert "written to" in capsys.readouterr().out

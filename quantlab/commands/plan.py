@@ -62,8 +62,12 @@ PROGRESS_FILE = ".plan-progress.json"
 # changes the INT8 ops alone, is weighed on its own: --no-bias-correction).
 REPAIRS = ("dw-equalize", "cle", "smoothquant")
 DEFAULT_REPAIRS = ["dw-equalize"]
+# Where a plan that scored inside the budget but could not be certified is written, beside
+# the certified one (its plan.json and model.int8.onnx; model.onnx is the folder's).
+UNCERTIFIED = "uncertified"
 PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache",
-              "calibration.trtexec.cache", "trtexec.txt", "summary.json", "report.html")
+              "calibration.trtexec.cache", "trtexec.txt", "summary.json", "report.html",
+              UNCERTIFIED)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -488,6 +492,19 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
         result.plan.save(folder / "plan.json")
         graph.save_model(result.model, folder / "model.onnx")  # repaired when plan.json says
         graph.save_model(result.qdq_model, folder / "model.int8.onnx")
+        kept = None
+        if result.uncertified is not None:
+            kept_plan, kept_model, kept_eval = result.uncertified
+            (folder / UNCERTIFIED).mkdir()
+            kept_plan.save(folder / UNCERTIFIED / "plan.json")
+            graph.save_model(kept_model, folder / UNCERTIFIED / "model.int8.onnx")
+            kept = {"folder": UNCERTIFIED, "certified": False,
+                    "int8_mac_share": kept_eval.int8_mac_share,
+                    "value": kept_eval.certificate.value,
+                    "limit": kept_eval.certificate.limit,
+                    "margin_interval": list(kept_eval.certificate.interval),
+                    "samples": kept_eval.certificate.samples,
+                    "needed_samples": kept_eval.certificate.needed_samples}
         cache_name = header = None
         if args.trt_version is not None:
             kept = {name: amax / 127.0 for name, amax in result.amax.items()
@@ -526,6 +543,9 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             # `quantlab build DIR` reads these: trtexec.txt's profile is for this batch.
             "generator": GENERATOR, "max_batch": args.batch_size,
             "repairs": result.plan.repairs,
+            # The certified plan is this folder's; a better one that could not be certified
+            # on this evaluation set is in uncertified/ (null: none).
+            "uncertified": kept,
         })
     (out / PROGRESS_FILE).unlink(missing_ok=True)
     verdict = "certified" if certificate.certified else "NOT certified"
@@ -537,6 +557,13 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
           f"model; wrote {args.out}/")
     if certificate.too_small:
         print(certificate.too_small_message())
+    if result.uncertified is not None:
+        share, evaluation_kept = result.uncertified[0].int8_mac_share(), result.uncertified[2]
+        print(f"plan: a plan with {share:.1%} of MACs in INT8 scored "
+              f"{evaluation_kept.certificate.value:.4g} (limit "
+              f"{evaluation_kept.certificate.limit:.4g}) but could not be certified on "
+              f"{evaluation_kept.certificate.samples} samples; written to "
+              f"{args.out}/{UNCERTIFIED}/ (plan.json, model.int8.onnx) beside the certified one.")
     if not certificate.certified and args.min_sqnr is not None and args.high_precision == "fp16":
         print(f"no plan certifies {args.min_sqnr:g} dB with FP16 outside INT8; with "
               "--high-precision fp32 the plan without INT8 is the FP32 model itself, which "
