@@ -21,6 +21,7 @@ COMMANDS = {
     "zoo": "zoo",
     "plan": "plan",
     "build": "build",
+    "sweep": "sweep",
 }
 
 DESCRIPTION = """\
