@@ -1,0 +1,214 @@
+"""Sweeps: snapshot statistics, the bootstrap interval, the command end to end, resume, bad input."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from scipy import stats as scipy_stats
+
+from quantlab import collect, pipeline, qdq, sweep, zoo
+from quantlab.cli import main
+from quantlab.data import open_data
+from quantlab.errors import ConfigError
+from quantlab.experiment import read_json
+from quantlab.graph import input_specs
+from quantlab.planner.certify import output_sqnr, split_samples
+
+SWEEP_ARGS = ["--data", "zoo", "--eval", "zoo", "--metric", "top1", "--max-samples", "64",
+              "--methods", "max", "percentile", "--percentiles", "99.9", "99.99",
+              "--calib-sizes", "16", "64", "--resamples", "100", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    """(digits-cnn normalized ONNX model, its calibration samples)."""
+    return pipeline.export_zoo_model("digits-cnn"), zoo.get("digits-cnn").calibration_set()
+
+
+def test_snapshot_at_n_equals_a_collection_over_the_first_n_samples(digits):
+    model, samples = digits
+    tensors = qdq.activation_tensors_to_calibrate(model)
+    # Batches of 7 straddle every size: the chunks are cut inside batches.
+    source = open_data(samples, input_specs(model), batch_size=7)
+    seen = []
+    snapshots = sweep.snapshots(model, source, tensors, [10, 24, 50], progress=False,
+                                on_snapshot=lambda n, s: seen.append(n))
+    assert seen == [10, 24, 50]
+    for n, snapshot in snapshots.items():
+        alone = collect.collect(model, open_data(samples[:n], input_specs(model), 32), tensors,
+                                progress=False)
+        assert snapshot.num_samples == alone.num_samples == n
+        for name in tensors:
+            got, want = snapshot.tensors[name], alone.tensors[name]
+            assert (got.min, got.max, got.count, got.exponent, got.max_sample) == \
+                (want.min, want.max, want.count, want.exponent, want.max_sample)
+            np.testing.assert_array_equal(got.hist, want.hist)
+
+
+def test_known_snapshots_are_used_and_only_the_rest_collected(digits, monkeypatch):
+    model, samples = digits
+    tensors = qdq.activation_tensors_to_calibrate(model)
+    source = open_data(samples, input_specs(model), batch_size=16)
+    full = collect.collect(model, source.subset(0, 40), tensors, progress=False)
+    calls = []
+    real = collect.collect
+    monkeypatch.setattr(collect, "collect", lambda m, s, *a, **k: calls.append(s.num_samples)
+                        or real(m, s, *a, **k))
+    result = sweep.snapshots(model, source, tensors, [20, 40], known={40: full}, progress=False)
+    assert calls == [20]  # the samples up to 20; 40 comes from `known`
+    assert result[40] is full
+
+
+def _identity_model(width: int) -> onnx.ModelProto:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity", [x], [y])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_bootstrap_interval_of_agreement_matches_the_binomial_closed_form():
+    # n samples, k of which change their argmax: the paired bootstrap of the agreement's
+    # difference to FP32 is Binomial(n, k/n)/n - 1 exactly; its 5 % and 95 % quantiles are
+    # known in closed form (up to the resampling error of B draws, far below 2 samples).
+    n, changed, resamples = 400, 80, 2000
+    rng = np.random.default_rng(1)
+    data = rng.standard_normal((n, 6)).astype(np.float32)
+    model = _identity_model(6)
+    evaluation = open_data(data, input_specs(model), batch_size=64)
+    evaluator = sweep.Evaluator(model, evaluation, "agreement", resamples=resamples)
+    outputs = [{"y": batch["y"].copy()} for batch in evaluator.references]
+    flat = np.concatenate([o["y"] for o in outputs])
+    flips = rng.choice(n, changed, replace=False)
+    flat[flips] = -flat[flips]  # argmax moves to the former argmin
+    start = 0
+    for o in outputs:
+        o["y"][:] = flat[start:start + len(o["y"])]
+        start += len(o["y"])
+    certificate = evaluator.against_fp32(outputs)
+    p = (n - changed) / n
+    assert certificate.value == pytest.approx(p)
+    assert certificate.reference == 1.0
+    expected = scipy_stats.binom.ppf([0.05, 0.95], n, p) / n - 1.0
+    np.testing.assert_allclose(certificate.interval, expected, atol=2.0 / n)
+    assert certificate.interval[1] - certificate.interval[0] > 10.0 / n  # not degenerate
+
+
+def test_fast_output_sqnr_resamples_equal_the_metric_on_the_resampled_samples(digits):
+    model, samples = digits
+    evaluation = open_data(samples[:48], input_specs(model), batch_size=16)
+    evaluator = sweep.Evaluator(model, evaluation, "sqnr")
+    rng = np.random.default_rng(0)
+    noisy = [{k: v + rng.normal(0, 0.05 * np.abs(v).mean(), v.shape).astype(v.dtype)
+              for k, v in batch.items()} for batch in evaluator.references]
+    evaluate = evaluator._scores(noisy, None)
+    chosen, refs = split_samples(noisy), split_samples(evaluator.references)
+    for _ in range(5):
+        pick = rng.integers(0, 48, 48)
+        value, fp32 = evaluate(pick)
+        assert value == pytest.approx(output_sqnr([chosen[i] for i in pick],
+                                                  [refs[i] for i in pick]), rel=1e-12)
+        assert fp32 == np.inf
+
+
+def test_sweep_command_writes_a_consistent_folder(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["sweep", "digits-cnn", *SWEEP_ARGS, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = read_json(out / "sweep.json")
+    records = result["configurations"]
+    assert [r["label"] for r in records] == [
+        "max @16", "percentile 99.9 @16", "percentile 99.99 @16",
+        "max @64", "percentile 99.9 @64", "percentile 99.99 @64"]
+    assert result["collection_passes"] == 1
+    best = max(records, key=lambda r: (r["value"], r["size"]))
+    assert result["best"] == best["label"]
+    default = next(r for r in records if r["label"] == "percentile 99.99 @64")
+    assert best["value"] >= default["value"]  # calibrate's default is in the grid
+    for r in records:
+        assert r["interval"][0] <= r["value"] <= r["interval"][1]
+        assert r["delta"] == pytest.approx(r["value"] - r["fp32"])
+    # best/ is a calibration folder of the best configuration, with its size's statistics
+    calibration = read_json(out / "best" / "calibration.json")
+    assert calibration["method"] == best["method"]
+    assert collect.Statistics.load(out / "best" / "stats.npz").num_samples == best["size"]
+    movement = (out / "amax_movement.csv").read_text().splitlines()
+    assert movement[0] == "setting,tensor,amax_32,amax_64,movement"
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 3
+    for sentence in result["sufficiency"].values():
+        assert sentence in printed
+    assert not (out / ".sweep-progress").exists()
+
+
+def test_interrupted_sweep_resumes_without_collecting_again(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "sweep"
+    calls = {"evaluate": 0, "collect": 0}
+    real_evaluate, real_collect = sweep.Evaluator.against_fp32, collect.collect
+
+    def evaluate(self, outputs):
+        calls["evaluate"] += 1
+        if calls["evaluate"] == 3:
+            raise KeyboardInterrupt
+        return real_evaluate(self, outputs)
+
+    def counted_collect(*args, **kwargs):
+        calls["collect"] += 1
+        return real_collect(*args, **kwargs)
+
+    monkeypatch.setattr(sweep.Evaluator, "against_fp32", evaluate)
+    monkeypatch.setattr(collect, "collect", counted_collect)
+    assert main(["sweep", "digits-cnn", *SWEEP_ARGS, "--out", str(out)]) == 130
+    assert not (out / "sweep.json").exists()
+    saved = read_json(out / ".sweep-progress" / "records.json")["records"]
+    assert len(saved) == 2
+    collected = calls["collect"]
+    assert collected == 3  # chunks [0, 16), [16, 32), [32, 64): every sample once
+    assert main(["sweep", "digits-cnn", *SWEEP_ARGS, "--out", str(out)]) == 0
+    assert calls["collect"] == collected  # the snapshots came from the checkpoint
+    assert calls["evaluate"] == 3 + 4  # the 4 configurations left
+    assert "resuming: 2 configuration(s)" in capsys.readouterr().out
+    records = read_json(out / "sweep.json")["configurations"]
+    fresh = tmp_path / "fresh"
+    monkeypatch.setattr(sweep.Evaluator, "against_fp32", real_evaluate)
+    assert main(["sweep", "digits-cnn", *SWEEP_ARGS, "--out", str(fresh)]) == 0
+    assert [(r["label"], r["value"], r["interval"]) for r in records] == \
+        [(r["label"], r["value"], r["interval"]) for r in
+         read_json(fresh / "sweep.json")["configurations"]]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--methods", "max", "kl"], "calibration method 'kl' is not one of"),
+    (["--calib-sizes", "16", "500"], "--calib-sizes 500 is larger than the calibration data"),
+    (["--calib-sizes", "1"], "must be at least 2 samples"),
+    (["--metric", "nosuch"], "unknown metric 'nosuch'"),
+])
+def test_bad_sweep_options_are_one_clear_error(tmp_path, capsys, options, message):
+    args = ["sweep", "digits-cnn", "--data", "zoo", "--eval", "zoo", "--out",
+            str(tmp_path / "out"), "--no-progress", *options]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_long_sweep_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sweep, "fp32_timing", lambda model, evaluation: (10.0, 1.0))
+    assert main(["sweep", "digits-cnn", *SWEEP_ARGS, "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "6 configurations" in err and "--allow-long" in err and " h on this machine" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_configurations_and_sizes():
+    configs = sweep.configurations(["entropy", "percentile"], [99.9, 99.99], [16, 32])
+    assert [c.label for c in configs] == [
+        "entropy @16", "percentile 99.9 @16", "percentile 99.99 @16",
+        "entropy @32", "percentile 99.9 @32", "percentile 99.99 @32"]
+    assert sweep.default_sizes(200) == [16, 32, 64, 128, 200]
+    assert sweep.default_sizes(128) == [16, 32, 64, 128]
+    assert sweep.snapshot_points([16, 100]) == [16, 50, 100]
+    with pytest.raises(ConfigError, match="multiples of 4"):
+        sweep.check_sizes([16, 30], 64, "data", step=4)
+    assert json.dumps(sweep.amax_movement({"a": 1.0}, {"a": 1.25})) == '{"a": 0.2}'
