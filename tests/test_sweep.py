@@ -1,4 +1,4 @@
-"""Sweeps: snapshot statistics, the bootstrap interval, the command end to end, resume, bad input."""
+"""Sweeps: snapshot statistics, the bootstrap interval, the command, resume, bad input."""
 
 import json
 
