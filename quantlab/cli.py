@@ -22,6 +22,9 @@ COMMANDS = {
     "plan": "plan",
     "build": "build",
     "sweep": "sweep",
+    "check": "check",
+    "report": "report",
+    "compare": "compare",
 }
 
 DESCRIPTION = """\
