@@ -38,6 +38,7 @@ from quantlab.planner.certify import (
 )
 from quantlab.planner.measure import in_runs, output_sample_axes, sample_nsr, samples_per_run
 
+# `quantlab sweep --help` states DEFAULT_PERCENTILES and TOLERANCE (its parser imports no NumPy).
 DEFAULT_PERCENTILES = (99.9, 99.99, 99.999)
 # Smallest default calibration size; the defaults double from here up to all the data.
 FIRST_SIZE = 16

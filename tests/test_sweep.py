@@ -212,3 +212,12 @@ def test_configurations_and_sizes():
     with pytest.raises(ConfigError, match="multiples of 4"):
         sweep.check_sizes([16, 30], 64, "data", step=4)
     assert json.dumps(sweep.amax_movement({"a": 1.0}, {"a": 1.25})) == '{"a": 0.2}'
+
+
+def test_help_states_the_library_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    percentiles = " ".join(f"{p:g}" for p in sweep.DEFAULT_PERCENTILES)
+    assert f"(default: {percentiles})" in text
+    assert f"(default: {sweep.TOLERANCE:g})" in text

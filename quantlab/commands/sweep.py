@@ -49,7 +49,6 @@ PROGRESS_FORMAT = "quantlab.sweep-progress"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab sweep`."""
     from quantlab.calibrate import METHODS
-    from quantlab.sweep import DEFAULT_PERCENTILES, TOLERANCE
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
     parser.add_argument("--eval", required=True, metavar="EVAL",
@@ -61,15 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "zoo) or module:function (default: %(default)s)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
                         help=f"calibrators (default: all of {', '.join(METHODS)})")
-    parser.add_argument("--percentiles", nargs="+", type=float, default=list(DEFAULT_PERCENTILES),
-                        metavar="P", help="percentiles of the percentile calibrator (default: "
-                                          "%(default)s)")
+    # Defaults of quantlab.sweep, filled in by run (the parser does not import NumPy).
+    parser.add_argument("--percentiles", nargs="+", type=float, metavar="P",
+                        help="percentiles of the percentile calibrator (default: 99.9 99.99 "
+                             "99.999)")
     parser.add_argument("--calib-sizes", nargs="+", type=int, metavar="N",
                         help="calibration-set sizes, nested prefixes of --data (default: 16, 32, "
                              "64, ... and all the data)")
-    parser.add_argument("--tolerance", type=float, default=TOLERANCE, metavar="SHARE",
+    parser.add_argument("--tolerance", type=float, metavar="SHARE",
                         help="an amax moving by less than this share from n/2 to n samples has "
-                             "converged (default: %(default)s)")
+                             "converged (default: 0.02)")
     parser.add_argument("--resamples", type=int, default=200, metavar="B",
                         help="paired bootstrap resamples (default: %(default)s)")
     parser.add_argument("--allow-long", action="store_true",
@@ -97,10 +97,12 @@ def run(args: argparse.Namespace) -> int:
     from quantlab.plan import fingerprint, resolve_metric
 
     check_output(args.out, force=args.force, produces=SWEEP_FILES)
+    percentiles = args.percentiles or sweep.DEFAULT_PERCENTILES
+    tolerance = sweep.TOLERANCE if args.tolerance is None else args.tolerance
     for method in args.methods:
         calibrate.check_method(method, {})
-    if not 0 < args.tolerance < 1:
-        raise ConfigError(f"--tolerance {args.tolerance}: give a share in (0, 1), e.g. 0.02.")
+    if not 0 < tolerance < 1:
+        raise ConfigError(f"--tolerance {tolerance}: give a share in (0, 1), e.g. 0.02.")
     if args.metric not in TASK_METRICS:
         resolve_metric(args.metric)  # an unknown metric fails before any work
     elif args.eval != "zoo":
@@ -116,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     fixed = graph.fixed_batch_size(model) or 1
     sizes = sweep.check_sizes(args.calib_sizes or sweep.default_sizes(source.num_samples),
                               source.num_samples, source.description, fixed)
-    configs = sweep.configurations(args.methods, args.percentiles, sizes)
+    configs = sweep.configurations(args.methods, percentiles, sizes)
     task = None
     if args.eval == "zoo":
         from quantlab import zoo
@@ -164,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     result = sweep.run_sweep(
         model, source, evaluator, configs, tensors=tensors, known_stats=known,
         done=checkpoint.records, on_snapshot=checkpoint.add_snapshot,
-        on_record=checkpoint.add_record, tolerance=args.tolerance,
+        on_record=checkpoint.add_record, tolerance=tolerance,
         progress=None if args.no_progress else partial(tqdm, leave=True),
         show_collection=not args.no_progress,
         **({"num_bins": folder_stats.num_bins} if folder_stats is not None else {}))
