@@ -34,7 +34,7 @@ from quantlab.planner.certify import (
     output_sqnr,
     resolve_metric,
     split_samples,
-    task_evaluator,
+    task_scorer,
 )
 from quantlab.planner.measure import in_runs, output_sample_axes, sample_nsr, samples_per_run
 
@@ -172,6 +172,8 @@ class Evaluator:
         self.function = None if self.task is not None else resolve_metric(metric)
         self.resamples = resamples
         self.progress = progress or (lambda items, **_: items)
+        self._fp32_scorer: Callable[[np.ndarray], float] | None = None
+        self._fp32_scores: dict[bytes, float] = {}
         fp32 = OnnxRuntimeBackend(model, name="fp32")
         first = next(iter(evaluation))
         self.size = samples_per_run(graph.Graph(model), first, evaluation)
@@ -187,27 +189,37 @@ class Evaluator:
                       self.size, self.axes)
         return [run(batch) for batch in self.progress(self.evaluation, desc=desc)]
 
-    def _scores(self, outputs: Outputs, others: Outputs | None
-                ) -> Callable[[np.ndarray], tuple[float, float]]:
-        """``evaluate(picked samples) -> (metric of outputs, metric of others)`` (others: FP32)."""
+    def _scorer(self, outputs: Outputs) -> Callable[[np.ndarray], float]:
+        """``score(picked samples)``: the metric of `outputs` (label-free metrics: against
+        FP32's outputs) on the samples picked."""
         if self.task is not None:
-            return task_evaluator(self.task, outputs, others or self.references)
+            return task_scorer(self.task, outputs)
         if self.function is output_sqnr:
             # output_sqnr of a resample is -10 log10 of its samples' mean NSR: computed once
             # per sample instead of once per sample and resample.
-            nsr = [np.concatenate([sample_nsr(o, r) for o, r in
-                                   zip(chosen, self.references, strict=True)])
-                   for chosen in (outputs, others or self.references)]
-            return lambda pick: tuple(_db(n[pick].mean()) for n in nsr)
+            nsr = np.concatenate([sample_nsr(o, r) for o, r in
+                                  zip(outputs, self.references, strict=True)])
+            return lambda pick: _db(nsr[pick].mean())
         samples, refs = split_samples(outputs), split_samples(self.references)
-        second = refs if others is None else split_samples(others)
+        return lambda pick: metric_value(self.function, self.metric, [samples[i] for i in pick],
+                                         [refs[i] for i in pick])
 
-        def evaluate(pick: np.ndarray) -> tuple[float, float]:
-            fp32 = [refs[i] for i in pick]
-            return tuple(metric_value(self.function, self.metric, [chosen[i] for i in pick], fp32)
-                         for chosen in (samples, second))
+    def _fp32(self, pick: np.ndarray) -> float:
+        """FP32's score on the samples picked, remembered: every configuration's bootstrap
+        draws the same resamples (certify_paired's fixed seed), so FP32 is scored once."""
+        key = pick.tobytes()
+        if key not in self._fp32_scores:
+            if self._fp32_scorer is None:
+                self._fp32_scorer = self._scorer(self.references)
+            self._fp32_scores[key] = self._fp32_scorer(pick)
+        return self._fp32_scores[key]
 
-        return evaluate
+    def _scores(self, outputs: Outputs, others: Outputs | None
+                ) -> Callable[[np.ndarray], tuple[float, float]]:
+        """``evaluate(picked samples) -> (metric of outputs, metric of others)`` (others: FP32)."""
+        first = self._scorer(outputs)
+        second = self._fp32 if others is None else self._scorer(others)
+        return lambda pick: (first(pick), second(pick))
 
     def against_fp32(self, outputs: Outputs) -> Certificate:
         """The metric of `outputs` and its paired interval: of the difference to FP32 (margin

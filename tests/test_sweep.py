@@ -221,3 +221,25 @@ def test_help_states_the_library_defaults(capsys):
     percentiles = " ".join(f"{p:g}" for p in sweep.DEFAULT_PERCENTILES)
     assert f"(default: {percentiles})" in text
     assert f"(default: {sweep.TOLERANCE:g})" in text
+
+
+@pytest.mark.parametrize("name", [
+    "digits-cnn", pytest.param("shapes-det", marks=pytest.mark.slow)])
+def test_task_metric_of_the_evaluator_equals_the_streamed_task_score(name):
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.tasks import PRIMARY_METRIC, Task, evaluate
+
+    entry = zoo.get(name)
+    model = pipeline.export_zoo_model(name)
+    eval_set = entry.eval_set(40)
+    task = Task.from_zoo(entry, eval_set)
+    metric = PRIMARY_METRIC[entry.task]
+    evaluation = open_data(eval_set.inputs, input_specs(model), batch_size=16)
+    evaluator = sweep.Evaluator(model, evaluation, metric, task, resamples=20)
+    stats = collect.collect(model, evaluation, qdq.activation_tensors_to_calibrate(model),
+                            progress=False)
+    int8 = pipeline.calibrate_from_stats(model, stats, evaluation, "max").qdq_model
+    certificate = evaluator.against_fp32(evaluator.outputs(int8, "int8"))
+    for value, tested in ((certificate.value, int8), (certificate.reference, model)):
+        streamed = evaluate(task, OnnxRuntimeBackend(tested).run, evaluation)[metric]
+        assert value == pytest.approx(streamed, abs=1e-12)
