@@ -15,7 +15,9 @@ configurations apart (:func:`separation`).
 
 from __future__ import annotations
 
+import functools
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +48,9 @@ FIRST_SIZE = 16
 # the scale moves a value by at most 2 % of a step at the clip (2.5 steps at 127), less
 # than the rounding error INT8 adds anyway at the values that set the range.
 TOLERANCE = 0.02
+# The scales' bootstrap: at most this many blocks of samples, resampled this many times.
+MAX_BLOCKS = 16
+SPREAD_RESAMPLES = 50
 # A sweep estimated to run longer than this is refused unless the user allows it.
 LONG_SWEEP_S = 3600.0
 # INT8 Q/DQ models in ONNX Runtime on CPU take up to this many times an FP32 pass
@@ -122,32 +127,79 @@ def half_size(size: int, step: int = 1) -> int:
     return max(step, size // 2 // step * step)
 
 
-def snapshots(model: onnx.ModelProto | graph.Graph, source: BatchSource, tensors: Sequence[str],
-              points: Sequence[int], known: Mapping[int, collect.Statistics] | None = None,
-              progress: bool = True, on_snapshot: Callable[[int, collect.Statistics], None]
-              | None = None, **options) -> dict[int, collect.Statistics]:
-    """Statistics of the first n samples of `source` for every n of `points` (sorted), each
-    sample collected once: chunk [previous point, n) is collected and merged into the
-    running statistics (exact, :meth:`collect.Statistics.merge`).
+def block_size(points: Sequence[int], step: int = 1) -> int:
+    """Samples per bootstrap block: the smallest size, more where the largest would make over
+    MAX_BLOCKS blocks; a multiple of `step` (a fixed batch)."""
+    size = max(points[0], -(-points[-1] // MAX_BLOCKS))
+    return -(-size // step) * step
 
-    `known` snapshots (a resumed sweep's, a calibration folder's ``stats.npz``) are taken as
-    they are; `on_snapshot` sees every new one. `options` go to :func:`collect.collect`.
+
+@dataclass
+class Collected:
+    """Statistics of the first n samples for every requested n, and the blocks of samples
+    they merge (the units of the scales' bootstrap; those a known snapshot replaced are
+    missing)."""
+
+    snapshots: dict[int, collect.Statistics]
+    blocks: list[collect.Statistics]
+
+
+def snapshots(model: onnx.ModelProto | graph.Graph, source: BatchSource, tensors: Sequence[str],
+              points: Sequence[int], block: int,
+              known: Mapping[int, collect.Statistics] | None = None,
+              known_blocks: Mapping[tuple[int, int], collect.Statistics] | None = None,
+              progress: bool = True, on_block: Callable[[int, int, collect.Statistics], None]
+              | None = None, **options) -> Collected:
+    """Statistics of the first n samples of `source` for every n of `points` (sorted), each
+    sample collected once: blocks of at most `block` samples, cut at every point, are
+    collected one after another and merged into the running statistics (exact,
+    :meth:`collect.Statistics.merge`).
+
+    `known` snapshots (a calibration folder's ``stats.npz``) are taken as they are, and the
+    blocks up to them are not collected; `known_blocks` (start, stop) -> statistics (a
+    resumed sweep's) are not collected again; `on_block` sees every new block. `options`
+    go to :func:`collect.collect`.
     """
-    known = dict(known or {})
+    known, known_blocks = dict(known or {}), dict(known_blocks or {})
     index = model if isinstance(model, graph.Graph) else graph.Graph(model)
     result: dict[int, collect.Statistics] = {}
+    blocks: list[collect.Statistics] = []
     running, done = None, 0
     for point in points:
         if point in known:
             running = known[point]
-        else:
-            chunk = collect.collect(index, source.subset(done, point), tensors,
-                                    progress=progress, **options)
+        for start in ([] if point in known else range(done, point, block)):
+            stop = min(start + block, point)
+            chunk = known_blocks.get((start, stop))
+            if chunk is None:
+                chunk = collect.collect(index, source.subset(start, stop), tensors,
+                                        progress=progress, **options)
+                if on_block:
+                    on_block(start, stop, chunk)
+            blocks.append(chunk)
             running = chunk if running is None else running.merge(chunk)
-            if on_snapshot:
-                on_snapshot(point, running)
         result[point], done = running, point
-    return result
+    return Collected(result, blocks)
+
+
+def amax_spread(blocks: Sequence[collect.Statistics], method: str,
+                params: Mapping[str, float], resamples: int = SPREAD_RESAMPLES,
+                seed: int = 0) -> dict[str, float]:
+    """Per tensor, the bootstrap spread of `method`'s amax over the samples of `blocks`:
+    the standard deviation over resamples of the blocks (drawn with replacement, merged)
+    relative to the mean. Samples are resampled in blocks: the elements of one sample are
+    not independent, and neither are neighbouring samples of a video or a document."""
+    rng = np.random.default_rng(seed)
+    draws = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a resample's outlier notes repeat the sweep's own
+        for _ in range(resamples):
+            picked = [blocks[i] for i in rng.integers(0, len(blocks), len(blocks))]
+            merged = functools.reduce(collect.Statistics.merge, picked)
+            draws.append(calibrate.calibrate(merged, method, **dict(params)).amax)
+    names = list(draws[0])
+    values = np.array([[draw[name] for name in names] for draw in draws])
+    return dict(zip(names, values.std(axis=0) / values.mean(axis=0), strict=True))
 
 
 def amax_movement(half: Mapping[str, float], full: Mapping[str, float]) -> dict[str, float]:
@@ -283,6 +335,11 @@ class SweepResult:
     best: int
     separation: Certificate | None
     runner_up: int | None
+    # the best setting's amax bootstrap spread per tensor, over `spread_samples` samples
+    # resampled in `spread_blocks` blocks (empty: fewer than two blocks were collected)
+    spread: dict[str, float]
+    spread_samples: int
+    spread_blocks: int
     sentences: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -317,16 +374,18 @@ def record(config: Config, certificate: Certificate, seconds: float) -> dict:
 def run_sweep(model: onnx.ModelProto, source: BatchSource, evaluator: Evaluator,
               configs: Sequence[Config], *, tensors: Sequence[str] | None = None,
               known_stats: Mapping[int, collect.Statistics] | None = None,
+              known_blocks: Mapping[tuple[int, int], collect.Statistics] | None = None,
               done: Mapping[str, dict] | None = None,
-              on_snapshot: Callable[[int, collect.Statistics], None] | None = None,
+              on_block: Callable[[int, int, collect.Statistics], None] | None = None,
               on_record: Callable[[dict], None] | None = None,
               tolerance: float = TOLERANCE, progress: Callable | None = None,
-              show_collection: bool = True) -> SweepResult:
+              show_collection: bool = True, **options) -> SweepResult:
     """Collect once, calibrate and evaluate every configuration, judge the data.
 
-    `model` is normalized; `configs` share the sizes they hold. `known_stats` and `done`
-    (records by label) come from a resumed run or a calibration folder; `on_snapshot`
-    and `on_record` see each new snapshot and record (checkpointing).
+    `model` is normalized; `configs` share the sizes they hold. `known_stats` (a
+    calibration folder's), `known_blocks` and `done` (records by label; a resumed run's)
+    are not measured again; `on_block` and `on_record` see each new block of statistics
+    and record (checkpointing). `options` go to :func:`collect.collect`.
     """
     step = progress or (lambda items, **_: items)
     index = qdq.indexed(model)
@@ -335,7 +394,9 @@ def run_sweep(model: onnx.ModelProto, source: BatchSource, evaluator: Evaluator,
     fixed = graph.fixed_batch_size(index.model) or 1
     points = snapshot_points(sizes, fixed)
     started = time.perf_counter()
-    stats = snapshots(index, source, tensors, points, known_stats, show_collection, on_snapshot)
+    collected_blocks = snapshots(index, source, tensors, points, block_size(points, fixed),
+                                 known_stats, known_blocks, show_collection, on_block, **options)
+    stats = collected_blocks.snapshots
     collected = time.perf_counter() - started
     done = dict(done or {})
     records: list[dict] = []
@@ -374,9 +435,13 @@ def run_sweep(model: onnx.ModelProto, source: BatchSource, evaluator: Evaluator,
         amax[setting] = tuple(calibrate.calibrate(stats[n], config.method,
                                                   **dict(config.params)).amax
                               for n in (half, full))
+    blocks = collected_blocks.blocks
+    spread = amax_spread(blocks, configs[best].method, dict(configs[best].params)) \
+        if len(blocks) > 1 else {}
     result = SweepResult(records, stats, amax, half, full, tolerance, best, versus,
-                         runner_up, seconds={"collection": collected, "evaluation": evaluated,
-                                             "fp32_evaluation": evaluator.fp32_seconds})
+                         runner_up, spread, sum(b.num_samples for b in blocks), len(blocks),
+                         seconds={"collection": collected, "evaluation": evaluated,
+                                  "fp32_evaluation": evaluator.fp32_seconds})
     result.sentences = {"calibration": calibration_sentence(result),
                         "evaluation": evaluation_sentence(result)}
     return result
@@ -394,16 +459,23 @@ def calibration_sentence(result: SweepResult) -> str:
     moves = result.movement[best["setting"]]
     moving = sorted((m, name) for name, m in moves.items() if m > result.tolerance)[::-1]
     largest = max(moves.values(), default=0.0)
+    spread = ""
+    if result.spread:
+        spread = (f" Their bootstrap spread over {result.spread_samples} samples "
+                  f"({result.spread_blocks} blocks) is at most "
+                  f"{max(result.spread.values()):.1%} (median "
+                  f"{float(np.median(list(result.spread.values()))):.1%}).")
     if not moving:
         return (f"The {result.full} calibration samples are enough for {best['setting']}: every "
                 f"one of its {len(moves)} scales moved by at most {largest:.2%} from "
-                f"{result.half} to {result.full} samples (tolerance {result.tolerance:.0%}).")
+                f"{result.half} to {result.full} samples (tolerance {result.tolerance:.0%})."
+                + spread)
     names = ", ".join(f"'{name}' {m:.1%}" for m, name in moving[:5])
     more = f" and {len(moving) - 5} more" if len(moving) > 5 else ""
     return (f"The {result.full} calibration samples are not enough for {best['setting']}: add "
             f"samples; the scales of {len(moving)} of its {len(moves)} tensors still move by more "
             f"than {result.tolerance:.0%} from {result.half} to {result.full} samples (up to "
-            f"{largest:.1%}): {names}{more}.")
+            f"{largest:.1%}): {names}{more}." + spread)
 
 
 def evaluation_sentence(result: SweepResult) -> str:

@@ -33,10 +33,11 @@ def test_snapshot_at_n_equals_a_collection_over_the_first_n_samples(digits):
     # Batches of 7 straddle every size: the chunks are cut inside batches.
     source = open_data(samples, input_specs(model), batch_size=7)
     seen = []
-    snapshots = sweep.snapshots(model, source, tensors, [10, 24, 50], progress=False,
-                                on_snapshot=lambda n, s: seen.append(n))
-    assert seen == [10, 24, 50]
-    for n, snapshot in snapshots.items():
+    collected = sweep.snapshots(model, source, tensors, [10, 24, 50], 16, progress=False,
+                                on_block=lambda a, b, s: seen.append((a, b)))
+    assert seen == [(0, 10), (10, 24), (24, 40), (40, 50)]  # cut at every size, <= 16 each
+    assert [b.num_samples for b in collected.blocks] == [10, 14, 16, 10]
+    for n, snapshot in collected.snapshots.items():
         alone = collect.collect(model, open_data(samples[:n], input_specs(model), 32), tensors,
                                 progress=False)
         assert snapshot.num_samples == alone.num_samples == n
@@ -52,13 +53,16 @@ def test_known_snapshots_are_used_and_only_the_rest_collected(digits, monkeypatc
     tensors = qdq.activation_tensors_to_calibrate(model)
     source = open_data(samples, input_specs(model), batch_size=16)
     full = collect.collect(model, source.subset(0, 40), tensors, progress=False)
+    block = collect.collect(model, source.subset(0, 10), tensors, progress=False)
     calls = []
     real = collect.collect
     monkeypatch.setattr(collect, "collect", lambda m, s, *a, **k: calls.append(s.num_samples)
                         or real(m, s, *a, **k))
-    result = sweep.snapshots(model, source, tensors, [20, 40], known={40: full}, progress=False)
-    assert calls == [20]  # the samples up to 20; 40 comes from `known`
-    assert result[40] is full
+    result = sweep.snapshots(model, source, tensors, [20, 40], 10, known={40: full},
+                             known_blocks={(0, 10): block}, progress=False)
+    assert calls == [10]  # samples 10..20; 0..10 resumed, 40 from `known`
+    assert result.snapshots[40] is full
+    assert result.blocks[0] is block and len(result.blocks) == 2
 
 
 def _identity_model(width: int) -> onnx.ModelProto:
@@ -134,7 +138,7 @@ def test_sweep_command_writes_a_consistent_folder(tmp_path, capsys):
     assert calibration["method"] == best["method"]
     assert collect.Statistics.load(out / "best" / "stats.npz").num_samples == best["size"]
     movement = (out / "amax_movement.csv").read_text().splitlines()
-    assert movement[0] == "setting,tensor,amax_32,amax_64,movement"
+    assert movement[0] == "setting,tensor,amax_32,amax_64,movement,bootstrap_spread"
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 3
     for sentence in result["sufficiency"].values():
@@ -164,11 +168,11 @@ def test_interrupted_sweep_resumes_without_collecting_again(tmp_path, monkeypatc
     saved = read_json(out / ".sweep-progress" / "records.json")["records"]
     assert len(saved) == 2
     collected = calls["collect"]
-    assert collected == 3  # chunks [0, 16), [16, 32), [32, 64): every sample once
+    assert collected == 4  # blocks of 16 samples: every sample once
     assert main(["sweep", "digits-cnn", *SWEEP_ARGS, "--out", str(out)]) == 0
     assert calls["collect"] == collected  # the snapshots came from the checkpoint
     assert calls["evaluate"] == 3 + 4  # the 4 configurations left
-    assert "resuming: 2 configuration(s)" in capsys.readouterr().out
+    assert "resuming: 2 configuration(s) and 64 samples' statistics" in capsys.readouterr().out
     records = read_json(out / "sweep.json")["configurations"]
     fresh = tmp_path / "fresh"
     monkeypatch.setattr(sweep.Evaluator, "against_fp32", real_evaluate)
@@ -243,3 +247,20 @@ def test_task_metric_of_the_evaluator_equals_the_streamed_task_score(name):
     for value, tested in ((certificate.value, int8), (certificate.reference, model)):
         streamed = evaluate(task, OnnxRuntimeBackend(tested).run, evaluation)[metric]
         assert value == pytest.approx(streamed, abs=1e-12)
+
+
+def test_amax_spread_is_zero_for_identical_blocks_and_grows_with_their_differences(digits):
+    model, samples = digits
+    tensors = qdq.activation_tensors_to_calibrate(model)
+    specs = input_specs(model)
+    same = collect.collect(model, open_data(samples[:8], specs, 8), tensors, progress=False)
+    assert set(sweep.amax_spread([same] * 4, "max", {}).values()) == {0.0}
+    blocks = [collect.collect(model, open_data(samples[i:i + 8] * (1 + i / 8), specs, 8),
+                              tensors, progress=False) for i in range(0, 32, 8)]
+    # max of merged blocks = the largest block's max: the spread of a bootstrap of maxima
+    rng = np.random.default_rng(0)
+    maxima = np.array([[b.tensors[n].amax for n in tensors] for b in blocks])
+    draws = np.array([maxima[rng.integers(0, 4, 4)].max(axis=0) for _ in range(50)])
+    expected = draws.std(axis=0) / draws.mean(axis=0)
+    np.testing.assert_allclose([sweep.amax_spread(blocks, "max", {})[n] for n in tensors],
+                               expected, rtol=1e-12)

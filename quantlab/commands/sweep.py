@@ -157,15 +157,16 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = _Checkpoint(progress_dir, fingerprint(
         model, source.description, source.num_samples, evaluation.description,
         evaluation.num_samples, args.metric, args.resamples, tensors))
-    known.update(checkpoint.snapshots())
-    if checkpoint.records:
+    blocks = checkpoint.blocks()
+    if checkpoint.records or blocks:
         print(f"sweep: resuming: {len(checkpoint.records)} configuration(s) and "
-              f"{len(checkpoint.snapshots())} snapshot(s) already in {progress_dir}.")
+              f"{sum(b.num_samples for b in blocks.values())} samples' statistics already in "
+              f"{progress_dir}.")
     progress = None if args.no_progress else partial(tqdm, leave=False)
     evaluator = sweep.Evaluator(model, evaluation, args.metric, task, args.resamples, progress)
     result = sweep.run_sweep(
         model, source, evaluator, configs, tensors=tensors, known_stats=known,
-        done=checkpoint.records, on_snapshot=checkpoint.add_snapshot,
+        known_blocks=blocks, done=checkpoint.records, on_block=checkpoint.add_block,
         on_record=checkpoint.add_record, tolerance=tolerance,
         progress=None if args.no_progress else partial(tqdm, leave=True),
         show_collection=not args.no_progress,
@@ -200,7 +201,9 @@ def _write(args, index, source, preprocess, configs, result) -> None:
         dict(best.params), preprocess)
     movement = pd.DataFrame([
         {"setting": setting, "tensor": name, f"amax_{result.half}": half[name],
-         f"amax_{result.full}": full[name], "movement": result.movement[setting][name]}
+         f"amax_{result.full}": full[name], "movement": result.movement[setting][name],
+         "bootstrap_spread": (result.spread.get(name, float("nan"))
+                              if setting == best.setting else float("nan"))}
         for setting, (half, full) in result.amax.items() for name in full])
     with output_folder(args.out, force=args.force, produces=SWEEP_FILES) as folder:
         pipeline.write_results(calibrated, folder / "best")
@@ -223,6 +226,9 @@ def _write(args, index, source, preprocess, configs, result) -> None:
             "sufficiency": result.sentences,
             "max_movement": {s: max(m.values(), default=0.0)
                              for s, m in result.movement.items()},
+            "bootstrap_spread": {"setting": best.setting, "samples": result.spread_samples,
+                                 "blocks": result.spread_blocks,
+                                 "max": max(result.spread.values(), default=None)},
             "seconds": result.seconds,
         })
         write_report(folder / "report.html", f"quantlab sweep: {args.model}",
@@ -231,8 +237,9 @@ def _write(args, index, source, preprocess, configs, result) -> None:
 
 
 class _Checkpoint:
-    """Snapshots (stats-N.npz) and finished configurations (records.json) of a running sweep,
-    in --out/.sweep-progress; files of another sweep (another fingerprint) are ignored."""
+    """Blocks of statistics (block-START-STOP.npz) and finished configurations (records.json)
+    of a running sweep, in --out/.sweep-progress; another sweep's (another fingerprint) are
+    deleted."""
 
     def __init__(self, folder, fingerprint: str):
         from quantlab.experiment import read_json
@@ -250,17 +257,20 @@ class _Checkpoint:
         else:
             self.remove()
 
-    def snapshots(self) -> dict:
-        """The snapshots saved so far, by size."""
+    def blocks(self) -> dict:
+        """The blocks of statistics saved so far, by (first sample, stop)."""
         from quantlab.collect import Statistics
 
-        return {int(p.stem.split("-")[1]): Statistics.load(p)
-                for p in sorted(self.folder.glob("stats-*.npz"))}
+        found = {}
+        for path in self.folder.glob("block-*.npz"):
+            _, start, stop = path.stem.split("-")
+            found[int(start), int(stop)] = Statistics.load(path)
+        return found
 
-    def add_snapshot(self, size: int, stats) -> None:
-        """Save the snapshot at `size`."""
+    def add_block(self, start: int, stop: int, stats) -> None:
+        """Save the statistics of samples `start:stop`."""
         self._save()
-        stats.save(self.folder / f"stats-{size}.npz")
+        stats.save(self.folder / f"block-{start}-{stop}.npz")
 
     def add_record(self, record: dict) -> None:
         """Save one finished configuration."""

@@ -37,7 +37,8 @@ def sweep_section(result: SweepResult, metric: str) -> Section:
                           f"{metric} against the calibration-set size, per calibrator")
             + figure_html(movement_figure(result),
                           f"How far each amax of {best['setting']} moves from {result.half} to "
-                          f"{result.full} samples (the tensors that move most)")
+                          f"{result.full} samples (the tensors that move most; red: over the "
+                          "tolerance), and its bootstrap spread over the calibration samples")
             + table_html(configurations_frame(result), caption="Every configuration"))
     return Section("Calibration sweep", html, anchor="sweep")
 
@@ -99,9 +100,14 @@ def movement_figure(result: SweepResult):
     figure, axis = plt.subplots(figsize=(7, 0.6 + 0.22 * max(len(shown), 1)))
     colors = ["#c0392b" if m > result.tolerance else "#76b900" for _, m in shown]
     axis.barh(np.arange(len(shown)), [100 * m for _, m in shown], color=colors)
+    if result.spread:
+        axis.scatter([100 * result.spread.get(name, np.nan) for name, _ in shown],
+                     np.arange(len(shown)), marker="D", color="#1d2430", s=14, zorder=3,
+                     label=f"bootstrap spread ({result.spread_samples} samples)")
     axis.axvline(100 * result.tolerance, color="#5b6575", linestyle="--", label="tolerance")
     axis.set_yticks(np.arange(len(shown)), [name for name, _ in shown], fontsize=7)
     axis.invert_yaxis()
-    axis.set_xlabel(f"|amax({result.full}) - amax({result.half})| / amax({result.full}), %")
+    axis.set_xlabel(f"|amax({result.full}) - amax({result.half})| / amax({result.full}); "
+                    "spread: std / mean, %")
     axis.legend(loc="lower right")
     return figure
