@@ -1,16 +1,17 @@
 """Calibration sweeps: calibrators x parameters x nested calibration sizes, one collection pass.
 
 Statistics are mergeable (:mod:`quantlab.collect`): the calibration samples are
-collected once, chunk by chunk between the requested sizes, and the running merge
-is kept at every size, so the snapshot at size n is exactly a collection over the
+collected once, in blocks cut at every requested size, and the running merge is
+kept at every size, so the snapshot at size n is exactly a collection over the
 first n samples. Every configuration's scales come from its snapshot; its Q/DQ
 model is evaluated on held-out data with ONNX Runtime's integer kernels, scored
 with the metric's paired bootstrap interval against FP32
 (:func:`quantlab.planner.certify.certify_paired`).
 
 Data sufficiency: per tensor, how far each amax moves from n/2 to n samples
-(:func:`amax_movement`), and whether the evaluation set tells the best
-configurations apart (:func:`separation`).
+(:func:`amax_movement`) and its bootstrap spread over the blocks (:func:`amax_spread`);
+whether the evaluation set tells the best configuration from the best of another
+calibrator (:meth:`Evaluator.versus`, :func:`evaluation_sentence`).
 """
 
 from __future__ import annotations
@@ -44,9 +45,8 @@ from quantlab.planner.measure import in_runs, output_sample_axes, sample_nsr, sa
 DEFAULT_PERCENTILES = (99.9, 99.99, 99.999)
 # Smallest default calibration size; the defaults double from here up to all the data.
 FIRST_SIZE = 16
-# An amax that moves by less than this share from n/2 to n samples has converged: 2 % of
-# the scale moves a value by at most 2 % of a step at the clip (2.5 steps at 127), less
-# than the rounding error INT8 adds anyway at the values that set the range.
+# An amax that moves by less than this share from n/2 to n samples has converged; one
+# that moves more shifts the INT8 grid by over 2.5 of its 127 steps at the range's end.
 TOLERANCE = 0.02
 # The scales' bootstrap: at most this many blocks of samples, resampled this many times.
 MAX_BLOCKS = 16
