@@ -100,7 +100,9 @@ def _calibrate(folder: Path, data: dict) -> tuple[dict, dict]:
                 "batch_size": data["batch_size"], "trt_version": data.get("trt_version"),
                 **{f"preprocess.{k}": v for k, v in (data.get("preprocess") or {}).items()},
                 "frozen_inputs": data.get("frozen_inputs")}
-    return settings, {"tensors": data["tensors"]}
+    method = " ".join([data["method"], *(f"{v:g}" for v in data["params"].values())])
+    return settings, {"method": method, "samples": data["num_samples"],
+                      "tensors": data["tensors"]}
 
 
 def _sweep(folder: Path, data: dict) -> tuple[dict, dict]:
