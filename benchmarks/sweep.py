@@ -7,6 +7,8 @@ For every model, on the same calibration and evaluation data:
   configuration's INT8 model evaluated on the held-out data;
 - sweep, fewer configurations: the same with one method and the largest size only, to
   show that peak RSS does not grow with the number of configurations;
+- sweep on half the calibration data: its sufficiency sentence, checked against what
+  doubling the data (the full sweep) gives;
 - separately: one child process per configuration, as a user without the sweep would
   run it: ``quantlab calibrate --method M [--percentile P] --max-samples n`` into a
   folder, then that folder's INT8 model evaluated against FP32 on the held-out data
@@ -92,7 +94,8 @@ def child_sweep(spec: Mapping) -> dict:
     return {"code": code, "wall_s": wall, "configurations": len(result["configurations"]),
             "best": best["label"], "best_value": best["value"],
             "values": {r["label"]: r["value"] for r in result["configurations"]},
-            "sufficiency": result["sufficiency"], **counts}
+            "sufficiency": result["sufficiency"], "max_movement": result["max_movement"],
+            **counts}
 
 
 def child_separate(spec: Mapping) -> dict:
@@ -154,6 +157,12 @@ def benchmark(name: str, quick: bool, scratch: Path) -> dict:
                                "out": str(folder / "sweep")}, folder)
     small = run_child("sweep", {**common, "methods": ["percentile"], "sizes": grid[-1:],
                                 "out": str(folder / "sweep-small")}, folder)
+    # Does the sufficiency sentence hold? The same sweep on half the data, judged by what
+    # doubling it (the full sweep) actually gives.
+    half = grid[-1] // 2
+    halved = run_child("sweep", {**common, "methods": list(METHODS),
+                                 "sizes": [n for n in grid if n < half] + [half],
+                                 "out": str(folder / "sweep-half")}, folder)
     separate = {}
     for size in grid:
         for method in METHODS:
@@ -167,7 +176,7 @@ def benchmark(name: str, quick: bool, scratch: Path) -> dict:
     default = f"percentile 99.99 @{grid[-1]}"
     return {
         "model": name, "metric": metric, "sizes": grid,
-        "sweep": full, "sweep_small": small,
+        "sweep": full, "sweep_small": small, "sweep_half": halved,
         "separate": {"runs": len(separate),
                      "wall_s": sum(r["wall_s"] for r in separate.values()),
                      "peak_rss": max(r["peak_rss"] for r in separate.values()),
@@ -204,7 +213,21 @@ def table(result: Mapping) -> str:
               f"{sweep['values'][result['default']]:.4f} in the sweep; configurations whose "
               "separate run differs from the sweep's: "
               f"{sum(separate['values'][k] != v for k, v in sweep['values'].items())}\n"
-              + "\n".join(sweep["sufficiency"].values()))
+              + "\n".join(sweep["sufficiency"].values()) + "\n" + doubling(result))
+
+
+def doubling(result: Mapping) -> str:
+    """The half-data sweep's calibration sentence, and what doubling the data gave its best
+    setting: its metric at n/2 (half sweep) and at n (full sweep), its amax movement."""
+    halved, sweep = result["sweep_half"], result["sweep"]
+    best = halved["best"]
+    setting, _, size = best.rpartition(" @")
+    at_full = f"{setting} @{result['sizes'][-1]}"
+    return (f"on half the data ({size} samples): {halved['sufficiency']['calibration']}\n"
+            f"doubling it: {best} {halved['best_value']:.4f} -> {at_full} "
+            f"{sweep['values'][at_full]:.4f} ({result['metric']}); largest amax movement of "
+            f"{setting} from {size} to {result['sizes'][-1]}: "
+            f"{sweep['max_movement'][setting]:.1%}")
 
 
 def main() -> None:
