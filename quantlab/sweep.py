@@ -226,12 +226,12 @@ class Evaluator:
         self.progress = progress or (lambda items, **_: items)
         self._fp32_scorer: Callable[[np.ndarray], float] | None = None
         self._fp32_scores: dict[bytes, float] = {}
-        fp32 = OnnxRuntimeBackend(model, name="fp32")
+        started = time.perf_counter()
+        self.fp32 = OnnxRuntimeBackend(model, name="fp32")
         first = next(iter(evaluation))
         self.size = samples_per_run(graph.Graph(model), first, evaluation)
-        self.axes = output_sample_axes(model, fp32.run, first, evaluation)
-        started = time.perf_counter()
-        self.references = self.outputs(model, "FP32 evaluation", fp32)
+        self.axes = output_sample_axes(model, self.fp32.run, first, evaluation)
+        self.references = self.outputs(model, "FP32 evaluation", self.fp32)
         self.fp32_seconds = time.perf_counter() - started
 
     def outputs(self, model: onnx.ModelProto, desc: str,
@@ -273,6 +273,16 @@ class Evaluator:
         second = self._fp32 if others is None else self._scorer(others)
         return lambda pick: (first(pick), second(pick))
 
+    def scoring_seconds(self) -> float:
+        """Seconds scoring one configuration takes here: a scorer made, run on every sample
+        and on each bootstrap resample (timed on FP32's outputs, scored as a candidate)."""
+        started = time.perf_counter()
+        score = self._scorer(self.references)
+        made = time.perf_counter() - started
+        started = time.perf_counter()
+        score(np.arange(self.evaluation.num_samples))
+        return made + (self.resamples + 1) * (time.perf_counter() - started)
+
     def against_fp32(self, outputs: Outputs) -> Certificate:
         """The metric of `outputs` and its paired interval: of the difference to FP32 (margin
         over ``limit`` = FP32's value), or of the value itself where FP32's is infinite (output
@@ -296,28 +306,21 @@ def _db(nsr: float) -> float:
     return float(-10.0 * np.log10(nsr)) if nsr > 0 else float("inf")
 
 
-def estimate_seconds(timing: tuple[float, float], eval_samples: int, calibration_samples: int,
-                     configs: int) -> float:
-    """Estimated wall time of a sweep from :func:`fp32_timing`: one collection pass (about
-    two forwards per sample), the FP32 evaluation, and per configuration one INT8
-    evaluation and a model and session made (about twice a first FP32 run, which makes
-    its session)."""
-    per_sample, first_run = timing
-    return (per_sample * (2 * calibration_samples + eval_samples * (1 + INT8_COST * configs))
-            + 2 * first_run * configs)
-
-
-def fp32_timing(model: onnx.ModelProto, evaluation: BatchSource) -> tuple[float, float]:
-    """(seconds per sample of an FP32 forward, seconds of a first run with its session made),
-    on the first evaluation batch run twice."""
+def estimate_seconds(model: onnx.ModelProto, evaluation: BatchSource, metric: str, task,
+                     resamples: int, calibration_samples: int, configs: int) -> float:
+    """Estimated wall time of a sweep, from its first evaluation batch: one collection pass
+    (about two forwards per sample), the FP32 evaluation, and per configuration a model and
+    session made (about a first FP32 run, which makes its session), an INT8 evaluation and
+    its scoring with the bootstrap (timed on the batch, scaled to the evaluation set)."""
+    size = evaluation.length(next(iter(evaluation)))
+    probe = Evaluator(model, evaluation.subset(0, size), metric, task, resamples)
     started = time.perf_counter()
-    backend = OnnxRuntimeBackend(model, name="fp32 timing")
-    batch = next(iter(evaluation))
-    backend.run(batch)
-    first = time.perf_counter() - started
-    started = time.perf_counter()
-    backend.run(batch)
-    return (time.perf_counter() - started) / evaluation.length(batch), first
+    probe.outputs(model, "FP32 timing", probe.fp32)
+    per_sample = (time.perf_counter() - started) / size
+    scoring = probe.scoring_seconds() * evaluation.num_samples / size
+    return (per_sample * (2 * calibration_samples
+                          + evaluation.num_samples * (1 + INT8_COST * configs))
+            + configs * (probe.fp32_seconds + scoring))
 
 
 @dataclass

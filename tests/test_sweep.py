@@ -198,10 +198,10 @@ def test_bad_sweep_options_are_one_clear_error(tmp_path, capsys, options, messag
 
 
 def test_a_long_sweep_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(sweep, "fp32_timing", lambda model, evaluation: (10.0, 1.0))
+    monkeypatch.setattr(sweep, "estimate_seconds", lambda *args: 7200.0)
     assert main(["sweep", "digits-cnn", *SWEEP_ARGS, "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
-    assert "6 configurations" in err and "--allow-long" in err and " h on this machine" in err
+    assert "6 configurations" in err and "--allow-long" in err and "2.0 h on this machine" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -264,3 +264,4 @@ def test_amax_spread_is_zero_for_identical_blocks_and_grows_with_their_differenc
     expected = draws.std(axis=0) / draws.mean(axis=0)
     np.testing.assert_allclose([sweep.amax_spread(blocks, "max", {})[n] for n in tensors],
                                expected, rtol=1e-12)
+

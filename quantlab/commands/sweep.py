@@ -131,15 +131,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
                                args.max_samples, preprocess)
-    estimate = sweep.estimate_seconds(sweep.fp32_timing(model, evaluation),
-                                      evaluation.num_samples, sizes[-1], len(configs))
+    estimate = sweep.estimate_seconds(model, evaluation, args.metric, task, args.resamples,
+                                      sizes[-1], len(configs))
     plan_text = (f"{len(configs)} configurations ({len(configs) // len(sizes)} calibrator "
                  f"settings x {len(sizes)} sizes {sizes}) on {evaluation.num_samples} evaluation "
                  f"samples, one collection pass over {sizes[-1]} calibration samples")
     if estimate > sweep.LONG_SWEEP_S and not args.allow_long:
         raise ConfigError(
             f"this sweep runs {plan_text}: about {estimate / 3600:.1f} h on this machine "
-            "(estimated from one FP32 batch). Pass --allow-long to run it, or cut it down: "
+            "(estimated on the first evaluation batch). Pass --allow-long to run it, or cut it "
+            "down: "
             "fewer --methods, --percentiles or --calib-sizes, or --max-samples.")
     print(f"sweep: {plan_text}; estimated {_duration(estimate)}.")
 
