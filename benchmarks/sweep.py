@@ -194,11 +194,11 @@ def table(result: Mapping) -> str:
     rows = [
         {"run": f"quantlab sweep ({sweep['configurations']} configurations)",
          "wall s": f"{sweep['wall_s']:.1f}", "peak RSS MiB": f"{sweep['peak_rss'] / mib:.0f}",
-         "collection passes": f"1 ({sweep['collect_calls']} chunks)",
+         "collection passes": f"1 ({sweep['collect_calls']} blocks)",
          "samples collected": sweep["collected_samples"]},
         {"run": f"quantlab sweep ({small['configurations']} configuration)",
          "wall s": f"{small['wall_s']:.1f}", "peak RSS MiB": f"{small['peak_rss'] / mib:.0f}",
-         "collection passes": f"1 ({small['collect_calls']} chunks)",
+         "collection passes": f"1 ({small['collect_calls']} blocks)",
          "samples collected": small["collected_samples"]},
         {"run": f"calibrate + evaluate, {separate['runs']} runs",
          "wall s": f"{separate['wall_s']:.1f}",
