@@ -140,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"this sweep runs {plan_text}: about {estimate / 3600:.1f} h on this machine "
             "(estimated on the first evaluation batch). Pass --allow-long to run it, or cut it "
-            "down: "
-            "fewer --methods, --percentiles or --calib-sizes, or --max-samples.")
+            "down: fewer --methods, --percentiles or --calib-sizes, --max-samples, or fewer "
+            "--resamples (a detector's mAP bootstrap takes most of its time).")
     print(f"sweep: {plan_text}; estimated {_duration(estimate)}.")
 
     known = {}
