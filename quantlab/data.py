@@ -193,8 +193,9 @@ class BatchSource:
         return slice_batch(batch, self.axes, start, stop)
 
     def subset(self, start: int, stop: int) -> BatchSource:
-        """Samples `start:stop` of this source as a source of their own (same batch size)."""
-        return BatchSource(f"{self.description} [{start}:{stop}]", stop - start, self.batch_size,
+        """Samples `start:stop` of this source as a source of their own (same batch size and
+        description: a calibration folder records the data it came from)."""
+        return BatchSource(self.description, stop - start, self.batch_size,
                            lambda a, b: self._load(start + a, start + b), self.axes)
 
     def __repr__(self) -> str:

@@ -136,6 +136,7 @@ def test_sweep_command_writes_a_consistent_folder(tmp_path, capsys):
     # best/ is a calibration folder of the best configuration, with its size's statistics
     calibration = read_json(out / "best" / "calibration.json")
     assert calibration["method"] == best["method"]
+    assert calibration["num_samples"] == best["size"]
     assert collect.Statistics.load(out / "best" / "stats.npz").num_samples == best["size"]
     movement = (out / "amax_movement.csv").read_text().splitlines()
     assert movement[0] == "setting,tensor,amax_32,amax_64,movement,bootstrap_spread"
@@ -265,3 +266,20 @@ def test_amax_spread_is_zero_for_identical_blocks_and_grows_with_their_differenc
     np.testing.assert_allclose([sweep.amax_spread(blocks, "max", {})[n] for n in tensors],
                                expected, rtol=1e-12)
 
+
+
+def test_best_folder_records_the_data_and_serves_as_a_check_baseline(tmp_path, capsys):
+    data = "calibration_data/digits/calibration.npy"
+    out = tmp_path / "sweep"
+    assert main(["sweep", "digits-cnn", "--data", data, "--eval", "zoo", "--metric", "top1",
+                 "--methods", "max", "--calib-sizes", "16", "32", "--max-samples", "32",
+                 "--resamples", "20", "--no-progress", "--out", str(out)]) == 0
+    best = read_json(out / "sweep.json")["best"]
+    calibration = read_json(out / "best" / "calibration.json")
+    assert (calibration["data"], calibration["num_samples"]) == (data, int(best.split("@")[1]))
+    capsys.readouterr()
+    # a model candidate is calibrated from the recorded data, as the best configuration was
+    assert main(["check", "digits-cnn", "--baseline", str(out), "--eval", "zoo", "--metric",
+                 "top1", "--max-samples", "32", "--resamples", "20", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split(":", 2)[2] == lines[1].split(":", 2)[2]

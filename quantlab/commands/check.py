@@ -174,7 +174,9 @@ def _calibrated(args, recorded, preprocess):
     from quantlab.data import open_data
     from quantlab.errors import ConfigError
 
-    data = args.data or recorded["data"]
+    # The baseline's data and sample count, unless --data (and --max-samples) say otherwise.
+    data, limit = (args.data, args.max_samples) if args.data else (recorded["data"],
+                                                                   recorded["num_samples"])
     if data == "zoo":
         from quantlab import zoo
 
@@ -186,8 +188,7 @@ def _calibrated(args, recorded, preprocess):
     options["constants"] = {**recorded.get("frozen_inputs", {}), **options["constants"]}
     options["batch_axes"] = {**recorded.get("sample_axes", {}), **options["batch_axes"]}
     model = pipeline.prepare_model(args.candidate, data, **options)
-    source = open_data(data, graph.input_specs(model), args.batch_size,
-                       args.max_samples or recorded["num_samples"], preprocess)
+    source = open_data(data, graph.input_specs(model), args.batch_size, limit, preprocess)
     stats = collect.collect(model, source, pipeline.quantized_inputs(model, "check"),
                             progress=not args.no_progress)
     result = pipeline.calibrate_from_stats(model, stats, source, recorded["method"],
