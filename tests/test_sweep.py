@@ -283,3 +283,18 @@ def test_best_folder_records_the_data_and_serves_as_a_check_baseline(tmp_path, c
                  "top1", "--max-samples", "32", "--resamples", "20", "--no-progress"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split(":", 2)[2] == lines[1].split(":", 2)[2]
+
+
+@pytest.mark.parametrize("interval, expected", [
+    ((0.1, 0.9), "tells the top two configurations apart"),
+    ((-0.5, 1.5), "about 4000 samples would separate"),  # 1000 * ((0.5 + 0.5) / 0.5)^2
+    ((-60.0, 61.0), "the two are equivalent here"),
+])
+def test_evaluation_sentence(interval, expected):
+    from quantlab.planner.certify import Certificate
+
+    # best 30.5 vs runner-up 30.0 on 1000 samples; the difference's interval varies
+    certificate = Certificate("sqnr", 30.0, 30.5, 30.0, interval, 0.95, 1000, False, False, None)
+    records = [{"label": "a @8", "value": 30.5}, {"label": "b @8", "value": 30.0}]
+    result = sweep.SweepResult(records, {}, {}, 4, 8, 0.02, 0, certificate, 1, {}, 0, 0)
+    assert expected in sweep.evaluation_sentence(result)
