@@ -51,9 +51,6 @@ TOLERANCE = 0.02
 # The scales' bootstrap: at most this many blocks of samples, resampled this many times.
 MAX_BLOCKS = 16
 SPREAD_RESAMPLES = 50
-# The evaluation sentence calls two configurations equivalent when separating them would
-# take more than this many times the evaluation samples.
-SEPARABLE = 100
 # A sweep estimated to run longer than this is refused unless the user allows it.
 LONG_SWEEP_S = 3600.0
 # INT8 Q/DQ models in ONNX Runtime on CPU take up to this many times an FP32 pass
@@ -501,10 +498,8 @@ def evaluation_sentence(result: SweepResult) -> str:
         # The interval's width shrinks as 1/sqrt(samples): its lower end, difference - low
         # below the difference now, reaches 0 at samples * ((difference - low) / difference)^2.
         needed = int(np.ceil(cert.samples * ((difference - low) / difference) ** 2))
-        more = (f"; about {needed} samples would separate a difference this size"
-                if needed <= SEPARABLE * cert.samples else
-                f"; a difference this small would take over {SEPARABLE} times as many samples "
-                "to resolve: the two are equivalent here")
+        more = (f"; about {needed} samples ({needed / cert.samples:.3g}x these) would "
+                "separate a difference this size")
     else:
         more = "; they score the same on these samples"
     return f"The evaluation set cannot tell the top two configurations apart: {head}{more}."
