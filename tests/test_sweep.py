@@ -287,7 +287,7 @@ def test_best_folder_records_the_data_and_serves_as_a_check_baseline(tmp_path, c
 
 @pytest.mark.parametrize("interval, expected", [
     ((0.1, 0.9), "tells the top two configurations apart"),
-    ((-0.5, 1.5), "about 4000 samples would separate"),  # 1000 * ((0.5 + 0.5) / 0.5)^2
+    ((-0.5, 1.5), "about 4000 samples (4x these) would separate"),  # 1000 * ((0.5 + 0.5) / 0.5)^2
     ((-60.0, 61.0), "about 14641000 samples (1.46e+04x these)"),  # ((0.5 + 60) / 0.5)^2
 ])
 def test_evaluation_sentence(interval, expected):
