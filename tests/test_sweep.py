@@ -298,3 +298,27 @@ def test_evaluation_sentence(interval, expected):
     records = [{"label": "a @8", "value": 30.5}, {"label": "b @8", "value": 30.0}]
     result = sweep.SweepResult(records, {}, {}, 4, 8, 0.02, 0, certificate, 1, {}, 0, 0)
     assert expected in sweep.evaluation_sentence(result)
+
+
+def test_a_calibration_folder_serves_its_size_from_stats_npz(tmp_path, monkeypatch, capsys):
+    data = "calibration_data/digits/calibration.npy"
+    folder = tmp_path / "calib"
+    assert main(["calibrate", "digits-cnn", "--data", data, "--out", str(folder),
+                 "--no-progress"]) == 0
+    collected = []
+    real = collect.collect
+    monkeypatch.setattr(collect, "collect", lambda m, s, *a, **k: collected.append(
+        s.num_samples) or real(m, s, *a, **k))
+    common = ["--eval", "zoo", "--metric", "top1", "--methods", "max", "entropy",
+              "--calib-sizes", "100", "200", "--resamples", "20", "--no-progress"]
+    assert main(["sweep", "digits-cnn", "--data", str(folder), *common,
+                 "--out", str(tmp_path / "reused")]) == 0
+    assert collected == [100]  # samples 100..200 are the folder's stats.npz
+    collected.clear()
+    assert main(["sweep", "digits-cnn", "--data", data, *common,
+                 "--out", str(tmp_path / "fresh")]) == 0
+    assert collected == [100, 100]
+    reused, fresh = (read_json(tmp_path / name / "sweep.json") for name in ("reused", "fresh"))
+    assert [(r["label"], r["value"]) for r in reused["configurations"]] == \
+        [(r["label"], r["value"]) for r in fresh["configurations"]]
+    assert reused["max_movement"] == fresh["max_movement"]
