@@ -22,6 +22,10 @@ COMMANDS = {
     "plan": "plan",
     "build": "build",
     "doctor": "doctor",
+    "sweep": "sweep",
+    "check": "check",
+    "report": "report",
+    "compare": "compare",
 }
 
 DESCRIPTION = """\

@@ -192,6 +192,12 @@ class BatchSource:
         """Samples `start:stop` of `batch` (views, no copy)."""
         return slice_batch(batch, self.axes, start, stop)
 
+    def subset(self, start: int, stop: int) -> BatchSource:
+        """Samples `start:stop` of this source as a source of their own (same batch size and
+        description: a calibration folder records the data it came from)."""
+        return BatchSource(self.description, stop - start, self.batch_size,
+                           lambda a, b: self._load(start + a, start + b), self.axes)
+
     def __repr__(self) -> str:
         return (
             f"BatchSource({self.description}, {self.num_samples} samples, batch {self.batch_size})"

@@ -231,7 +231,14 @@ def certify_paired(name: str, evaluate: Callable[[np.ndarray], tuple[float, floa
 
 def task_evaluator(task, outputs: Outputs,
                    references: Outputs) -> Callable[[np.ndarray], tuple[float, float]]:
-    """``evaluate(indices)`` of a task's primary metric (top-1, COCO mAP) for certify_paired.
+    """``evaluate(indices)`` of a task's primary metric (top-1, COCO mAP) for certify_paired:
+    :func:`task_scorer` of the candidate's outputs and of FP32's."""
+    scores = task_scorer(task, outputs), task_scorer(task, references)
+    return lambda pick: (scores[0](pick), scores[1](pick))
+
+
+def task_scorer(task, outputs: Outputs) -> Callable[[np.ndarray], float]:
+    """``score(indices)``: a task's primary metric (top-1, COCO mAP) of the samples picked.
 
     Predictions are made once per batch; a resample of images re-accumulates COCO's
     per-image matches (:func:`quantlab.tasks.coco_map_resampler`).
@@ -239,26 +246,19 @@ def task_evaluator(task, outputs: Outputs,
     from quantlab.tasks import coco_map_resampler
 
     ids = task.ids()
-
-    def predictions(batches: Outputs) -> list:
-        found, start = [], 0
-        for batch in batches:
-            stop = start + len(next(iter(batch.values())))
-            predicted = task.postprocess(dict(batch), ids[start:stop])
-            if task.kind == "classification":
-                found.extend(np.argmax(predicted, axis=1) == np.asarray(task.labels)[start:stop])
-            else:
-                found.extend(predicted)
-            start = stop
-        return found
-
-    candidate, fp32 = predictions(outputs), predictions(references)
+    found, start = [], 0
+    for batch in outputs:
+        stop = start + len(next(iter(batch.values())))
+        predicted = task.postprocess(dict(batch), ids[start:stop])
+        if task.kind == "classification":
+            found.extend(np.argmax(predicted, axis=1) == np.asarray(task.labels)[start:stop])
+        else:
+            found.extend(predicted)
+        start = stop
     if task.kind == "classification":
-        hits, ref_hits = np.array(candidate, float), np.array(fp32, float)
-        return lambda pick: (float(hits[pick].mean()), float(ref_hits[pick].mean()))
-    count = len(np.concatenate([next(iter(b.values())) for b in outputs]))
-    scores = [coco_map_resampler(task.coco, found, ids[:count]) for found in (candidate, fp32)]
-    return lambda pick: (scores[0](pick), scores[1](pick))
+        hits = np.array(found, float)
+        return lambda pick: float(hits[pick].mean())
+    return coco_map_resampler(task.coco, found, ids[:start])
 
 
 def data_shortfalls(calibration_samples: int, evaluation_samples: int, hard_count: int,

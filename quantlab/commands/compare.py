@@ -1,0 +1,53 @@
+"""Put two experiment folders side by side.
+
+A and B are --out folders of calibrate, sweep, plan, validate or demo. Shows the
+settings that differ, the key figures (metrics with their intervals), every
+tensor's amax ratio B / A where both have scales (largest change first), and the
+per-layer FP32-vs-INT8 SQNR difference where both were validated (a validate run,
+or one directly inside the folder). Prints the largest differences and writes a
+self-contained page.
+
+examples:
+  quantlab compare runs/monday runs/tuesday --out runs/monday-vs-tuesday.html
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "two experiment folders side by side: settings, scales, per-layer SQNR, metrics"
+# Rows printed per table on the console.
+PRINTED = 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `quantlab compare`."""
+    parser.add_argument("a", metavar="A", help="an experiment folder")
+    parser.add_argument("b", metavar="B", help="another experiment folder")
+    parser.add_argument("--out", default="compare.html", metavar="FILE",
+                        help="the page to write (default: %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compare the two runs, print the largest differences and write the page."""
+    from quantlab.report import write_report
+    from quantlab.report.runs import comparison_sections
+    from quantlab.runs import compare_runs, load_run
+
+    comparison = compare_runs(load_run(args.a), load_run(args.b))
+    print(f"compare: A {args.a} ({comparison.a.kind}) vs B {args.b} ({comparison.b.kind})")
+    for row in comparison.settings.itertuples(index=False):
+        print(f"  setting {row.setting}: {row.a or '-'} -> {row.b or '-'}")
+    for row in comparison.figures.itertuples(index=False):
+        if row.a != row.b:
+            print(f"  {row.figure}: {row.a or '-'} -> {row.b or '-'}")
+    if comparison.scales is not None:
+        for row in comparison.scales.head(PRINTED).itertuples(index=False):
+            print(f"  amax {row.tensor}: {row.amax_a:.4g} -> {row.amax_b:.4g} (x{row.ratio:.3g})")
+    if comparison.layers is not None:
+        for row in comparison.layers.head(PRINTED).itertuples(index=False):
+            print(f"  SQNR {row.tensor}: {row.sqnr_db_a:.1f} -> {row.sqnr_db_b:.1f} dB")
+    write_report(args.out, f"quantlab compare: {args.a} vs {args.b}",
+                 comparison_sections(comparison))
+    print(f"compare: wrote {args.out}")
+    return 0

@@ -1,0 +1,292 @@
+"""Sweep calibrators, their parameters and calibration-set sizes; judge whether the data suffice.
+
+MODEL is an .onnx file or a zoo model name. Statistics are collected in ONE pass
+over the largest calibration size, with a snapshot at every size (statistics are
+mergeable, so the snapshot at n equals a collection over the first n samples);
+every configuration (--methods x --percentiles x --calib-sizes) takes its scales
+from its snapshot, and its INT8 Q/DQ model is evaluated on --eval in ONNX Runtime
+(integer kernels) with the metric's paired bootstrap interval against FP32.
+--data may be a calibration folder: its stats.npz serves the size equal to its
+sample count and its data are re-read with the recorded preprocessing.
+
+Data sufficiency, one sentence each: whether the calibration set is large enough
+for the best configuration's method (every amax moves by less than --tolerance
+from n/2 to n samples, or which tensors still move), and whether the evaluation
+set tells the two best configurations apart (paired bootstrap of their difference).
+
+Statistics do not depend on the batch size (histograms of every element, merged
+exactly), so the batch size is not swept.
+
+Writes into --out: sweep.json (every configuration: metric, interval, delta vs FP32;
+the sufficiency verdicts), amax_movement.csv (every tensor's amax at n/2 and n per
+setting), report.html (metric vs method with intervals, metric vs calibration size,
+the scales that have not converged) and best/ (a calibration folder of the best
+configuration: `quantlab validate --from`, `plan --data` and `check --baseline`
+read it). An interrupted sweep resumes from --out (snapshots and finished
+configurations are checkpointed there). A sweep estimated to take over an hour is
+refused unless --allow-long is given.
+
+examples:
+  quantlab sweep digits-cnn --data zoo --eval zoo --metric top1 --out runs/cnn-sweep
+  quantlab sweep model.onnx --data runs/calib --eval images/ --calib-sizes 32 64 128 \\
+      --methods entropy percentile --out runs/sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from quantlab.commands.options import DATA_HELP, add_data_arguments
+
+HELP = "sweep calibrators x parameters x calibration sizes in one pass; data sufficiency"
+EPILOG = DATA_HELP
+SWEEP_FILES = ("sweep.json", "amax_movement.csv", "report.html", "best")
+# Snapshots and finished configurations of a running sweep, left in --out when interrupted.
+PROGRESS_DIR = ".sweep-progress"
+PROGRESS_FORMAT = "quantlab.sweep-progress"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `quantlab sweep`."""
+    from quantlab.choices import METHODS
+
+    parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
+    parser.add_argument("--eval", required=True, metavar="EVAL",
+                        help="held-out data every configuration is evaluated on (same formats "
+                             "as --data; 'zoo': a zoo model's held-out split)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    parser.add_argument("--metric", default="sqnr", metavar="NAME",
+                        help="as in `quantlab plan`: sqnr, agreement, top1 or map (with --eval "
+                             "zoo) or module:function (default: %(default)s)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
+                        help=f"calibrators (default: all of {', '.join(METHODS)})")
+    # Defaults of quantlab.sweep, filled in by run (the parser does not import NumPy).
+    parser.add_argument("--percentiles", nargs="+", type=float, metavar="P",
+                        help="percentiles of the percentile calibrator (default: 99.9 99.99 "
+                             "99.999)")
+    parser.add_argument("--calib-sizes", nargs="+", type=int, metavar="N",
+                        help="calibration-set sizes, nested prefixes of --data (default: 16, 32, "
+                             "64, ... and all the data)")
+    parser.add_argument("--tolerance", type=float, metavar="SHARE",
+                        help="an amax moving by less than this share from n/2 to n samples has "
+                             "converged (default: 0.02)")
+    parser.add_argument("--resamples", type=int, default=200, metavar="B",
+                        help="paired bootstrap resamples (default: %(default)s)")
+    parser.add_argument("--allow-long", action="store_true",
+                        help="run a sweep estimated to take over an hour")
+    parser.add_argument("--force", action="store_true", help="replace results already in --out")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_data_arguments(parser, data_help="calibration folder (stats.npz reused), calibration "
+                                         "data (image folder, COCO .json, .npy or .npz), or "
+                                         "'zoo' (a zoo model's calibration split)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sweep and write its folder."""
+    from functools import partial
+    from pathlib import Path
+
+    from tqdm.auto import tqdm
+
+    from quantlab import calibrate, graph, qdq, sweep
+    from quantlab.commands.options import preprocess_from_args
+    from quantlab.commands.plan import TASK_METRICS, _calibration, _prepared, _recorded
+    from quantlab.data import open_data
+    from quantlab.errors import ConfigError, DataError
+    from quantlab.experiment import check_output
+    from quantlab.plan import fingerprint, resolve_metric
+
+    check_output(args.out, force=args.force, produces=SWEEP_FILES)
+    percentiles = args.percentiles or sweep.DEFAULT_PERCENTILES
+    tolerance = sweep.TOLERANCE if args.tolerance is None else args.tolerance
+    for method in args.methods:
+        calibrate.check_method(method, {})
+    if not 0 < tolerance < 1:
+        raise ConfigError(f"--tolerance {tolerance}: give a share in (0, 1), e.g. 0.02.")
+    if args.metric not in TASK_METRICS:
+        resolve_metric(args.metric)  # an unknown metric fails before any work
+    elif args.eval != "zoo":
+        raise ConfigError(f"--metric {args.metric} needs ground truth: with a zoo model, pass "
+                          "--eval zoo (its held-out split).")
+    recorded = _recorded(args)
+    preprocess = preprocess_from_args(args, recorded and recorded.get("preprocess"))
+    model = _prepared(args, recorded)
+    index = qdq.indexed(model)
+    tensors = qdq.activation_tensors_to_calibrate(index)
+    source, folder_stats = _calibration(args, model, recorded, preprocess)
+    graph.record_data_shapes(model, source)
+    fixed = graph.fixed_batch_size(model) or 1
+    sizes = sweep.check_sizes(args.calib_sizes or sweep.default_sizes(source.num_samples),
+                              source.num_samples, source.description, fixed)
+    configs = sweep.configurations(args.methods, percentiles, sizes)
+    task = None
+    if args.eval == "zoo":
+        from quantlab import zoo
+        from quantlab.tasks import Task
+
+        entry = zoo.get(args.model)
+        eval_set = entry.eval_set(args.max_samples)
+        task = Task.from_zoo(entry, eval_set)
+        evaluation = open_data(eval_set.inputs, graph.input_specs(model), args.batch_size)
+    else:
+        evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
+                               args.max_samples, preprocess)
+    estimate = sweep.estimate_seconds(model, evaluation, args.metric, task, args.resamples,
+                                      sizes[-1], len(configs))
+    plan_text = (f"{len(configs)} configurations ({len(configs) // len(sizes)} calibrator "
+                 f"settings x {len(sizes)} sizes {sizes}) on {evaluation.num_samples} evaluation "
+                 f"samples, one collection pass over {sizes[-1]} calibration samples")
+    if estimate > sweep.LONG_SWEEP_S and not args.allow_long:
+        raise ConfigError(
+            f"this sweep runs {plan_text}: about {estimate / 3600:.1f} h on this machine "
+            "(estimated on the first evaluation batch). Pass --allow-long to run it, or cut it "
+            "down: fewer --methods, --percentiles or --calib-sizes, --max-samples, or fewer "
+            "--resamples (a detector's mAP bootstrap takes most of its time).")
+    print(f"sweep: {plan_text}; estimated {_duration(estimate)}.")
+
+    known = {}
+    if folder_stats is not None:
+        missing = sorted(set(tensors) - set(folder_stats.tensors))
+        if missing:
+            raise DataError(f"the statistics of {args.data} lack tensors {missing[:5]} the Q/DQ "
+                            "model quantizes; they were collected on another model. Pass its "
+                            "calibration data with --data instead.")
+        known[folder_stats.num_samples] = type(folder_stats)(
+            {name: folder_stats.tensors[name] for name in tensors}, folder_stats.num_samples,
+            folder_stats.num_bins)
+    progress_dir = Path(args.out) / PROGRESS_DIR
+    checkpoint = _Checkpoint(progress_dir, fingerprint(
+        model, source.description, source.num_samples, evaluation.description,
+        evaluation.num_samples, args.metric, args.resamples, tensors))
+    blocks = checkpoint.blocks()
+    if checkpoint.records or blocks:
+        print(f"sweep: resuming: {len(checkpoint.records)} configuration(s) and "
+              f"{sum(b.num_samples for b in blocks.values())} samples' statistics already in "
+              f"{progress_dir}.")
+    progress = None if args.no_progress else partial(tqdm, leave=False)
+    evaluator = sweep.Evaluator(model, evaluation, args.metric, task, args.resamples, progress)
+    result = sweep.run_sweep(
+        model, source, evaluator, configs, tensors=tensors, known_stats=known,
+        known_blocks=blocks, done=checkpoint.records, on_block=checkpoint.add_block,
+        on_record=checkpoint.add_record, tolerance=tolerance,
+        progress=None if args.no_progress else partial(tqdm, leave=True),
+        show_collection=not args.no_progress,
+        **({"num_bins": folder_stats.num_bins} if folder_stats is not None else {}))
+    _write(args, index, source, preprocess, configs, result)
+    checkpoint.remove()
+    best = result.best_record
+    print(f"sweep: best {best['label']}: {args.metric} {best['value']:.4g} "
+          f"(FP32 {best['fp32']:.4g}); {len(configs)} configurations from one collection pass "
+          f"in {_duration(sum(result.seconds.values()))}; wrote {args.out}/")
+    for sentence in result.sentences.values():
+        print(sentence)
+    return 0
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def _write(args, index, source, preprocess, configs, result) -> None:
+    """sweep.json, amax_movement.csv, report.html and best/ into --out, all or nothing."""
+    import pandas as pd
+
+    from quantlab import pipeline
+    from quantlab.experiment import output_folder, write_json, write_text
+    from quantlab.report import write_report
+    from quantlab.report.sweep import sweep_section
+
+    best = configs[result.best]
+    calibrated = pipeline.calibrate_from_stats(
+        index, result.snapshots[best.size], source.subset(0, best.size), best.method,
+        dict(best.params), preprocess)
+    movement = pd.DataFrame([
+        {"setting": setting, "tensor": name, f"amax_{result.half}": half[name],
+         f"amax_{result.full}": full[name], "movement": result.movement[setting][name],
+         "bootstrap_spread": (result.spread.get(name, float("nan"))
+                              if setting == best.setting else float("nan"))}
+        for setting, (half, full) in result.amax.items() for name in full])
+    with output_folder(args.out, force=args.force, produces=SWEEP_FILES) as folder:
+        pipeline.write_results(calibrated, folder / "best")
+        write_text(folder / "amax_movement.csv", movement.to_csv(index=False))
+        write_json(folder / "sweep.json", {
+            "format": "quantlab.sweep",
+            "model": str(args.model),
+            "metric": args.metric,
+            "calibration": {"data": source.description, "num_samples": source.num_samples},
+            "eval": {"data": args.eval, "num_samples": result.records[0]["samples"]},
+            "sizes": sorted({c.size for c in configs}),
+            "settings": list(result.movement),
+            "tolerance": result.tolerance,
+            "collection_passes": 1,
+            "configurations": result.records,
+            "best": result.best_record["label"],
+            "runner_up": (result.records[result.runner_up]["label"]
+                          if result.runner_up is not None else None),
+            "separation": result.separation.__dict__ if result.separation else None,
+            "sufficiency": result.sentences,
+            "max_movement": {s: max(m.values(), default=0.0)
+                             for s, m in result.movement.items()},
+            "bootstrap_spread": {"setting": best.setting, "samples": result.spread_samples,
+                                 "blocks": result.spread_blocks,
+                                 "max": max(result.spread.values(), default=None)},
+            "seconds": result.seconds,
+        })
+        write_report(folder / "report.html", f"quantlab sweep: {args.model}",
+                     [sweep_section(result, args.metric)],
+                     subtitle=f"{len(configs)} configurations, one collection pass")
+
+
+class _Checkpoint:
+    """Blocks of statistics (block-START-STOP.npz) and finished configurations (records.json)
+    of a running sweep, in --out/.sweep-progress; another sweep's (another fingerprint) are
+    deleted."""
+
+    def __init__(self, folder, fingerprint: str):
+        from quantlab.experiment import read_json
+
+        self.folder = folder
+        self.fingerprint = fingerprint
+        self.records: dict[str, dict] = {}
+        path = folder / "records.json"
+        try:
+            data = read_json(path) if path.is_file() else {}
+        except (OSError, ValueError):
+            data = {}
+        if data.get("format") == PROGRESS_FORMAT and data.get("fingerprint") == fingerprint:
+            self.records = dict(data["records"])
+        else:
+            self.remove()
+
+    def blocks(self) -> dict:
+        """The blocks of statistics saved so far, by (first sample, stop)."""
+        from quantlab.collect import Statistics
+
+        found = {}
+        for path in self.folder.glob("block-*.npz"):
+            _, start, stop = path.stem.split("-")
+            found[int(start), int(stop)] = Statistics.load(path)
+        return found
+
+    def add_block(self, start: int, stop: int, stats) -> None:
+        """Save the statistics of samples `start:stop`."""
+        self._save()
+        stats.save(self.folder / f"block-{start}-{stop}.npz")
+
+    def add_record(self, record: dict) -> None:
+        """Save one finished configuration."""
+        self.records[record["label"]] = record
+        self._save()
+
+    def _save(self) -> None:
+        from quantlab.experiment import write_json
+
+        write_json(self.folder / "records.json", {"format": PROGRESS_FORMAT,
+                                                  "fingerprint": self.fingerprint,
+                                                  "records": self.records})
+
+    def remove(self) -> None:
+        """Delete the checkpoint (a finished or a different sweep)."""
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -1,0 +1,131 @@
+"""Runs: experiment folders recognized, compared on known differences, indexed; the gate."""
+
+import os
+import re
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from quantlab import graph, pipeline, qdq, runs, zoo
+from quantlab.calibrate import Scales
+from quantlab.cli import main
+from quantlab.errors import ConfigError
+
+CALIBRATION = "calibration_data/digits/calibration.npy"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Runs of digits-cnn: A (percentile) and B (max), each validated inside, and eval.npy."""
+    root = tmp_path_factory.mktemp("runs")
+    model = pipeline.export_zoo_model("digits-cnn")
+    np.save(root / "eval.npy", zoo.get("digits-cnn").eval_set().inputs[:96])
+    for name, method in (("a", "percentile"), ("b", "max")):
+        pipeline.run_calibration(model, CALIBRATION, root / name, method=method, progress=False)
+        assert main(["validate", "--from", str(root / name), "--data", str(root / "eval.npy"),
+                     "--out", str(root / name / "validate"), "--no-progress"]) == 0
+    os.utime(root / "b" / "calibration.json", (2e9, 2e9))  # B is the newest run
+    return root
+
+
+def test_compare_finds_the_known_differences(folders):
+    a, b = runs.load_run(folders / "a"), runs.load_run(folders / "b")
+    assert (a.kind, b.kind) == ("calibrate", "calibrate")
+    comparison = runs.compare_runs(a, b)
+    differ = {row.setting: (row.a, row.b) for row in comparison.settings.itertuples()}
+    assert differ == {"method": ("percentile", "max"), "params.percentile": ("99.99", "")}
+    amax_a = Scales.load(folders / "a" / "scales.json").amax
+    amax_b = Scales.load(folders / "b" / "scales.json").amax
+    ratios = comparison.scales.set_index("tensor")["ratio"].to_dict()
+    assert ratios == pytest.approx({n: amax_b[n] / amax_a[n] for n in amax_a})
+    changes = np.abs(np.log(comparison.scales["ratio"].to_numpy()))
+    assert np.all(np.diff(changes) <= 0)  # largest change first
+    assert all(r >= 1.0 for r in ratios.values())  # max never clips below a percentile
+    layers_a = pd.read_csv(folders / "a" / "validate" / "layers_onnx_fp32_vs_engine_int8.csv")
+    layers_b = pd.read_csv(folders / "b" / "validate" / "layers_onnx_fp32_vs_engine_int8.csv")
+    expected = (layers_b.set_index("tensor")["sqnr_db"] - layers_a.set_index("tensor")["sqnr_db"])
+    got = comparison.layers.set_index("tensor")["difference"]
+    assert sorted(got.index) == sorted(expected.index)
+    # inf - inf (the graph input, not quantized in either) is NaN in both
+    np.testing.assert_allclose(got[expected.index], expected, equal_nan=True)
+
+
+def test_compare_command_writes_a_self_contained_page(folders, tmp_path, capsys):
+    out = tmp_path / "ab.html"
+    assert main(["compare", str(folders / "a"), str(folders / "b"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "setting method: percentile -> max" in printed
+    html = out.read_text()
+    assert "data:image/png;base64," in html and "<script" not in html and "src=\"http" not in html
+
+
+def test_report_indexes_every_run_newest_first_with_links(folders, tmp_path, capsys):
+    out = tmp_path / "index.html"
+    assert main(["report", str(folders), "--out", str(out)]) == 0
+    assert "report: 4 runs (2 calibrate, 2 validate)" in capsys.readouterr().out
+    found = runs.find_runs([folders])
+    assert found[0].path == folders / "b"
+    assert [r.time for r in found] == sorted((r.time for r in found), reverse=True)
+    links = re.findall(r'href="([^"#]+)"', out.read_text())
+    assert sorted(links) == sorted(os.path.relpath(folders / f / "report.html", tmp_path)
+                                   for f in ("a/validate", "b/validate"))
+    for link in links:
+        assert (tmp_path / link).is_file()
+
+
+def test_a_folder_that_is_not_an_experiment_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="is not a quantlab experiment folder"):
+        runs.load_run(tmp_path / "empty")
+    assert main(["compare", str(tmp_path / "empty"), str(tmp_path / "empty")]) == 1
+    err = capsys.readouterr().err
+    assert "not a quantlab experiment folder" in err and "Traceback" not in err
+    assert main(["report", str(tmp_path / "missing")]) == 1
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def _regressed(folders, out):
+    """A copy of A whose INT8 model uses 8x coarser activation scales (a planted regression)."""
+    shutil.copytree(folders / "a", out, ignore=shutil.ignore_patterns("validate"))
+    model = graph.load_model(out / "model.onnx")
+    amax = {n: 8 * v for n, v in Scales.load(out / "scales.json").amax.items()}
+    graph.save_model(qdq.quantize_model(model, amax), out / "model.int8.onnx")
+
+
+def test_gate_passes_on_the_baseline_itself(folders, capsys):
+    assert main(["check", str(folders / "a"), "--baseline", str(folders / "a"),
+                 "--eval", str(folders / "eval.npy"), "--no-progress"]) == 0
+    assert "check: passed" in capsys.readouterr().out
+
+
+def test_gate_fails_on_a_planted_regression_with_one_paragraph(folders, tmp_path, capsys):
+    _regressed(folders, tmp_path / "c")
+    assert main(["check", str(tmp_path / "c"), "--baseline", str(folders / "a"),
+                 "--eval", str(folders / "eval.npy"), "--max-drop", "1.0", "--min-sqnr", "30",
+                 "--no-progress"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    base, cand = (float(re.search(r"INT8 sqnr ([\d.]+)", line).group(1)) for line in lines[:2])
+    assert base - cand > 1.0
+    failed = [line for line in lines if line.startswith("check: FAILED")]
+    assert len(failed) == 1
+    assert "a drop of" in failed[0] and "more than --max-drop 1" in failed[0]
+    assert "under --min-sqnr 30 dB" in failed[0]
+    # the same candidate within a looser budget passes
+    assert main(["check", str(tmp_path / "c"), "--baseline", str(folders / "a"),
+                 "--eval", str(folders / "eval.npy"), "--max-drop", str(base - cand + 0.01),
+                 "--no-progress"]) == 0
+
+
+def test_gate_calibrates_a_model_candidate_as_the_baseline_was(folders, capsys):
+    assert main(["check", "digits-cnn", "--baseline", str(folders / "b"),
+                 "--eval", str(folders / "eval.npy"), "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split(":", 2)[2].strip() == lines[1].split(":", 2)[2].strip()
+
+
+def test_gate_refuses_a_validate_folder_as_baseline(folders, capsys):
+    assert main(["check", str(folders / "a"), "--baseline", str(folders / "a" / "validate"),
+                 "--eval", str(folders / "eval.npy")]) == 1
+    assert "is a validate run" in capsys.readouterr().err
