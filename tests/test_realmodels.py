@@ -23,6 +23,7 @@ import onnxruntime as ort
 import pytest
 
 from quantlab.cli import main
+from tests import realmodels
 
 IMAGENET = ["--mean", "0.485", "0.456", "0.406", "--std", "0.229", "0.224", "0.225"]
 BGR_IMAGENET = ["--channel-order", "BGR", *IMAGENET]
@@ -62,7 +63,10 @@ CASES = {
     # Simplified Chinese pages as scanned (Debian's fonts-wqy-microhei): harder data.
     "layout-scan-cjk": Case("layout", "cjk_calib_npy", "cjk_val_npy", "cjk_val_npy",
                             floors={"entropy": 9.0, "percentile": 12.5},
-                            marks=(pytest.mark.slow,)),
+                            marks=(pytest.mark.slow, pytest.mark.skipif(
+                                not realmodels.CJK_FONT.is_file(),
+                                reason=f"the scanned Chinese pages need {realmodels.CJK_FONT}: "
+                                       "apt-get install fonts-wqy-microhei (.ci/run does)"))),
     "orientation-npy": Case("orientation", "calib_npy", "val_npy", "val_npy",
                             floors={"entropy": 27.0, "percentile": 54.0}),
     "orientation-images": Case("orientation", "calib", "val", "val_npy",
@@ -333,8 +337,6 @@ def test_fetch_is_offline_when_cached_and_refuses_a_tampered_wheel(real_models, 
                                                                    monkeypatch):
     import shutil
     import subprocess
-
-    from tests import realmodels
 
     wheel = realmodels.WHEELS["vad"]
     cached = realmodels.cache_root() / "wheels" / wheel.filename
