@@ -12,3 +12,5 @@ METHODS = ("entropy", "max", "percentile", "mse")
 DEFAULT_METHOD = "percentile"
 # Validation modes of quantlab.validate: stages end to end, or each INT8 layer fed FP32 inputs.
 MODES = ("global", "local")
+# How quantlab.qdq chooses a weight channel's amax: max |w|, or least int8 squared error.
+WEIGHT_CRITERIA = ("max", "mse")

@@ -65,6 +65,8 @@ class CalibrationResult:
     preprocess: Preprocess | None = None
     # Repairs applied to the FP32 model before collection (name -> RepairReport.to_dict()).
     repairs: dict = field(default_factory=dict)
+    # How the weights' per-channel amax was chosen (qdq.WEIGHT_CRITERIA).
+    weight_criterion: str = "max"
 
 
 def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
@@ -173,6 +175,7 @@ def run_calibration(
     batch_axes: Mapping[str, int | None] | None = None,
     memory_budget: int | str | None = None,
     equalize: bool = True,
+    weight_criterion: str = "max",
 ) -> CalibrationResult:
     """Calibrate `model` on `data` and write the experiment folder `out`.
 
@@ -196,6 +199,9 @@ def run_calibration(
     """
     method_params = dict(method_params or {})
     calibrate.check_method(method, method_params)
+    if weight_criterion not in qdq.WEIGHT_CRITERIA:
+        raise ConfigError(f"weight criterion '{weight_criterion}' is not one of "
+                          f"{', '.join(qdq.WEIGHT_CRITERIA)}.")
     model = prepare_model(model, data, constants, batch_axes)
     inputs = graph.input_specs(model)
     source = (
@@ -219,7 +225,8 @@ def run_calibration(
         tensors = trt_ranges.tensors_to_calibrate(index)  # Q/DQ inputs + TensorRT <= 10 ranges
         check_cache_names(tensors)
     stats = collect.collect(index, source, tensors, progress=progress, memory_budget=memory_budget)
-    result = calibrate_from_stats(index, stats, source, method, method_params, preprocess)
+    result = calibrate_from_stats(index, stats, source, method, method_params, preprocess,
+                                  weight_criterion)
     result.repairs = applied
     write_results(result, out, force=force, trt_version=trt_version)
     return result
@@ -263,8 +270,10 @@ def calibrate_from_stats(
     method: str = calibrate.DEFAULT_METHOD,
     method_params: Mapping[str, float] | None = None,
     preprocess: Preprocess | None = None,
+    weight_criterion: str = "max",
 ) -> CalibrationResult:
-    """Scales by `method` from statistics already collected, and the Q/DQ model they give.
+    """Scales by `method` from statistics already collected, and the Q/DQ model they give
+    (weight amax by `weight_criterion`, :func:`qdq.weight_amax`).
 
     `stats` must cover :func:`qdq.activation_tensors_to_calibrate` of the normalized
     `model` (and :func:`trt_ranges.tensors_to_calibrate` for a calibration cache); one
@@ -272,8 +281,9 @@ def calibrate_from_stats(
     """
     scales = calibrate.calibrate(stats, method, **dict(method_params or {}))
     index = qdq.indexed(model)
-    return CalibrationResult(index.model, qdq.quantize_model(index, scales.amax), stats, scales,
-                             source, preprocess=preprocess)
+    quantized = qdq.quantize_model(index, scales.amax, weight_criterion=weight_criterion)
+    return CalibrationResult(index.model, quantized, stats, scales, source,
+                             preprocess=preprocess, weight_criterion=weight_criterion)
 
 
 def write_results(
@@ -338,7 +348,7 @@ def write_results(
                 # FP32-preserving rewrites of model.onnx before collection, with what each
                 # treated and left alone (and why).
                 "repairs": result.repairs,
-                "weight_amax": "mse",
+                "weight_amax": result.weight_criterion,
             },
         )
     result.folder = Path(out)

@@ -43,9 +43,17 @@ def fake_quant(x: np.ndarray, amax, axis: int | None = None, low: int = -128) ->
 
 
 def channel_amax(w: np.ndarray, axis: int) -> np.ndarray:
-    """Per-channel weight amax by least int8 squared error over 51 fractions of max |w| from
-    1 down to 0.5 (qdq's default criterion), written independently of qdq.weight_amax: a
-    loop over channels and candidates in float64, the first (largest) best kept."""
+    """Per-channel max |w| (qdq's default weight amax), written independently of
+    qdq.weight_amax (loop over channels)."""
+    moved = np.moveaxis(np.abs(w.astype(np.float64)), axis, 0)
+    return np.array([channel.max() for channel in moved])
+
+
+def mse_channel_amax(w: np.ndarray, axis: int) -> np.ndarray:
+    """Per-channel weight amax by least int8 squared error (narrow range) over 51 fractions
+    of max |w| from 1 down to 0.5 (qdq's "mse" criterion), written independently of
+    qdq.weight_amax: a loop over channels and candidates in float64, the first (largest)
+    best kept."""
     moved = np.moveaxis(w.astype(np.float32), axis, 0)
     result = []
     for channel in moved:
@@ -69,7 +77,7 @@ def simulated_input(rule, node, index, name, value, is_constant, amax):
     if how == "act":
         return fake_quant(value, amax[name])
     if how == "tensor":
-        return fake_quant(value, channel_amax(value.reshape(1, -1), 0)[0], low=-127)
+        return fake_quant(value, np.abs(value).max(), low=-127)
     if how is not None:
         return fake_quant(value, channel_amax(value, how), how, low=-127)
     return value
@@ -245,8 +253,7 @@ def test_weight_axis_attribute_and_values(kind):
     weight = graph.initializers(model)["w"]
     # The int8 weight times its scale is exactly the fake-quantized float weight
     # (both are one float32 product; only float64-vs-float32 rounding remains).
-    weight_amax = (channel_amax(weight.reshape(1, -1), 0)[0] if axis is None
-                   else channel_amax(weight, axis))
+    weight_amax = np.abs(weight).max() if axis is None else channel_amax(weight, axis)
     want = fake_quant(weight.astype(np.float64), weight_amax, axis, low=-127)
     np.testing.assert_allclose(dequantized, want, rtol=1e-6, atol=0)
     # The bias stays a float initializer read directly by the op (docs/qdq.md).
@@ -397,8 +404,9 @@ def test_weight_amax_known_values_and_zero_channel(criterion):
 def test_mse_weight_amax_equals_reference_and_never_raises_the_error():
     rng = np.random.default_rng(3)
     w = rng.laplace(size=(16, 64, 3, 3)).astype(np.float32)  # heavy tails: clipping pays
-    mse, peak = qdq.weight_amax(w, 0), qdq.weight_amax(w, 0, "max")
-    np.testing.assert_allclose(mse, channel_amax(w, 0), rtol=1e-6)
+    mse, peak = qdq.weight_amax(w, 0, "mse"), qdq.weight_amax(w, 0)
+    np.testing.assert_allclose(mse, mse_channel_amax(w, 0), rtol=1e-6)
+    np.testing.assert_allclose(peak, channel_amax(w, 0), rtol=0)
     assert (mse <= peak).all() and (mse < peak).any()
 
     def error(amax):

@@ -37,7 +37,7 @@ EPILOG = DATA_HELP
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab calibrate`."""
-    from quantlab.choices import DEFAULT_METHOD, METHODS
+    from quantlab.choices import DEFAULT_METHOD, METHODS, WEIGHT_CRITERIA
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", type=memory_size, metavar="SIZE",
                         help="memory budget of collection, e.g. 2G (default 2G; a larger "
                              "model runs in segments)")
+    parser.add_argument("--weight-amax", choices=WEIGHT_CRITERIA, default="max",
+                        help="per-channel weight amax: max |w| (default), or mse (least int8 "
+                        "error over 0.5-1 x max |w|; lower weight error, but not always lower "
+                        "output error: benchmarks/README.md)")
     parser.add_argument("--no-equalize", action="store_true",
                         help="do not equalize depthwise-conv inputs (by default each depthwise "
                         "input whose channels differ in range gets per-channel scales folded "
@@ -95,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         memory_budget=args.memory,
         progress=not args.no_progress,
         equalize=not args.no_equalize,
+        weight_criterion=args.weight_amax,
         **input_options(args),
     )
     cache = ", calibration.cache" if args.trt_version else ""
