@@ -250,6 +250,23 @@ def child_ort(spec: Mapping) -> dict:
     return {"wall_s": {ORT: time.perf_counter() - start}}
 
 
+def named_dynamic_dims(model_path: Path, copy: Path) -> Path:
+    """`model_path`, or a copy of it whose input dimensions that have neither a size nor a
+    name are named: ModelOpt 0.47 compares every input dimension with 0
+    (``get_dynamic_graph_inputs``) and fails on such a dimension (vad's input and state)."""
+    import onnx
+
+    model = onnx.load(str(model_path))
+    dims = [d for i in model.graph.input for d in i.type.tensor_type.shape.dim
+            if not d.HasField("dim_value") and not d.HasField("dim_param")]
+    if not dims:
+        return model_path
+    for k, dim in enumerate(dims):
+        dim.dim_param = f"unnamed_{k}"
+    onnx.save(model, str(copy))
+    return copy
+
+
 def child_modelopt(spec: Mapping) -> dict:
     """ModelOpt's ONNX PTQ, int8, on the given FP32 model, calibrated on the CPU."""
     import inspect
@@ -260,8 +277,9 @@ def child_modelopt(spec: Mapping) -> dict:
     label = spec["label"]
     method, dtype = MODELOPT[label]
     reader = calibration_reader(spec)
+    model = named_dynamic_dims(Path(spec["model"]), Path(spec["out"]) / f"{label}.fp32.onnx")
     start = time.perf_counter()
-    quantize(spec["model"], quantize_mode="int8", calibration_data_reader=reader,
+    quantize(str(model), quantize_mode="int8", calibration_data_reader=reader,
              calibration_method=method, calibration_eps=["cpu"], log_level="WARNING",
              output_path=str(Path(spec["out"]) / f"{label}.int8.onnx"),
              **({"high_precision_dtype": dtype} if dtype else {}))
