@@ -278,6 +278,9 @@ def child_modelopt(spec: Mapping) -> dict:
     method, dtype = MODELOPT[label]
     reader = calibration_reader(spec)
     model = named_dynamic_dims(Path(spec["model"]), Path(spec["out"]) / f"{label}.fp32.onnx")
+    # ModelOpt and ORT's shape inference leave files in the working folder (vad: a .data file
+    # per run and sym_shape_infer_temp.onnx): keep them in the run's folder.
+    os.chdir(spec["out"])
     start = time.perf_counter()
     quantize(str(model), quantize_mode="int8", calibration_data_reader=reader,
              calibration_method=method, calibration_eps=["cpu"], log_level="WARNING",
