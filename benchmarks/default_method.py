@@ -6,12 +6,21 @@ tests/realmodels.py: orientation, onet, vad, layout), on the same calibration da
 - quantlab: ONE collection of statistics (``pipeline.run_calibration`` with the first
   method), then ``calibrate.calibrate(stats, method)`` + ``qdq.quantize_model`` for each of
   entropy, max, percentile, mse;
-- ONNX Runtime: ``quantize_static`` MinMax, configured as benchmarks/calibration.py does
-  (QDQ, int8 activations and weights, ActivationSymmetric/WeightSymmetric, per-channel),
-  on the same normalized FP32 model quantlab wrote (Constant weights already folded).
+- peers (``--peers``), each on the FP32 model as quantlab normalizes it (Constant weights
+  and, where the tree does, BatchNorm folded), before quantlab's repairs (depthwise-input
+  equalization):
+  - ONNX Runtime: ``quantize_static`` MinMax, configured as benchmarks/calibration.py does
+    (QDQ, int8 activations and weights, ActivationSymmetric/WeightSymmetric, per-channel);
+  - NVIDIA ModelOpt: ``modelopt.onnx.quantization.quantize`` int8, calibration_method entropy
+    and max, each with high_precision_dtype fp32 and with its default (fp16), calibrated on
+    the CPU (``calibration_eps=["cpu"]``), from another interpreter (``--modelopt-python``:
+    nvidia-modelopt[onnx] pins its own onnx and onnxruntime-gpu).
 
-Each tool runs in its own child process (peak RSS = the child's VmHWM, as in
-benchmarks/calibration.py). The INT8 models are then scored on held-out data in this
+Each tool (each ModelOpt configuration) runs in its own child process (peak RSS = the
+child's VmHWM, as in benchmarks/calibration.py). ``--quantlab-root`` picks the quantlab tree
+to measure (default: this script's), so one script measures a tree before and after a change
+on the same data (``data_sha1`` in the results); ``--compare BEFORE AFTER`` prints the
+before/after table of two result files. The INT8 models are then scored on held-out data in this
 process with ONNX Runtime (session option ``session.qdqisint8allowed=1``, as quantlab's
 validation runs Q/DQ models): the task metric where labels exist (zoo: mAP / top-1;
 orientation: top-1 on its rotation labels), output SQNR vs FP32 in dB (float64, the worst
@@ -19,6 +28,8 @@ output) and an agreement figure (argmax / thresholded decisions / confident anch
 
     python benchmarks/default_method.py                       # every model
     python benchmarks/default_method.py --models digits-cnn orientation --quick
+    python benchmarks/default_method.py --quantlab-root ../wt-base --peers    # quantlab only
+    python benchmarks/default_method.py --compare BEFORE.json AFTER.json
 
 Prints one table per model and the verdict; writes benchmarks/results/default_method-<date>.json.
 """
@@ -26,10 +37,10 @@ Prints one table per model and the verdict; writes benchmarks/results/default_me
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,15 +53,20 @@ import numpy as np
 import psutil
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for _path in (str(ROOT), str(HERE)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+ROOT = HERE.parent  # the quantlab tree measured unless --quantlab-root names another
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
 
-import harness as bench  # noqa: E402  (peak_rss, timed, watch: the benchmarks' measurement rules)
+import harness as bench  # noqa: E402  (peak_rss, timed, run_child: the measurement rules)
 
 QUANTLAB_METHODS = ("entropy", "max", "percentile", "mse")
 ORT = "ort-MinMax"
+PEERS = ("ort", "modelopt")
+# NVIDIA ModelOpt's ONNX PTQ (modelopt.onnx.quantization.quantize, int8), one child each:
+# label -> (calibration_method, high_precision_dtype). None = ModelOpt's default (fp16 in
+# 0.47: everything left unquantized is cast to FP16); the child records the value it had.
+MODELOPT = {"modelopt-entropy": ("entropy", "fp32"), "modelopt-max": ("max", "fp32"),
+            "modelopt-entropy-fp16": ("entropy", None), "modelopt-max-fp16": ("max", None)}
 ZOO = ("shapes-det", "digits-cnn", "digits-vit")
 REAL = ("orientation", "onet", "vad", "layout")
 MODELS = (*ZOO, *REAL)
@@ -139,11 +155,50 @@ def batches(arrays: Mapping[str, np.ndarray], axes: Mapping[str, int], size: int
                for name, a in arrays.items()}
 
 
+def use_quantlab(root: str | Path) -> None:
+    """Import `quantlab` and the real-model suite (tests/realmodels.py) from the tree `root`."""
+    sys.path.insert(0, str(Path(root).resolve()))
+
+
+def sha1(path: Path) -> str:
+    return hashlib.sha1(Path(path).read_bytes()).hexdigest()
+
+
+def calibration_reader(spec: Mapping):
+    """The calibration batches as ONNX Runtime's CalibrationDataReader (get_next), with the
+    get_first and rewind ModelOpt also calls; inputs the normalized model froze are left out."""
+    import onnx
+    from onnxruntime.quantization import CalibrationDataReader
+
+    model = onnx.load(spec["model"], load_external_data=False)
+    initializers = {i.name for i in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.name not in initializers]
+    arrays = load_arrays(Path(spec["calib"]), names)
+    arrays = {n: arrays[n] for n in names}
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.rewind()
+
+        def get_next(self):
+            return next(self._it, None)
+
+        def get_first(self):
+            return next(batches(arrays, spec["sample_axes"], spec["batch_size"]))
+
+        def rewind(self):
+            self._it = batches(arrays, spec["sample_axes"], spec["batch_size"])
+
+    return Reader()
+
+
 # ---------------------------------------------------------------------------- children
 
 
 def child_quantlab(spec: Mapping) -> dict:
-    """Collect once, then threshold + Q/DQ for each method; write <method>.int8.onnx."""
+    """Collect once, then threshold + Q/DQ for each method; write <method>.int8.onnx, and the
+    normalized FP32 model before any repair (fp32.onnx: the peers' input and the reference)."""
+    import quantlab
     from quantlab import calibrate, collect, graph, pipeline, qdq
 
     out = Path(spec["out"])
@@ -167,37 +222,24 @@ def child_quantlab(spec: Mapping) -> dict:
     # threshold search and Q/DQ insertion (+ writing). Q/DQ insertion of the first method
     # is inside `common`.
     common = first_wall - stages["calibrate"]
+    # The FP32 model as quantlab normalizes it (BatchNorm folded where the tree does), before
+    # its repairs (the tree after 9232738 equalizes depthwise inputs in run_calibration).
+    graph.save_model(pipeline.prepare_model(spec["model"], spec["calib"]), out / "fp32.onnx")
+    repairs = getattr(result, "repairs", {})  # absent before the repairs existed (9232738)
     return {"collect_s": stages["collect"], "common_s": common,
             "wall_s": {m: common + own[m] for m in methods}, "own_s": own,
-            "fp32_model": str(out / "run" / "model.onnx")}
+            "fp32_model": str(out / "fp32.onnx"), "quantlab": quantlab.__file__,
+            "repairs": {name: {k: len(v) for k, v in report.items() if isinstance(v, list)}
+                        for name, report in repairs.items()}}
 
 
 def child_ort(spec: Mapping) -> dict:
     """``quantize_static`` MinMax on the given FP32 model, as benchmarks/calibration.py."""
-    import onnx
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-    model = onnx.load(spec["model"], load_external_data=False)
-    initializers = {i.name for i in model.graph.initializer}
-    names = [i.name for i in model.graph.input if i.name not in initializers]
-    arrays = load_arrays(Path(spec["calib"]), names)
-    arrays = {n: arrays[n] for n in names}
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self._it = batches(arrays, spec["sample_axes"], spec["batch_size"])
-
-        def get_next(self):
-            return next(self._it, None)
-
+    reader = calibration_reader(spec)
     start = time.perf_counter()
-    quantize_static(spec["model"], str(Path(spec["out"]) / f"{ORT}.int8.onnx"), Reader(),
+    quantize_static(spec["model"], str(Path(spec["out"]) / f"{ORT}.int8.onnx"), reader,
                     quant_format=QuantFormat.QDQ, per_channel=True,
                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
                     calibrate_method=CalibrationMethod.MinMax,
@@ -208,37 +250,79 @@ def child_ort(spec: Mapping) -> dict:
     return {"wall_s": {ORT: time.perf_counter() - start}}
 
 
-CHILDREN = {"quantlab": child_quantlab, "ort": child_ort}
+def named_dynamic_dims(model_path: Path, copy: Path) -> Path:
+    """`model_path`, or a copy of it whose input dimensions that have neither a size nor a
+    name are named: ModelOpt 0.47 compares every input dimension with 0
+    (``get_dynamic_graph_inputs``) and fails on such a dimension (vad's input and state)."""
+    import onnx
+
+    model = onnx.load(str(model_path))
+    dims = [d for i in model.graph.input for d in i.type.tensor_type.shape.dim
+            if not d.HasField("dim_value") and not d.HasField("dim_param")]
+    if not dims:
+        return model_path
+    for k, dim in enumerate(dims):
+        dim.dim_param = f"unnamed_{k}"
+    onnx.save(model, str(copy))
+    return copy
+
+
+def child_modelopt(spec: Mapping) -> dict:
+    """ModelOpt's ONNX PTQ, int8, on the given FP32 model, calibrated on the CPU."""
+    import inspect
+
+    import modelopt
+    from modelopt.onnx.quantization import quantize
+
+    label = spec["label"]
+    method, dtype = MODELOPT[label]
+    reader = calibration_reader(spec)
+    model = named_dynamic_dims(Path(spec["model"]), Path(spec["out"]) / f"{label}.fp32.onnx")
+    # ModelOpt and ORT's shape inference leave files in the working folder (vad: a .data file
+    # per run and sym_shape_infer_temp.onnx): keep them in the run's folder.
+    os.chdir(spec["out"])
+    start = time.perf_counter()
+    quantize(str(model), quantize_mode="int8", calibration_data_reader=reader,
+             calibration_method=method, calibration_eps=["cpu"], log_level="WARNING",
+             output_path=str(Path(spec["out"]) / f"{label}.int8.onnx"),
+             **({"high_precision_dtype": dtype} if dtype else {}))
+    wall = time.perf_counter() - start
+    default = inspect.signature(quantize).parameters["high_precision_dtype"].default
+    return {"wall_s": {label: wall}, "version": modelopt.__version__,
+            "high_precision_dtype": dtype or default}
+
+
+CHILDREN = {"quantlab": child_quantlab, "ort": child_ort, "modelopt": child_modelopt}
 
 
 def child_main(spec: Mapping) -> None:
-    """Run one tool in this child process; write result.json with its peak RSS."""
-    import resource
-
-    limit = spec["memory_limit"]
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    """Run one tool in this child process; write <label>.json with its peak RSS."""
+    bench.limit_address_space(spec["memory_limit"])
+    use_quantlab(spec["root"])
     try:
         result = {"status": "ok", **CHILDREN[spec["tool"]](spec)}
     except Exception as exc:  # a failing tool is a result to report
         result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"[:600]}
     result["peak_rss"] = bench.peak_rss()
-    Path(spec["out"], f"{spec['tool']}.json").write_text(json.dumps(result))
+    Path(spec["out"], f"{spec['label']}.json").write_text(json.dumps(result))
 
 
-def launch(tool: str, spec: dict, args) -> dict:
+def launch(tool: str, spec: dict, args, label: str | None = None,
+           python: str = sys.executable) -> dict:
     """Run a child under the watchdog (memory, time, machine reserve); return its result."""
-    spec = {**spec, "tool": tool, "memory_limit": int(args.memory_limit_gb * bench.GIB)}
+    label = label or tool
+    spec = {**spec, "tool": tool, "label": label, "root": str(args.quantlab_root),
+            "memory_limit": int(args.memory_limit_gb * bench.GIB)}
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
-    result_path = out / f"{tool}.json"
+    result_path = out / f"{label}.json"
     result_path.unlink(missing_ok=True)
-    with open(out / f"{tool}.log", "w") as log:
-        process = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)],
-                                   stdout=log, stderr=subprocess.STDOUT)
-        stopped, sampled = bench.watch(process, spec["memory_limit"], args.time_limit)
+    log = out / f"{label}.log"
+    stopped, sampled, code = bench.run_child(__file__, spec, log, spec["memory_limit"],
+                                             args.time_limit, python)
     if stopped or not result_path.is_file():
-        tail = (out / f"{tool}.log").read_text(errors="replace").strip().splitlines()[-3:]
-        return {"status": stopped or f"crashed (exit {process.returncode})",
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        return {"status": stopped or f"crashed (exit {code})",
                 "error": " | ".join(tail), "peak_rss": sampled}
     result = json.loads(result_path.read_text())
     result["peak_rss"] = max(result["peak_rss"], sampled)
@@ -340,16 +424,24 @@ def bench_model(name: str, root: Path, args) -> dict:
     quantlab = launch("quantlab", spec, args)
     fp32_model = (Path(quantlab["fp32_model"]) if quantlab["status"] == "ok"
                   else subject.model)
-    ort_result = launch("ort", {**spec, "model": str(fp32_model)}, args)
+    peer_spec = {**spec, "model": str(fp32_model)}
+    peers = {}
+    if "ort" in args.peers:
+        peers[ORT] = launch("ort", peer_spec, args, ORT)
+    if "modelopt" in args.peers:
+        for label in MODELOPT:
+            peers[label] = launch("modelopt", peer_spec, args, label, args.modelopt_python)
     record = {"model": name, "metric": subject.metric, "calib": str(subject.calib),
-              "val": str(subject.val), "quantlab": quantlab, "ort": ort_result, "methods": {}}
+              "val": str(subject.val),
+              "data_sha1": {"calib": sha1(subject.calib), "val": sha1(subject.val)},
+              "quantlab": quantlab, "peers": peers, "methods": {}}
     fp32 = run_all(fp32_model, subject)
     samples = len(next(iter(fp32.values())))
     record["noise"] = noise(subject, samples)
     record["val_samples"] = samples
     if subject.metric != "sqnr":
         record["fp32"] = score(subject, fp32, fp32).get(subject.metric)
-    tools = [(m, quantlab) for m in QUANTLAB_METHODS] + [(ORT, ort_result)]
+    tools = [(m, quantlab) for m in QUANTLAB_METHODS] + list(peers.items())
     for method, result in tools:
         row = {"status": result["status"], "peak_rss": result.get("peak_rss")}
         if result["status"] != "ok":
@@ -406,7 +498,7 @@ def verdict(records: list[dict]) -> dict:
                 missing.append(record["model"])
                 continue
             eps = record["noise"]
-            ort_score = rows[ORT].get("score")
+            ort_score = rows.get(ORT, {}).get("score")
             if ort_score is not None and mine < ort_score - eps:
                 below_ort.append(record["model"])
             others = [rows[m]["score"] for m in QUANTLAB_METHODS
@@ -433,11 +525,13 @@ def verdict(records: list[dict]) -> dict:
                                            round(sum(out[m]["gap_in_noise_units"].values()), 6),
                                            sum(out[m]["worst_sqnr_gap_db"].values())),
                  default=None)
-    return {"methods": out, "choice": choice}
+    return {"methods": out, "choice": choice,
+            "ort_run": any(ORT in record["methods"] for record in records)}
 
 
 def print_verdict(result: dict) -> None:
-    print("\nVerdict (noise: SQNR 0.2 dB, top-1 one held-out sample, mAP 0.005):")
+    print("\nVerdict (noise: SQNR 0.2 dB, top-1 one held-out sample, mAP 0.005"
+          + ("" if result["ort_run"] else "; ORT MinMax not run: 'below' it is not judged") + "):")
     for method, v in result["methods"].items():
         gaps = ", ".join(f"{m} {g:.1f}" for m, g in v["gap_in_noise_units"].items())
         sqnr = ", ".join(f"{m} {g:.1f}" for m, g in v["worst_sqnr_gap_db"].items())
@@ -450,9 +544,79 @@ def print_verdict(result: dict) -> None:
     print(f"  => default: {result['choice'] or 'no method qualifies on every model'}")
 
 
+def compare(before_path: Path, after_path: Path) -> None:
+    """Before/after table of two runs' quantlab methods (same models and data), every change
+    beyond noise flagged, and the after run's peer rows."""
+    before, after = (json.loads(Path(p).read_text()) for p in (before_path, after_path))
+    old = {r["model"]: r for r in before["records"] if "methods" in r}
+    print(f"before: {before_path} (quantlab {before.get('quantlab')})\n"
+          f"after:  {after_path} (quantlab {after.get('quantlab')})")
+    print("| model | method | metric before -> after | worst SQNR dB before -> after (diff) | "
+          "agreement before -> after | change beyond noise |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    flagged = []
+    for record in (r for r in after["records"] if r["model"] in old):
+        name, metric, eps = record["model"], record["metric"], record["noise"]
+        base = old[name]
+        if base.get("data_sha1") != record.get("data_sha1"):
+            print(f"| {name} | | | | | NOT COMPARABLE: different data ({base.get('data_sha1')} "
+                  f"vs {record.get('data_sha1')}) |")
+            continue
+        for method in QUANTLAB_METHODS:
+            a, b = record["methods"][method], base["methods"][method]
+            notes = []
+            if metric != "sqnr" and a.get(metric) is not None and b.get(metric) is not None \
+                    and abs(a[metric] - b[metric]) > eps + 1e-9:  # one sample is within
+                notes.append(f"{metric} {'WORSE' if a[metric] < b[metric] else 'better'}")
+            if a.get("min_sqnr_db") is not None and b.get("min_sqnr_db") is not None \
+                    and abs(a["min_sqnr_db"] - b["min_sqnr_db"]) > SQNR_NOISE_DB:
+                notes.append(f"SQNR {'WORSE' if a['min_sqnr_db'] < b['min_sqnr_db'] else 'better'}")
+            if a["status"] != "ok" or b["status"] != "ok":
+                notes.append(f"status {b['status']} -> {a['status']}")
+            if any("WORSE" in n or "status" in n for n in notes):
+                flagged.append(f"{name} {method}")
+            diff = (a["min_sqnr_db"] - b["min_sqnr_db"]
+                    if a.get("min_sqnr_db") is not None and b.get("min_sqnr_db") is not None
+                    else None)
+            print(f"| {name} | {method} | "
+                  + (f"{_fmt(b.get(metric))} -> {_fmt(a.get(metric))}" if metric != "sqnr"
+                     else "-")
+                  + f" | {_fmt(b.get('min_sqnr_db'), '.2f')} -> {_fmt(a.get('min_sqnr_db'), '.2f')}"
+                  f" ({_fmt(diff, '+.2f')}) | {_fmt(b.get('agreement'))} -> "
+                  f"{_fmt(a.get('agreement'))} | "
+                  + ("; ".join(f"**{n}**" if "WORSE" in n else n for n in notes) or "-")
+                  + " |")
+    print(f"\nWorse than before beyond noise (metric: {MAP_NOISE} mAP / one held-out sample of "
+          f"top-1; worst-output SQNR: {SQNR_NOISE_DB} dB): {', '.join(flagged) or 'none'}")
+    peers = [(r, m) for r in after["records"] if "methods" in r
+             for m in r["methods"] if m not in QUANTLAB_METHODS]
+    if peers:
+        print("\nPeers, in the after run:\n| model | peer | metric | worst SQNR dB | agreement "
+              "| wall s | peak RSS MiB | status |\n| --- | --- | ---: | ---: | ---: | ---: | ---: "
+              "| --- |")
+        for record, method in peers:
+            row = record["methods"][method]
+            rss = row.get("peak_rss")
+            print(f"| {record['model']} | {method} | {_fmt(row.get(record['metric']))} | "
+                  f"{_fmt(row.get('min_sqnr_db'), '.2f')} | {_fmt(row.get('agreement'))} | "
+                  f"{_fmt(row.get('wall_s'), '.1f')} | "
+                  f"{_fmt(rss / bench.MIB if rss else None, '.0f')} | {row['status']}"
+                  f"{': ' + row['error'] if row.get('error') else ''} |")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--quantlab-root", type=Path, default=ROOT,
+                        help="the quantlab tree to measure (default: this script's); its "
+                             "tests/realmodels.py makes the real models' data")
+    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS,
+                        help="peers to run on the same FP32 model and data (none: quantlab only)")
+    parser.add_argument("--modelopt-python", default=sys.executable,
+                        help="interpreter of a virtual environment with nvidia-modelopt[onnx] "
+                             "(its pins replace onnx and onnxruntime: keep it apart)")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
+                        help="print the before/after table of two result files and exit")
     parser.add_argument("--quick", action="store_true", help="smaller data (a smoke run)")
     parser.add_argument("--size", nargs=3, action="append", default=[],
                         metavar=("MODEL", "CALIB", "VAL"),
@@ -465,6 +629,13 @@ def main(argv=None) -> None:
     if args.child:
         child_main(json.loads(args.child))
         return
+    if args.compare:
+        compare(*args.compare)
+        return
+    use_quantlab(args.quantlab_root)
+    import quantlab
+
+    print(f"quantlab: {quantlab.__file__}", flush=True)
     for model, n_calib, n_val in args.size:
         SIZE_OVERRIDES[model] = (int(n_calib), int(n_val))
     load_start = os.getloadavg()
@@ -487,8 +658,9 @@ def main(argv=None) -> None:
     load_end = os.getloadavg()
     print(f"load average at end: {load_end[0]:.2f}")
     RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"default_method-{datetime.now():%Y%m%d-%H%M}.json"
+    path = RESULTS_DIR / f"default_method-{datetime.now():%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                "quantlab": quantlab.__file__,
                                 "load": [load_start[0], load_end[0]], "records": records,
                                 "verdict": result}, indent=1, default=str))
     print(f"wrote {path}")

@@ -92,14 +92,15 @@ def watch(process: subprocess.Popen, memory_limit: int,
 
 
 def run_child(script: str | Path, spec: Mapping, log: Path, memory_limit: int,
-              time_limit: float) -> tuple[str | None, int, int]:
+              time_limit: float, python: str = sys.executable) -> tuple[str | None, int, int]:
     """Run ``python script --child <spec as JSON>`` under the watchdog, output into `log`.
 
-    Returns why it was stopped (None if it ended by itself), its sampled peak RSS and
-    its exit code.
+    `python` is the interpreter (another virtual environment's, for a peer whose pinned
+    dependencies would replace this environment's). Returns why it was stopped (None if it
+    ended by itself), its sampled peak RSS and its exit code.
     """
     with open(log, "w") as handle:
-        process = subprocess.Popen([sys.executable, str(script), "--child", json.dumps(spec)],
+        process = subprocess.Popen([python, str(script), "--child", json.dumps(spec)],
                                    stdout=handle, stderr=subprocess.STDOUT)
         stopped, sampled_peak = watch(process, memory_limit, time_limit)
     return stopped, sampled_peak, process.returncode
