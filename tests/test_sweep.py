@@ -1,6 +1,7 @@
 """Sweeps: snapshot statistics, the bootstrap interval, the command, resume, bad input."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -276,7 +277,9 @@ def test_best_folder_records_the_data_and_serves_as_a_check_baseline(tmp_path, c
                  "--resamples", "20", "--no-progress", "--out", str(out)]) == 0
     best = read_json(out / "sweep.json")["best"]
     calibration = read_json(out / "best" / "calibration.json")
-    assert (calibration["data"], calibration["num_samples"]) == (data, int(best.split("@")[1]))
+    # Recorded absolute (experiment folders hold absolute paths), and the size chosen.
+    assert (calibration["data"], calibration["num_samples"]) == (
+        str(Path(data).resolve()), int(best.split("@")[1]))
     capsys.readouterr()
     # a model candidate is calibrated from the recorded data, as the best configuration was
     assert main(["check", "digits-cnn", "--baseline", str(out), "--eval", "zoo", "--metric",
