@@ -780,11 +780,8 @@ def smooth_quant(model: onnx.ModelProto,
     report = RepairReport("smooth_quant")
     if not groups:
         return result, report
-    if isinstance(data, Mapping) and all(np.ndim(v) == 1 for v in data.values()):
-        stats = {name: np.asarray(value, np.float64) for name, value in data.items()}
-    else:
-        stats = channel_amax(model, data, list(groups), run_bytes)
-        report.passes = 1
+    stats, report.passes = _channel_figures(
+        data, lambda: channel_amax(model, data, list(groups), run_bytes))
     outputs = set(index.outputs)
     muls: dict[str, onnx.NodeProto] = {}
     for tensor, nodes in groups.items():
@@ -819,13 +816,8 @@ def smooth_quant(model: onnx.ModelProto,
                                        "reason": "the producer cannot absorb 1/s and insert_mul "
                                                  "is off"})
                 continue
-            scaled = weights.fresh(f"{tensor}_smoothed")
-            inverse = weights.add(f"{tensor}_smooth_inverse", 1.0 / factor)
-            muls[names[0]] = helper.make_node("Mul", [tensor, inverse], [scaled],
-                                              name=weights.fresh(f"{tensor}_SmoothQuant_Mul"))
-            for node in nodes:
-                node.input[0] = scaled
-            folded = f"Mul '{muls[names[0]].name}' (inserted)"
+            _, folded = _insert_mul(weights, muls, tensor, nodes, 1.0 / factor, "smoothed",
+                                    "SmoothQuant")
         w_before = float(w_max.max())
         for node in nodes:
             name = weights.own(node, 1)
@@ -837,16 +829,44 @@ def smooth_quant(model: onnx.ModelProto,
             "amax": [float(act.max()), float((act / factor).max())],
             "weight_amax": [w_before, w_after],
         })
-    if muls:
-        nodes = []
-        for node in result.graph.node:
-            if node.name in muls:
-                nodes.append(muls[node.name])
-            nodes.append(node)
-        del result.graph.node[:]
-        result.graph.node.extend(nodes)
+    _place_muls(result, muls)
     weights.write()
     return result, report
+
+
+def _channel_figures(data, measure) -> tuple[dict[str, np.ndarray], int]:
+    """Per-channel figures given as ``{tensor: 1-D array}`` (no pass), or measured on the
+    batches `data` by `measure()` (one FP32 pass); with the number of passes."""
+    if isinstance(data, Mapping) and all(np.ndim(v) == 1 for v in data.values()):
+        return {name: np.asarray(value, np.float64) for name, value in data.items()}, 0
+    return measure(), 1
+
+
+def _insert_mul(weights: _Weights, muls: dict[str, onnx.NodeProto], tensor: str,
+                nodes: Sequence[onnx.NodeProto], inverse: np.ndarray, suffix: str,
+                label: str) -> tuple[str, str]:
+    """A Mul of `tensor` by the constant `inverse` feeding `nodes` instead of `tensor` (placed
+    before the first of them by :func:`_place_muls`); its output name and description."""
+    scaled = weights.fresh(f"{tensor}_{suffix}")
+    constant = weights.add(f"{tensor}_{suffix}_inverse", inverse)
+    muls[nodes[0].name] = helper.make_node("Mul", [tensor, constant], [scaled],
+                                           name=weights.fresh(f"{tensor}_{label}_Mul"))
+    for node in nodes:
+        node.input[0] = scaled
+    return scaled, f"Mul '{muls[nodes[0].name].name}' (inserted)"
+
+
+def _place_muls(model: onnx.ModelProto, muls: Mapping[str, onnx.NodeProto]) -> None:
+    """Put each inserted Mul right before the node it was made for (topological order)."""
+    if not muls:
+        return
+    nodes = []
+    for node in model.graph.node:
+        if node.name in muls:
+            nodes.append(muls[node.name])
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
 
 
 def _fold_into_producer(index: Graph, weights: _Weights, tensor: str,
@@ -999,11 +1019,8 @@ def depthwise_equalization(model: onnx.ModelProto,
     report = RepairReport("depthwise_equalization")
     if not groups:
         return result, report
-    if isinstance(data, Mapping) and all(np.ndim(v) == 1 for v in data.values()):
-        ranges = {name: np.asarray(value, np.float64) for name, value in data.items()}
-    else:
-        ranges = channel_ranges(model, data, list(groups))
-        report.passes = 1
+    ranges, report.passes = _channel_figures(
+        data, lambda: channel_ranges(model, data, list(groups)))
     outputs = set(index.outputs)
     renamed: dict[str, str] = {}
     muls: dict[str, onnx.NodeProto] = {}
@@ -1034,16 +1051,10 @@ def depthwise_equalization(model: onnx.ModelProto,
         sole = tensor not in outputs and readers == {id(n) for n in nodes}
         path = _absorb(index, weights, tensor, factor) if sole else None
         if path is None:
-            scaled = weights.fresh(f"{tensor}_equalized")
-            inverse = weights.add(f"{tensor}_equalize_inverse",
-                                  (1.0 / factor).reshape(1, -1, *([1] * (len(
-                                      index.shapes.get(tensor) or (0, 0, 0, 0)) - 2))))
-            muls[names[0]] = helper.make_node("Mul", [tensor, inverse], [scaled],
-                                              name=weights.fresh(f"{tensor}_Equalize_Mul"))
-            for node in nodes:
-                node.input[0] = scaled
-            entry["folded_into"] = f"Mul '{muls[names[0]].name}' (inserted)"
-            entry["equalized_tensor"] = scaled
+            rank = len(index.shapes.get(tensor) or (0, 0, 0, 0))
+            entry["equalized_tensor"], entry["folded_into"] = _insert_mul(
+                weights, muls, tensor, nodes, (1.0 / factor).reshape(1, -1, *([1] * (rank - 2))),
+                "equalized", "Equalize")
         else:
             absorber, changed = path
             for name in changed:
@@ -1060,14 +1071,7 @@ def depthwise_equalization(model: onnx.ModelProto,
             node.input[i] = renamed.get(name, name)
         for i, name in enumerate(node.output):
             node.output[i] = renamed.get(name, name)
-    if muls:
-        nodes = []
-        for node in result.graph.node:
-            if node.name in muls:
-                nodes.append(muls[node.name])
-            nodes.append(node)
-        del result.graph.node[:]
-        result.graph.node.extend(nodes)
+    _place_muls(result, muls)
     weights.write()
     report.summary = {"depthwise_inputs": len(groups), "equalized": len(report.applied)}
     return result, report

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from helpers import onnx_model
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
@@ -13,15 +14,6 @@ from quantlab import folding, graph
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
 RNG = np.random.default_rng(7)
-
-
-def raw_model(nodes, inputs, outputs, initializers) -> onnx.ModelProto:
-    g = helper.make_graph(
-        nodes, "bn",
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
-        [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in initializers.items()])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def bn_params(channels: int, prefix: str = "bn") -> dict[str, np.ndarray]:
@@ -98,7 +90,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_folded_model_equals_the_unfolded_model_in_float64(case):
     nodes, inputs, initializers, feeds = CASES[case]()
-    model = raw_model(nodes, inputs, ["y"], initializers)
+    model = onnx_model(nodes, inputs, ["y"], initializers)
     folded = graph.normalize(model)
     assert [n.op_type for n in folded.graph.node] == [nodes[0].op_type]
     (entry,) = folding.folded_batchnorms(folded)
@@ -123,7 +115,7 @@ def test_batchnorm_that_cannot_fold_stays_with_its_reason():
         helper.make_node("Conv", ["xn", "w"], ["c"], name="conv"),
         bn_node("c", "y", "shared"),  # its Conv output is a graph output too
     ]
-    model = graph.normalize(raw_model(nodes, [("x", [None, 3, 4, 4])], ["y", "c"],
+    model = graph.normalize(onnx_model(nodes, [("x", [None, 3, 4, 4])], ["y", "c"],
                                       initializers))
     assert [n.op_type for n in model.graph.node].count("BatchNormalization") == 2
     kept = folding.kept_batchnorms(model)
@@ -137,7 +129,7 @@ def test_shared_weight_is_copied_not_scaled_in_place():
     nodes = [helper.make_node("Conv", ["x", "w"], ["c1"], name="conv1"),
              helper.make_node("Conv", ["x", "w"], ["c2"], name="conv2"),
              bn_node("c1", "y1")]
-    model = raw_model(nodes, [("x", [None, 3, 4, 4])], ["y1", "c2"],
+    model = onnx_model(nodes, [("x", [None, 3, 4, 4])], ["y1", "c2"],
                       {"w": w, **bn_params(4)})
     feeds = {"x": RNG.standard_normal((2, 3, 4, 4)).astype(np.float32)}
     folded = graph.normalize(model)

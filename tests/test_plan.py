@@ -813,6 +813,17 @@ def test_make_plan_falls_back_to_fp32_when_no_int8_plan_certifies(planted_case, 
                for d in result.plan.units.values())
 
 
+def certify_by_noise(metric, name, outputs, references, *, max_drop, floor, resamples, **_):
+    """A stand-in for plan.certify deciding by output noise: FP32 certifies, noisy plans
+    (under 15 dB) fail outright, the others score inside the budget but are inconclusive
+    (their interval reaches below the limit; 400 samples needed)."""
+    noise = plan.output_sqnr(outputs, references)
+    low, high = ((max_drop, max_drop) if noise == np.inf else
+                 (-0.5, -0.1) if noise < 15 else (-0.2, 0.9))
+    return plan.Certificate(name, 1.0, 1.0 - max_drop + (low + high) / 2, 1.0 - max_drop,
+                            (low, high), 0.95, 64, low >= 0, high - low > max_drop, 400)
+
+
 def test_make_plan_warns_when_a_better_plan_was_only_inconclusive(planted_case, monkeypatch):
     """Certification outcomes set by a stand-in for certify (by output noise): all-INT8
     fails outright, plans with a little noise are inconclusive (interval too wide,
@@ -824,14 +835,7 @@ def test_make_plan_warns_when_a_better_plan_was_only_inconclusive(planted_case, 
     amax = {n: float(np.abs(v).max()) for n, v in fp32.run(
         next(iter(source)), qdq.activation_tensors_to_calibrate(g.model)).items()}
 
-    def certify(metric, name, outputs, references, *, max_drop, floor, resamples, **_):
-        noise = plan.output_sqnr(outputs, references)
-        low, high = ((max_drop, max_drop) if noise == np.inf else
-                     (-0.5, -0.1) if noise < 15 else (-0.2, 0.9))
-        return plan.Certificate(name, 1.0, 1.0 - max_drop + (low + high) / 2, 1.0 - max_drop,
-                                (low, high), 0.95, 64, low >= 0, high - low > max_drop, 400)
-
-    monkeypatch.setattr(plan, "certify", certify)
+    monkeypatch.setattr(plan, "certify", certify_by_noise)
     with pytest.warns(UserWarning, match=r"scored .* but could not be certified: the "
                       r"evaluation set is too small.* The plan written keeps 0.0% in INT8 "
                       r"\([0-9.]+ points of the MACs fewer\)"):
@@ -1427,14 +1431,7 @@ def test_plan_command_writes_the_uncertified_better_plan_beside_the_certified(tm
     and summary.json says which is which."""
     from quantlab.cli import main
 
-    def certify(metric, name, outputs, references, *, max_drop, floor, resamples, **_):
-        noise = plan.output_sqnr(outputs, references)
-        low, high = ((max_drop, max_drop) if noise == np.inf else
-                     (-0.5, -0.1) if noise < 15 else (-0.2, 0.9))
-        return plan.Certificate(name, 1.0, 1.0 - max_drop + (low + high) / 2, 1.0 - max_drop,
-                                (low, high), 0.95, 64, low >= 0, high - low > max_drop, 400)
-
-    monkeypatch.setattr(plan, "certify", certify)
+    monkeypatch.setattr(plan, "certify", certify_by_noise)
     g = planted_model()
     graph.save_model(g.model, tmp_path / "planted.onnx")
     rng = np.random.default_rng(1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from helpers import onnx_model
 from onnx import TensorProto, helper, numpy_helper
 
 from quantlab import graph, qdq, repairs
@@ -17,12 +18,7 @@ RNG = np.random.default_rng(0)
 
 def make_model(nodes, inputs, outputs, initializers) -> onnx.ModelProto:
     """A normalized opset-17 model from (name, shape) inputs/outputs and numpy initializers."""
-    g = helper.make_graph(
-        nodes, "test",
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
-        [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in initializers.items()])
-    return graph.normalize(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    return graph.normalize(onnx_model(nodes, inputs, outputs, initializers))
 
 
 def weights_of(model: onnx.ModelProto) -> dict[str, np.ndarray]:
