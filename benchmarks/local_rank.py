@@ -3,10 +3,13 @@
 For a model and its calibration data (the calibration folder of `quantlab calibrate`:
 its model.onnx, BatchNorm folded and depthwise inputs equalized as calibrate did, and its
 scales), every unit's local INT8 SQNR (the planner's prior and `validate --mode local`:
-the unit alone on FP32 inputs, measured at the output of the fused layer) is compared with
-its single-unit output impact: that unit alone in INT8, every other unit in FP32, output
-SQNR on the same samples (one switchboard pass per unit). Prints both rankings' Spearman
-correlation and the units the local error ranks worst and the output ranks worst.
+the unit alone on FP32 inputs, measured at the output of the fused layer TensorRT runs:
+folded BatchNorm, bias and fused activation) is compared with its single-unit output
+impact: that unit alone in INT8, every other unit in FP32, output SQNR on the same
+samples (one switchboard pass per unit). Prints the Spearman correlation of both
+rankings, also for the local error taken at the linear op's own output (before the fused
+activation), and the units the local error ranks worst and the output ranks worst;
+``--out FILE`` writes every unit's three figures.
 
     python -m benchmarks.local_rank reports/layout --samples 4
 
@@ -36,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", help="a calibration folder (quantlab calibrate --out)")
     parser.add_argument("--samples", type=int, default=4, help="calibration samples used")
     parser.add_argument("--top", type=int, default=5, help="worst units listed")
+    parser.add_argument("--out", help="write every unit's figures (JSON) here")
     args = parser.parse_args(argv)
 
     folder = Path(args.folder)
@@ -52,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                             lambda names: {n: a.shape for n, a in
                                            fp32.run(batches[0], names).items()})
     local = plan.local_sqnr(g, amax, units, batches, precisions=("int8",))
+    unfused = plan.local_sqnr(g, amax, units, batches, precisions=("int8",),
+                              fuse_activations=False)
     board = switchboard.build(g, units, amax)
     backend = OnnxRuntimeBackend(board.model, name="switchboard", check_inputs=False)
     references = [fp32.run(b) for b in batches]
@@ -64,12 +70,21 @@ def main(argv: list[str] | None = None) -> int:
                        for b, r in zip(batches, references, strict=True)])
         impact[unit.name] = float(-10 * np.log10(nsr)) if nsr > 0 else np.inf
     names = sorted(impact)
-    rho = spearmanr([local[n]["int8"] for n in names], [impact[n] for n in names]).statistic
+
+    def rho(figures) -> float:
+        return round(float(spearmanr([figures[n]["int8"] for n in names],
+                                     [impact[n] for n in names]).statistic), 3)
+
     by_local = sorted(names, key=lambda n: local[n]["int8"])[:args.top]
     by_output = sorted(names, key=lambda n: impact[n])[:args.top]
+    if args.out:
+        Path(args.out).write_text(json.dumps(
+            {n: {"local_fused_db": local[n]["int8"], "local_op_output_db": unfused[n]["int8"],
+                 "output_db": impact[n]} for n in names}, indent=1))
     print(json.dumps({
         "model": recorded.get("data"), "units": len(names), "samples": len(batches),
-        "spearman_local_vs_output": round(float(rho), 3),
+        "spearman_local_vs_output": rho(local),
+        "spearman_local_at_op_output_vs_output": rho(unfused),
         "worst_by_local": [(n, round(local[n]["int8"], 1), round(impact[n], 1))
                            for n in by_local],
         "worst_by_output": [(n, round(local[n]["int8"], 1), round(impact[n], 1))

@@ -638,7 +638,8 @@ def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     if mode == "local" and targets:
         from quantlab.sensitivity import local_error_model
 
-        local = local_error_model(Graph(qdq_model), reference)
+        # The bias enters before the activation: compare at the op's own output.
+        local = local_error_model(Graph(qdq_model), reference, fuse_activations=False)
         cut = {tensor: name for name, tensor in local.outputs.items()
                if local.precisions.get(name) == "int8"}
         for t in [t for t in targets if t.measured not in cut]:

@@ -9,20 +9,27 @@ Nodes the Q/DQ graph runs in FP16 (float16 inputs through ``Cast``, float16
 initializers, as :func:`quantlab.qdq.quantize_model` writes them) are cut out
 too; given several Q/DQ graphs of one FP32 model (the all-INT8 and the all-FP16
 plan), each node appears once per precision, so one pass measures both.
+
+A linear op is compared where TensorRT's layer ends: after its folded BatchNorm and
+bias (folded at import) and after the activation TensorRT fuses into it
+(:func:`quantlab.fusion.fused_activation`: a Relu, a Clip, a decomposed HardSwish...),
+which the cut-out applies in FP32 to the op's quantized output.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import onnx
 from onnx import helper
 
 from quantlab.errors import ModelError
+from quantlab.fusion import fused_activation
 from quantlab.graph import Graph
-from quantlab.qdq import PASS_THROUGH_OPS
+from quantlab.qdq import LINEAR_OPS, PASS_THROUGH_OPS
 
 # Suffix of the copies of a node's sub-graph in the local-error graph.
 LOCAL_SUFFIX = "::local::"
@@ -39,7 +46,10 @@ class LocalErrorModel:
     local output name -> the precision its node ran in ("int8" or "fp16").
     ``quantized_inputs`` lists, per compared tensor, the FP32 tensors whose
     quantization (or rounding to float16) the node sees, from the first Q/DQ
-    graph that computes it.
+    graph that computes it. ``nodes``: local output name -> the node of the FP32
+    model cut out (a linear op's output is the end of its fused activation, so the
+    compared tensor may be another node's); ``labels``: local output name -> the
+    label of the Q/DQ graph it came from (its precision unless labels were given).
     """
 
     model: onnx.ModelProto
@@ -47,6 +57,8 @@ class LocalErrorModel:
     outputs: dict[str, str]
     quantized_inputs: dict[str, list[str]] = field(default_factory=dict)
     precisions: dict[str, str] = field(default_factory=dict)
+    nodes: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 class _Chain(NamedTuple):
@@ -61,7 +73,10 @@ class _Chain(NamedTuple):
 _PLAIN = _Chain([], [], [], None)
 
 
-def local_error_model(qdq: Graph | Sequence[Graph], reference: Graph) -> LocalErrorModel:
+def local_error_model(qdq: Graph | Sequence[Graph], reference: Graph,
+                      labels: Sequence[str] | None = None,
+                      fuse_activations: bool = True,
+                      weights_only: bool = False) -> LocalErrorModel:
     """Cut every quantized compute node of `qdq` out with its Q/DQ inputs.
 
     A node is quantized when one of its inputs comes from a DequantizeLinear,
@@ -73,9 +88,24 @@ def local_error_model(qdq: Graph | Sequence[Graph], reference: Graph) -> LocalEr
     its Quantize nodes and Casts and the computed side inputs of the pass-through
     ops (a Reshape's shape made by Shape -> Gather -> Concat) are fed from the FP32
     run of `reference` under the same names. `qdq` may be several Q/DQ graphs of
-    `reference`: their nodes go side by side, once per (node, precision).
+    `reference`: their nodes go side by side, once per (node, precision), or once per
+    (node, label) with `labels` (one per graph: Q/DQ graphs of one precision that differ
+    otherwise, such as their weight scales).
+
+    With `fuse_activations` (default) a linear op is followed by the activation
+    TensorRT fuses into its layer, copied from `reference` in FP32, and compared at
+    that activation's output; the activation's nodes are not cut out on their own.
+    Without it every node is compared at its own output (what bias correction needs).
+
+    With `weights_only`, the activation Q/DQ pairs of `qdq` are left out: each node
+    reading an INT8 weight (a dequantized constant) runs on the FP32 activations, so
+    its error is that of its weights alone.
     """
     graphs = [qdq] if isinstance(qdq, Graph) else list(qdq)
+    if weights_only:
+        graphs = [_without_activation_pairs(index) for index in graphs]
+    if labels is not None and len(labels) != len(graphs):
+        raise ValueError(f"{len(labels)} labels for {len(graphs)} Q/DQ graphs")
     known = set(reference.order)
     reference_nodes = {node.name: node for node in reference.model.graph.node}
     combined: list[onnx.NodeProto] = []
@@ -83,12 +113,15 @@ def local_error_model(qdq: Graph | Sequence[Graph], reference: Graph) -> LocalEr
     feeds: dict[str, None] = {}
     seen: set[tuple[str, str]] = set()
     result = LocalErrorModel(onnx.ModelProto(), [], {})
-    for index in graphs:
+    reference_stored = {init.name: init for init in reference.model.graph.initializer}
+    for number, index in enumerate(graphs):
         stored = {init.name: init for init in index.model.graph.initializer}
-        chain = _chains(index, known, reference_nodes)
+        chain = _chains(index, known, reference_nodes, weights_only)
+        fused: set[str] = set()  # activation nodes measured with their linear op
         for node in index.model.graph.node:
             if node.op_type in ("QuantizeLinear", "DequantizeLinear", "Constant", "Cast") or \
-                    node.op_type in PASS_THROUGH_OPS or node.name not in reference_nodes:
+                    node.op_type in PASS_THROUGH_OPS or node.name not in reference_nodes or \
+                    node.name in fused:
                 continue
             inputs = [i for i in node.input if i]
             parts = [chain(i) for i in inputs]
@@ -96,16 +129,20 @@ def local_error_model(qdq: Graph | Sequence[Graph], reference: Graph) -> LocalEr
             if any(p is None for p in parts) or len(precisions) != 1:
                 continue
             precision = precisions.pop()
-            compared = {out: ref for out, ref in zip(node.output,
-                                                     reference_nodes[node.name].output,
-                                                     strict=False)
+            label = labels[number] if labels is not None else precision
+            twin = reference_nodes[node.name]
+            activation = fused_activation(reference, twin) \
+                if fuse_activations and node.op_type in LINEAR_OPS else []
+            ends = [activation[-1].output[0]] if activation else list(twin.output)
+            compared = {out: ref for out, ref in zip(node.output, ends, strict=False)
                         if ref in known and ref in reference.floats}
             needed = list(dict.fromkeys(t for p in parts for t in p.fed))
             if not compared or any(t not in known for t in needed) or \
-                    (node.name, precision) in seen:
+                    (node.name, label) in seen:
                 continue
-            seen.add((node.name, precision))
-            suffix = f"{LOCAL_SUFFIX}{precision}::{node.name}"
+            seen.add((node.name, label))
+            fused.update(n.name for n in activation)
+            suffix = f"{LOCAL_SUFFIX}{label}::{node.name}"
             copied = list({id(n): n for p in parts for n in p.nodes}.values())
             renamed = {out: out + suffix for n in copied for out in n.output}
             renamed.update({out: out + suffix for out in node.output})
@@ -124,10 +161,30 @@ def local_error_model(qdq: Graph | Sequence[Graph], reference: Graph) -> LocalEr
                         if p.precision == "fp16" or
                         (i in stored and stored[i].data_type == _FLOAT16)}
                 combined += _in_float32(combined.pop(), half)
+            if activation:
+                # The fused activation in FP32 on the op's output, constants from `reference`.
+                renamed[twin.output[0]] = renamed[node.output[0]]
+                for sub in activation:
+                    renamed.update({out: out + suffix for out in sub.output})
+                    for name in sub.input:
+                        if name in reference_stored and name not in renamed:
+                            if name in initializers and \
+                                    initializers[name] != reference_stored[name]:
+                                renamed[name] = name + suffix
+                            initializers[renamed.get(name, name)] = _named(
+                                reference_stored[name], renamed.get(name, name))
+                        elif name and name not in renamed:  # a Constant node's output
+                            renamed[name] = name + suffix
+                            combined.append(_renamed_copy(reference.producers[name], suffix,
+                                                          renamed))
+                    combined.append(_renamed_copy(sub, suffix, renamed))
+                renamed[node.output[0]] = renamed[ends[0]]
             feeds.update(dict.fromkeys(needed))
             for out, ref in compared.items():
                 result.outputs[renamed[out]] = ref
                 result.precisions[renamed[out]] = precision
+                result.nodes[renamed[out]] = node.name
+                result.labels[renamed[out]] = label
                 result.quantized_inputs.setdefault(
                     ref, sorted({t for p in parts for t in p.sources}))
     if not result.outputs:
@@ -152,8 +209,25 @@ def local_error_model(qdq: Graph | Sequence[Graph], reference: Graph) -> LocalEr
     return result
 
 
-def _chains(qdq: Graph, known: set[str], reference_nodes: dict):
-    """``chain(tensor)``: how a node input of `qdq` is made from FP32 feeds (None: it cannot)."""
+def _without_activation_pairs(qdq: Graph) -> Graph:
+    """`qdq` with every reader of an activation pair's DequantizeLinear reading the tensor its
+    QuantizeLinear quantizes (INT8 weights kept)."""
+    bypass = {}
+    for node in qdq.model.graph.node:
+        quantize = qdq.producers.get(node.input[0]) if node.op_type == "DequantizeLinear" \
+            else None
+        if quantize is not None and quantize.op_type == "QuantizeLinear":
+            bypass[node.output[0]] = quantize.input[0]
+    model = onnx.ModelProto()
+    model.CopyFrom(qdq.model)
+    for node in model.graph.node:
+        node.input[:] = [bypass.get(name, name) for name in node.input]
+    return Graph(model)
+
+
+def _chains(qdq: Graph, known: set[str], reference_nodes: dict, weights_only: bool = False):
+    """``chain(tensor)``: how a node input of `qdq` is made from FP32 feeds (None: it cannot).
+    With `weights_only`, a dequantized constant (an INT8 weight) counts as quantized."""
 
     def side_inputs(node: onnx.NodeProto) -> tuple[list[onnx.NodeProto], list[str]] | None:
         """Constant producers to copy and tensors to feed for a node's non-data inputs."""
@@ -172,8 +246,10 @@ def _chains(qdq: Graph, known: set[str], reference_nodes: dict):
 
     def chain(tensor: str) -> _Chain | None:
         node = qdq.producers.get(tensor)
-        if tensor in qdq.initializers or node is None:
+        if tensor in qdq.initializers or (node is None and tensor not in known):
             return _PLAIN
+        if node is None:  # a graph input read as it is (weights_only: its pair left out)
+            return _Chain([], [tensor], [], None)
         if node.op_type == "Constant":
             return _Chain([node], [], [], None)
         if node.op_type == "DequantizeLinear":
@@ -182,7 +258,7 @@ def _chains(qdq: Graph, known: set[str], reference_nodes: dict):
             if sides is None:
                 return None
             if source in qdq.constants:
-                return _Chain([*sides[0], node], sides[1], [], None)
+                return _Chain([*sides[0], node], sides[1], [], "int8" if weights_only else None)
             quantize = qdq.producers.get(source)
             quantize_sides = side_inputs(quantize) if quantize is not None else None
             if quantize is None or quantize.op_type != "QuantizeLinear" or quantize_sides is None:
@@ -261,3 +337,84 @@ def _feed_value(reference: Graph, name: str) -> onnx.ValueInfoProto:
     shape = reference.shapes.get(name)
     dims = None if shape is None else [f"{name}_d{i}" for i in range(len(shape))]
     return helper.make_tensor_value_info(name, value.type.tensor_type.elem_type, dims)
+
+
+def error_sums(g: Graph, local: onnx.ModelProto, compared: Mapping[str, str],
+               channel_axes: Mapping[str, int] | None = None,
+               ) -> tuple[onnx.ModelProto, dict[str, tuple[str, str]]]:
+    """`g`'s model with the `local` graph reading its tensors, and the errors summed in it.
+
+    `local` reads tensors of `g` by name (its graph inputs) and `compared` maps each
+    of its outputs to the tensor of `g` it approximates. The model returns, for each,
+    the float64 sum of squared differences and the reference's float64 sum of
+    squares (`sums`: output -> (noise, power) names), and nothing else; an output in
+    `channel_axes` has its noise summed per channel of that axis (a vector). Each added
+    node sits right after the last node of `g` it reads, so ONNX Runtime frees a
+    unit's tensors as the FP32 pass moves on: returning every unit's inputs and
+    outputs of one 640 px sample instead held about 1 GB.
+    """
+    channel_axes = channel_axes or {}
+    opset = next((o.version for o in local.opset_import if o.domain in ("", "ai.onnx")), 17)
+    taken = {*g.input_names, *g.initializers, *g.producers}
+    renamed = {init.name: f"{init.name}::local" for init in local.graph.initializer
+               if init.name in taken}
+    added = []
+    for node in local.graph.node:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.input[:] = [renamed.get(name, name) for name in node.input]
+        added.append(copy)
+    initializers = [*g.model.graph.initializer,
+                    *(_named(init, renamed.get(init.name, init.name))
+                      for init in local.graph.initializer)]
+
+    def in_float64(tensor: str) -> str:
+        added.append(onnx.helper.make_node("Cast", [tensor], [f"{tensor}::f64"],
+                                           to=onnx.TensorProto.DOUBLE))
+        return f"{tensor}::f64"
+
+    def summed_squares(tensor: str, keep: int | None = None, rank: int = 0) -> str:
+        """Sum of squares of `tensor`, over every axis but `keep` when given."""
+        axes = [] if keep is None else [a for a in range(rank) if a != keep % rank]
+        inputs, attributes = [tensor], {}
+        if axes and opset >= 18:  # ReduceSumSquare-18 takes its axes as an input
+            inputs.append(f"{tensor}::axes")
+            initializers.append(onnx.numpy_helper.from_array(np.array(axes, np.int64),
+                                                             inputs[-1]))
+        elif axes:
+            attributes["axes"] = axes
+        added.append(onnx.helper.make_node("ReduceSumSquare", inputs, [f"{tensor}::sum2"],
+                                           keepdims=0, **attributes))
+        return f"{tensor}::sum2"
+
+    power = {ref: summed_squares(in_float64(ref)) for ref in dict.fromkeys(compared.values())}
+    sums = {}
+    for name, ref in compared.items():
+        added.append(onnx.helper.make_node("Sub", [in_float64(name), f"{ref}::f64"],
+                                           [f"{name}::error"]))
+        sums[name] = (summed_squares(f"{name}::error", channel_axes.get(name),
+                                     len(g.shapes.get(ref) or ())), power[ref])
+    outputs = list(dict.fromkeys(t for pair in sums.values() for t in pair))
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            _interleaved(list(g.model.graph.node), added), "local_error_sums",
+            list(g.model.graph.input),
+            [onnx.helper.make_tensor_value_info(t, onnx.TensorProto.DOUBLE, None)
+             for t in outputs],
+            initializers),
+        opset_imports=local.opset_import)
+    model.ir_version = local.ir_version
+    return model, sums
+
+
+def _interleaved(nodes: list[onnx.NodeProto], added: list[onnx.NodeProto],
+                 ) -> list[onnx.NodeProto]:
+    """`nodes` with each of `added` (in topological order) right after the last one it reads."""
+    after = {out: index for index, node in enumerate(nodes) for out in node.output}
+    slots: list[list[onnx.NodeProto]] = [[] for _ in range(len(nodes) + 1)]
+    for node in added:
+        slot = max((after.get(name, -1) for name in node.input if name), default=-1)
+        after.update(dict.fromkeys(node.output, slot))
+        slots[slot + 1].append(node)
+    return [*slots[0], *(n for node, later in zip(nodes, slots[1:], strict=True)
+                         for n in (node, *later))]

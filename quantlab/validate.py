@@ -15,7 +15,9 @@ Modes for the FP32-vs-engine pair:
   and once unexposed, with its integer kernels, for the outputs and task metrics.
 * ``local``: every quantized node of the engine runs alone, fed the FP32 run's
   input tensors (:mod:`quantlab.sensitivity`), so its row is the error that
-  node's quantization adds; outputs and task metrics come from the unexposed run.
+  node's quantization adds; a linear op's row is taken where TensorRT's fused layer
+  ends, after the activation fused into it (its ``fused_activation`` column names
+  those nodes); outputs and task metrics come from the unexposed run.
 
 Memory is bounded by `memory_budget` whatever the data size and the model's
 activation size: the data streams through in slices of samples, each slice
@@ -51,6 +53,7 @@ from quantlab.experiment import (
     recorded_path,
     write_json,
 )
+from quantlab.fusion import fused_activation
 from quantlab.progress import progress_bar
 from quantlab.report import write_report
 from quantlab.report.validation import validation_section
@@ -81,7 +84,9 @@ NOTES = {
         "for the end-to-end outputs and the task metrics."),
     "local": (
         "Local mode feeds each quantized node of the INT8 model the FP32 run's inputs, so a "
-        "layer row is the error that node's own quantization adds; the end-to-end outputs and "
+        "layer row is the error that node's own quantization adds, taken where TensorRT's "
+        "fused layer ends: after the folded BatchNorm, the bias and the activation TensorRT "
+        "fuses into a Conv/Gemm/MatMul (column fused_activation); the end-to-end outputs and "
         "the task metrics come from an unexposed run of the INT8 model (integer kernels)."),
 }
 
@@ -126,6 +131,8 @@ class _Pair:
     not_compared: list[str]
     extra: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # compared tensor -> the output of the linear op whose fused layer ends there (local mode)
+    layers: dict[str, str] = field(default_factory=dict)
 
 
 def validate(
@@ -242,6 +249,11 @@ def _torch_stage(torch_module, fp32: Backend, data: BatchSource) -> Backend | No
 
 def _pair_result(pair: _Pair, info: pd.DataFrame, order: Sequence[str], threshold_db: float,
                  min_drop_db: float) -> PairResult:
+    if pair.layers:
+        info = info.copy()
+        for tensor, layer in pair.layers.items():
+            info.loc[tensor, ["node", "op_type", "torch_module"]] = \
+                info.loc[layer, ["node", "op_type", "torch_module"]].to_numpy()
     table = pair.comparison.table(info)
     for column, by_tensor in pair.extra.items():
         table[column] = [" ".join(by_tensor.get(t, [])) for t in table["tensor"]]
@@ -326,6 +338,17 @@ def run_stages(
         engine_tensors = [t for t in index.order if t in set(local.outputs.values())]
         upstream = {}  # fed the FP32 inputs, a node's only error is its own: judged against +inf
     extra = {"quantized_inputs": local.quantized_inputs} if local else {}
+    layers: dict[str, str] = {}
+    if local is not None:
+        # A linear op is compared at the end of the activation fused into its layer: its row
+        # names the op, and the activation nodes measured with it.
+        nodes = {node.name: node for node in index.model.graph.node}
+        for name, tensor in local.outputs.items():
+            node = nodes[local.nodes[name]]
+            if tensor not in node.output:
+                layers[tensor] = node.output[0]
+                extra.setdefault("fused_activation", {})[tensor] = [
+                    n.name for n in fused_activation(index, node)]
     sources = getattr(engine, "tensor_sources", None)  # TensorRT: how each tensor was obtained
     if sources:
         extra["obtained"] = {t: [sources[t]] for t in engine_tensors if t in sources}
@@ -334,7 +357,7 @@ def run_stages(
         compare.Comparison(engine_tensors, fp32.name, engine.name, atol, rtol),
         compare.Comparison(index.outputs, fp32.name, engine.name, atol, rtol),
         upstream, [t for t in index.order if t in index.floats and t not in set(engine_tensors)],
-        extra, list(getattr(engine, "notes", []))))
+        extra, list(getattr(engine, "notes", [])), layers))
     scores = {s.name: task.score() for s in (torch_stage, fp32, engine) if s is not None} \
         if task is not None else {}
     torch_tensors = pairs[0].comparison.tensors if torch_stage is not None else []

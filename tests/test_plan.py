@@ -1230,6 +1230,95 @@ def test_local_errors_summed_in_the_graph_equal_numpy_float64_sums(planted_case)
         assert needs == last, node
 
 
+def behind_batchnorm_and_activation() -> tuple[graph.Graph, dict[str, np.ndarray]]:
+    """A depthwise conv behind a BatchNorm and a Relu, and a decoy behind a saturated ReLU6.
+
+    x's channels 4-7 are 30x smaller than 0-3, so the per-tensor scale of the depthwise
+    input crushes them, and the BatchNorm after the depthwise conv scales them (and their
+    noise) up 3x: the layout detector's failure (docs/field-reports/layout-int8.md). The
+    decoy reads z through a coarse scale, but its BatchNorm shifts it to ~15, where the
+    ReLU6 saturates: its noise never leaves its layer. Returns the graph and a batch.
+    """
+    rng = np.random.default_rng(0)
+
+    def batchnorm(name, x, y, gamma, beta):
+        values = {"g": gamma, "b": beta, "m": np.zeros(len(gamma)), "v": np.ones(len(gamma))}
+        node = helper.make_node("BatchNormalization", [x, *(f"{name}_{k}" for k in values)],
+                                [y], name=name, epsilon=0.0)
+        return node, {f"{name}_{k}": v for k, v in values.items()}
+
+    dw_bn, dw_values = batchnorm("dw_bn", "d", "dn", [1.0] * 4 + [3.0] * 4, [0.0] * 8)
+    decoy_bn, decoy_values = batchnorm("decoy_bn", "c", "cn", [1.0] * 4, [15.0] * 4)
+    nodes = [helper.make_node("Conv", ["x", "wd"], ["d"], name="dw", pads=[1] * 4, group=8),
+             dw_bn, helper.make_node("Relu", ["dn"], ["dr"], name="dw_relu"),
+             helper.make_node("Conv", ["dr", "wp"], ["y"], name="pw"),
+             helper.make_node("Conv", ["z", "wz"], ["c"], name="decoy", pads=[1] * 4),
+             decoy_bn, helper.make_node("Clip", ["cn", "lo", "hi"], ["s"], name="decoy_relu6")]
+    values = {"wd": rng.standard_normal((8, 1, 3, 3)) / 3,
+              "wp": rng.standard_normal((8, 8, 1, 1)) / 3,
+              "wz": rng.standard_normal((4, 4, 3, 3)) / 6, "lo": np.float32(0),
+              "hi": np.float32(6), **dw_values, **decoy_values}
+    model = helper.make_model(helper.make_graph(
+        nodes, "behind_batchnorm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8, 12, 12]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 4, 12, 12])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "s")],
+        [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in values.items()]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    rng = np.random.default_rng(1)
+    spread = np.array([1.0] * 4 + [1 / 30] * 4, np.float32)[None, :, None, None]
+    batch = {"x": rng.standard_normal((16, 8, 12, 12)).astype(np.float32) * spread,
+             "z": rng.standard_normal((16, 4, 12, 12)).astype(np.float32)}
+    return graph.Graph(graph.normalize(model)), batch
+
+
+def test_local_sqnr_ranks_the_depthwise_conv_behind_batchnorm_and_relu_first():
+    from numpy.lib.stride_tricks import sliding_window_view
+    from onnx import numpy_helper as nh
+
+    from quantlab import qdq
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    g, batch = behind_batchnorm_and_activation()
+    assert not any(n.op_type == "BatchNormalization" for n in g.model.graph.node)  # folded
+    fp32 = OnnxRuntimeBackend(g.model)
+    names = qdq.activation_tensors_to_calibrate(g.model)
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run(batch, names).items()}
+    amax["z"] *= 300  # the decoy's input: a coarse step (~9), every value rounds to 0
+    units = plan.find_units(g, {"x": list(batch["x"].shape), "z": list(batch["z"].shape)})
+    fused = {u: f["int8"] for u, f in plan.local_sqnr(g, amax, units, [batch], ("int8",)).items()}
+    at_op = {u: f["int8"] for u, f in plan.local_sqnr(
+        g, amax, units, [batch], ("int8",), fuse_activations=False).items()}
+    # Each unit alone in INT8, the others in FP32: its real effect on the outputs.
+    references = fp32.run(batch)
+    effect = {}
+    for unit in units:
+        alone = {n.name: "int8" if n.name in unit.nodes else "fp32" for n in g.model.graph.node}
+        run = OnnxRuntimeBackend(qdq.quantize_model(g.model, amax, alone, high_precision="fp32"))
+        nsr = plan.sample_nsr(run.run(batch), references).mean()
+        effect[unit.name] = -10 * np.log10(nsr) if nsr > 0 else np.inf
+    assert min(effect, key=effect.get) == "dw" and effect["decoy"] == np.inf
+    # Where TensorRT's layer ends (folded BN, Relu) the depthwise conv ranks first; at the
+    # conv's own output the decoy does, whose noise the saturated ReLU6 removes.
+    assert min(fused, key=fused.get) == "dw" and fused["decoy"] == np.inf
+    assert min(at_op, key=at_op.get) == "decoy" and at_op["decoy"] + 3 < at_op["dw"]
+    # The depthwise figure is relu(folded conv(INT8 x, INT8 w) + b) against the FP32 Relu
+    # output, in float64.
+    weights = {i.name: nh.to_array(i).astype(np.float64) for i in g.model.graph.initializer}
+    dw = next(n for n in g.model.graph.node if n.name == "dw")
+    w, b = weights[dw.input[1]], weights[dw.input[2]]
+    w_step = np.abs(w).reshape(8, -1).max(axis=1)[:, None, None, None] / 127
+    x_step = np.float64(np.float32(amax["x"]) / np.float32(127))
+    x = np.clip(np.round(batch["x"] / x_step), -128, 127) * x_step
+    windows = sliding_window_view(np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1))), (3, 3),
+                                  axis=(2, 3))
+    local = np.maximum(np.einsum("nchwij,cij->nchw", windows, (np.round(w / w_step) * w_step)[
+        :, 0]) + b[None, :, None, None], 0)
+    want = fp32.run(batch, ["dr"])["dr"].astype(np.float64)
+    assert fused["dw"] == pytest.approx(
+        10 * np.log10((want ** 2).sum() / ((local - want) ** 2).sum()), abs=0.01)
+
+
 def test_fp16_overflow_gives_minus_infinite_local_sqnr():
     g = depthwise(1.0)
     batch = {"x": np.full((1, 16, 4, 4), 3e4, np.float32)}  # 9 taps of 3e4 overflow float16

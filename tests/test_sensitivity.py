@@ -100,3 +100,76 @@ def test_single_qdq_graph_with_fp16_units_cuts_both(two_convs):
     assert {local.outputs[k]: p for k, p in local.precisions.items()} == {"c": "fp16",
                                                                           "y": "int8"}
 
+
+
+@pytest.fixture(scope="module")
+def hardswish_conv():
+    """x -> conv (3x3, bias) -> c -> decomposed HardSwish (c * clip(c + 3, 0, 6) / 6, a
+    per-channel Div as depthwise equalization leaves it) -> h -> conv2 -> y."""
+    rng = np.random.default_rng(3)
+    w1 = rng.standard_normal((6, 4, 3, 3)).astype(np.float32) / 4
+    b1 = rng.standard_normal(6).astype(np.float32)
+    w2 = rng.standard_normal((3, 6, 1, 1)).astype(np.float32) / 3
+    div = rng.uniform(3, 9, (6, 1, 1)).astype(np.float32)
+    values = {"w1": w1, "b1": b1, "w2": w2, "three": np.float32(3), "zero": np.float32(0),
+              "six": np.float32(6), "div": div}
+    model = graph.normalize(helper.make_model(helper.make_graph(
+        [helper.make_node("Conv", ["x", "w1", "b1"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+         helper.make_node("Add", ["c", "three"], ["a"], name="add"),
+         helper.make_node("Clip", ["a", "zero", "six"], ["k"], name="clip"),
+         helper.make_node("Mul", ["c", "k"], ["m"], name="mul"),
+         helper.make_node("Div", ["m", "div"], ["h"], name="div"),
+         helper.make_node("Conv", ["h", "w2"], ["y"], name="conv2")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 6, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v, k) for k, v in values.items()]),
+        opset_imports=[helper.make_opsetid("", 17)]))
+    x = (rng.standard_normal((3, 4, 6, 6)) * 2).astype(np.float32)
+    h = OnnxRuntimeBackend(model).run({"x": x}, ["h"])["h"]
+    amax = {"x": float(np.abs(x).max()), "h": float(np.abs(h).max())}
+    return model, x, h, amax, values
+
+
+def hardswish(c: np.ndarray, div: np.ndarray) -> np.ndarray:
+    return c * np.clip(c + 3, 0, 6) / div.astype(np.float64)
+
+
+def channel_amax(weight: np.ndarray) -> np.ndarray:
+    return np.abs(weight).reshape(len(weight), -1).max(axis=1)[:, None, None, None]
+
+
+def test_linear_op_is_compared_after_its_fused_activation(hardswish_conv):
+    model, x, h, amax, v = hardswish_conv
+    local = local_error_model(graph.Graph(qdq.quantize_model(model, amax)), graph.Graph(model))
+    # conv1 is compared at the HardSwish output; the activation's nodes are not cut out.
+    assert sorted(local.outputs.values()) == ["h", "y"]
+    assert {local.nodes[k] for k, t in local.outputs.items() if t == "h"} == {"conv1"}
+    values = OnnxRuntimeBackend(local.model, check_inputs=False).run(
+        {name: {"x": x, "h": h}[name] for name in local.feeds})
+    got = {local.outputs[k]: value for k, value in values.items()}
+    want = hardswish(conv2d(int8(x, amax["x"]), int8(v["w1"], channel_amax(v["w1"])), v["b1"],
+                            pad=1), v["div"])
+    assert np.abs(got["h"] - want).max() <= 1e-5 * np.abs(want).max()
+    # Without the fusion (bias correction's measurement) conv1 is compared at c.
+    plain = local_error_model(graph.Graph(qdq.quantize_model(model, amax)), graph.Graph(model),
+                              fuse_activations=False)
+    assert sorted(plain.outputs.values()) == ["c", "y"]
+
+
+def test_weights_only_cuts_each_linear_op_on_fp32_inputs(hardswish_conv):
+    model, x, h, amax, v = hardswish_conv
+    as_int8 = graph.Graph(qdq.quantize_model(model, amax))
+    local = local_error_model([as_int8, as_int8], graph.Graph(model), labels=["a", "b"],
+                              weights_only=True)
+    assert sorted(local.labels.values()) == ["a", "a", "b", "b"]
+    assert "h" in local.feeds and not any(n.op_type == "QuantizeLinear"
+                                          for n in local.model.graph.node)
+    values = OnnxRuntimeBackend(local.model, check_inputs=False).run(
+        {name: {"x": x, "h": h}[name] for name in local.feeds})
+    for name, value in values.items():
+        if local.outputs[name] == "h":  # INT8 weights, FP32 input, then the activation
+            want = hardswish(conv2d(x, int8(v["w1"], channel_amax(v["w1"])), v["b1"], pad=1),
+                             v["div"])
+        else:
+            want = conv2d(h, int8(v["w2"], channel_amax(v["w2"])))
+        assert np.abs(value - want).max() <= 1e-5 * np.abs(want).max(), name

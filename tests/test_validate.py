@@ -387,7 +387,10 @@ def test_local_mode_feeds_a_computed_reshape_shape(tmp_path):
     result = validate(model, quantized, _source(model, x, batch_size=4), tmp_path, mode="local",
                       progress=False)
     table = result.tables[(FP32, ENGINE)].set_index("tensor")
-    assert set(table.index) == {"c", "y"}
+    # The Conv is compared where its TensorRT layer ends: after the Relu fused into it.
+    assert set(table.index) == {"r", "y"}
+    relu = next(n for n in model.graph.node if n.op_type == "Relu")
+    assert table.loc["r", "op_type"] == "Conv" and table.loc["r", "fused_activation"] == relu.name
     # Reference: the MatMul alone on the FP32 Relu output quantized with the same scale.
     scale = numpy_helper.to_array(
         next(i for i in quantized.graph.initializer if i.name == "r_scale")).astype(np.float64)
@@ -520,9 +523,11 @@ def test_no_array_of_a_run_outlives_its_slice(four_conv, tmp_path, monkeypatch):
 
     monkeypatch.setattr(OnnxRuntimeBackend, "run", tracked_run)
     monkeypatch.setattr(validate_module._Stream, "run_slice", checked_slice)
-    whole = validate(model, quantized, _source(model, x), tmp_path / "whole", progress=False)
-    per_sample = whole.summary["memory"]["exposed_bytes_per_sample"]
     for mode in ("global", "local"):
+        # Each mode exposes its own tensors (local: the ends of the fused layers and their feeds).
+        whole = validate(model, quantized, _source(model, x), tmp_path / f"whole_{mode}",
+                         mode=mode, progress=False)
+        per_sample = whole.summary["memory"]["exposed_bytes_per_sample"]
         peaks.clear()
         budget = int(1.2 * per_sample)  # the exposed half holds ~60% of one sample: segments
         result = validate(model, quantized, _source(model, x[:6]), tmp_path / mode, mode=mode,

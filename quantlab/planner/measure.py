@@ -19,6 +19,7 @@ from quantlab import graph, qdq
 from quantlab.errors import ModelError
 from quantlab.graph import Graph
 from quantlab.planner.units import Unit
+from quantlab.sensitivity import error_sums
 
 _FLOAT64_ROWS_BYTES = 32 << 20  # sample_nsr's float64 working copies
 
@@ -342,15 +343,18 @@ def in_runs(run: Callable, source, size: int, axes: Mapping[str, int] | None = N
 
 def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
                batches: Sequence[Mapping[str, np.ndarray]],
-               precisions: Sequence[str] = ("int8", "fp16")) -> dict[str, dict[str, float]]:
+               precisions: Sequence[str] = ("int8", "fp16"), fuse_activations: bool = True,
+               ) -> dict[str, dict[str, float]]:
     """Each unit's local SQNR in dB per precision: its nodes run alone on FP32 inputs.
 
     :func:`quantlab.sensitivity.local_error_model` over the Q/DQ models that run
     every unit in each of `precisions` ("int8", "fp16"), side by side, attached to
     the FP32 model and reduced in the graph (:func:`error_sums`): each run of
     `batches` returns only sums, and noise and signal power are summed over all of
-    them. A unit's figure is its worst node output (-inf when FP16 overflows).
-    Returns unit -> precision -> dB.
+    them. A linear op's error is taken where TensorRT's fused layer ends (after its
+    folded BatchNorm, bias and fused activation; at the op's own output without
+    `fuse_activations`). A unit's figure is its worst linear op (-inf when FP16
+    overflows). Returns unit -> precision -> dB.
     """
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.sensitivity import local_error_model
@@ -358,7 +362,7 @@ def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
     everything = [n for u in units for n in u.nodes]
     local = local_error_model(
         [Graph(qdq.quantize_model(g.model, amax, dict.fromkeys(everything, precision)))
-         for precision in precisions], g)
+         for precision in precisions], g, fuse_activations=fuse_activations)
     model, sums = error_sums(g, local.model, local.outputs)
     backend = OnnxRuntimeBackend(model, name="local errors", memory_pattern=False)
     totals = dict.fromkeys(backend.outputs, 0.0)
@@ -366,88 +370,18 @@ def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
         for name, value in backend.run(batch).items():
             totals[name] += float(value)
     sqnr: dict[tuple[str, str], float] = {}
-    for name, tensor in local.outputs.items():
+    for name in local.outputs:
         noise, power = (totals[sum_name] for sum_name in sums[name])
-        sqnr[(tensor, local.precisions[name])] = (
+        sqnr[(local.nodes[name], local.precisions[name])] = (
             -np.inf if not np.isfinite(noise) else
             10 * np.log10(power / noise) if noise > 0 else np.inf)
-    nodes = {node.name: node for node in g.model.graph.node}
     result: dict[str, dict[str, float]] = {}
     for unit in units:
         for precision in precisions:
-            figures = [sqnr[(o, precision)] for n in unit.linear for o in nodes[n].output
-                       if (o, precision) in sqnr]
+            figures = [sqnr[(n, precision)] for n in unit.linear if (n, precision) in sqnr]
             if figures:
                 result.setdefault(unit.name, {})[precision] = float(min(figures))
     return result
-
-
-def error_sums(g: Graph, local: onnx.ModelProto, compared: Mapping[str, str],
-               ) -> tuple[onnx.ModelProto, dict[str, tuple[str, str]]]:
-    """`g`'s model with the `local` graph reading its tensors, and the errors summed in it.
-
-    `local` reads tensors of `g` by name (its graph inputs) and `compared` maps each
-    of its outputs to the tensor of `g` it approximates. The model returns, for each,
-    the float64 sum of squared differences and the reference's float64 sum of
-    squares (`sums`: output -> (noise, power) names), and nothing else. Each added
-    node sits right after the last node of `g` it reads, so ONNX Runtime frees a
-    unit's tensors as the FP32 pass moves on: returning every unit's inputs and
-    outputs of one 640 px sample instead held about 1 GB.
-    """
-    from quantlab.sensitivity import _named
-
-    taken = {*g.input_names, *g.initializers, *g.producers}
-    renamed = {init.name: f"{init.name}::local" for init in local.graph.initializer
-               if init.name in taken}
-    added = []
-    for node in local.graph.node:
-        copy = onnx.NodeProto()
-        copy.CopyFrom(node)
-        copy.input[:] = [renamed.get(name, name) for name in node.input]
-        added.append(copy)
-    initializers = [*g.model.graph.initializer,
-                    *(_named(init, renamed.get(init.name, init.name))
-                      for init in local.graph.initializer)]
-
-    def in_float64(tensor: str) -> str:
-        added.append(onnx.helper.make_node("Cast", [tensor], [f"{tensor}::f64"],
-                                           to=onnx.TensorProto.DOUBLE))
-        return f"{tensor}::f64"
-
-    def summed_squares(tensor: str) -> str:
-        added.append(onnx.helper.make_node("ReduceSumSquare", [tensor], [f"{tensor}::sum2"],
-                                           keepdims=0))
-        return f"{tensor}::sum2"
-
-    power = {ref: summed_squares(in_float64(ref)) for ref in dict.fromkeys(compared.values())}
-    sums = {}
-    for name, ref in compared.items():
-        added.append(onnx.helper.make_node("Sub", [in_float64(name), f"{ref}::f64"],
-                                           [f"{name}::error"]))
-        sums[name] = (summed_squares(f"{name}::error"), power[ref])
-    outputs = list(dict.fromkeys(t for pair in sums.values() for t in pair))
-    model = onnx.helper.make_model(
-        onnx.helper.make_graph(
-            _interleaved(list(g.model.graph.node), added), "local_error_sums",
-            list(g.model.graph.input),
-            [onnx.helper.make_tensor_value_info(t, onnx.TensorProto.DOUBLE, []) for t in outputs],
-            initializers),
-        opset_imports=local.opset_import)
-    model.ir_version = local.ir_version
-    return model, sums
-
-
-def _interleaved(nodes: list[onnx.NodeProto], added: list[onnx.NodeProto],
-                 ) -> list[onnx.NodeProto]:
-    """`nodes` with each of `added` (in topological order) right after the last one it reads."""
-    after = {out: index for index, node in enumerate(nodes) for out in node.output}
-    slots: list[list[onnx.NodeProto]] = [[] for _ in range(len(nodes) + 1)]
-    for node in added:
-        slot = max((after.get(name, -1) for name in node.input if name), default=-1)
-        after.update(dict.fromkeys(node.output, slot))
-        slots[slot + 1].append(node)
-    return [*slots[0], *(n for node, later in zip(nodes, slots[1:], strict=True)
-                         for n in (node, *later))]
 
 
 def single_samples(source, batch: Mapping[str, np.ndarray],
