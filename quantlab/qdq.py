@@ -158,6 +158,7 @@ def quantize_model(
     per_channel: bool = True,
     high_precision: str = "fp16",
     weight_criterion: str = "max",
+    weight_amax: Mapping[str, np.ndarray] | None = None,
 ) -> onnx.ModelProto:
     """Return a copy of `model` with Q/DQ pairs placed by TensorRT's explicit-quantization rules.
 
@@ -168,7 +169,9 @@ def quantize_model(
     float16) and its outputs are cast back to float32, so a strongly typed
     TensorRT network runs it in FP16; `high_precision="fp32"` runs those nodes in
     FP32 instead (no casts). Weights are per-channel unless `per_channel` is False, their
-    amax chosen by `weight_criterion` (:func:`weight_amax`).
+    amax chosen by `weight_criterion` (:func:`weight_amax`) except where `weight_amax`
+    (weight initializer -> per-channel amax, :func:`quantlab.weights.choose_weight_amax`)
+    gives it.
     """
     if high_precision not in HIGH_PRECISIONS:
         raise ConfigError(f"high precision '{high_precision}' is not one of "
@@ -177,7 +180,7 @@ def quantize_model(
     model = index.model
     placement = place(index, plan)
     scales = {t: activation_scale(t, amax) for t in set(placement.source.values())}
-    result = _build(model, placement, scales, per_channel, weight_criterion)
+    result = _build(model, placement, scales, per_channel, weight_criterion, weight_amax or {})
     if high_precision == "fp16":
         _cast_to_fp16(result, {name for name, p in _precisions(model, plan).items()
                                if p == "fp16"})
@@ -496,9 +499,13 @@ def quantize_weight(weight: np.ndarray, scale: np.ndarray, axis: int | None) -> 
 
 
 def weight_dequantizer(weight: np.ndarray, name: str, axis: int | None, names: FreshNames,
-                       criterion: str = "max") -> tuple[list[onnx.TensorProto], onnx.NodeProto]:
-    """The int8 weight, scale and zero-point initializers of `name` and its DequantizeLinear."""
-    scale = weight_amax(weight, axis, criterion) / np.float32(_QMAX)
+                       criterion: str = "max", amax: np.ndarray | None = None,
+                       ) -> tuple[list[onnx.TensorProto], onnx.NodeProto]:
+    """The int8 weight, scale and zero-point initializers of `name` and its DequantizeLinear
+    (amax by `criterion`, or `amax` when given)."""
+    if amax is None:
+        amax = weight_amax(weight, axis, criterion)
+    scale = np.maximum(np.asarray(amax, np.float32), np.float32(_MIN_AMAX)) / np.float32(_QMAX)
     q_name, s_name, z_name = (names(f"{name}_{s}") for s in ("quantized", "scale", "zero_point"))
     stored = [
         numpy_helper.from_array(quantize_weight(weight, scale, axis), q_name),
@@ -530,7 +537,7 @@ class FreshNames:
 
 
 def _build(model, placement: Placement, scales, per_channel: bool,
-           weight_criterion: str) -> onnx.ModelProto:
+           weight_criterion: str, given: Mapping[str, np.ndarray]) -> onnx.ModelProto:
     result = onnx.ModelProto()
     result.CopyFrom(model)
     g = result.graph
@@ -546,8 +553,12 @@ def _build(model, placement: Placement, scales, per_channel: bool,
     for edge, (weight_name, axis) in placement.weights.items():
         axis = axis if per_channel else None
         if (weight_name, axis) not in weight_dq:
+            amax = given.get(weight_name)
+            shape = () if axis is None else (weights[weight_name].shape[axis],)
+            if amax is not None and np.shape(amax) != shape:
+                amax = None  # chosen for another axis (per-tensor weights): by the criterion
             stored, dequantize = weight_dequantizer(weights[weight_name], weight_name, axis,
-                                                    names, weight_criterion)
+                                                    names, weight_criterion, amax)
             g.initializer.extend(stored)
             prelude.append(dequantize)
             weight_dq[(weight_name, axis)] = dequantize.output[0]

@@ -1,0 +1,132 @@
+"""Per-channel weight amax chosen by the error of the layer TensorRT runs, on calibration data.
+
+:func:`quantlab.qdq.weight_amax` offers one criterion for every weight: max |w|, or the
+amax with the least int8 error of the weights themselves (MSE). Neither is right
+everywhere: the MSE amax clips a channel's largest weights, and whether that costs more
+than the finer step gains depends on what the layer reads (benchmarks/README.md: MSE
+weights lost 0.3-1.3 dB of output SQNR on 8 of 28 model/calibrator pairs and gained on 3).
+So each output channel takes the candidate whose layer output is closest to FP32 where
+TensorRT computes it: the linear op with the candidate's INT8 weights on the FP32 input,
+with the folded BatchNorm, the bias and the fused activation
+(:func:`quantlab.sensitivity.local_error_model`). An output channel's error depends on that
+channel's weights alone (the activation acts on each element), so the per-channel choice
+minimizes the layer's error over every mix of the candidates, in one pass over the data.
+
+The input is FP32, not INT8: the weights' error is then measured alone. With the INT8
+input the layer's error is mostly the input's rounding, the same for every candidate, and
+its products with the weight error (zero on average) decide the choice by sampling noise:
+on a constructed conv (tests/test_weights.py) the INT8-input criterion picked the MSE amax
+for a channel whose clipped weights read the loudest input channel, where FP32 inputs
+measure 2x the error of max |w|.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from quantlab import graph, qdq
+from quantlab.errors import DataError
+from quantlab.graph import Graph
+
+# The amax candidates of every weight channel, the first one kept on a tie.
+CANDIDATES = ("max", "mse")
+# Output-channel axis of a linear op's output (the weight's per-channel axis maps onto it).
+_OUTPUT_AXIS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1, "MatMul": -1}
+
+
+@dataclass
+class WeightChoice:
+    """Chosen weight amax (weight initializer -> per-channel amax) and, per weight tensor,
+    what was chosen and the local SQNR each candidate and the choice give."""
+
+    amax: dict[str, np.ndarray] = field(default_factory=dict)
+    tensors: dict[str, dict] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        """Counts for ``calibration.json``: channels taking each candidate, tensors improved."""
+        channels = {c: sum(t["channels_by_candidate"].get(c, 0) for t in self.tensors.values())
+                    for c in CANDIDATES}
+        return {"tensors": len(self.tensors), "channels_by_candidate": channels}
+
+
+def choose_weight_amax(model: onnx.ModelProto | Graph,
+                       batches: Iterable[Mapping[str, np.ndarray]],
+                       candidates: Sequence[str] = CANDIDATES) -> WeightChoice:
+    """Per output channel of every INT8 weight, the candidate amax with the least local error.
+
+    `model` is the normalized FP32 model and `batches` the calibration data: one pass of
+    the FP32 model with, beside it, every linear op once per candidate on its FP32 input,
+    reduced to per-channel squared errors in the graph
+    (:func:`quantlab.sensitivity.error_sums`). Weights that cannot be cut out for a
+    local measurement are left out (quantized by the first candidate).
+    """
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.sensitivity import error_sums, local_error_model
+
+    index = qdq.indexed(model)
+    placement = qdq.place(index)
+    nodes = {node.name: node for node in index.model.graph.node}
+    readers: dict[str, list[tuple[str, int | None]]] = {}
+    for (node, _), (weight, axis) in placement.weights.items():
+        if qdq.LINEAR_OPS.get(nodes[node].op_type) == 1 and nodes[node].input[1] == weight:
+            readers.setdefault(weight, []).append((node, axis))
+    values = graph.initializers(index.model)
+    options = {w: {c: qdq.weight_amax(values[w], r[0][1], c) for c in candidates}
+               for w, r in readers.items()}
+    unused = dict.fromkeys(qdq.activation_tensors_to_calibrate(index), 1.0)  # pairs left out
+    local = local_error_model(
+        [Graph(qdq.quantize_model(index, unused, weight_criterion=c)) for c in candidates],
+        index, labels=list(candidates), weights_only=True)
+    axes = {node: axis for reads in readers.values() for node, axis in reads}
+    by_node = {(local.nodes[name], local.labels[name]): name for name in local.outputs}
+    wanted = [name for name in local.outputs if local.nodes[name] in axes]
+    if not wanted:
+        return WeightChoice()
+    # Per-channel weights: the noise per output channel; per-tensor weights: one sum.
+    summed, sums = error_sums(index, local.model, {n: local.outputs[n] for n in wanted},
+                              {n: _OUTPUT_AXIS[nodes[local.nodes[n]].op_type] for n in wanted
+                               if axes[local.nodes[n]] is not None})
+    backend = OnnxRuntimeBackend(summed, name="weight errors", memory_pattern=False)
+    totals: dict[str, np.ndarray] = {}
+    count = 0
+    for batch in batches:
+        count += 1
+        for name, value in backend.run(batch).items():
+            totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)
+    if not count:
+        raise DataError("the calibration data holds no batches; choosing weight amax by the "
+                        "layer error needs at least one sample.")
+    result = WeightChoice()
+    for weight, reads in readers.items():
+        outputs = [[by_node.get((node, c)) for c in candidates] for node, _ in reads]
+        if any(name is None or name not in wanted for row in outputs for name in row):
+            continue
+        noise = np.array([sum(np.atleast_1d(totals[sums[row[k]][0]]) for row in outputs)
+                          for k in range(len(candidates))])  # candidate x channel
+        power = sum(float(totals[sums[row[0]][1]]) for row in outputs)
+        if not np.isfinite(noise).all():
+            continue
+        best = np.argmin(noise, axis=0)  # the first candidate on a tie
+        chosen = np.choose(best, [options[weight][c] * np.ones(noise.shape[1])
+                                  for c in candidates]).astype(np.float32)
+        axis = reads[0][1]
+        result.amax[weight] = chosen if axis is not None else chosen.reshape(())
+        picked = noise[best, np.arange(noise.shape[1])].sum()
+        result.tensors[weight] = {
+            "nodes": [node for node, _ in reads],
+            "channels": int(noise.shape[1]),
+            "channels_by_candidate": {c: int((best == k).sum())
+                                      for k, c in enumerate(candidates)},
+            "local_sqnr_db": {**{c: _db(power, noise[k].sum())
+                                 for k, c in enumerate(candidates)},
+                              "chosen": _db(power, picked)},
+        }
+    return result
+
+
+def _db(power: float, noise: float) -> float:
+    return float(10 * np.log10(power / noise)) if noise > 0 else float("inf")
