@@ -10,7 +10,18 @@ METHODS = ("entropy", "max", "percentile", "mse")
 # The method `quantlab calibrate` uses unless told otherwise: chosen by measurement on
 # the real-model suite and the zoo (benchmarks/default_method.py, docs/calibration.md).
 DEFAULT_METHOD = "percentile"
+# The calibrate command's own method: per layer, the calibrator whose amax gives the layer
+# the least error on the calibration data (quantlab.pipeline.calibrate_from_stats).
+AUTO_METHOD = "auto"
+CALIBRATE_METHODS = (*METHODS, AUTO_METHOD)
+# calibrate's default since issue 19 (with the weight amax by layer error and bias
+# correction), by benchmarks/default_method.py's rule: behind the best on 1 of 7 models
+# (silero-vad), auto on 2, percentile on 3. plan and validate keep DEFAULT_METHOD.
+DEFAULT_CALIBRATE_METHOD = "mse"
 # Validation modes of quantlab.validate: stages end to end, or each INT8 layer fed FP32 inputs.
 MODES = ("global", "local")
 # How quantlab.qdq chooses a weight channel's amax: max |w|, or least int8 squared error.
 WEIGHT_CRITERIA = ("max", "mse")
+# calibrate's weight amax: also "local", per channel the one of the two that gives the layer
+# TensorRT runs the least error on the calibration data (quantlab.weights).
+CALIBRATE_WEIGHT_CRITERIA = ("local", *WEIGHT_CRITERIA)

@@ -17,9 +17,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 
-from quantlab import cache, calibrate, collect, folding, graph, qdq, trt_ranges
+from quantlab import cache, calibrate, choices, collect, folding, graph, qdq, trt_ranges
 from quantlab.backends.onnxruntime import SESSION_CONFIG
 from quantlab.data import (
     BatchSource,
@@ -42,14 +43,35 @@ CALIBRATION_FILES = (
     "stats.npz",
     "calibration.json",
 )
-# TensorRT names the algorithm in the cache header; max/percentile/mse caches are
+# TensorRT names the algorithm in the cache header; max/percentile/mse/auto caches are
 # written with the min-max header because TensorRT has no calibrator of those names.
 CACHE_ALGORITHM = {
     "entropy": "EntropyCalibration2",
     "max": "MinMaxCalibration",
     "percentile": "MinMaxCalibration",
     "mse": "MinMaxCalibration",
+    "auto": "MinMaxCalibration",
 }
+AUTO = choices.AUTO_METHOD
+# The amax each layer chooses from with method "auto" (label -> calibrator, parameters):
+# the four calibrators and a percentile a decade further out, the best single calibrator
+# on the equalized layout detector with plain weights (20.5 / 17.1 dB on its two page
+# seeds, benchmarks/README.md).
+AUTO_CANDIDATES = {
+    "percentile": ("percentile", {}),
+    "percentile 99.999": ("percentile", {"percentile": 99.999}),
+    "entropy": ("entropy", {}),
+    "max": ("max", {}),
+    "mse": ("mse", {}),
+}
+AUTO_DEFAULT = "percentile"  # for tensors no layer chooses
+# Samples the per-layer choices (method "auto", weight amax "local") measure on: the
+# planner chooses on 8; more steady the choice, each a local pass per candidate.
+CHOICE_SAMPLES = 32
+WEIGHT_CRITERIA = choices.CALIBRATE_WEIGHT_CRITERIA
+DEFAULT_WEIGHT_CRITERION = "local"
+# "local" chooses between these two qdq criteria; quantize_model takes the chosen amax.
+_QDQ_CRITERION = {"local": "max"}
 
 
 @dataclass
@@ -65,8 +87,13 @@ class CalibrationResult:
     preprocess: Preprocess | None = None
     # Repairs applied to the FP32 model before collection (name -> RepairReport.to_dict()).
     repairs: dict = field(default_factory=dict)
-    # How the weights' per-channel amax was chosen (qdq.WEIGHT_CRITERIA).
+    # How the weights' per-channel amax was chosen (qdq.WEIGHT_CRITERIA), and with "local"
+    # per weight tensor what was chosen (weights.WeightChoice.tensors).
     weight_criterion: str = "max"
+    weight_choice: dict = field(default_factory=dict)
+    # method "auto": the candidates, the samples measured and layer (unit) -> the candidate
+    # its amax came from.
+    layer_calibrators: dict = field(default_factory=dict)
 
 
 def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
@@ -163,7 +190,7 @@ def run_calibration(
     model: str | os.PathLike | onnx.ModelProto,
     data: str | os.PathLike | BatchSource | object,
     out: str | os.PathLike,
-    method: str = calibrate.DEFAULT_METHOD,
+    method: str = choices.DEFAULT_CALIBRATE_METHOD,
     method_params: Mapping[str, float] | None = None,
     batch_size: int = 32,
     max_samples: int | None = None,
@@ -175,14 +202,20 @@ def run_calibration(
     batch_axes: Mapping[str, int | None] | None = None,
     memory_budget: int | str | None = None,
     equalize: bool = True,
-    weight_criterion: str = "max",
+    weight_criterion: str = DEFAULT_WEIGHT_CRITERION,
+    bias_correction: bool = True,
 ) -> CalibrationResult:
     """Calibrate `model` on `data` and write the experiment folder `out`.
 
     With `equalize` (default), depthwise-conv inputs whose channels differ in range are
     equalized first where the statistics predict a gain (:func:`repairs.depthwise_equalization`:
     one more FP32 pass over the data, FP32 function unchanged); ``calibration.json``
-    records every depthwise input, treated or not, with the reason.
+    records every depthwise input, treated or not, with the reason. `method`, the weight
+    amax (`weight_criterion`) and `bias_correction` are those of
+    :func:`calibrate_from_stats`; by default activations take the mse calibrator's amax,
+    each weight channel max |w| or its MSE amax, whichever gives the layer TensorRT runs
+    the least error, and every INT8 layer's mean error is corrected in its bias where that
+    holds on data it was not measured on.
 
     `constants` freezes inputs shared by every sample (``{"sr": 16000}``; 0-d
     arrays of an ``.npz`` are taken the same way) and `batch_axes` sets the sample
@@ -198,10 +231,7 @@ def run_calibration(
     exposed tensors; about twice the collection time of the Q/DQ inputs alone).
     """
     method_params = dict(method_params or {})
-    calibrate.check_method(method, method_params)
-    if weight_criterion not in qdq.WEIGHT_CRITERIA:
-        raise ConfigError(f"weight criterion '{weight_criterion}' is not one of "
-                          f"{', '.join(qdq.WEIGHT_CRITERIA)}.")
+    check_options(method, method_params, weight_criterion)
     model = prepare_model(model, data, constants, batch_axes)
     inputs = graph.input_specs(model)
     source = (
@@ -226,8 +256,8 @@ def run_calibration(
         check_cache_names(tensors)
     stats = collect.collect(index, source, tensors, progress=progress, memory_budget=memory_budget)
     result = calibrate_from_stats(index, stats, source, method, method_params, preprocess,
-                                  weight_criterion)
-    result.repairs = applied
+                                  weight_criterion, bias_correction)
+    result.repairs = {**applied, **result.repairs}
     write_results(result, out, force=force, trt_version=trt_version)
     return result
 
@@ -263,6 +293,20 @@ def _describe(model: onnx.ModelProto) -> str:
     return f"the model '{model.graph.name}'" if model.graph.name else "the model"
 
 
+def check_options(method: str, method_params: Mapping[str, float],
+                  weight_criterion: str) -> None:
+    """ConfigError unless `method` (with its parameters) and `weight_criterion` are known."""
+    if method != AUTO:
+        calibrate.check_method(method, dict(method_params))
+    elif method_params:
+        raise ConfigError(f"method 'auto' takes no parameters (got {dict(method_params)}): it "
+                          f"chooses per layer among {', '.join(AUTO_CANDIDATES)}. Pass "
+                          "--method percentile to set the percentile.")
+    if weight_criterion not in WEIGHT_CRITERIA:
+        raise ConfigError(f"weight criterion '{weight_criterion}' is not one of "
+                          f"{', '.join(WEIGHT_CRITERIA)}.")
+
+
 def calibrate_from_stats(
     model: onnx.ModelProto | graph.Graph,
     stats: collect.Statistics,
@@ -271,19 +315,151 @@ def calibrate_from_stats(
     method_params: Mapping[str, float] | None = None,
     preprocess: Preprocess | None = None,
     weight_criterion: str = "max",
+    bias_correction: bool = False,
 ) -> CalibrationResult:
-    """Scales by `method` from statistics already collected, and the Q/DQ model they give
-    (weight amax by `weight_criterion`, :func:`qdq.weight_amax`).
+    """Scales by `method` from statistics already collected, and the Q/DQ model they give.
+
+    `method` is a calibrator of :mod:`quantlab.calibrate`, or ``"auto"``: each layer (a
+    unit of :func:`quantlab.plan.find_units`) takes the amax of the candidate of
+    AUTO_CANDIDATES that gives it the least local error where TensorRT's fused layer
+    ends (:func:`quantlab.plan.choose_calibrators`, one local pass per candidate over up
+    to CHOICE_SAMPLES samples), tensors of no layer the percentile's. Weight amax by
+    `weight_criterion`: ``"max"``, ``"mse"`` (:func:`qdq.weight_amax`) or ``"local"``
+    (per output channel the one of the two with the least layer error,
+    :func:`quantlab.weights.choose_weight_amax`, one pass over the same samples). With
+    `bias_correction`, every INT8 layer's mean output error on `source` is subtracted
+    from its bias (:func:`quantlab.repairs.bias_correction`, local mode: one pass) when
+    it holds on data it was not measured on: measured on either half of `source`, it
+    must lower the output noise on the other (two folds, one more pass over the data
+    and a few runs; the report in ``repairs`` gives the figures and the verdict).
 
     `stats` must cover :func:`qdq.activation_tensors_to_calibrate` of the normalized
     `model` (and :func:`trt_ranges.tensors_to_calibrate` for a calibration cache); one
     collection serves every method (the demo compares them all).
     """
-    scales = calibrate.calibrate(stats, method, **dict(method_params or {}))
+    check_options(method, dict(method_params or {}), weight_criterion)
     index = qdq.indexed(model)
-    quantized = qdq.quantize_model(index, scales.amax, weight_criterion=weight_criterion)
+    measured = _choice_samples(index, source) if method == AUTO or \
+        weight_criterion == "local" else []
+    chosen: dict = {}
+    if method == AUTO:
+        scales, chosen = _auto_scales(index, stats, measured)
+    else:
+        scales = calibrate.calibrate(stats, method, **dict(method_params or {}))
+    weight_amax, weight_choice = None, {}
+    if weight_criterion == "local":
+        from quantlab import weights
+
+        choice = weights.choose_weight_amax(index, measured)
+        weight_amax, weight_choice = choice.amax, {"summary": choice.summary(),
+                                                   "tensors": choice.tensors}
+    quantized = qdq.quantize_model(index, scales.amax, weight_criterion=_QDQ_CRITERION.get(
+        weight_criterion, weight_criterion), weight_amax=weight_amax)
+    corrected = {}
+    if bias_correction:
+        from quantlab import repairs
+
+        folds = _bias_correction_folds(index, quantized, source)
+        kept = bool(folds) and all(f["output_nsr_with"] < f["output_nsr_without"]
+                                   for f in folds)
+        shifted, report = repairs.bias_correction(index.model, quantized, source)
+        report.summary.update({"kept": kept, "folds": folds})
+        quantized = shifted if kept else quantized
+        corrected = {report.repair: report.to_dict()}
     return CalibrationResult(index.model, quantized, stats, scales, source,
-                             preprocess=preprocess, weight_criterion=weight_criterion)
+                             preprocess=preprocess, repairs=corrected,
+                             weight_criterion=weight_criterion, weight_choice=weight_choice,
+                             layer_calibrators=chosen)
+
+
+def _bias_correction_folds(index: graph.Graph, quantized: onnx.ModelProto,
+                           source: BatchSource) -> list[dict]:
+    """Does bias correction hold on data it was not measured on? Two folds: the correction
+    measured on one half of `source`, the output noise without and with it on up to
+    CHOICE_SAMPLES / 2 samples of the other half. Empty when `source` cannot be halved
+    (one sample, or one batch of a fixed-batch model).
+
+    Measured on its own data, the correction looks better: on silero-vad with entropy
+    scales it lowered the output noise of calibration samples it was measured on by 14 %
+    and cost 1.9-2.3 dB of held-out output SQNR; the folds reject it there (noise 0.019
+    -> 0.066 and 0.013 -> 0.159) and keep it on the layout detector (-28 % to -46 %, both
+    folds, both page seeds; benchmarks/README.md).
+    """
+    from quantlab import repairs
+
+    fixed = graph.fixed_batch_size(index.model) or 1
+    half = source.num_samples // 2 // fixed * fixed
+    if half < 1:
+        return []
+    halves = [source.subset(0, half), source.subset(half, source.num_samples)]
+    folds = []
+    for measured_on, scored_on, label in ((0, 1, "first half"), (1, 0, "second half")):
+        shifted, _ = repairs.bias_correction(index.model, quantized, halves[measured_on])
+        samples = _choice_samples(index, halves[scored_on], CHOICE_SAMPLES // 2)
+        without, with_it = _output_nsr(index.model, [quantized, shifted], samples)
+        folds.append({"measured_on": label, "samples_scored": len(samples),
+                      "output_nsr_without": without, "output_nsr_with": with_it})
+    return folds
+
+
+def _output_nsr(model: onnx.ModelProto, candidates: list[onnx.ModelProto],
+                samples: list[dict]) -> list[float]:
+    """Each candidate Q/DQ model's output noise-to-signal ratio against `model` (FP32):
+    |y - r|^2 / |r|^2 of each float output of a sample (whatever axis holds the sample:
+    one per run), averaged over outputs and `samples` (the planner's measure)."""
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    fp32 = OnnxRuntimeBackend(model, name="fp32")
+    references = [fp32.run(sample) for sample in samples]
+    result = []
+    for candidate in candidates:
+        backend = OnnxRuntimeBackend(candidate, name="int8")
+        ratios = []
+        for sample, reference in zip(samples, references, strict=True):
+            outputs = backend.run(sample)
+            for name, want in reference.items():
+                if np.issubdtype(want.dtype, np.floating):
+                    want = want.astype(np.float64)
+                    ratios.append(np.sum((outputs[name] - want) ** 2) /
+                                  max(float(np.sum(want ** 2)), np.finfo(np.float64).tiny))
+        result.append(float(np.mean(ratios)))
+    return result
+
+
+def _choice_samples(index: graph.Graph, source: BatchSource,
+                    limit: int = CHOICE_SAMPLES) -> list[dict]:
+    """Up to `limit` samples of `source`, one batch each (a fixed-batch model's batches
+    whole): what the per-layer choices measure on."""
+    fixed = graph.fixed_batch_size(index.model) is not None
+    samples: list[dict] = []
+    for batch in source:
+        parts = [batch] if fixed else [source.slice(batch, i, i + 1)
+                                       for i in range(source.length(batch))]
+        samples.extend(parts[:max(0, limit - len(samples))])
+        if len(samples) >= limit:
+            break
+    return samples
+
+
+def _auto_scales(index: graph.Graph, stats: collect.Statistics, samples: list[dict],
+                 ) -> tuple[calibrate.Scales, dict]:
+    """Method "auto": per layer the candidate amax with the least local error (see
+    :func:`calibrate_from_stats`), Concat-joined pairs at their widest member's; and the
+    record of the choice (candidates, samples, layer -> the candidate taken)."""
+    from quantlab import plan
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    candidates = {label: calibrate.calibrate(stats, name, **params).amax
+                  for label, (name, params) in AUTO_CANDIDATES.items()}
+    first = samples[0]
+    fp32 = OnnxRuntimeBackend(index.model, name="fp32")
+    units = plan.find_units(index, {name: np.shape(value) for name, value in first.items()},
+                            lambda names: {n: a.shape for n, a in fp32.run(first, names).items()})
+    amax, chosen = plan.choose_calibrators(index, candidates, units, samples,
+                                           candidates[AUTO_DEFAULT])
+    amax = plan.share_scales(index, amax)
+    return calibrate.Scales(amax, AUTO, {}, stats.num_samples), {
+        "candidates": list(AUTO_CANDIDATES), "samples": len(samples), "chosen": chosen}
 
 
 def write_results(
@@ -349,6 +525,12 @@ def write_results(
                 # treated and left alone (and why).
                 "repairs": result.repairs,
                 "weight_amax": result.weight_criterion,
+                # weight_amax "local": per weight tensor, the channels taking max |w| or the
+                # MSE amax and the local SQNR each gives.
+                "weight_amax_choice": result.weight_choice,
+                # method "auto": the candidates, the samples the choice measured, and per
+                # layer (unit, named by its first linear op) the candidate whose amax it took.
+                "layer_calibrators": result.layer_calibrators,
             },
         )
     result.folder = Path(out)

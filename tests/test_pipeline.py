@@ -165,3 +165,83 @@ def test_rerun_into_a_folder_a_killed_run_left_works_without_force(tmp_path):
     pipeline.run_calibration(small_model(), DATA, out, progress=False)
     assert sorted(os.listdir(tmp_path)) == ["run"]
     assert sorted(os.listdir(out)) == WITHOUT_CACHE
+
+
+def test_default_run_records_every_choice_and_auto_chooses_per_layer(tmp_path):
+    from quantlab import calibrate, choices, qdq
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.experiment import read_json
+
+    default = pipeline.run_calibration(small_model(), DATA, tmp_path / "default",
+                                       progress=False)
+    record = read_json(tmp_path / "default" / "calibration.json")
+    assert record["method"] == choices.DEFAULT_CALIBRATE_METHOD == "mse"
+    assert record["weight_amax"] == "local" and record["layer_calibrators"] == {}
+    assert "bias_correction" in record["repairs"]
+    assert default.scales.amax == calibrate.calibrate(default.stats, "mse").amax
+    result = pipeline.run_calibration(small_model(), DATA, tmp_path / "auto", method="auto",
+                                      progress=False)
+    record = read_json(tmp_path / "auto" / "calibration.json")
+    assert record["method"] == "auto" and record["params"] == {}
+    layers = record["layer_calibrators"]
+    assert layers["candidates"] == list(pipeline.AUTO_CANDIDATES)
+    assert layers["samples"] == len(DATA) and set(layers["chosen"]) == {"conv1", "conv2"}
+    assert set(layers["chosen"].values()) <= set(pipeline.AUTO_CANDIDATES)
+    assert record["weight_amax"] == "local"
+    tensors = record["weight_amax_choice"]["tensors"]
+    assert set(tensors) == {"w1", "w2"} and all(
+        t["local_sqnr_db"]["chosen"] >= max(t["local_sqnr_db"]["max"], t["local_sqnr_db"]["mse"])
+        for t in tensors.values())
+    corrected = record["repairs"]["bias_correction"]
+    assert {a["node"] for a in corrected["applied"]} == {"conv1", "conv2"}
+    # Kept only if, measured on either half of the data, it lowers the noise on the other.
+    folds = corrected["summary"]["folds"]
+    assert [f["measured_on"] for f in folds] == ["first half", "second half"]
+    assert [f["samples_scored"] for f in folds] == [len(DATA) // 2] * 2
+    assert corrected["summary"]["kept"] == all(
+        f["output_nsr_with"] < f["output_nsr_without"] for f in folds)
+    # Each layer's amax is the one of the candidate it chose.
+    stats = collect.Statistics.load(tmp_path / "auto" / "stats.npz")
+    source = {label: calibrate.calibrate(stats, name, **params).amax
+              for label, (name, params) in pipeline.AUTO_CANDIDATES.items()}
+    place = qdq.place(result.model)
+    for node, label in layers["chosen"].items():
+        tensor = next(t for t, readers in place.readers.items() if (node, 0) in readers)
+        assert result.scales.amax[tensor] == source[label][tensor]
+    # The plain calibration is still one call away, and equals quantize_model of its scales.
+    plain = pipeline.run_calibration(small_model(), DATA, tmp_path / "plain", method="percentile",
+                                     weight_criterion="max", bias_correction=False,
+                                     progress=False)
+    again = qdq.quantize_model(plain.model, plain.scales.amax)
+    run = {"input": DATA}
+    np.testing.assert_array_equal(OnnxRuntimeBackend(plain.qdq_model).run(run)["output"],
+                                  OnnxRuntimeBackend(again).run(run)["output"])
+    assert read_json(tmp_path / "plain" / "calibration.json")["layer_calibrators"] == {}
+    with pytest.raises(ConfigError, match="method 'auto' takes no parameters"):
+        pipeline.run_calibration(small_model(), DATA, tmp_path / "bad", method="auto",
+                                 method_params={"percentile": 99.9}, progress=False)
+
+
+def test_a_bias_correction_that_raises_the_output_noise_is_left_out(tmp_path, monkeypatch):
+    from quantlab import repairs
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    def harmful(fp32_model, qdq_model, batches):  # every bias shifted by 10: far worse
+        shifted, report = real(fp32_model, qdq_model, batches)
+        for init in shifted.graph.initializer:
+            if init.name.endswith("_bias"):
+                init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) + 10,
+                                                      init.name))
+        return shifted, report
+
+    real = repairs.bias_correction
+    monkeypatch.setattr(repairs, "bias_correction", harmful)
+    result = pipeline.run_calibration(small_model(), DATA, tmp_path / "run", progress=False)
+    summary = result.repairs["bias_correction"]["summary"]
+    assert not summary["kept"] and all(f["output_nsr_with"] > f["output_nsr_without"]
+                                       for f in summary["folds"])
+    plain = pipeline.calibrate_from_stats(result.model, result.stats, result.data, "mse",
+                                          weight_criterion="local")
+    run = {"input": DATA}
+    np.testing.assert_array_equal(OnnxRuntimeBackend(result.qdq_model).run(run)["output"],
+                                  OnnxRuntimeBackend(plain.qdq_model).run(run)["output"])

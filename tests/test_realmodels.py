@@ -94,15 +94,16 @@ CASES = {
                                  "0.99609375", "--std", "1", "1", "1"),
                         floors={"entropy": 17.0, "percentile": 21.0}),
 }
-# "default" runs `quantlab calibrate` without --method, as a user would; its floor is the one
-# of quantlab.calibrate.DEFAULT_METHOD. The other two are named explicitly.
+# "default" runs `quantlab calibrate` without --method, as a user would (mse activations,
+# weight amax "local", bias correction); its floor is the percentile's: on the suite's data
+# the default measured at or above percentile everywhere but silero-vad's state output
+# (benchmarks/README.md, issue 19: 11.6 vs 12.4 dB, floor 9). The other two are named
+# explicitly.
 METHODS = ("default", "entropy", "percentile")
 
 
 def _method(method: str) -> str:
-    from quantlab.calibrate import DEFAULT_METHOD
-
-    return DEFAULT_METHOD if method == "default" else method
+    return "percentile" if method == "default" else method
 
 
 def _params():

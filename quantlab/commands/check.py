@@ -190,8 +190,11 @@ def _calibrated(args, recorded, preprocess):
     source = open_data(data, graph.input_specs(model), args.batch_size, limit, preprocess)
     stats = collect.collect(model, source, pipeline.quantized_inputs(model, "check"),
                             progress=not args.no_progress)
-    result = pipeline.calibrate_from_stats(model, stats, source, recorded["method"],
-                                           recorded["params"])
+    method = recorded["method"]
+    result = pipeline.calibrate_from_stats(
+        model, stats, source, method, {} if method == pipeline.AUTO else recorded["params"],
+        weight_criterion=recorded.get("weight_amax") or "max",
+        bias_correction="bias_correction" in (recorded.get("repairs") or {}))
     return result.model, result.qdq_model
 
 
