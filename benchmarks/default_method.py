@@ -4,8 +4,11 @@ For every model (the zoo: shapes-det, digits-cnn, digits-vit; the real models of
 tests/realmodels.py: orientation, onet, vad, layout), on the same calibration data:
 
 - quantlab: ONE collection of statistics (``pipeline.run_calibration`` with the first
-  method), then ``calibrate.calibrate(stats, method)`` + ``qdq.quantize_model`` for each of
-  entropy, max, percentile, mse;
+  method), then each of entropy, max, percentile, mse (and ``auto``, the per-layer choice,
+  where the tree has it) as ``quantlab calibrate --method M`` finishes it in that tree:
+  ``pipeline.calibrate_from_stats`` with ``run_calibration``'s own defaults (since issue 19
+  the weight amax by layer error and bias correction; before it, ``quantize_model`` with
+  max |w|);
 - peers (``--peers``), each on the FP32 model as quantlab normalizes it (Constant weights
   and, where the tree does, BatchNorm folded), before quantlab's repairs (depthwise-input
   equalization):
@@ -59,7 +62,8 @@ if str(HERE) not in sys.path:
 
 import harness as bench  # noqa: E402  (peak_rss, timed, run_child: the measurement rules)
 
-QUANTLAB_METHODS = ("entropy", "max", "percentile", "mse")
+QUANTLAB_METHODS = ["entropy", "max", "percentile", "mse"]  # + "auto" where the tree has it
+AUTO = "auto"
 ORT = "ort-MinMax"
 PEERS = ("ort", "modelopt")
 # NVIDIA ModelOpt's ONNX PTQ (modelopt.onnx.quantization.quantize, int8), one child each:
@@ -196,32 +200,40 @@ def calibration_reader(spec: Mapping):
 
 
 def child_quantlab(spec: Mapping) -> dict:
-    """Collect once, then threshold + Q/DQ for each method; write <method>.int8.onnx, and the
-    normalized FP32 model before any repair (fp32.onnx: the peers' input and the reference)."""
+    """Collect once, then each method as `quantlab calibrate --method M` finishes it in this
+    tree (``pipeline.calibrate_from_stats`` with ``run_calibration``'s own defaults: after
+    issue 19 the weight amax by layer error and bias correction); write <method>.int8.onnx,
+    and the normalized FP32 model before any repair (fp32.onnx: the peers' input and the
+    reference)."""
+    import inspect
+
     import quantlab
-    from quantlab import calibrate, collect, graph, pipeline, qdq
+    from quantlab import collect, graph, pipeline
 
     out = Path(spec["out"])
     methods = spec["methods"]
+    defaults = {name: parameter.default for name, parameter
+                in inspect.signature(pipeline.run_calibration).parameters.items()
+                if name in ("weight_criterion", "bias_correction")}
     stages: dict[str, float] = {}
     start = time.perf_counter()
-    with bench.timed(collect, "collect", stages), bench.timed(calibrate, "calibrate", stages):
+    with bench.timed(collect, "collect", stages), \
+            bench.timed(pipeline, "calibrate_from_stats", stages):
         result = pipeline.run_calibration(spec["model"], spec["calib"], out / "run",
                                           method=methods[0], batch_size=spec["batch_size"],
                                           progress=False, force=True)
     first_wall = time.perf_counter() - start
     graph.save_model(result.qdq_model, out / f"{methods[0]}.int8.onnx")
-    own = {methods[0]: stages["calibrate"]}
+    own = {methods[0]: stages["calibrate_from_stats"]}
     for method in methods[1:]:
         begin = time.perf_counter()
-        scales = calibrate.calibrate(result.stats, method)
-        graph.save_model(qdq.quantize_model(result.model, scales.amax),
-                         out / f"{method}.int8.onnx")
+        calibrated = pipeline.calibrate_from_stats(result.model, result.stats, result.data,
+                                                   method, **defaults)
+        graph.save_model(calibrated.qdq_model, out / f"{method}.int8.onnx")
         own[method] = time.perf_counter() - begin
-    # A user running `quantlab calibrate --method M` pays: loading + collection + M's own
-    # threshold search and Q/DQ insertion (+ writing). Q/DQ insertion of the first method
-    # is inside `common`.
-    common = first_wall - stages["calibrate"]
+    # A user running `quantlab calibrate --method M` pays: loading + collection (+ the
+    # equalization pass) + M's own thresholds, choices, Q/DQ insertion and bias correction.
+    common = first_wall - stages["calibrate_from_stats"]
     # The FP32 model as quantlab normalizes it (BatchNorm folded where the tree does), before
     # its repairs (the tree after 9232738 equalizes depthwise inputs in run_calibration).
     graph.save_model(pipeline.prepare_model(spec["model"], spec["calib"]), out / "fp32.onnx")
@@ -229,6 +241,7 @@ def child_quantlab(spec: Mapping) -> dict:
     return {"collect_s": stages["collect"], "common_s": common,
             "wall_s": {m: common + own[m] for m in methods}, "own_s": own,
             "fp32_model": str(out / "fp32.onnx"), "quantlab": quantlab.__file__,
+            "calibrate_defaults": defaults,
             "repairs": {name: {k: len(v) for k, v in report.items() if isinstance(v, list)}
                         for name, report in repairs.items()}}
 
@@ -472,7 +485,7 @@ def print_model(record: dict) -> None:
     print(f"{record['model']}: {record['val_samples']} held-out samples; primary figure "
           f"{'worst output SQNR (dB)' if metric == 'sqnr' else metric}"
           + (f", FP32 {record['fp32']:.4f}" if record.get("fp32") is not None else "")
-          + (f"; quantlab collection {q['collect_s']:.1f} s (shared by its 4 methods)"
+          + (f"; quantlab collection {q['collect_s']:.1f} s (shared by its methods)"
              if q.get("status") == "ok" else ""))
     print(f"| method | {metric} | worst SQNR dB | agreement | wall s | peak RSS MiB | status |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -562,16 +575,16 @@ def compare(before_path: Path, after_path: Path) -> None:
             print(f"| {name} | | | | | NOT COMPARABLE: different data ({base.get('data_sha1')} "
                   f"vs {record.get('data_sha1')}) |")
             continue
-        for method in QUANTLAB_METHODS:
-            a, b = record["methods"][method], base["methods"][method]
-            notes = []
+        for method in [m for m in record["methods"] if m in QUANTLAB_METHODS + [AUTO]]:
+            a, b = record["methods"][method], base["methods"].get(method, {"status": "none"})
+            notes = [] if method in base["methods"] else ["new method"]
             if metric != "sqnr" and a.get(metric) is not None and b.get(metric) is not None \
                     and abs(a[metric] - b[metric]) > eps + 1e-9:  # one sample is within
                 notes.append(f"{metric} {'WORSE' if a[metric] < b[metric] else 'better'}")
             if a.get("min_sqnr_db") is not None and b.get("min_sqnr_db") is not None \
                     and abs(a["min_sqnr_db"] - b["min_sqnr_db"]) > SQNR_NOISE_DB:
                 notes.append(f"SQNR {'WORSE' if a['min_sqnr_db'] < b['min_sqnr_db'] else 'better'}")
-            if a["status"] != "ok" or b["status"] != "ok":
+            if a["status"] != "ok" or b["status"] not in ("ok", "none"):
                 notes.append(f"status {b['status']} -> {a['status']}")
             if any("WORSE" in n or "status" in n for n in notes):
                 flagged.append(f"{name} {method}")
@@ -589,7 +602,7 @@ def compare(before_path: Path, after_path: Path) -> None:
     print(f"\nWorse than before beyond noise (metric: {MAP_NOISE} mAP / one held-out sample of "
           f"top-1; worst-output SQNR: {SQNR_NOISE_DB} dB): {', '.join(flagged) or 'none'}")
     peers = [(r, m) for r in after["records"] if "methods" in r
-             for m in r["methods"] if m not in QUANTLAB_METHODS]
+             for m in r["methods"] if m not in QUANTLAB_METHODS + [AUTO]]
     if peers:
         print("\nPeers, in the after run:\n| model | peer | metric | worst SQNR dB | agreement "
               "| wall s | peak RSS MiB | status |\n| --- | --- | ---: | ---: | ---: | ---: | ---: "
@@ -634,7 +647,10 @@ def main(argv=None) -> None:
         return
     use_quantlab(args.quantlab_root)
     import quantlab
+    from quantlab import choices
 
+    if getattr(choices, "AUTO_METHOD", None) == AUTO:  # calibrate's per-layer choice (issue 19)
+        QUANTLAB_METHODS.append(AUTO)
     print(f"quantlab: {quantlab.__file__}", flush=True)
     for model, n_calib, n_val in args.size:
         SIZE_OVERRIDES[model] = (int(n_calib), int(n_val))
