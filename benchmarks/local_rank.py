@@ -5,8 +5,8 @@ its model.onnx, BatchNorm folded and depthwise inputs equalized as calibrate did
 scales), every unit's local INT8 SQNR (the planner's prior and `validate --mode local`:
 the unit alone on FP32 inputs, measured at the output of the fused layer) is compared with
 its single-unit output impact: that unit alone in INT8, every other unit in FP32, output
-SQNR on the same samples (one switchboard pass per unit). Prints both rankings' Spearman
-correlation and the units the local error ranks worst and the output ranks worst.
+SQNR on the same samples (one pass of that plan's Q/DQ model per unit). Prints both
+rankings' Spearman correlation and the units the local error ranks worst and the output ranks worst.
 
     python -m benchmarks.local_rank reports/layout --samples 4
 
@@ -26,7 +26,7 @@ from scipy.stats import spearmanr
 
 
 def main(argv: list[str] | None = None) -> int:
-    from quantlab import graph, plan, switchboard
+    from quantlab import graph, plan, qdq
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.calibrate import Scales
     from quantlab.data import Preprocess, open_data
@@ -52,15 +52,15 @@ def main(argv: list[str] | None = None) -> int:
                             lambda names: {n: a.shape for n, a in
                                            fp32.run(batches[0], names).items()})
     local = plan.local_sqnr(g, amax, units, batches, precisions=("int8",))
-    board = switchboard.build(g, units, amax)
-    backend = OnnxRuntimeBackend(board.model, name="switchboard", check_inputs=False)
     references = [fp32.run(b) for b in batches]
     impact = {}
     for unit in units:
         if unit.name not in local:
             continue
-        flags = board.feeds({u.name: "int8" if u is unit else "fp32" for u in units})
-        nsr = np.mean([plan.sample_nsr(backend.run({**b, **flags}), r).mean()
+        alone = qdq.quantize_model(model, amax, {n: "int8" if u is unit else "fp32"
+                                                 for u in units for n in u.nodes})
+        backend = OnnxRuntimeBackend(alone, name=f"{unit.name} in INT8")
+        nsr = np.mean([plan.sample_nsr(backend.run(b), r).mean()
                        for b, r in zip(batches, references, strict=True)])
         impact[unit.name] = float(-10 * np.log10(nsr)) if nsr > 0 else np.inf
     names = sorted(impact)

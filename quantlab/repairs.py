@@ -591,9 +591,8 @@ def bias_shifts(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     Measured as :func:`bias_correction` ``mode="local"`` measures (each op quantized
     on FP32 inputs), so an op's shift is its own error's and holds whatever
     precision the other ops run in: the planner measures it once on the all-INT8
-    model and applies it to the INT8 ops of any plan (:func:`shift_biases`; per
-    unit in :func:`quantlab.switchboard.build`). Returns node -> shift (added to the
-    op's output, -mean error) and the report.
+    model and applies it to the INT8 ops of any plan (:func:`shift_biases`).
+    Returns node -> shift (added to the op's output, -mean error) and the report.
     """
     _, report, shifts = _bias_correction(fp32_model, qdq_model, batches, "local", 1, run_bytes)
     return shifts, report

@@ -69,11 +69,12 @@ def local_error_model(qdq: Graph | Sequence[Graph], reference: Graph) -> LocalEr
     or reads float16 (a Cast to float16 or another FP16 node's output): such a
     node runs in float32 on its float16-rounded inputs and its output is rounded
     to float16, the arithmetic of TensorRT's FP16 kernels (float32 accumulation)
-    and of :mod:`quantlab.switchboard`. Its other non-constant inputs, the inputs of
-    its Quantize nodes and Casts and the computed side inputs of the pass-through
-    ops (a Reshape's shape made by Shape -> Gather -> Concat) are fed from the FP32
-    run of `reference` under the same names. `qdq` may be several Q/DQ graphs of
-    `reference`: their nodes go side by side, once per (node, precision).
+    and of ONNX Runtime running a Cast-wrapped float16 node on CPU. Its other
+    non-constant inputs, the inputs of its Quantize nodes and Casts and the
+    computed side inputs of the pass-through ops (a Reshape's shape made by Shape
+    -> Gather -> Concat) are fed from the FP32 run of `reference` under the same
+    names. `qdq` may be several Q/DQ graphs of `reference`: their nodes go side by
+    side, once per (node, precision).
     """
     graphs = [qdq] if isinstance(qdq, Graph) else list(qdq)
     known = set(reference.order)

@@ -7,24 +7,28 @@ here). The planner seeds the plan with rules (TensorRT kernel limits, heads and
 decode arithmetic, depthwise weight spread, outlier ranges, FP16 range), weighs
 the --repairs asked for (the least noisy all-INT8 model is planned) and bias
 correction of the INT8 ops (unless --no-bias-correction), measures
-every unit's share of the output noise with a few randomized passes of one
-"switchboard" ONNX Runtime session on the hardest calibration samples and its
-local INT8 and FP16 error in one pass, solves the INT8-share-vs-noise front (FP16
-where the budget left holds it, else FP32), and certifies the chosen plan on
---eval with the real INT8 model (integer kernels) and a paired bootstrap interval.
+every unit's share of the output noise with a few randomized trials (each plan
+its own Q/DQ model, run once on the hardest calibration samples) and its local
+INT8 and FP16 error in one pass, checks that noise model on plans of the front
+(a unit whose error a gate or softmax amplifies is found by halving and measured
+alone), solves the INT8-share-vs-noise front (FP16 where the budget left holds it,
+else FP32), and certifies the chosen plan on --eval with the real INT8 model
+(integer kernels) and a paired bootstrap interval. When no plan with INT8
+certifies, all-FP16 is evaluated (with --high-precision fp16), then the FP32 model.
 
 Writes into --out: plan.json (every unit: precision, reason codes, evidence,
 predicted contribution; the repairs weighed), model.onnx (FP32, normalized, repaired
 when plan.json says so), model.int8.onnx (the plan's Q/DQ model, FP16 units as Cast
 pairs, strongly typed for TensorRT 11), trtexec.txt (quantlab.trtexec: TensorRT
 10/11 strongly typed from model.int8.onnx), summary.json (certificate, evaluation
-ledger, predicted front), report.html (the front, the evaluations, a waterfall of
-the noise each pin removes, the decisions). With --trt-version (TensorRT 8.x-10.x)
+ledger, predicted front, seconds per step, the noise model's checks), report.html
+(the front, the evaluations, a waterfall of the noise each pin removes, the
+decisions). With --trt-version (TensorRT 8.x-10.x)
 also calibration.cache without the pinned units' tensors (relabelled
 EntropyCalibration2 copy calibration.trtexec.cache for trtexec when the method is
 not entropy) and the implicit INT8 trtexec line with the plan's pins.
 
-The switchboard trials and evaluations are checkpointed in --out as they finish:
+The trials and evaluations are checkpointed in --out as they finish:
 run the same command again after an interruption and it resumes (statistics are
 collected again unless --data is a calibration folder).
 
@@ -119,8 +123,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what non-INT8 units run in where the rules allow FP16 "
                              "(default: %(default)s)")
     parser.add_argument("--trials", type=positive_int, default=24, metavar="K",
-                        help="randomized switchboard passes (default: %(default)s); up to 8 "
-                             "more then check plans of the predicted front and refit")
+                        help="randomized plans run on the hardest samples to fit each unit's "
+                             "share of the output noise (default: %(default)s); up to 8 more "
+                             "then check plans of the predicted front and refit, and about "
+                             "2 log2(units) more localize a unit the fit under-predicts")
     parser.add_argument("--hard-samples", type=positive_int, default=64, metavar="N",
                         help="hardest calibration samples the passes run on (default: "
                              "%(default)s); with a label-free metric, an all-INT8 plan that "
@@ -430,6 +436,7 @@ def run(args: argparse.Namespace) -> int:
 def _plan(args, model, source, stats, evaluation, task, profile, preprocess, digests) -> int:
     """The long work of :func:`run` once everything is checked: statistics, the plan, the
     folder. `digests` (calibration, evaluation) identify the data's content."""
+    import time
     from functools import partial
     from pathlib import Path
 
@@ -442,8 +449,11 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     from quantlab.report import write_report
     from quantlab.report.plan import plan_section
 
+    started = time.perf_counter()
     stats = _statistics(model, source, stats, args)
     scales, ranges, p9999, candidates = _calibrated(stats, args)
+    phases = {"statistics": time.perf_counter() - started}
+    started = time.perf_counter()
     repaired = {}
     for name in args.repairs:
         if name == "dw-equalize":
@@ -459,9 +469,10 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
         changed_stats = _statistics(changed, source, None, args)
         changed_scales, changed_ranges, changed_p9999, changed_candidates = _calibrated(
             changed_stats, args)
-        repaired[name] = plan.RepairedModel(
+        repaired[name] = plan.CalibratedModel(
             changed, changed_scales.amax, changed_ranges, changed_p9999,
             changed_candidates if len(changed_candidates) > 1 else None, report.to_dict())
+    phases["repairs"] = time.perf_counter() - started
     progress = None if args.no_progress else partial(progress_bar, leave=False)
     # Trials and evaluations are checkpointed in --out: an interrupted run resumes from there,
     # only when the model, the data's content, the preprocessing and the options are the same.
@@ -472,39 +483,41 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
         args.hard_samples, args.high_precision, args.resamples, sorted(scales.amax.items()),
         sorted(candidates), sorted(repaired), args.bias_correction))
     if checkpoint.trials or checkpoint.evaluations:
-        print(f"plan: resuming from {checkpoint.path}: {len(checkpoint.trials)} switchboard "
+        print(f"plan: resuming from {checkpoint.path}: {len(checkpoint.trials)} "
               f"trial(s) and {len(checkpoint.evaluations)} evaluation(s) of an interrupted run "
               "of the same model, data (same content), preprocessing and options are reused.")
     elif checkpoint.ignored:
         print(f"plan: {checkpoint.path} is from a run of another model, data or options "
               "(or unreadable); starting over.")
-    result = plan.make_plan(model, source, evaluation, scales.amax, ranges, p9999,
-                            metric=args.metric, max_drop=args.max_drop,
-                            min_sqnr=args.min_sqnr, trials=args.trials,
-                            hard_count=args.hard_samples, high_precision=args.high_precision,
-                            task=task, resamples=args.resamples, checkpoint=checkpoint,
-                            candidates=candidates if len(candidates) > 1 else None,
-                            repairs=repaired, bias_correction=args.bias_correction,
-                            progress=progress)
+    settings = plan.PlanSettings(
+        metric=args.metric, max_drop=args.max_drop, min_sqnr=args.min_sqnr, trials=args.trials,
+        hard_count=args.hard_samples, high_precision=args.high_precision,
+        resamples=args.resamples, bias_correction=args.bias_correction)
+    result = plan.make_plan(
+        plan.CalibratedModel(model, scales.amax, ranges, p9999,
+                             candidates if len(candidates) > 1 else None),
+        source, evaluation, settings, task=task, checkpoint=checkpoint, repairs=repaired,
+        progress=progress)
+    result.phases = {**phases, **result.phases}
     certificate = result.certificate
     pinned = plan.pinned_tensors(result.plan, graph.Graph(result.model))
     with output_folder(args.out, force=args.force, produces=PLAN_FILES) as folder:
         result.plan.save(folder / "plan.json")
         graph.save_model(result.model, folder / "model.onnx")  # repaired when plan.json says
         graph.save_model(result.qdq_model, folder / "model.int8.onnx")
-        kept = None
+        uncertified = None
         if result.uncertified is not None:
             kept_plan, kept_model, kept_eval = result.uncertified
             (folder / UNCERTIFIED).mkdir()
             kept_plan.save(folder / UNCERTIFIED / "plan.json")
             graph.save_model(kept_model, folder / UNCERTIFIED / "model.int8.onnx")
-            kept = {"folder": UNCERTIFIED, "certified": False,
-                    "int8_mac_share": kept_eval.int8_mac_share,
-                    "value": kept_eval.certificate.value,
-                    "limit": kept_eval.certificate.limit,
-                    "margin_interval": list(kept_eval.certificate.interval),
-                    "samples": kept_eval.certificate.samples,
-                    "needed_samples": kept_eval.certificate.needed_samples}
+            uncertified = {"folder": UNCERTIFIED, "certified": False,
+                           "int8_mac_share": kept_eval.int8_mac_share,
+                           "value": kept_eval.certificate.value,
+                           "limit": kept_eval.certificate.limit,
+                           "margin_interval": list(kept_eval.certificate.interval),
+                           "samples": kept_eval.certificate.samples,
+                           "needed_samples": kept_eval.certificate.needed_samples}
         cache_name = header = None
         if args.trt_version is not None:
             kept = {name: amax / 127.0 for name, amax in result.amax.items()
@@ -534,7 +547,15 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
                             for e in result.evaluations],
             "front": [{"int8_mac_share": p.int8_mac_share, "predicted": p.predicted}
                       for p in result.front],
-            "switchboard_trials": len(result.sensitivity.nsr),
+            "trials": len(result.sensitivity.nsr),
+            # Seconds per step of the planning flow (docs/planner.md).
+            "phases": result.phases,
+            # The noise model checked: plans measured against its prediction (front checks,
+            # localization) and every evaluated plan's prediction on the hardest samples.
+            "noise_model": {"disagreement_factor": plan.DISAGREEMENT,
+                            "largest_disagreement": result.largest_disagreement(),
+                            "checks": result.sensitivity.checks,
+                            "evaluated": result.noise_checks},
             "hard_samples": result.hard_samples,
             "calibration": {"data": recorded_path(source.description), "method": scales.method,
                             "calibrators": list(candidates)},
@@ -545,7 +566,7 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             "repairs": result.plan.repairs,
             # The certified plan is this folder's; a better one that could not be certified
             # on this evaluation set is in uncertified/ (null: none).
-            "uncertified": kept,
+            "uncertified": uncertified,
         })
     (out / PROGRESS_FILE).unlink(missing_ok=True)
     verdict = "certified" if certificate.certified else "NOT certified"

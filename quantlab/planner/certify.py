@@ -273,7 +273,7 @@ def data_shortfalls(calibration_samples: int, evaluation_samples: int, hard_coun
     if calibration_samples < hard_count:
         messages.append(
             f"the calibration data hold {calibration_samples} samples, fewer than the "
-            f"{hard_count} hardest samples requested (--hard-samples): the switchboard passes "
+            f"{hard_count} hardest samples requested (--hard-samples): the trials "
             f"run on all {calibration_samples}, none singled out as hard. Pass more "
             f"calibration data (several times {hard_count} samples) or --hard-samples "
             f"below {calibration_samples}.")

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 from markupsafe import Markup
 
-from quantlab.plan import RULES, SEARCH_CODE, Plan, PlanResult, Reason
+from quantlab.plan import DISAGREEMENT, RULES, SEARCH_CODE, Plan, PlanResult, Reason
 from quantlab.report import _ENV, Section, figure_html, plot_text, table_html
 
 # What each reason code means, for the legend under a table of codes: the rule's own summary.
@@ -38,8 +38,19 @@ def plan_section(result: PlanResult) -> Section:
         f"lowest acceptable {certificate.limit:.4g}); {verdict}: the {certificate.confidence:.0%} "
         f"one-sided paired-bootstrap bound of the margin is {certificate.interval[0]:.4g} on "
         f"{certificate.samples} samples, after {result.model_runs} evaluations of the real "
-        f"INT8 model and {len(result.sensitivity.nsr)} switchboard passes on "
-        f"{len(result.hard_samples)} hardest calibration samples.")
+        f"INT8 model and {len(result.sensitivity.nsr)} trials (plans run on the "
+        f"{len(result.hard_samples)} hardest calibration samples).")
+    disagreement = result.largest_disagreement()
+    checked = len(result.sensitivity.checks) + len(result.noise_checks)
+    summary += (f" The noise model (each unit's additive share of the output noise) was checked "
+                f"against {checked} measured plans: the largest disagreement is a factor "
+                f"{disagreement:.3g}" + (
+                    f", above {DISAGREEMENT:g}: the prediction failed there and the units "
+                    "behind it were localized by halving and measured alone (summary.json "
+                    "noise_model)." if disagreement > DISAGREEMENT else "."))
+    if result.phases:
+        summary += " Seconds per step: " + ", ".join(
+            f"{name} {seconds:.3g}" for name, seconds in result.phases.items()) + "."
     for e in result.evaluations:
         if e.screened:
             summary += (f" The all-INT8 plan was not evaluated: on {e.certificate.samples} "
@@ -186,7 +197,7 @@ def unit_strip_html(plan: Plan) -> Markup:
     """:func:`unit_strip_figure` embedded, with its caption."""
     return Markup(figure_html(unit_strip_figure(plan), "The network as its units in "
                               "topological order, coloured by precision, over each unit's "
-                              "output-noise contribution in INT8 (measured on the switchboard, "
+                              "output-noise contribution in INT8 (fitted from trials on the "
                               "hardest calibration samples)"))
 
 
