@@ -1,6 +1,6 @@
 """Repairs that change weights, not precisions: equalization, bias correction, SmoothQuant.
 
-Stage C of the planner design (docs/peers.md section 12): each repair rewrites a
+The repairs step of the planner (docs/planner.md): each repair rewrites a
 model so that INT8 loses less, at no runtime cost (SmoothQuant's inserted Mul
 excepted), and competes with pins in the planner. Every function works on
 ``onnx.ModelProto`` (the normalized FP32 model, or the Q/DQ model

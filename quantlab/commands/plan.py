@@ -550,6 +550,8 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             "trials": len(result.sensitivity.nsr),
             # Seconds per step of the planning flow (docs/planner.md).
             "phases": result.phases,
+            # A trial's median seconds against a warm FP32 pass over the same samples.
+            "trial_cost": result.trial_cost,
             # The noise model checked: plans measured against its prediction (front checks,
             # localization) and every evaluated plan's prediction on the hardest samples.
             "noise_model": {"disagreement_factor": plan.DISAGREEMENT,

@@ -144,6 +144,8 @@ class PlanResult:
     phases: dict[str, float] = field(default_factory=dict)
     # Each evaluated plan's predicted and measured noise on the hardest samples.
     noise_checks: list[dict] = field(default_factory=list)
+    # What a trial cost against an FP32 pass over the same (hardest) samples.
+    trial_cost: dict = field(default_factory=dict)
 
     @property
     def certificate(self) -> Certificate:
@@ -270,6 +272,9 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
             calibration, context.fp32_run, runner(all_int8), settings.hard_count,
             lambda b: context.step(b, desc="hardest samples"), draw=context.metric_fn is not None)
         references = context.fp32_run(hard)
+        start = time.perf_counter()  # the floor a trial is measured against, warm
+        context.fp32_run(hard)
+        fp32_seconds = time.perf_counter() - start
     measure = plan_nsr(runner, hard, references)
     with phases("bias correction"):
         shift_record = _weigh_bias(runner, measure, all_int8, shifts, shift_report)
@@ -313,7 +318,7 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
                       list(evaluated.values()), list(evaluated).index(index),
                       hard_indices.tolist(), model,
                       _uncertified(context, rules, runner, points, evaluated, chosen_point),
-                      phases.seconds, noise_checks)
+                      phases.seconds, noise_checks, _trial_cost(trials, fp32_seconds))
 
 
 def _context(model: onnx.ModelProto, calibration, evaluation, settings: PlanSettings, task,
@@ -534,6 +539,17 @@ def _noise_checks(sensitivity: OutputSensitivity, trials: Trials,
                         "value": evaluation.certificate.value,
                         "certified": evaluation.certificate.certified})
     return records
+
+
+def _trial_cost(trials: Trials, fp32_seconds: float) -> dict:
+    """Median seconds of a trial (building its Q/DQ model and session, one run over the
+    hardest samples) against one warm FP32 pass over the same samples."""
+    if not trials.seconds:
+        return {}
+    median = float(np.median(trials.seconds))
+    return {"trials_run": len(trials.seconds), "trial_seconds_median": median,
+            "fp32_pass_seconds": fp32_seconds,
+            "ratio": median / fp32_seconds if fp32_seconds > 0 else float("inf")}
 
 
 def _uncertified(context: _Context, rules: _Rules, runner: _Runner, points: list[FrontPoint],

@@ -1,4 +1,4 @@
-"""Rules (Stage A of the planner design in docs/peers.md section 12): graph and ranges only.
+"""Rules (the planner's first step, docs/planner.md): graph and ranges only.
 
 Each rule returns a :class:`Reason` naming its code, the precisions it allows and
 its source. Hard reasons restrict a unit's precisions; soft ones only seed the

@@ -13,6 +13,7 @@ the additive model misses is found and measured alone (:func:`localize`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ LOG_GAIN_LIMIT = 30.0
 # (either way) is a disagreement: reported, and, when the noise is under-predicted,
 # localized.
 DISAGREEMENT = 2.0
+# A check's record names its INT8 units when there are this many or fewer.
+NAMED_UNITS = 4
 
 
 @dataclass
@@ -86,6 +89,8 @@ class Trials:
     known: Mapping[int, float] = field(default_factory=dict)
     on_trial: Callable[[int, float], None] | None = None
     count: int = 0
+    # Wall seconds of each trial run here (not those taken from `known`).
+    seconds: list[float] = field(default_factory=list)
 
     def run(self, masks: np.ndarray, progress: Callable | None = None) -> np.ndarray:
         """The output NSR of each plan of `masks` (rows: INT8 where True, else FP32)."""
@@ -99,7 +104,9 @@ class Trials:
             precisions = {u: "int8" if m else "fp32"
                           for u, m in zip(self.units, masks[t], strict=True)}
             precisions.update(self.fixed)
+            start = time.perf_counter()
             nsr[t] = float(self.measure(precisions))
+            self.seconds.append(time.perf_counter() - start)
             if self.on_trial:
                 self.on_trial(index, nsr[t])
         return nsr
@@ -154,7 +161,7 @@ def check_fit(sensitivity: OutputSensitivity, trials: Trials, masks: np.ndarray,
     """
     predicted = masks.astype(np.float64) @ sensitivity.contribution
     measured = trials.run(masks)
-    checks = [_check(p, m, why, int(mask.sum())) for p, m, mask in
+    checks = [_check(p, m, why, mask, sensitivity.units) for p, m, mask in
               zip(predicted, measured, masks, strict=True)]
     sensitivity = sensitivity.with_trials(masks, measured)
     sensitivity.checks = [*sensitivity.checks, *checks]
@@ -184,7 +191,7 @@ def localize(sensitivity: OutputSensitivity, trials: Trials,
         halves[1, chosen[len(chosen) // 2:]] = True
         predicted = halves.astype(np.float64) @ sensitivity.contribution
         measured = trials.run(halves)
-        checks = [_check(p, m, "localize", int(h.sum()))
+        checks = [_check(p, m, "localize", h, sensitivity.units)
                   for p, m, h in zip(predicted, measured, halves, strict=True)]
         sensitivity = sensitivity.with_trials(halves, measured)
         sensitivity.checks = [*sensitivity.checks, *checks]
@@ -195,11 +202,15 @@ def localize(sensitivity: OutputSensitivity, trials: Trials,
     return sensitivity
 
 
-def _check(predicted: float, measured: float, why: str, int8_units: int) -> dict:
+def _check(predicted: float, measured: float, why: str, mask: np.ndarray,
+           units: Sequence[str]) -> dict:
+    """A check's record; the INT8 units named when they are few (NAMED_UNITS at most)."""
     tiny = np.finfo(np.float64).tiny
     factor = max(measured, tiny) / max(predicted, tiny)
-    return {"why": why, "int8_units": int8_units, "predicted": float(predicted),
-            "measured": float(measured), "factor": float(max(factor, 1.0 / factor))}
+    int8 = [u for u, m in zip(units, mask, strict=True) if m]
+    return {"why": why, "int8_units": len(int8), "predicted": float(predicted),
+            "measured": float(measured), "factor": float(max(factor, 1.0 / factor)),
+            **({"units": int8} if len(int8) <= NAMED_UNITS else {})}
 
 
 def _fit(masks: np.ndarray, nsr: np.ndarray, prior: np.ndarray, ridge: float) -> np.ndarray:
@@ -211,12 +222,15 @@ def _fit(masks: np.ndarray, nsr: np.ndarray, prior: np.ndarray, ridge: float) ->
     is small. The pull is ``ridge * trials`` on the log-gains z, bounded to
     [-LOG_GAIN_LIMIT, LOG_GAIN_LIMIT]. Units with a zero prior stay at zero
     (pinned, or no local error); with no positive prior at all, the largest
-    trial's noise split evenly over the units some trial ran in INT8 is used.
+    trial's noise split evenly over the units some trial ran in INT8 is used. A unit
+    some trial ran alone in INT8 takes that trial's noise as its prior
+    (:func:`_measured_alone`).
     """
-    masks = masks.astype(np.float64)
     if not (prior > 0).any():
         ran = masks.any(axis=0)
         prior = np.where(ran, float(nsr.max(initial=0.0)) / max(int(ran.sum()), 1), 0.0)
+    prior = _measured_alone(masks, nsr, prior)
+    masks = masks.astype(np.float64)
     free = prior > 0
     result = np.zeros(len(prior))
     if not free.any():
@@ -235,6 +249,26 @@ def _fit(masks: np.ndarray, nsr: np.ndarray, prior: np.ndarray, ridge: float) ->
     z = optimize.least_squares(residuals, np.zeros(len(base)), jac=jacobian,
                                bounds=(-LOG_GAIN_LIMIT, LOG_GAIN_LIMIT)).x
     result[free] = base * np.exp(z)
+    return result
+
+
+def _measured_alone(masks: np.ndarray, nsr: np.ndarray, prior: np.ndarray) -> np.ndarray:
+    """`prior` with each unit that a trial ran alone in INT8 set to that trial's noise (the
+    mean of such trials).
+
+    The ridge pulls the fit to the prior; a unit's own measurement is a better
+    prior than its local error times the common gain, which is exactly what fails
+    where a gate or a softmax amplifies its error (a head with a large common logit
+    offset: 80 dB local, 46 dB at the output alone). Pulled to the local guess, one
+    trial 4 decades away lost to the ridge and the fit kept the guess.
+    """
+    alone = masks.sum(axis=1) == 1
+    if not alone.any():
+        return prior
+    result = prior.copy()
+    units = np.argmax(masks[alone], axis=1)
+    for unit in np.unique(units):
+        result[unit] = float(nsr[alone][units == unit].mean())
     return result
 
 

@@ -51,6 +51,12 @@ def plan_section(result: PlanResult) -> Section:
     if result.phases:
         summary += " Seconds per step: " + ", ".join(
             f"{name} {seconds:.3g}" for name, seconds in result.phases.items()) + "."
+    if result.trial_cost:
+        cost = result.trial_cost
+        summary += (f" A trial took {cost['trial_seconds_median']:.3g} s (median of "
+                    f"{cost['trials_run']}: its Q/DQ model built and run once over the hardest "
+                    f"samples), {cost['ratio']:.2g}x a warm FP32 pass over them "
+                    f"({cost['fp32_pass_seconds']:.3g} s).")
     for e in result.evaluations:
         if e.screened:
             summary += (f" The all-INT8 plan was not evaluated: on {e.certificate.samples} "
