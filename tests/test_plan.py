@@ -784,6 +784,43 @@ def test_make_plan_screens_out_all_int8_failing_beyond_doubt_on_calibration_data
     assert result.certificate.certified and not result.evaluations[result.chosen].screened
 
 
+def noisy_outputs(seed: int = 4):
+    rng = np.random.default_rng(seed)
+    references = [{"y": rng.standard_normal((6, 5, 2)), "z": rng.standard_normal((6, 3))}
+                  for _ in range(3)]
+    outputs = [{k: v + 0.3 * rng.standard_normal(v.shape) for k, v in r.items()}
+               for r in references]
+    return outputs, references
+
+
+def test_certify_resamples_output_sqnr_as_per_sample_numbers():
+    """Output SQNR is -10 log10 of a mean of per-sample NSRs: the bootstrap resamples those
+    numbers. Reference: the per-sample NSR in float64 from scratch (mean over the outputs of
+    |y - r|^2 / |r|^2) and the same seeded resamples; equal to float64 rounding."""
+    outputs, references = noisy_outputs()
+    result = plan.certify(plan.output_sqnr, "sqnr", outputs, references, floor=10.0,
+                          resamples=300)
+    nsr = np.concatenate([np.mean([((o[k] - r[k]) ** 2).reshape(len(r[k]), -1).sum(axis=1) /
+                                   (r[k] ** 2).reshape(len(r[k]), -1).sum(axis=1)
+                                   for k in r], axis=0) for o, r in zip(outputs, references)])
+    rng = np.random.default_rng(0)
+    margins = [-10 * np.log10(nsr[rng.integers(0, 18, 18)].mean()) - 10.0 for _ in range(300)]
+    np.testing.assert_allclose(result.interval, np.quantile(margins, [0.05, 0.95]), rtol=1e-12)
+    assert result.value == pytest.approx(-10 * np.log10(nsr.mean()), rel=1e-12)
+
+
+def test_certify_resamples_agreement_as_per_sample_numbers_exactly():
+    """Argmax agreement is a share of samples: the bootstrap resamples the per-sample 0/1.
+    The certificate equals the one that calls the metric on every resample (the same
+    metric behind another function object takes that path), to the last bit."""
+    outputs, references = noisy_outputs()
+    fast = plan.certify(plan.argmax_agreement, "m", outputs, references, max_drop=0.1,
+                        resamples=300)
+    slow = plan.certify(lambda o, r: plan.argmax_agreement(o, r), "m", outputs, references,
+                        max_drop=0.1, resamples=300)
+    assert fast == slow and 0 < fast.value < fast.reference
+
+
 def test_sqnr_floor_certifies_outputs_without_noise():
     """The FP32 plan under --min-sqnr: infinite SQNR on every resample is a margin of
     +inf, certified (quantiles of infinities once interpolated to NaN: never certified)."""

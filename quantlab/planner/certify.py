@@ -23,17 +23,20 @@ def output_sqnr(outputs: Outputs, references: Outputs) -> float:
     """
     nsr = np.concatenate([sample_nsr(o, r) for o, r in zip(outputs, references, strict=True)])
     mean = float(nsr.mean())
-    if np.isnan(mean):
-        return float("nan")
-    return float(-10.0 * np.log10(mean)) if mean > 0 else float("inf")
+    return float("nan") if np.isnan(mean) else _decibels(mean)
 
 
 def argmax_agreement(outputs: Outputs, references: Outputs) -> float:
     """Share of samples whose argmax over axis 1 of the first output agrees with the reference."""
+    return float(_agreements(outputs, references).mean())
+
+
+def _agreements(outputs: Outputs, references: Outputs) -> np.ndarray:
+    """Per sample: 1.0 where the argmax over axis 1 of the first output agrees, else 0.0."""
     name = next(iter(references[0]))
     same = [np.argmax(o[name], axis=1) == np.argmax(r[name], axis=1)
             for o, r in zip(outputs, references, strict=True)]
-    return float(np.concatenate([s.reshape(len(s), -1).all(axis=1) for s in same]).mean())
+    return np.concatenate([s.reshape(len(s), -1).all(axis=1) for s in same]).astype(np.float64)
 
 
 METRICS: dict[str, Callable[[Outputs, Outputs], float]] = {
@@ -173,17 +176,42 @@ def certify(metric: Callable, name: str, outputs: Outputs, references: Outputs, 
     """
     samples, refs = split_samples(outputs), split_samples(references)
     resample = f"a bootstrap resample of the {len(samples)} {what}"
-
-    def evaluate(pick: np.ndarray) -> tuple[float, float]:
-        chosen, fp32 = [samples[i] for i in pick], [refs[i] for i in pick]
-        return (metric_value(metric, name, chosen, fp32, resample),
-                metric_value(metric, name, fp32, fp32, f"FP32 on {resample}"))
-
     whole = f"{what} 0..{len(samples) - 1}"
     reference = metric_value(metric, name, references, references, f"FP32 on {whole}")
     value = metric_value(metric, name, outputs, references, whole)
+    per_sample = _per_sample(metric, outputs, references)
+    if per_sample is not None:  # a mean of per-sample figures: resampled as numbers
+        figures, combine = per_sample
+
+        def evaluate(pick: np.ndarray) -> tuple[float, float]:
+            return combine(figures[pick]), reference
+    else:
+        def evaluate(pick: np.ndarray) -> tuple[float, float]:
+            chosen, fp32 = [samples[i] for i in pick], [refs[i] for i in pick]
+            return (metric_value(metric, name, chosen, fp32, resample),
+                    metric_value(metric, name, fp32, fp32, f"FP32 on {resample}"))
+
     return certify_paired(name, evaluate, len(samples), (value, reference), max_drop=max_drop,
                           floor=floor, resamples=resamples, confidence=confidence, seed=seed)
+
+
+def _per_sample(metric: Callable, outputs: Outputs, references: Outputs):
+    """(per-sample figures, how a resample's figures combine into the metric) for the
+    built-in metrics, which are means over samples, so that a bootstrap resample costs a
+    mean of numbers instead of the metric over every output again (on an 800x608 detector,
+    400 calls of output_sqnr took 10 s of a 15 s evaluation); None for other metrics. FP32
+    against itself scores the same on every resample (inf dB; agreement 1)."""
+    if metric is output_sqnr:
+        nsr = np.concatenate([sample_nsr(o, r) for o, r in zip(outputs, references,
+                                                                strict=True)])
+        return nsr, lambda chosen: _decibels(float(chosen.mean()))
+    if metric is argmax_agreement:
+        return _agreements(outputs, references), lambda chosen: float(chosen.mean())
+    return None
+
+
+def _decibels(mean_nsr: float) -> float:
+    return float(-10.0 * np.log10(mean_nsr)) if mean_nsr > 0 else float("inf")
 
 
 def certify_paired(name: str, evaluate: Callable[[np.ndarray], tuple[float, float]],
