@@ -800,9 +800,11 @@ def test_certify_resamples_output_sqnr_as_per_sample_numbers():
     outputs, references = noisy_outputs()
     result = plan.certify(plan.output_sqnr, "sqnr", outputs, references, floor=10.0,
                           resamples=300)
-    nsr = np.concatenate([np.mean([((o[k] - r[k]) ** 2).reshape(len(r[k]), -1).sum(axis=1) /
-                                   (r[k] ** 2).reshape(len(r[k]), -1).sum(axis=1)
-                                   for k in r], axis=0) for o, r in zip(outputs, references)])
+    def per_sample(o, r):
+        return np.mean([((o[k] - r[k]) ** 2).reshape(len(r[k]), -1).sum(axis=1) /
+                        (r[k] ** 2).reshape(len(r[k]), -1).sum(axis=1) for k in r], axis=0)
+
+    nsr = np.concatenate([per_sample(o, r) for o, r in zip(outputs, references, strict=True)])
     rng = np.random.default_rng(0)
     margins = [-10 * np.log10(nsr[rng.integers(0, 18, 18)].mean()) - 10.0 for _ in range(300)]
     np.testing.assert_allclose(result.interval, np.quantile(margins, [0.05, 0.95]), rtol=1e-12)
