@@ -33,11 +33,10 @@ from quantlab.planner.decisions import (  # noqa: F401 (public API)
     UnitDecision,
     pinned_tensors,
 )
-from quantlab.planner.evaluate import Checkpoint, Evaluation, fingerprint  # noqa: F401
+from quantlab.planner.evaluate import Checkpoint, Evaluation, fingerprint, plan_key  # noqa: F401
 from quantlab.planner.flow import (  # noqa: F401 (public API)
-    FLOOR_KEY,
-    FP32_KEY,
     FRONT_CHECKS,
+    MAX_REFITS,
     SEARCH_CODE,
     PlanResult,
     PlanSettings,

@@ -957,9 +957,11 @@ def test_search_on_the_layout_run_certifies_the_plan_below_the_inconclusive_one(
     with pytest.warns(UserWarning, match=r"the plan with 42.9% of MACs in INT8 scored 99.53 "
                       r"\(limit 99\) but could not be certified: the evaluation set is too "
                       r"small.* The plan written keeps 28.6% in INT8 \(14 points"):
-        found, index = evaluate.search(points, outcomes.__getitem__, 4, 1.0, None)
-        evaluate.warn_undecided(found, found[index])
-    assert list(found) == [7, 3, 2] and index == 2
+        found, chosen = evaluate.search(lambda: points, lambda p: outcomes[points.index(p)],
+                                        4, 1.0, None)
+        evaluate.warn_undecided([e for _, e in found], found[chosen][1])
+    assert [points.index(p) for p, _ in found] == [7, 3, 2]
+    assert points.index(found[chosen][0]) == 2
 
 
 def test_search_spends_no_evaluation_on_a_plan_a_hair_above_the_certified_one():
@@ -978,17 +980,43 @@ def test_search_spends_no_evaluation_on_a_plan_a_hair_above_the_certified_one():
         values = {4: (53.0, (-51.0, -40.0)), 3: (97.0, (-2.6, -1.3)), 2: (99.9, (0.6, 1.0)),
                   1: (99.95, (0.7, 1.0))}
 
-        def outcome(index):
+        def outcome(point):
+            index = points.index(point)
             value, interval = values[index]
             return plan.Evaluation(shares[index], predicted[index], plan.Certificate(
                 "m", 100.0, value, 99.0, interval, 0.95, 500, interval[0] >= 0, False, None),
                 1.0)
-        return evaluate.search(points, outcome, 4, 1.0, None)
+        found, chosen = evaluate.search(lambda: points, outcome, 4, 1.0, None)
+        return [points.index(p) for p, _ in found], points.index(found[chosen][0])
 
-    found, index = run([0.0, 0.4, 0.4 + 1e-6, 0.6, 1.0])
-    assert list(found) == [4, 3, 1] and index == 1
-    found, index = run([0.0, 0.4, 0.5, 0.6, 1.0])
-    assert list(found) == [4, 3, 1, 2] and index == 2
+    assert run([0.0, 0.4, 0.4 + 1e-6, 0.6, 1.0]) == ([4, 3, 1], 1)
+    assert run([0.0, 0.4, 0.5, 0.6, 1.0]) == ([4, 3, 1, 2], 2)
+
+
+def test_search_chooses_again_on_the_new_front_when_a_plan_is_refitted_away():
+    """`evaluate` returns None for the first plan it is given after all-INT8 (the noise
+    model was refitted instead: the front changed). The search asks for the front again,
+    keeps all-INT8's outcome in it, and evaluates a plan of the new front."""
+    from quantlab.planner.search import FrontPoint
+
+    old = [FrontPoint(p, p, s, {"u": str(s)}) for p, s in
+           [(0.0, 0.0), (1e-4, 0.5), (2e-4, 0.7), (0.36, 1.0)]]
+    new = [FrontPoint(p, p, s, {"u": str(s)}) for p, s in
+           [(0.0, 0.0), (1e-4, 0.3), (3e-4, 0.6), (0.4, 1.0)]]
+    fronts, asked = iter([old, old, new, new, new]), []
+
+    def outcome(point):
+        asked.append(point.int8_mac_share)
+        if len(asked) == 2:
+            return None
+        good = point.int8_mac_share < 1.0
+        return plan.Evaluation(point.int8_mac_share, point.predicted, plan.Certificate(
+            "m", 100.0, 99.5 if good else 50.0, 99.0, (0.1, 1.0) if good else (-50, -40), 0.95,
+            500, good, False, None), 1.0)
+
+    found, chosen = evaluate.search(lambda: next(fronts), outcome, 2, 1.0, None)
+    assert asked[0] == 1.0 and asked[2] in (0.3, 0.6) and len(found) == 2
+    assert found[0][1].int8_mac_share == 1.0 and found[chosen][0] in new
 
 
 def test_next_guess_below_a_plan_inside_the_budget_aims_at_a_certifiable_drop(layout_front):
@@ -1192,8 +1220,7 @@ def test_interrupted_plan_resumes_from_its_checkpoint(planted_case, tmp_path, mo
     assert plan.Checkpoint(path, "another run").trials == {}
     # Interrupted after 9 trials and the first evaluation: the rest is measured again.
     saved.trials = {t: v for t, v in saved.trials.items() if t < 9}
-    saved.evaluations = {i: e for i, e in saved.evaluations.items()
-                         if e is saved.evaluations[max(saved.evaluations)]}
+    saved.evaluations = dict(list(saved.evaluations.items())[:1])
     added = []
 
     def recording(name):

@@ -556,6 +556,9 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             # localization) and every evaluated plan's prediction on the hardest samples.
             "noise_model": {"disagreement_factor": plan.DISAGREEMENT,
                             "largest_disagreement": result.largest_disagreement(),
+                            # Plans the search chose, found noisier than predicted on the
+                            # hardest samples before their evaluation: refitted, chosen again.
+                            "refits": result.refits,
                             "checks": result.sensitivity.checks,
                             "evaluated": result.noise_checks},
             "hard_samples": result.hard_samples,

@@ -31,8 +31,8 @@ MIN_GAIN = 1e-4
 class Checkpoint:
     """What an interrupted plan run already measured, in a JSON file, so a re-run resumes.
 
-    Holds the trials (index -> nsr) and the evaluations (front index ->
-    :class:`Evaluation`) of a run identified by `fingerprint` (a hash of the model,
+    Holds the trials (index -> nsr) and the evaluations (plan key, :func:`plan_key`
+    -> :class:`Evaluation`) of a run identified by `fingerprint` (a hash of the model,
     the data, the scales and the settings); a file of another run is ignored and
     replaced. Every update is written atomically.
     """
@@ -41,7 +41,7 @@ class Checkpoint:
         self.path = Path(path) if path is not None else None
         self.fingerprint = fingerprint
         self.trials: dict[int, float] = {}
-        self.evaluations: dict[int, Evaluation] = {}
+        self.evaluations: dict[str, Evaluation] = {}
         # A file was there but of another run (or unreadable): it is replaced.
         self.ignored = False
         if self.path is None or not self.path.is_file():
@@ -52,7 +52,7 @@ class Checkpoint:
                 self.ignored = True
                 return
             self.trials = {int(t): float(v) for t, v in data["trials"].items()}
-            self.evaluations = {int(i): Evaluation(
+            self.evaluations = {str(i): Evaluation(
                 e["int8_mac_share"], e["predicted"],
                 Certificate(**{**e["certificate"],
                                "interval": tuple(e["certificate"]["interval"])}),
@@ -67,9 +67,9 @@ class Checkpoint:
         self.trials[index] = nsr
         self._save()
 
-    def add_evaluation(self, index: int, evaluation: Evaluation) -> None:
-        """Record one evaluation of the front's plan `index`."""
-        self.evaluations[index] = evaluation
+    def add_evaluation(self, key: str, evaluation: Evaluation) -> None:
+        """Record one evaluation of the plan `key` (:func:`plan_key`)."""
+        self.evaluations[key] = evaluation
         self._save()
 
     def _save(self) -> None:
@@ -78,6 +78,11 @@ class Checkpoint:
                                    "fingerprint": self.fingerprint, "trials": self.trials,
                                    "evaluations": {i: asdict(e) for i, e in
                                                    self.evaluations.items()}})
+
+
+def plan_key(precisions: Mapping[str, str]) -> str:
+    """A plan's key in the checkpoint: a digest of its units' precisions."""
+    return hashlib.sha256(json.dumps(sorted(precisions.items())).encode()).hexdigest()[:16]
 
 
 def fingerprint(model: onnx.ModelProto, *parts) -> str:
@@ -103,52 +108,75 @@ class Evaluation:
     screened: bool = False
 
 
-def search(points: list[FrontPoint], evaluate: Callable[[int], Evaluation],
-            max_evaluations: int, max_drop: float | None,
-            min_sqnr: float | None) -> tuple[dict[int, Evaluation], int]:
-    """Evaluate plans of the front; the evaluations by front index, in order, and the chosen.
+def search(front: Callable[[], list[FrontPoint]],
+           evaluate: Callable[[FrontPoint], Evaluation | None], max_evaluations: int,
+           max_drop: float | None, min_sqnr: float | None
+           ) -> tuple[list[tuple[FrontPoint, Evaluation]], int]:
+    """Evaluate plans of the front; the (plan, evaluation) pairs in order, and the chosen's
+    position among them.
 
-    All-INT8 first (kept when certified), then up to `max_evaluations` in all
-    (not counting a plan `evaluate` screened out on the calibration samples), each
-    chosen by :func:`_next_guess` between the most-INT8 certified plan and
-    the least-INT8 failed one, among the plans that add at least MIN_GAIN of the
-    MACs to the certified one (a layout front holds plans 5e-6 apart: a whole
-    evaluation is wasted on them). The chosen plan is the certified one with the
-    most INT8, else the most conservative evaluated (the caller then falls back
-    to a plan without INT8). Warns when the evaluation set is too small
-    to decide (:func:`warn_undecided` says more once the plan is chosen).
+    ``front()`` is the current front (it may change: ``evaluate`` returns None when,
+    instead of evaluating a plan, it refitted the noise model, and the search then
+    chooses again on the new front, where the plans evaluated keep their outcomes).
+    All-INT8 first (kept when certified), then up to `max_evaluations` in all (not
+    counting a plan `evaluate` screened out on the calibration samples), each chosen by
+    :func:`_next_guess` between the most-INT8 certified plan and the least-INT8 failed
+    one, among the plans that add at least MIN_GAIN of the MACs to the certified one (a
+    layout front holds plans 5e-6 apart: a whole evaluation is wasted on them). The
+    chosen plan is the certified one with the most INT8, else the most conservative
+    evaluated (the caller then falls back to a plan without INT8). Warns when the
+    evaluation set is too small to decide (:func:`warn_undecided` says more once the
+    plan is chosen).
     """
-    last = len(points) - 1
-    evaluated = {last: evaluate(last)}
-    if evaluated[last].certificate.inconclusive:  # said now, not after the other evaluations
-        warnings.warn(evaluated[last].certificate.too_small_message(), stacklevel=3)
-    low, high = -1, last  # highest certified index, lowest failed index
-    if evaluated[last].certificate.certified:
-        low = last
-    while sum(not e.screened for e in evaluated.values()) < max_evaluations:
+    points = front()
+    done: list[tuple[FrontPoint, Evaluation]] = []
+    while not done:  # all-INT8: the first trial, so its prediction holds
+        result = evaluate(points[-1])
+        if result is None:
+            points = front()
+            continue
+        done.append((points[-1], result))
+        if result.certificate.inconclusive:  # said now, not after the other evaluations
+            warnings.warn(result.certificate.too_small_message(), stacklevel=3)
+    while sum(not e.screened for _, e in done) < max_evaluations:
+        points, evaluated = _merged(front(), done)
+        certified = [i for i, e in evaluated.items() if e.certificate.certified]
+        low = max(certified, default=-1)
+        high = min((i for i, e in evaluated.items() if i > low and not e.certificate.certified),
+                   default=len(points))
         # Plans that add less than MIN_GAIN of the MACs to the certified one are not tried.
-        floor = low if low < 0 else max(i for i in range(low, high + 1) if (
+        floor = low if low < 0 else max(i for i in range(low, min(high + 1, len(points))) if (
             points[i].int8_mac_share < points[low].int8_mac_share + MIN_GAIN))
         if floor >= high - 1:
             break
         guess = _next_guess(points, evaluated, floor, high, max_drop, min_sqnr)
-        evaluated[guess] = evaluate(guess)
-        if evaluated[guess].certificate.certified:
-            low = guess
-        else:
-            high = guess
+        result = evaluate(points[guess])
+        if result is not None:
+            done.append((points[guess], result))
+    certified = [k for k, (_, e) in enumerate(done) if e.certificate.certified]
+    chosen = (max(certified, key=lambda k: done[k][1].int8_mac_share) if certified else
+              min(range(len(done)), key=lambda k: done[k][1].int8_mac_share))
+    return done, chosen
 
-    certified = [i for i in evaluated if evaluated[i].certificate.certified]
-    return evaluated, max(certified) if certified else min(evaluated)
+
+def _merged(points: list[FrontPoint], done: list[tuple[FrontPoint, Evaluation]]
+            ) -> tuple[list[FrontPoint], dict[int, Evaluation]]:
+    """The front with every evaluated plan in it (by INT8 share; a front plan of the same
+    share gives way to it), and their evaluations by index."""
+    shares = {p.int8_mac_share for p, _ in done}
+    merged = sorted([p for p in points if p.int8_mac_share not in shares] +
+                    [p for p, _ in done], key=lambda p: (p.int8_mac_share, p.predicted))
+    index = {id(p): i for i, p in enumerate(merged)}
+    return merged, {index[id(p)]: e for p, e in done}
 
 
-def warn_undecided(evaluated: Mapping[int, Evaluation], chosen: Evaluation) -> None:
+def warn_undecided(evaluations: list[Evaluation], chosen: Evaluation) -> None:
     """Warn when a plan with more INT8 than `chosen` (the plan written) scored inside the
     budget but could not be certified: what it scored and what the data lack. Not when
     the all-INT8 plan (the first evaluated) was itself inconclusive: said already."""
-    if evaluated[next(iter(evaluated))].certificate.inconclusive:
+    if evaluations[0].certificate.inconclusive:
         return
-    undecided = [e for e in evaluated.values() if e.certificate.inconclusive and
+    undecided = [e for e in evaluations if e.certificate.inconclusive and
                  e.int8_mac_share > chosen.int8_mac_share]
     if undecided:
         best = max(undecided, key=lambda e: e.int8_mac_share)

@@ -51,7 +51,14 @@ from quantlab.planner.certify import (
     task_evaluator,
 )
 from quantlab.planner.decisions import Plan
-from quantlab.planner.evaluate import Checkpoint, Evaluation, screen, search, warn_undecided
+from quantlab.planner.evaluate import (
+    Checkpoint,
+    Evaluation,
+    plan_key,
+    screen,
+    search,
+    warn_undecided,
+)
 from quantlab.planner.measure import (
     CalibratedModel,
     all_int8_nsr,
@@ -71,10 +78,9 @@ from quantlab.planner.units import Unit, find_units, read_back, share_scales
 
 # Front plans measured per round of checks before any evaluation.
 FRONT_CHECKS = 4
-# The checkpoint key of the all-FP16 plan's evaluation (front plans are keyed by index >= 0),
-# and of the FP32 plan of last resort.
-FLOOR_KEY = -1
-FP32_KEY = -2
+# Times the noise model may be refitted during the search, when a plan it chose for an
+# evaluation measured noisier than predicted on the hardest samples.
+MAX_REFITS = 3
 # The reason of a unit the search (not a rule) keeps out of INT8.
 SEARCH_CODE = "M-SEARCH"
 SEARCH_SOURCE = ("quantlab: trials on the hardest samples, MILP front, certified on held-out "
@@ -146,6 +152,8 @@ class PlanResult:
     noise_checks: list[dict] = field(default_factory=list)
     # What a trial cost against an FP32 pass over the same (hardest) samples.
     trial_cost: dict = field(default_factory=dict)
+    # Times the search refitted the noise model instead of evaluating the plan it chose.
+    refits: int = 0
 
     @property
     def certificate(self) -> Certificate:
@@ -295,17 +303,18 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
         repair_records[repair].update(hard_nsr_before=before["none"],
                                       hard_nsr_after=float(sensitivity.nsr[0]))
     with phases("front checks"):
-        sensitivity, fitted = _check_front(context, rules, local, sensitivity, trials)
-    contribution, fp16_contribution, points = fitted
+        sensitivity = _check_front(context, rules, local, sensitivity, trials)
+    model_fit = _ModelFit(context, rules, local, sensitivity, trials)
     with phases("evaluations"):
-        evaluated, index, chosen_point, floor = _evaluate(
-            context, rules, runner, points, fp16_contribution, drawn, checkpoint)
-    warn_undecided(evaluated, evaluated[index])
+        done, chosen, floor = _evaluate(context, rules, runner, model_fit, drawn, checkpoint)
     del drawn
+    evaluations = [e for _, e in done]
+    warn_undecided(evaluations, evaluations[chosen])
+    sensitivity, (contribution, fp16_contribution, points) = model_fit.sensitivity, model_fit.fitted
     with phases("noise checks"):  # every evaluated plan's prediction checked on the hard samples
-        noise_checks = _noise_checks(sensitivity, trials, evaluated, points)
-    decided = _decide(context, rules, chosen_point, contribution, fp16_contribution, local,
-                      calibrators, sensitivity, evaluated, floor,
+        noise_checks = _noise_checks(model_fit, done)
+    decided = _decide(context, rules, done[chosen][0], contribution, fp16_contribution, local,
+                      calibrators, sensitivity, len(done), floor,
                       shifts if runner.shifts else {})
     decided.repairs = [*repair_records.values(), *([shift_record] if shift_record else [])]
     qdq_model = runner.quantized(decided.node_precisions())
@@ -314,11 +323,11 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     if differ:
         raise ModelError(f"the Q/DQ model runs units {sorted(differ)[:5]} as {differ} although "
                          "the plan says otherwise; this is a bug, please report it with the model.")
-    return PlanResult(decided, qdq_model, dict(amax), points, sensitivity,
-                      list(evaluated.values()), list(evaluated).index(index),
+    return PlanResult(decided, qdq_model, dict(amax), points, sensitivity, evaluations, chosen,
                       hard_indices.tolist(), model,
-                      _uncertified(context, rules, runner, points, evaluated, chosen_point),
-                      phases.seconds, noise_checks, _trial_cost(trials, fp32_seconds))
+                      _uncertified(context, rules, runner, done, done[chosen][0]),
+                      phases.seconds, noise_checks, _trial_cost(trials, fp32_seconds),
+                      model_fit.refits)
 
 
 def _context(model: onnx.ModelProto, calibration, evaluation, settings: PlanSettings, task,
@@ -418,24 +427,63 @@ def _fitted(rules: _Rules, local: Mapping, sensitivity: OutputSensitivity, high_
 
 
 def _check_front(context: _Context, rules: _Rules, local: Mapping,
-                 sensitivity: OutputSensitivity, trials: Trials):
+                 sensitivity: OutputSensitivity, trials: Trials) -> OutputSensitivity:
     """Up to ``verify_rounds`` rounds: FRONT_CHECKS plans of the front measured against the
     fit (:func:`quantlab.planner.trials.check_fit`) and refitted, until every one is within
     DISAGREEMENT of its prediction. Random half-and-half trials cannot tell many small
     contributors apart, and a fit that calls them free puts them all in INT8."""
     from quantlab.planner.trials import DISAGREEMENT
 
-    fitted = _fitted(rules, local, sensitivity, context.settings.high_precision)
+    points = _fitted(rules, local, sensitivity, context.settings.high_precision)[2]
     for _ in context.step(range(context.settings.verify_rounds), desc="front checks"):
-        masks = _front_masks(fitted[2], sensitivity)
+        masks = _front_masks(points, sensitivity)
         if not len(masks):
             break
         checked = len(sensitivity.checks)
         sensitivity = check_fit(sensitivity, trials, masks, "front check")
-        fitted = _fitted(rules, local, sensitivity, context.settings.high_precision)
+        points = _fitted(rules, local, sensitivity, context.settings.high_precision)[2]
         if all(c["factor"] <= DISAGREEMENT for c in sensitivity.checks[checked:]):
             break
-    return sensitivity, fitted
+    return sensitivity
+
+
+class _ModelFit:
+    """The noise model during the search: its fit, the front it gives, and its check before
+    each evaluation (:meth:`verified`)."""
+
+    def __init__(self, context: _Context, rules: _Rules, local: Mapping,
+                 sensitivity: OutputSensitivity, trials: Trials):
+        self.context, self.rules, self.local, self.trials = context, rules, local, trials
+        self.sensitivity = sensitivity
+        self.fitted = _fitted(rules, local, sensitivity, context.settings.high_precision)
+        self.refits = 0
+
+    def front(self) -> list[FrontPoint]:
+        return self.fitted[2]
+
+    def mask(self, point: FrontPoint) -> np.ndarray:
+        return np.array([point.precisions.get(u) == "int8" for u in self.sensitivity.units])
+
+    def verified(self, point: FrontPoint) -> bool:
+        """False when `point`, run as a trial (unless one ran it), was noisier than predicted
+        by more than DISAGREEMENT: the noise model was then localized and refitted, and the
+        front changed (at most MAX_REFITS times; after that, True)."""
+        from quantlab.planner.trials import DISAGREEMENT
+
+        mask = self.mask(point)
+        seen = {m.tobytes() for m in self.sensitivity.masks}
+        if self.refits >= MAX_REFITS or not mask.any() or mask.tobytes() in seen:
+            return True
+        checked = len(self.sensitivity.checks)
+        self.sensitivity = check_fit(self.sensitivity, self.trials, mask[None],
+                                     "before evaluation")
+        if self.sensitivity.checks[checked]["measured"] <= \
+                DISAGREEMENT * self.sensitivity.checks[checked]["predicted"]:
+            return True
+        self.refits += 1
+        self.fitted = _fitted(self.rules, self.local, self.sensitivity,
+                              self.context.settings.high_precision)
+        return False
 
 
 def _front_masks(points: list[FrontPoint], sensitivity: OutputSensitivity,
@@ -453,22 +501,25 @@ def _front_masks(points: list[FrontPoint], sensitivity: OutputSensitivity,
     return np.array([masks[i] for i in picked]).reshape(-1, len(sensitivity.units))
 
 
-def _evaluate(context: _Context, rules: _Rules, runner: _Runner, points: list[FrontPoint],
-              fp16_contribution: Mapping[str, float], drawn, checkpoint: Checkpoint | None):
-    """The search over the front on the evaluation set, then the fallback when no plan with
-    INT8 certifies: all-FP16 (where units may run FP16), then the FP32 model. Returns the
-    evaluations by key, the chosen key, its plan and the all-FP16 evaluation (or None)."""
+def _evaluate(context: _Context, rules: _Rules, runner: _Runner, model_fit: _ModelFit, drawn,
+              checkpoint: Checkpoint | None):
+    """The search over the front on the evaluation set (each plan checked against the noise
+    model first, :meth:`_ModelFit.verified`), then the fallback when no plan with INT8
+    certifies: all-FP16 (where units may run FP16), then the FP32 model. Returns the
+    (plan, evaluation) pairs, the chosen one's position and the all-FP16 evaluation (or
+    None)."""
     settings = context.settings
-    screened = {}
+    screened = None
     if drawn is not None:  # (inputs, FP32 outputs) of a random draw of calibration samples
-        verdict = screen(points[-1], runner(points[-1].precisions), *drawn, context.metric_fn,
-                         settings.metric, settings.max_drop, settings.min_sqnr,
-                         settings.resamples)
-        screened = {len(points) - 1: verdict} if verdict else {}
+        last = model_fit.front()[-1]
+        screened = screen(last, runner(last.precisions), *drawn, context.metric_fn,
+                          settings.metric, settings.max_drop, settings.min_sqnr,
+                          settings.resamples)
     fp32_outputs = [context.fp32_run(batch)
                     for batch in context.step(context.evaluation, desc="FP32 evaluation")]
 
-    def evaluate_plan(point: FrontPoint, key: int) -> Evaluation:
+    def evaluate_plan(point: FrontPoint) -> Evaluation:
+        key = plan_key(point.precisions)
         if checkpoint and key in checkpoint.evaluations:
             return checkpoint.evaluations[key]
         start = time.perf_counter()
@@ -494,43 +545,49 @@ def _evaluate(context: _Context, rules: _Rules, runner: _Runner, points: list[Fr
             checkpoint.add_evaluation(key, result)
         return result
 
-    evaluated, index = search(
-        points, lambda i: screened[i] if i in screened else evaluate_plan(points[i], i),
-        settings.max_evaluations, settings.max_drop, settings.min_sqnr)
-    chosen, floor = points[index], None
-    if evaluated[index].certificate.certified:
-        return evaluated, index, chosen, floor
+    def checked(point: FrontPoint) -> Evaluation | None:
+        if screened is not None and point.int8_mac_share == 1.0:
+            return screened
+        return evaluate_plan(point) if model_fit.verified(point) else None
+
+    done, chosen = search(model_fit.front, checked, settings.max_evaluations,
+                          settings.max_drop, settings.min_sqnr)
+    if done[chosen][1].certificate.certified:
+        return done, chosen, None
     # No plan with INT8 certified: FP16 everywhere it may run, then the FP32 model.
-    all_fp16 = FrontPoint(0.0, sum(fp16_contribution.values()), 0.0, {
+    all_fp16 = FrontPoint(0.0, sum(model_fit.fitted[1].values()), 0.0, {
         u.name: fallback_precision(rules.allowed[u.name], settings.high_precision)
         for u in rules.units})
+    floor = None
     if any(p == "fp16" for p in all_fp16.precisions.values()):
-        floor = evaluated[FLOOR_KEY] = evaluate_plan(all_fp16, FLOOR_KEY)
+        floor = evaluate_plan(all_fp16)
+        done.append((all_fp16, floor))
         message = floor_message(floor.certificate, settings.metric, settings.max_drop)
         if message:
             warnings.warn(message, stacklevel=3)
         if floor.certificate.certified:
-            return evaluated, FLOOR_KEY, all_fp16, floor
+            return done, len(done) - 1, floor
     all_fp32 = FrontPoint(0.0, 0.0, 0.0, {u.name: fallback_precision(rules.allowed[u.name],
                                                                      "fp32")
                                           for u in rules.units})
-    evaluated[FP32_KEY] = evaluate_plan(all_fp32, FP32_KEY)
-    return evaluated, FP32_KEY, all_fp32, floor
+    done.append((all_fp32, evaluate_plan(all_fp32)))
+    return done, len(done) - 1, floor
 
 
-def _noise_checks(sensitivity: OutputSensitivity, trials: Trials,
-                  evaluated: Mapping[int, Evaluation], points: list[FrontPoint]) -> list[dict]:
-    """Each evaluated front plan's predicted noise against its measured noise on the hardest
-    samples (from a trial when one ran it, else one more trial); the evaluation's
-    measured metric beside them."""
+def _noise_checks(model_fit: _ModelFit, done: list[tuple[FrontPoint, Evaluation]]
+                  ) -> list[dict]:
+    """Each evaluated plan with INT8: its noise predicted by the final fit against its
+    measured noise on the hardest samples (from a trial when one ran it, else one more
+    trial), the evaluation's measured metric beside them."""
+    sensitivity = model_fit.sensitivity
     index = {m.tobytes(): t for t, m in enumerate(sensitivity.masks)}
     records = []
-    for key, evaluation in evaluated.items():
-        if key < 0:
+    for point, evaluation in done:
+        mask = model_fit.mask(point)
+        if not mask.any():
             continue
-        mask = np.array([points[key].precisions.get(u) == "int8" for u in sensitivity.units])
         measured = (sensitivity.nsr[index[mask.tobytes()]] if mask.tobytes() in index
-                    else trials.run(mask[None])[0])
+                    else model_fit.trials.run(mask[None])[0])
         predicted = float(mask.astype(np.float64) @ sensitivity.contribution)
         tiny = np.finfo(np.float64).tiny
         factor = max(measured, tiny) / max(predicted, tiny)
@@ -552,27 +609,27 @@ def _trial_cost(trials: Trials, fp32_seconds: float) -> dict:
             "ratio": median / fp32_seconds if fp32_seconds > 0 else float("inf")}
 
 
-def _uncertified(context: _Context, rules: _Rules, runner: _Runner, points: list[FrontPoint],
-                 evaluated: Mapping[int, Evaluation], chosen: FrontPoint):
+def _uncertified(context: _Context, rules: _Rules, runner: _Runner,
+                 done: list[tuple[FrontPoint, Evaluation]], chosen: FrontPoint):
     """The plan with the most INT8 (more than the chosen) that scored inside the budget but
     could not be certified, with its Q/DQ model and evaluation; None when there is none."""
-    promising = [i for i, e in evaluated.items() if i >= 0 and not e.screened and
-                 e.certificate.inconclusive and e.certificate.value >= e.certificate.limit and
-                 points[i].int8_mac_share > chosen.int8_mac_share]
+    promising = [(p, e) for p, e in done if not e.screened and e.certificate.inconclusive and
+                 e.certificate.value >= e.certificate.limit and
+                 p.int8_mac_share > chosen.int8_mac_share]
     if not promising:
         return None
-    best = max(promising, key=lambda i: points[i].int8_mac_share)
+    point, evaluation = max(promising, key=lambda pair: pair[0].int8_mac_share)
     kept = Plan.from_rules(rules.units, rules.reasons)
     for unit in rules.units:
-        kept.units[unit.name].precision = points[best].precisions[unit.name]
+        kept.units[unit.name].precision = point.precisions[unit.name]
     kept.metric, kept.budget = context.settings.metric, context.settings.budget
-    return kept, runner.quantized(kept.node_precisions()), evaluated[best]
+    return kept, runner.quantized(kept.node_precisions()), evaluation
 
 
 def _decide(context: _Context, rules: _Rules, chosen: FrontPoint, contribution: Mapping,
             fp16_contribution: Mapping, local: Mapping, calibrators: Mapping,
-            sensitivity: OutputSensitivity, evaluated: Mapping[int, Evaluation],
-            floor: Evaluation | None, applied: Mapping[str, np.ndarray]) -> Plan:
+            sensitivity: OutputSensitivity, evaluated: int, floor: Evaluation | None,
+            applied: Mapping[str, np.ndarray]) -> Plan:
     """The plan as plain data: each unit's precision, evidence and reasons."""
     settings = context.settings
     decided = Plan.from_rules(rules.units, rules.reasons)
@@ -600,7 +657,7 @@ def _decide(context: _Context, rules: _Rules, chosen: FrontPoint, contribution: 
                 f"{decision.predicted:.3g} (all INT8: {all_int8:.3g}); " + (
                     "the certified plan of the front keeps it out of INT8"
                     if chosen.int8_mac_share > 0 else
-                    f"no plan with INT8 held the budget ({len(evaluated)} evaluated)"),
+                    f"no plan with INT8 held the budget ({evaluated} evaluated)"),
                 SEARCH_SOURCE))
         if decision.precision == "fp32" and "fp16" in rules.allowed[unit.name] and \
                 settings.high_precision == "fp16":

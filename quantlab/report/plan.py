@@ -48,6 +48,10 @@ def plan_section(result: PlanResult) -> Section:
                     f", above {DISAGREEMENT:g}: the prediction failed there and the units "
                     "behind it were localized by halving and measured alone (summary.json "
                     "noise_model)." if disagreement > DISAGREEMENT else "."))
+    if result.refits:
+        summary += (f" {result.refits} plan(s) chosen for an evaluation measured noisier than "
+                    "predicted on the hardest samples: the noise model was refitted and the "
+                    "search chose again instead of evaluating them.")
     if result.phases:
         summary += " Seconds per step: " + ", ".join(
             f"{name} {seconds:.3g}" for name, seconds in result.phases.items()) + "."
