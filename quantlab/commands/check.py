@@ -67,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
-    from quantlab.commands.options import preprocess_from_args
-    from quantlab.commands.plan import TASK_METRICS
+    from quantlab.commands.options import TASK_METRICS, preprocess_from_args
     from quantlab.errors import ConfigError
     from quantlab.plan import Plan, resolve_metric
     from quantlab.runs import load_run
