@@ -52,17 +52,27 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
     # The preprocessing options default to None: an option left out takes the value a
     # calibration folder recorded (or Preprocess's default), one given always wins, even
     # when it equals the default (see preprocess_from_args).
-    images.add_argument("--resize-mode", choices=("squash", "letterbox", "center-crop"),
+    images.add_argument("--resize-mode",
+                        choices=("squash", "letterbox", "pad", "height-pad", "center-crop"),
                         help="squash: stretch to H x W; letterbox: fit inside, keep the aspect "
-                             "ratio, pad with --pad-value; center-crop: scale the short side to "
-                             "--resize-short, crop the centre (default: squash)")
+                             "ratio, pad with --pad-value, centred; pad: the same anchored "
+                             "top-left, padded at the bottom and right (YOLOv8 ONNX examples); "
+                             "height-pad: scale to height H keeping the aspect ratio (width at "
+                             "most W), pad on the right to W (text recognizers, PaddleOCR); "
+                             "center-crop: scale the short side to --resize-short, crop the "
+                             "centre (default: squash)")
     images.add_argument("--resize-short", type=positive_int, metavar="S",
                         help="center-crop: short side before cropping (default: max(H, W); "
                              "ImageNet style: --resize 224 224 --resize-short 256)")
     images.add_argument("--pad-value", type=finite_float, metavar="V",
-                        help="letterbox padding, in pixel units 0..255 (default: 114)")
-    images.add_argument("--interpolation", choices=("nearest", "bilinear", "bicubic", "lanczos"),
-                        help="resampling filter (default: bilinear)")
+                        help="padding of letterbox, pad and height-pad, in pixel units 0..255 "
+                             "before --scale/--mean/--std, fractions kept (default: 114; 127.5 "
+                             "with --mean 0.5 --std 0.5 pads with 0 as PaddleOCR does)")
+    images.add_argument("--interpolation",
+                        choices=("nearest", "bilinear", "bicubic", "lanczos", "area"),
+                        help="resampling filter: Pillow's, or area (the mean of the source "
+                             "pixels each output pixel covers, OpenCV's INTER_AREA when "
+                             "shrinking) (default: bilinear)")
     images.add_argument("--scale", type=finite_float,
                         help="pixel multiplier before mean/std (default: 1/255)")
     images.add_argument("--mean", type=finite_float, nargs="+",

@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         progress=None if args.no_progress else partial(tqdm, leave=True),
         show_collection=not args.no_progress,
         **({"num_bins": folder_stats.num_bins} if folder_stats is not None else {}))
-    _write(args, index, source, preprocess, configs, result)
+    _write(args, index, source, configs, result)
     checkpoint.remove()
     best = result.best_record
     print(f"sweep: best {best['label']}: {args.metric} {best['value']:.4g} "
@@ -171,7 +171,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def _write(args, index, source, preprocess, configs, result) -> None:
+def _write(args, index, source, configs, result) -> None:
     """sweep.json, amax_movement.csv, report.html and best/ into --out, all or nothing."""
     import pandas as pd
 
@@ -183,7 +183,7 @@ def _write(args, index, source, preprocess, configs, result) -> None:
     best = configs[result.best]
     calibrated = pipeline.calibrate_from_stats(
         index, result.snapshots[best.size], source.subset(0, best.size), best.method,
-        dict(best.params), preprocess)
+        dict(best.params))
     movement = pd.DataFrame([
         {"setting": setting, "tensor": name, f"amax_{result.half}": half[name],
          f"amax_{result.full}": full[name], "movement": result.movement[setting][name],
