@@ -187,24 +187,33 @@ def area_resize(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
     pixels cut at its edges weighted by the part inside (OpenCV's ``INTER_AREA`` when
     shrinking; OpenCV switches to a bilinear variant when enlarging, this stays the
     area mean there too). Separable: each axis integrates the piecewise-constant source
-    between the output pixel edges (cumulative sums, exact in integers for an integer
-    factor), and the result is divided once by the rectangle's area.
+    between the output pixel edges (block sums for a whole factor, exact for 8-bit
+    pixels), and the result is divided once by the rectangle's area.
     """
-    summed = _area_sums(_area_sums(np.asarray(pixels, np.float64), height, 0), width, 1)
+    pixels = np.asarray(pixels)
+    summed = _area_sums(_area_sums(pixels, height, 0), width, 1)
     return summed * (height * width) / (pixels.shape[0] * pixels.shape[1])
 
 
 def _area_sums(values: np.ndarray, size: int, axis: int) -> np.ndarray:
     """Integrals of `values` along `axis` over `size` equal intervals of its length."""
-    values = np.moveaxis(values, axis, 0)
-    count = len(values)
-    cumulative = np.concatenate([np.zeros((1,) + values.shape[1:]), np.cumsum(values, axis=0)])
-    padded = np.concatenate([values, np.zeros((1,) + values.shape[1:])])
-    # Edge e sits at e * count / size source pixels: whole pixels, and the fraction of the next.
+    count = values.shape[axis]
+    exact = np.int64 if values.dtype.kind in "biu" else np.float64  # 8-bit pixels sum exactly
+    if count % size == 0:  # whole blocks of count // size pixels
+        blocks = values.shape[:axis] + (size, count // size) + values.shape[axis + 1:]
+        return values.reshape(blocks).sum(axis=axis + 1, dtype=exact).astype(np.float64)
+    # Edge e sits at e * count / size source pixels: whole pixels, and the fraction of the
+    # next. An interval holds the whole pixels from its first edge's to its last edge's,
+    # less the fraction of the first before its edge, plus the fraction of the last.
     whole, part = np.divmod(np.arange(size + 1) * count, size)
-    fraction = (part / size).reshape((-1,) + (1,) * (values.ndim - 1))
-    integral = cumulative[whole] + fraction * padded[whole]
-    return np.moveaxis(integral[1:] - integral[:-1], 0, axis)
+    along = [1] * values.ndim
+    along[axis] = size
+    pixels = np.add.reduceat(values, whole[:-1], axis=axis, dtype=exact).astype(np.float64)
+    pixels *= (whole[1:] > whole[:-1]).reshape(along)  # reduceat gives one pixel for none
+    first = np.take(values, np.minimum(whole[:-1], count - 1), axis=axis)
+    last = np.take(values, np.minimum(whole[1:], count - 1), axis=axis)
+    return (pixels - (part[:-1] / size).reshape(along) * first
+            + (part[1:] / size).reshape(along) * last)
 
 
 class BatchSource:
