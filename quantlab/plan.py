@@ -62,7 +62,9 @@ from quantlab.planner.measure import (  # noqa: F401 (public API)
     in_runs,
     local_sqnr,
     output_sample_axes,
+    pooled_nsr,
     run_trials,
+    sample_energies,
     sample_nsr,
     samples_per_run,
     single_samples,
@@ -342,7 +344,7 @@ def make_plan(model: onnx.ModelProto, calibration, evaluation, amax: Mapping[str
         noise = {}
         for on in (False, True):
             board.bias_corrected = on
-            noise[on] = float(sample_nsr(board_run(all_int8)(hard), references).mean())
+            noise[on] = pooled_nsr(board_run(all_int8)(hard), references)
         board.bias_corrected = noise[True] < noise[False]
         shift_record = {"repair": "bias_correction", "chosen": board.bias_corrected,
                         "hard_nsr_before": noise[False], "hard_nsr_after": noise[True],

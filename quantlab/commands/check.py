@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its own units (default: %(default)s)")
     parser.add_argument("--min-sqnr", type=float, metavar="DB",
                         help="lowest allowed output SQNR of the candidate's INT8 model vs its "
-                             "FP32 model, in dB")
+                             "FP32 model, in dB, as `plan --min-sqnr` measures it "
+                             "(docs/metrics.md)")
     parser.add_argument("--resamples", type=int, default=200, metavar="B",
                         help="paired bootstrap resamples of the reported intervals "
                              "(default: %(default)s)")

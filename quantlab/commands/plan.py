@@ -78,8 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'zoo': a zoo model's held-out split, with its task metric)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
     parser.add_argument("--metric", default="sqnr", metavar="NAME",
-                        help="sqnr (output SQNR, dB), agreement (argmax agreement with FP32), "
-                             "top1 or map (a zoo model's task metric, with --eval zoo) or "
+                        help="sqnr (output SQNR in dB, pooled over the samples as validate "
+                             "reports it: docs/metrics.md), agreement (argmax agreement with "
+                             "FP32), top1 or map (a zoo model's task metric, with --eval zoo) or "
                              "module:function, called function(outputs, references) -> float "
                              "(higher is better) with two lists, one entry per batch, of "
                              "{output name: array}, samples on axis 0 (an output holding them "
@@ -89,7 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     budget.add_argument("--max-drop", type=nonnegative_float, metavar="X",
                         help="largest allowed drop of the metric from FP32, in its own units")
     budget.add_argument("--min-sqnr", type=finite_float, metavar="DB",
-                        help="lowest allowed output SQNR in dB (metric sqnr)")
+                        help="lowest allowed output SQNR in dB (metric sqnr): -10 log10 of the "
+                             "mean over float outputs of sum (int8 - fp32)^2 / sum fp32^2, each "
+                             "sum over every element of every --eval sample (pooled); with one "
+                             "output, the output SQNR `quantlab validate` reports "
+                             "(docs/metrics.md)")
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS,
                         help="calibrator of the tensors no unit quantizes (TensorRT <= 10 "
                              "cache ranges) and the starting scales (default: %(default)s)")

@@ -9,23 +9,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from quantlab.compare import output_sqnr_db
 from quantlab.errors import ConfigError, DataError
-from quantlab.planner.measure import sample_nsr
+from quantlab.planner.measure import sample_energies
 
 Outputs = list[dict[str, np.ndarray]]
 
 
 def output_sqnr(outputs: Outputs, references: Outputs) -> float:
-    """Output SQNR in dB over all samples: -10 log10 of the mean per-sample NSR.
+    """Output SQNR in dB over all samples (:func:`quantlab.compare.output_sqnr_db`): each
+    float output's noise and signal energy summed over every sample (pooled), their ratio
+    averaged over the outputs; `validate` reports the same figure (docs/metrics.md).
 
     +inf only when no sample has any noise (FP32 against itself); NaN when an output
     holds NaN (:func:`metric_value` refuses it: it must never pass as "no noise").
     """
-    nsr = np.concatenate([sample_nsr(o, r) for o, r in zip(outputs, references, strict=True)])
-    mean = float(nsr.mean())
-    if np.isnan(mean):
-        return float("nan")
-    return float(-10.0 * np.log10(mean)) if mean > 0 else float("inf")
+    energies = [sample_energies(o, r) for o, r in zip(outputs, references, strict=True)]
+    return output_sqnr_db(sum(noise.sum(axis=0) for noise, _ in energies),
+                          sum(power.sum(axis=0) for _, power in energies))
 
 
 def argmax_agreement(outputs: Outputs, references: Outputs) -> float:
