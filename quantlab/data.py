@@ -37,8 +37,9 @@ class Preprocess:
     ``squash`` stretches to H x W; ``letterbox`` scales to fit inside H x W keeping
     the aspect ratio and pads, centred, with `pad_value` (in pixel units, YOLO's
     114 by default); ``pad`` is ``letterbox`` anchored at the top-left corner (the
-    padding all at the bottom and right, as Ultralytics' ``LetterBox(center=False)``
-    and the YOLOv8 ONNX examples that paste the image into a square do);
+    padding all at the bottom and right, as Ultralytics' ``LetterBox(center=False)``;
+    the YOLOv8 ONNX examples that paste the image into a square before resizing give the
+    same image but for the blending of its last row and column with the padding);
     ``height-pad`` scales to height H keeping the aspect ratio (width
     ``ceil(H * w / h)``, at most W, squashed to W beyond) and pads on the right to W
     (text recognizers: PaddleOCR's ``resize_norm_img``); ``center-crop`` scales the

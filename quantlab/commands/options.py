@@ -56,7 +56,8 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
                         choices=("squash", "letterbox", "pad", "height-pad", "center-crop"),
                         help="squash: stretch to H x W; letterbox: fit inside, keep the aspect "
                              "ratio, pad with --pad-value, centred; pad: the same anchored "
-                             "top-left, padded at the bottom and right (YOLOv8 ONNX examples); "
+                             "top-left, padded at the bottom and right (Ultralytics' "
+                             "LetterBox(center=False)); "
                              "height-pad: scale to height H keeping the aspect ratio (width at "
                              "most W), pad on the right to W (text recognizers, PaddleOCR); "
                              "center-crop: scale the short side to --resize-short, crop the "
