@@ -60,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         alone = qdq.quantize_model(model, amax, {n: "int8" if u is unit else "fp32"
                                                  for u in units for n in u.nodes})
         backend = OnnxRuntimeBackend(alone, name=f"{unit.name} in INT8")
-        nsr = np.mean([plan.sample_nsr(backend.run(b), r).mean()
-                       for b, r in zip(batches, references, strict=True)])
-        impact[unit.name] = float(-10 * np.log10(nsr)) if nsr > 0 else np.inf
+        impact[unit.name] = plan.output_sqnr([backend.run(b) for b in batches], references)
     names = sorted(impact)
     rho = spearmanr([local[n]["int8"] for n in names], [impact[n] for n in names]).statistic
     by_local = sorted(names, key=lambda n: local[n]["int8"])[:args.top]

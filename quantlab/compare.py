@@ -72,7 +72,8 @@ class TensorError:
 
     @property
     def sqnr_db(self) -> float:
-        """10 log10(sum ref^2 / sum (ref - test)^2); +inf for identical tensors."""
+        """10 log10(sum ref^2 / sum (ref - test)^2), the sums over every element of every
+        batch (pooled, docs/metrics.md); +inf for identical tensors."""
         if self.sum_err2 == 0.0:
             return math.inf
         if self.sum_ref2 == 0.0:
@@ -133,6 +134,29 @@ def _error_sums(ref, test, atol, rtol):
         totals[3] += err2
         totals[4] = max(totals[4], largest)
     return totals[0], totals[1], totals[2], totals[3], totals[4], outside, nonfinite
+
+
+def output_nsr(noise: Sequence[float] | np.ndarray, power: Sequence[float] | np.ndarray) -> float:
+    """A model's output noise-to-signal ratio from one total per float output: each output's
+    noise energy ``sum (test - ref)^2`` over its signal energy ``sum ref^2``, both summed
+    over every sample and element (pooled), averaged over the outputs (docs/metrics.md).
+
+    0 without noise; NaN when a total is NaN. A silent reference output (``sum ref^2`` 0)
+    counts its noise against the smallest positive float64.
+    """
+    noise, power = np.asarray(noise, np.float64), np.asarray(power, np.float64)
+    return float(np.mean(noise / np.maximum(power, np.finfo(np.float64).tiny)))
+
+
+def output_sqnr_db(noise: Sequence[float] | np.ndarray,
+                   power: Sequence[float] | np.ndarray) -> float:
+    """quantlab's output SQNR in dB, ``-10 log10`` of :func:`output_nsr`: with one output,
+    that output's :attr:`TensorError.sqnr_db`; +inf without noise, NaN with a NaN total.
+    `validate`'s output SQNR and `plan`'s ``--min-sqnr`` and ``--metric sqnr`` are this."""
+    nsr = output_nsr(noise, power)
+    if np.isnan(nsr):
+        return math.nan
+    return -10.0 * math.log10(nsr) if nsr > 0 else math.inf
 
 
 class Comparison:
@@ -262,6 +286,8 @@ class PairResult:
     the reference's inputs); `outputs` maps each model output to its metrics (from
     the end-to-end runs); `not_compared` lists float tensors left out, and
     `warnings` says why a reader should not trust the pair as complete.
+    `output_sqnr_db` is the model's output SQNR over its float outputs
+    (:func:`output_sqnr_db`, the figure `plan --min-sqnr` bounds; None without one).
     """
 
     reference: str
@@ -272,3 +298,4 @@ class PairResult:
     outputs: dict[str, dict[str, float]]
     not_compared: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    output_sqnr_db: float | None = None

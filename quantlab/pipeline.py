@@ -225,8 +225,8 @@ def run_calibration(
         tensors = trt_ranges.tensors_to_calibrate(index)  # Q/DQ inputs + TensorRT <= 10 ranges
         check_cache_names(tensors)
     stats = collect.collect(index, source, tensors, progress=progress, memory_budget=memory_budget)
-    result = calibrate_from_stats(index, stats, source, method, method_params, preprocess,
-                                  weight_criterion)
+    result = calibrate_from_stats(index, stats, source, method, method_params,
+                                  weight_criterion=weight_criterion)
     result.repairs = applied
     write_results(result, out, force=force, trt_version=trt_version)
     return result
@@ -269,11 +269,11 @@ def calibrate_from_stats(
     source: BatchSource,
     method: str = calibrate.DEFAULT_METHOD,
     method_params: Mapping[str, float] | None = None,
-    preprocess: Preprocess | None = None,
     weight_criterion: str = "max",
 ) -> CalibrationResult:
     """Scales by `method` from statistics already collected, and the Q/DQ model they give
-    (weight amax by `weight_criterion`, :func:`qdq.weight_amax`).
+    (weight amax by `weight_criterion`, :func:`qdq.weight_amax`). The result's `preprocess`
+    is the one `source` applied (None for arrays).
 
     `stats` must cover :func:`qdq.activation_tensors_to_calibrate` of the normalized
     `model` (and :func:`trt_ranges.tensors_to_calibrate` for a calibration cache); one
@@ -283,7 +283,7 @@ def calibrate_from_stats(
     index = qdq.indexed(model)
     quantized = qdq.quantize_model(index, scales.amax, weight_criterion=weight_criterion)
     return CalibrationResult(index.model, quantized, stats, scales, source,
-                             preprocess=preprocess, weight_criterion=weight_criterion)
+                             preprocess=source.preprocess, weight_criterion=weight_criterion)
 
 
 def write_results(
@@ -337,7 +337,8 @@ def write_results(
                 "params": scales.params,
                 "tensors": len(scales.amax),
                 "trt_version": trt_version,
-                # How the data fed the model, so `validate --from` feeds it the same way.
+                # How the images were read, so `validate --from` reads them the same way; null
+                # where none was applied (arrays are fed as they are).
                 "preprocess": result.preprocess.to_dict() if result.preprocess else None,
                 "frozen_inputs": graph.frozen_inputs(result.model),
                 "sample_axes": {spec.name: spec.batch_axis

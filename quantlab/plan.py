@@ -51,6 +51,8 @@ from quantlab.planner.measure import (  # noqa: F401 (public API)
     in_runs,
     local_sqnr,
     output_sample_axes,
+    pooled_nsr,
+    sample_energies,
     sample_nsr,
     samples_per_run,
     single_samples,

@@ -27,6 +27,7 @@ import onnx
 
 from quantlab import calibrate, collect, graph, qdq
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+from quantlab.compare import output_sqnr_db
 from quantlab.data import BatchSource
 from quantlab.errors import ConfigError
 from quantlab.planner.certify import (
@@ -39,7 +40,12 @@ from quantlab.planner.certify import (
     split_samples,
     task_scorer,
 )
-from quantlab.planner.measure import in_runs, output_sample_axes, sample_nsr, samples_per_run
+from quantlab.planner.measure import (
+    in_runs,
+    output_sample_axes,
+    sample_energies,
+    samples_per_run,
+)
 
 # `quantlab sweep --help` states DEFAULT_PERCENTILES and TOLERANCE (its parser imports no NumPy).
 DEFAULT_PERCENTILES = (99.9, 99.99, 99.999)
@@ -247,11 +253,13 @@ class Evaluator:
         if self.task is not None:
             return task_scorer(self.task, outputs)
         if self.function is output_sqnr:
-            # output_sqnr of a resample is -10 log10 of its samples' mean NSR: computed once
-            # per sample instead of once per sample and resample.
-            nsr = np.concatenate([sample_nsr(o, r) for o, r in
-                                  zip(outputs, self.references, strict=True)])
-            return lambda pick: _db(nsr[pick].mean())
+            # output_sqnr of a resample pools its samples' noise and signal energies: computed
+            # once per sample instead of once per sample and resample.
+            energies = [sample_energies(o, r)
+                        for o, r in zip(outputs, self.references, strict=True)]
+            noise = np.concatenate([n for n, _ in energies])
+            power = np.concatenate([p for _, p in energies])
+            return lambda pick: output_sqnr_db(noise[pick].sum(axis=0), power[pick].sum(axis=0))
         samples, refs = split_samples(outputs), split_samples(self.references)
         return lambda pick: metric_value(self.function, self.metric, [samples[i] for i in pick],
                                          [refs[i] for i in pick])
@@ -299,11 +307,6 @@ class Evaluator:
         return certify_paired(self.metric, self._scores(outputs, others),
                               self.evaluation.num_samples, max_drop=0.0,
                               resamples=self.resamples)
-
-
-def _db(nsr: float) -> float:
-    """A noise-to-signal ratio in dB of SQNR (infinite without noise), as output_sqnr."""
-    return float(-10.0 * np.log10(nsr)) if nsr > 0 else float("inf")
 
 
 def estimate_seconds(model: onnx.ModelProto, evaluation: BatchSource, metric: str, task,

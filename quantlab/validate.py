@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,7 +178,7 @@ def validate(
                           atol=atol, rtol=rtol, progress=progress, memory_budget=memory_budget)
     index = streamed.index
     info = index.tensor_info()
-    pairs = [_pair_result(p, info, index.order, threshold_db, min_drop_db)
+    pairs = [_pair_result(p, info, index.order, threshold_db, min_drop_db, index.floats)
              for p in streamed.pairs]
     metrics = {name: score.result() for name, score in streamed.scores.items()}
     summary = {
@@ -202,6 +202,8 @@ def validate(
             "tensors_not_compared": p.not_compared,
             "warnings": p.warnings,
             "first_divergence": p.divergence.to_dict() if p.divergence else None,
+            # Over the float outputs, pooled over the samples: plan's --min-sqnr figure.
+            "output_sqnr_db": p.output_sqnr_db,
             "outputs": p.outputs,
         } for p in pairs],
     }
@@ -241,14 +243,17 @@ def _torch_stage(torch_module, fp32: Backend, data: BatchSource) -> Backend | No
 
 
 def _pair_result(pair: _Pair, info: pd.DataFrame, order: Sequence[str], threshold_db: float,
-                 min_drop_db: float) -> PairResult:
+                 min_drop_db: float, floats: Collection[str]) -> PairResult:
     table = pair.comparison.table(info)
     for column, by_tensor in pair.extra.items():
         table[column] = [" ".join(by_tensor.get(t, [])) for t in table["tensor"]]
     divergence = compare.first_divergence(table, order, pair.upstream, threshold_db, min_drop_db)
     outputs = {name: err.metrics() for name, err in pair.outputs.errors.items()}
+    compared = [err for name, err in pair.outputs.errors.items() if name in floats]
+    output_sqnr = (compare.output_sqnr_db([e.sum_err2 for e in compared],
+                                          [e.sum_ref2 for e in compared]) if compared else None)
     return PairResult(pair.reference, pair.test, pair.mode, table, divergence, outputs,
-                      pair.not_compared, pair.warnings)
+                      pair.not_compared, pair.warnings, output_sqnr)
 
 
 # ------------------------------------------------------------------ streaming the stages

@@ -24,6 +24,7 @@ from test_plan import make_graph, planted_model
 
 from quantlab import graph, plan
 from quantlab.cli import build_parser, main
+from quantlab.data import Preprocess
 from quantlab.errors import DataError, OutputExistsError
 
 # Node names with matplotlib mathtext in them (P61): conv3 and conv5 are the planted units the
@@ -275,16 +276,17 @@ def test_p61_mathtext_names_reach_the_report_figures(planned):
     assert "conv$^$3" in (planned / "report.html").read_text()
 
 
-# 6. P46, P46b, F04-F06: a damaged calibration.json.
+# 6. P46, P46b, F04-F06: a damaged calibration.json (its data are arrays, so it records no
+# preprocessing: the damaged block is written in).
 
 @pytest.mark.parametrize("damage, message", [
     (lambda text: text[:20], "calibration.json is not a readable calibration record file"),
     (lambda text: "[]", "calibration.json holds a JSON list, not the object"),
     (lambda text: json.dumps({**json.loads(text), "preprocess": {
-        **json.loads(text)["preprocess"], "mean": "abc"}}),
+        **Preprocess().to_dict(), "mean": "abc"}}),
      "field 'preprocess' cannot be used: its mean is 'abc', not a list of numbers."),
     (lambda text: json.dumps({**json.loads(text), "preprocess": {
-        **json.loads(text)["preprocess"], "layout": 7}}),
+        **Preprocess().to_dict(), "layout": 7}}),
      "field 'preprocess' cannot be used: layout '7' is not one of NCHW, NHWC."),
     (lambda text: json.dumps({**json.loads(text), "data": 3}),
      "field 'data' (3) cannot be used: expected the path of the calibration data."),
@@ -340,7 +342,6 @@ def test_an_input_option_contradicting_reused_statistics_is_refused(files, tmp_p
 
 def test_f09_an_explicit_option_wins_over_the_recorded_one_even_at_its_default():
     from quantlab.commands.options import preprocess_from_args
-    from quantlab.data import Preprocess
 
     recorded = Preprocess(channel_order="L", scale=1.0, layout="NHWC")
     parser = build_parser()

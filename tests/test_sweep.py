@@ -189,6 +189,8 @@ def test_interrupted_sweep_resumes_without_collecting_again(tmp_path, monkeypatc
     (["--calib-sizes", "16", "500"], "--calib-sizes 500 is larger than the calibration data"),
     (["--calib-sizes", "1"], "must be at least 2 samples"),
     (["--metric", "nosuch"], "unknown metric 'nosuch'"),
+    # The metric is checked as plan checks it (commands.options.check_metric).
+    (["--metric", "map"], "--metric map does not fit digits-cnn, a classification model"),
 ])
 def test_bad_sweep_options_are_one_clear_error(tmp_path, capsys, options, message):
     args = ["sweep", "digits-cnn", "--data", "zoo", "--eval", "zoo", "--out",

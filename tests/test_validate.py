@@ -476,6 +476,11 @@ def test_zoo_metrics_equal_a_float64_whole_set_reference(zoo_case, tmp_path, seg
         expected = _float64_metrics(fp32_out[name], int8_out[name])["sqnr_db"]
         # The FP32 outputs come from the exposed run, whose fusions round a little differently.
         assert outputs[name]["sqnr_db"] == pytest.approx(expected, rel=1e-6 + tolerance)
+    # The outputs together: the figure plan certifies (--metric sqnr, --min-sqnr).
+    from quantlab.planner.certify import output_sqnr
+
+    assert result.summary["pairs"][-1]["output_sqnr_db"] == pytest.approx(
+        output_sqnr([int8_out], [fp32_out]), rel=1e-6 + tolerance)
     for stage, values in ((FP32, fp32_out), (ENGINE, int8_out)):
         predicted = entry.postprocess(values, list(eval_set.image_ids))
         expected = (tasks.topk_accuracy(predicted, eval_set.labels) if entry.task ==

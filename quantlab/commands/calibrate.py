@@ -81,7 +81,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the calibration and print a summary of what was written."""
-    from quantlab.commands.options import input_options, preprocess_from_args
+    import sys
+
+    from quantlab.commands.options import (
+        PREPROCESS_OPTIONS,
+        given_preprocessing,
+        input_options,
+        preprocess_from_args,
+    )
     from quantlab.pipeline import run_calibration
 
     params = {"percentile": args.percentile} if args.percentile is not None else {}
@@ -102,6 +109,11 @@ def run(args: argparse.Namespace) -> int:
         weight_criterion=args.weight_amax,
         **input_options(args),
     )
+    unused = [PREPROCESS_OPTIONS[field] for field in given_preprocessing(args)]
+    if unused and result.preprocess is None:
+        print(f"note: {', '.join(unused)} had no effect: {args.data} holds arrays, which are "
+              "fed as they are (the preprocessing options apply to image folders and COCO "
+              "files); calibration.json records no preprocessing.", file=sys.stderr)
     cache = ", calibration.cache" if args.trt_version else ""
     equalized = result.repairs.get("depthwise_equalization")
     if equalized:

@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its own units (default: %(default)s)")
     parser.add_argument("--min-sqnr", type=float, metavar="DB",
                         help="lowest allowed output SQNR of the candidate's INT8 model vs its "
-                             "FP32 model, in dB")
+                             "FP32 model, in dB, as `plan --min-sqnr` measures it "
+                             "(docs/metrics.md)")
     parser.add_argument("--resamples", type=int, default=200, metavar="B",
                         help="paired bootstrap resamples of the reported intervals "
                              "(default: %(default)s)")
@@ -67,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
-    from quantlab.commands.options import preprocess_from_args
-    from quantlab.commands.plan import TASK_METRICS
+    from quantlab.commands.options import TASK_METRICS, preprocess_from_args
     from quantlab.errors import ConfigError
     from quantlab.plan import Plan, resolve_metric
     from quantlab.runs import load_run

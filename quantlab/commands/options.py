@@ -52,17 +52,28 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
     # The preprocessing options default to None: an option left out takes the value a
     # calibration folder recorded (or Preprocess's default), one given always wins, even
     # when it equals the default (see preprocess_from_args).
-    images.add_argument("--resize-mode", choices=("squash", "letterbox", "center-crop"),
+    images.add_argument("--resize-mode",
+                        choices=("squash", "letterbox", "pad", "height-pad", "center-crop"),
                         help="squash: stretch to H x W; letterbox: fit inside, keep the aspect "
-                             "ratio, pad with --pad-value; center-crop: scale the short side to "
-                             "--resize-short, crop the centre (default: squash)")
+                             "ratio, pad with --pad-value, centred; pad: the same anchored "
+                             "top-left, padded at the bottom and right (Ultralytics' "
+                             "LetterBox(center=False)); "
+                             "height-pad: scale to height H keeping the aspect ratio (width at "
+                             "most W), pad on the right to W (text recognizers, PaddleOCR); "
+                             "center-crop: scale the short side to --resize-short, crop the "
+                             "centre (default: squash)")
     images.add_argument("--resize-short", type=positive_int, metavar="S",
                         help="center-crop: short side before cropping (default: max(H, W); "
                              "ImageNet style: --resize 224 224 --resize-short 256)")
     images.add_argument("--pad-value", type=finite_float, metavar="V",
-                        help="letterbox padding, in pixel units 0..255 (default: 114)")
-    images.add_argument("--interpolation", choices=("nearest", "bilinear", "bicubic", "lanczos"),
-                        help="resampling filter (default: bilinear)")
+                        help="padding of letterbox, pad and height-pad, in pixel units 0..255 "
+                             "before --scale/--mean/--std, fractions kept (default: 114; 127.5 "
+                             "with --mean 0.5 --std 0.5 pads with 0 as PaddleOCR does)")
+    images.add_argument("--interpolation",
+                        choices=("nearest", "bilinear", "bicubic", "lanczos", "area"),
+                        help="resampling filter: Pillow's, or area (the mean of the source "
+                             "pixels each output pixel covers, OpenCV's INTER_AREA when "
+                             "shrinking) (default: bilinear)")
     images.add_argument("--scale", type=finite_float,
                         help="pixel multiplier before mean/std (default: 1/255)")
     images.add_argument("--mean", type=finite_float, nargs="+",
@@ -230,3 +241,54 @@ def _split(text: str, option: str) -> tuple[str, str]:
     if not sep or not name or not value:
         raise argparse.ArgumentTypeError(f"{option} {text}: expected NAME=VALUE.")
     return name, value
+
+
+# --- metric and evaluation data of the commands that score a model on --eval (plan, sweep) ---
+
+# The zoo's task metrics (--eval zoo): top-1 for classifiers, COCO mAP@[.5:.95] for detectors.
+TASK_METRICS = ("top1", "map")
+
+
+def check_metric(metric: str, eval_data: str, model: str) -> None:
+    """`metric` is known and fits --eval and `model` (MODEL), checked before any data is
+    read: a label-free metric or ``module:function`` that loads, or a task metric with
+    ``--eval zoo`` that is the zoo model's own (top1 a classifier's, map a detector's)."""
+    from quantlab.errors import ConfigError
+    from quantlab.planner.certify import resolve_metric
+
+    if metric not in TASK_METRICS:
+        resolve_metric(metric)  # an unknown metric fails before any work
+        return
+    if eval_data != "zoo":
+        raise ConfigError(f"--metric {metric} needs ground truth: with a zoo model, pass "
+                          "--eval zoo (its held-out split).")
+    from quantlab.tasks import PRIMARY_METRIC
+    from quantlab.zoo_names import ZOO_NAMES
+
+    if model not in ZOO_NAMES:
+        raise ConfigError(f"--metric {metric} is a zoo model's task metric; {model} is not a "
+                          "zoo model. Use sqnr, agreement or module:function.")
+    from quantlab import zoo
+
+    task = zoo.get(model).task
+    if metric != PRIMARY_METRIC[task]:
+        raise ConfigError(f"--metric {metric} does not fit {model}, a {task} model: its task "
+                          f"metric is {PRIMARY_METRIC[task]}.")
+
+
+def open_evaluation(args: argparse.Namespace, model, preprocess):
+    """(--eval opened for the normalized `model`, its Task or None): ``--eval zoo`` is the zoo
+    model MODEL's held-out split with its ground truth, anything else data read as --data
+    is (same batch size, --max-samples and preprocessing)."""
+    from quantlab import graph
+    from quantlab.data import open_data
+
+    inputs = graph.input_specs(model)
+    if args.eval != "zoo":
+        return open_data(args.eval, inputs, args.batch_size, args.max_samples, preprocess), None
+    from quantlab import zoo
+    from quantlab.tasks import Task
+
+    entry = zoo.get(args.model)
+    eval_set = entry.eval_set(args.max_samples)
+    return open_data(eval_set.inputs, inputs, args.batch_size), Task.from_zoo(entry, eval_set)

@@ -56,8 +56,6 @@ from quantlab.commands.options import (
 
 HELP = "choose INT8/FP16/FP32 per layer under an accuracy budget, certified on held-out data"
 EPILOG = DATA_HELP
-# The zoo's task metrics (--eval zoo): top-1 for classifiers, COCO mAP@[.5:.95] for detectors.
-TASK_METRICS = ("top1", "map")
 # summary.json's "generator": `quantlab build` reads the plan's batch from such a folder.
 GENERATOR = "quantlab plan"
 # The checkpoint of a running plan, left in --out when it is interrupted.
@@ -84,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'zoo': a zoo model's held-out split, with its task metric)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
     parser.add_argument("--metric", default="sqnr", metavar="NAME",
-                        help="sqnr (output SQNR, dB), agreement (argmax agreement with FP32), "
-                             "top1 or map (a zoo model's task metric, with --eval zoo) or "
+                        help="sqnr (output SQNR in dB, pooled over the samples as validate "
+                             "reports it: docs/metrics.md), agreement (argmax agreement with "
+                             "FP32), top1 or map (a zoo model's task metric, with --eval zoo) or "
                              "module:function, called function(outputs, references) -> float "
                              "(higher is better) with two lists, one entry per batch, of "
                              "{output name: array}, samples on axis 0 (an output holding them "
@@ -95,7 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     budget.add_argument("--max-drop", type=nonnegative_float, metavar="X",
                         help="largest allowed drop of the metric from FP32, in its own units")
     budget.add_argument("--min-sqnr", type=finite_float, metavar="DB",
-                        help="lowest allowed output SQNR in dB (metric sqnr)")
+                        help="lowest allowed output SQNR in dB (metric sqnr): -10 log10 of the "
+                             "mean over float outputs of sum (int8 - fp32)^2 / sum fp32^2, each "
+                             "sum over every element of every --eval sample (pooled); with one "
+                             "output, the output SQNR `quantlab validate` reports "
+                             "(docs/metrics.md)")
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS,
                         help="calibrator of the tensors no unit quantizes (TensorRT <= 10 "
                              "cache ranges) and the starting scales (default: %(default)s)")
@@ -219,38 +222,6 @@ def _calibration(args, model, recorded, preprocess):
     return open_data(args.data, inputs, args.batch_size, args.max_samples, preprocess), None
 
 
-def _check_metric(args) -> None:
-    """The metric is known and fits --eval and the model, before any data is read."""
-    from quantlab import plan
-    from quantlab.errors import ConfigError
-
-    if args.metric not in TASK_METRICS:
-        plan.resolve_metric(args.metric)  # an unknown metric fails before any work
-    elif args.eval != "zoo":
-        raise ConfigError(f"--metric {args.metric} needs ground truth: with a zoo model, pass "
-                          "--eval zoo (its held-out split).")
-    else:
-        _check_task_metric(args)
-    plan.check_budget(args.metric, args.max_drop, args.min_sqnr)
-
-
-def _check_task_metric(args) -> None:
-    """--metric top1 or map fits the zoo model planned (top1: a classifier, map: a detector)."""
-    from quantlab.errors import ConfigError
-    from quantlab.tasks import PRIMARY_METRIC
-    from quantlab.zoo_names import ZOO_NAMES
-
-    if args.model not in ZOO_NAMES:
-        raise ConfigError(f"--metric {args.metric} is a zoo model's task metric; {args.model} "
-                          "is not a zoo model. Use sqnr, agreement or module:function.")
-    from quantlab import zoo
-
-    task = zoo.get(args.model).task
-    if args.metric != PRIMARY_METRIC[task]:
-        raise ConfigError(f"--metric {args.metric} does not fit {args.model}, a {task} model: "
-                          f"its task metric is {PRIMARY_METRIC[task]}.")
-
-
 def _check_eval_shapes(model, evaluation, args) -> None:
     """Refuse evaluation data whose dynamic dimensions (image size, audio length) differ
     from the calibration data's: the plan would be certified on shapes that trtexec.txt's
@@ -368,10 +339,10 @@ def run(args: argparse.Namespace) -> int:
     """Plan, certify and write the plan's folder."""
     from pathlib import Path
 
-    from quantlab import cache, graph, qdq
+    from quantlab import cache, graph, plan, qdq
     from quantlab.backends import tensorrt as trt_backend
-    from quantlab.commands.options import preprocess_from_args
-    from quantlab.data import checked_digest, open_data
+    from quantlab.commands.options import check_metric, open_evaluation, preprocess_from_args
+    from quantlab.data import checked_digest
     from quantlab.errors import DataError
     from quantlab.experiment import check_output
     from quantlab.pipeline import quantized_inputs
@@ -380,7 +351,8 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.out, force=args.force, produces=PLAN_FILES)
     if args.trt_version is not None:
         cache.implicit_int8_version(args.trt_version)
-    _check_metric(args)
+    check_metric(args.metric, args.eval, args.model)
+    plan.check_budget(args.metric, args.max_drop, args.min_sqnr)
     recorded = _recorded(args)
     # Calibration and evaluation images are read alike: a calibration folder's recorded
     # preprocessing, any option given overriding it (refused where stats.npz is reused).
@@ -400,18 +372,8 @@ def run(args: argparse.Namespace) -> int:
             raise DataError(f"the statistics of {args.data} lack tensors {missing[:5]} the Q/DQ "
                             "model quantizes; they were collected on another model. Calibrate "
                             "this model, or pass its calibration data with --data.")
-    task = None  # the evaluation data are opened (and checked) before any long work
-    if args.eval == "zoo":
-        from quantlab import zoo
-        from quantlab.tasks import Task
-
-        entry = zoo.get(args.model)
-        eval_set = entry.eval_set(args.max_samples)
-        task = Task.from_zoo(entry, eval_set)
-        evaluation = open_data(eval_set.inputs, graph.input_specs(model), args.batch_size)
-    else:
-        evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
-                               args.max_samples, preprocess)
+    # The evaluation data are opened (and checked) before any long work.
+    evaluation, task = open_evaluation(args, model, preprocess)
     _check_eval_shapes(model, evaluation, args)
     # One pass over each: NaN/Inf refused, and the content identifies the run (checkpoint).
     digests = (checked_digest(source, f"--data {recorded['data'] if recorded else args.data}"),

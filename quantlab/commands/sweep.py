@@ -89,12 +89,11 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from quantlab import calibrate, graph, qdq, sweep
-    from quantlab.commands.options import preprocess_from_args
-    from quantlab.commands.plan import TASK_METRICS, _calibration, _prepared, _recorded
-    from quantlab.data import open_data
+    from quantlab.commands.options import check_metric, open_evaluation, preprocess_from_args
+    from quantlab.commands.plan import _calibration, _prepared, _recorded
     from quantlab.errors import ConfigError, DataError
     from quantlab.experiment import check_output
-    from quantlab.plan import fingerprint, resolve_metric
+    from quantlab.plan import fingerprint
 
     check_output(args.out, force=args.force, produces=SWEEP_FILES)
     percentiles = args.percentiles or sweep.DEFAULT_PERCENTILES
@@ -103,11 +102,7 @@ def run(args: argparse.Namespace) -> int:
         calibrate.check_method(method, {})
     if not 0 < tolerance < 1:
         raise ConfigError(f"--tolerance {tolerance}: give a share in (0, 1), e.g. 0.02.")
-    if args.metric not in TASK_METRICS:
-        resolve_metric(args.metric)  # an unknown metric fails before any work
-    elif args.eval != "zoo":
-        raise ConfigError(f"--metric {args.metric} needs ground truth: with a zoo model, pass "
-                          "--eval zoo (its held-out split).")
+    check_metric(args.metric, args.eval, args.model)
     recorded = _recorded(args)
     preprocess = preprocess_from_args(args, recorded and recorded.get("preprocess"))
     model = _prepared(args, recorded)
@@ -119,18 +114,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = sweep.check_sizes(args.calib_sizes or sweep.default_sizes(source.num_samples),
                               source.num_samples, source.description, fixed)
     configs = sweep.configurations(args.methods, percentiles, sizes)
-    task = None
-    if args.eval == "zoo":
-        from quantlab import zoo
-        from quantlab.tasks import Task
-
-        entry = zoo.get(args.model)
-        eval_set = entry.eval_set(args.max_samples)
-        task = Task.from_zoo(entry, eval_set)
-        evaluation = open_data(eval_set.inputs, graph.input_specs(model), args.batch_size)
-    else:
-        evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
-                               args.max_samples, preprocess)
+    evaluation, task = open_evaluation(args, model, preprocess)
     estimate = sweep.estimate_seconds(model, evaluation, args.metric, task, args.resamples,
                                       sizes[-1], len(configs))
     plan_text = (f"{len(configs)} configurations ({len(configs) // len(sizes)} calibrator "
@@ -172,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         progress=None if args.no_progress else partial(tqdm, leave=True),
         show_collection=not args.no_progress,
         **({"num_bins": folder_stats.num_bins} if folder_stats is not None else {}))
-    _write(args, index, source, preprocess, configs, result)
+    _write(args, index, source, configs, result)
     checkpoint.remove()
     best = result.best_record
     print(f"sweep: best {best['label']}: {args.metric} {best['value']:.4g} "
@@ -187,7 +171,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def _write(args, index, source, preprocess, configs, result) -> None:
+def _write(args, index, source, configs, result) -> None:
     """sweep.json, amax_movement.csv, report.html and best/ into --out, all or nothing."""
     import pandas as pd
 
@@ -199,7 +183,7 @@ def _write(args, index, source, preprocess, configs, result) -> None:
     best = configs[result.best]
     calibrated = pipeline.calibrate_from_stats(
         index, result.snapshots[best.size], source.subset(0, best.size), best.method,
-        dict(best.params), preprocess)
+        dict(best.params))
     movement = pd.DataFrame([
         {"setting": setting, "tensor": name, f"amax_{result.half}": half[name],
          f"amax_{result.full}": full[name], "movement": result.movement[setting][name],

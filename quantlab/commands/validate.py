@@ -223,6 +223,10 @@ def _print_result(result) -> None:
         print(f"output {row.output} {row.pair}: {row.sqnr_db:.1f} dB SQNR, cosine "
               f"{row.cosine:.4f}")
     for pair in result.pairs:
+        if pair.output_sqnr_db is not None and len(pair.outputs) > 1:
+            print(f"outputs together {pair_label(pair)}: {pair.output_sqnr_db:.1f} dB SQNR (the "
+                  "figure plan --min-sqnr bounds, docs/metrics.md)")
+    for pair in result.pairs:
         divergence = pair.divergence
         where = (f"{divergence.tensor} ({divergence.op_type} {divergence.node}, "
                  f"{divergence.sqnr_db:.1f} dB)" if divergence else

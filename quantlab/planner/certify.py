@@ -9,21 +9,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from quantlab.compare import output_sqnr_db
 from quantlab.errors import ConfigError, DataError
-from quantlab.planner.measure import sample_nsr
+from quantlab.planner.measure import sample_energies
 
 Outputs = list[dict[str, np.ndarray]]
 
 
 def output_sqnr(outputs: Outputs, references: Outputs) -> float:
-    """Output SQNR in dB over all samples: -10 log10 of the mean per-sample NSR.
+    """Output SQNR in dB over all samples (:func:`quantlab.compare.output_sqnr_db`): each
+    float output's noise and signal energy summed over every sample (pooled), their ratio
+    averaged over the outputs; `validate` reports the same figure (docs/metrics.md).
 
     +inf only when no sample has any noise (FP32 against itself); NaN when an output
     holds NaN (:func:`metric_value` refuses it: it must never pass as "no noise").
     """
-    nsr = np.concatenate([sample_nsr(o, r) for o, r in zip(outputs, references, strict=True)])
-    mean = float(nsr.mean())
-    return float("nan") if np.isnan(mean) else _decibels(mean)
+    energies = [sample_energies(o, r) for o, r in zip(outputs, references, strict=True)]
+    return output_sqnr_db(sum(noise.sum(axis=0) for noise, _ in energies),
+                          sum(power.sum(axis=0) for _, power in energies))
 
 
 def argmax_agreement(outputs: Outputs, references: Outputs) -> float:
@@ -179,12 +182,10 @@ def certify(metric: Callable, name: str, outputs: Outputs, references: Outputs, 
     whole = f"{what} 0..{len(samples) - 1}"
     reference = metric_value(metric, name, references, references, f"FP32 on {whole}")
     value = metric_value(metric, name, outputs, references, whole)
-    per_sample = _per_sample(metric, outputs, references)
-    if per_sample is not None:  # a mean of per-sample figures: resampled as numbers
-        figures, combine = per_sample
-
+    resampled = _resampled(metric, outputs, references)
+    if resampled is not None:  # sums over samples: a resample adds up numbers
         def evaluate(pick: np.ndarray) -> tuple[float, float]:
-            return combine(figures[pick]), reference
+            return resampled(pick), reference
     else:
         def evaluate(pick: np.ndarray) -> tuple[float, float]:
             chosen, fp32 = [samples[i] for i in pick], [refs[i] for i in pick]
@@ -195,23 +196,22 @@ def certify(metric: Callable, name: str, outputs: Outputs, references: Outputs, 
                           floor=floor, resamples=resamples, confidence=confidence, seed=seed)
 
 
-def _per_sample(metric: Callable, outputs: Outputs, references: Outputs):
-    """(per-sample figures, how a resample's figures combine into the metric) for the
-    built-in metrics, which are means over samples, so that a bootstrap resample costs a
-    mean of numbers instead of the metric over every output again (on an 800x608 detector,
-    400 calls of output_sqnr took 10 s of a 15 s evaluation); None for other metrics. FP32
-    against itself scores the same on every resample (inf dB; agreement 1)."""
+def _resampled(metric: Callable, outputs: Outputs, references: Outputs):
+    """``value(sample indices)`` of a built-in metric from per-sample figures computed once,
+    for the bootstrap: output SQNR pools each sample's noise and signal energies, argmax
+    agreement averages each sample's 0/1. A resample then costs sums of numbers instead of
+    the metric over every output again (on an 800x608 detector, 400 calls of output_sqnr
+    took 10 s of a 15 s evaluation). None for other metrics. FP32 against itself scores the
+    same on every resample (inf dB; agreement 1)."""
     if metric is output_sqnr:
-        nsr = np.concatenate([sample_nsr(o, r) for o, r in zip(outputs, references,
-                                                                strict=True)])
-        return nsr, lambda chosen: _decibels(float(chosen.mean()))
+        energies = [sample_energies(o, r) for o, r in zip(outputs, references, strict=True)]
+        noise = np.concatenate([n for n, _ in energies])
+        power = np.concatenate([p for _, p in energies])
+        return lambda pick: output_sqnr_db(noise[pick].sum(axis=0), power[pick].sum(axis=0))
     if metric is argmax_agreement:
-        return _agreements(outputs, references), lambda chosen: float(chosen.mean())
+        agreements = _agreements(outputs, references)
+        return lambda pick: float(agreements[pick].mean())
     return None
-
-
-def _decibels(mean_nsr: float) -> float:
-    return float(-10.0 * np.log10(mean_nsr)) if mean_nsr > 0 else float("inf")
 
 
 def certify_paired(name: str, evaluate: Callable[[np.ndarray], tuple[float, float]],

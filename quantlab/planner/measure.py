@@ -16,20 +16,23 @@ import numpy as np
 import onnx
 
 from quantlab import graph, qdq
+from quantlab.compare import output_nsr
 from quantlab.errors import ModelError
 from quantlab.graph import Graph
 from quantlab.planner.units import Unit
 
-_FLOAT64_ROWS_BYTES = 32 << 20  # sample_nsr's float64 working copies
+_FLOAT64_ROWS_BYTES = 32 << 20  # sample_energies' float64 working copies
 
 
-def sample_nsr(outputs: Mapping[str, np.ndarray],
-               references: Mapping[str, np.ndarray]) -> np.ndarray:
-    """Per-sample output noise-to-signal ratio: mean over float outputs of |y - r|^2 / |r|^2.
+def sample_energies(outputs: Mapping[str, np.ndarray],
+                    references: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample noise and signal energy of every float output, in float64: (noise, power),
+    each [samples, outputs], ``sum (y - r)^2`` and ``sum r^2`` over one sample's elements.
 
-    Samples are on axis 0 of every output. Output SQNR in dB is -10 log10 of the mean.
+    Samples are on axis 0 of every output. Summed over samples they give the output NSR
+    (:func:`quantlab.compare.output_nsr`); per sample, how hard a sample is (:func:`sample_nsr`).
     """
-    ratios = []
+    noises, powers = [], []
     for name, reference in references.items():
         reference = np.asarray(reference)
         if not np.issubdtype(reference.dtype, np.floating):
@@ -46,11 +49,28 @@ def sample_nsr(outputs: Mapping[str, np.ndarray],
             diff = out[start:start + rows].astype(np.float64) - part
             noise[start:start + rows] = np.einsum("ij,ij->i", diff, diff)
             power[start:start + rows] = np.einsum("ij,ij->i", part, part)
-        ratios.append(noise / np.maximum(power, np.finfo(np.float64).tiny))
-    if not ratios:
+        noises.append(noise)
+        powers.append(power)
+    if not noises:
         raise ModelError(f"the model has no float outputs to compare ({sorted(references)}); "
                          "pass a metric that reads its outputs (--metric module:function).")
-    return np.mean(ratios, axis=0)
+    return np.stack(noises, axis=1), np.stack(powers, axis=1)
+
+
+def sample_nsr(outputs: Mapping[str, np.ndarray],
+               references: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Per-sample noise-to-signal ratio, mean over float outputs of |y - r|^2 / |r|^2: how
+    hard each sample is (:func:`hardest_samples`). The output NSR pools samples instead
+    (:func:`pooled_nsr`)."""
+    noise, power = sample_energies(outputs, references)
+    return (noise / np.maximum(power, np.finfo(np.float64).tiny)).mean(axis=1)
+
+
+def pooled_nsr(outputs: Mapping[str, np.ndarray], references: Mapping[str, np.ndarray]) -> float:
+    """The output NSR of one batch of outputs against the references, pooled over its samples
+    (:func:`quantlab.compare.output_nsr`): what the trials measure."""
+    noise, power = sample_energies(outputs, references)
+    return output_nsr(noise.sum(axis=0), power.sum(axis=0))
 
 
 def hardest_samples(batches, reference: Callable, candidate: Callable, count: int,
@@ -375,6 +395,6 @@ def all_int8_nsr(options: Mapping[str, CalibratedModel], batch: Mapping[str, np.
         model = qdq.quantize_model(option.model, option.amax,
                                    {n: p for n, p in (plan or {}).items() if n in nodes})
         run = runs(OnnxRuntimeBackend(model, name=f"int8 {name}").run)
-        result[name] = float(sample_nsr(run(batch), references).mean())
+        result[name] = pooled_nsr(run(batch), references)
     return result
 

@@ -32,9 +32,13 @@ def plan_section(result: PlanResult) -> Section:
     """The report section of a plan."""
     certificate = result.certificate
     verdict = "certified" if certificate.certified else "NOT certified"
+    metric = certificate.metric + (" (output SQNR in dB: each float output's noise energy over "
+                                   "its signal energy, pooled over the samples, averaged over "
+                                   "the outputs, as validate reports it)"
+                                   if certificate.metric == "sqnr" else "")
     summary = (
         f"{result.plan.int8_mac_share():.1%} of linear-op MACs run INT8. Metric "
-        f"{certificate.metric}: {certificate.value:.4g} (FP32 {certificate.reference:.4g}, "
+        f"{metric}: {certificate.value:.4g} (FP32 {certificate.reference:.4g}, "
         f"lowest acceptable {certificate.limit:.4g}); {verdict}: the {certificate.confidence:.0%} "
         f"one-sided paired-bootstrap bound of the margin is {certificate.interval[0]:.4g} on "
         f"{certificate.samples} samples, after {result.model_runs} evaluations of the real "

@@ -43,6 +43,8 @@ def validation_section(
         worst = pair.table.sort_values("sqnr_db").head(WORST_LAYERS)
         rendered.append({
             "label": label,
+            "output_sqnr": pair.output_sqnr_db,
+            "outputs": len(pair.outputs),
             "warnings": pair.warnings,
             "divergence": pair.divergence,
             "compared": len(pair.table),
@@ -56,7 +58,8 @@ def validation_section(
         metrics_table=Markup(table_html(metrics_frame(metrics), caption="Task metrics per stage"))
         if metrics else None,
         outputs_table=Markup(table_html(
-            outputs, caption="End-to-end outputs: error of each model output per stage pair"))
+            outputs, caption="End-to-end outputs: error of each model output per stage pair "
+                             "(SQNR in dB, pooled over every sample: docs/metrics.md)"))
         if len(outputs) else None,
         notes=list(notes),
         pairs=rendered,
