@@ -26,6 +26,7 @@ comparison and dropped as soon as its segment is done.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -41,9 +42,10 @@ from quantlab import compare, graph, segments
 from quantlab.backends import Backend
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.choices import MODES
+from quantlab.collect import parse_memory
 from quantlab.compare import PairResult
 from quantlab.data import BatchSource
-from quantlab.errors import ConfigError, DataError
+from quantlab.errors import ConfigError, DataError, InternalRunError
 from quantlab.experiment import (
     atomic_write,
     check_output,
@@ -143,7 +145,7 @@ def validate(
     force: bool = False,
     progress: bool = True,
     title: str = "Validation",
-    memory_budget: int = MEMORY_BUDGET,
+    memory_budget: int | str | None = MEMORY_BUDGET,
 ) -> ValidationResult:
     """Run every stage over `data`, compare adjacent stages per tensor, score the task.
 
@@ -155,8 +157,10 @@ def validate(
     stage, first divergence and end-to-end output errors per pair) and
     ``report.html``. `threshold_db`/`min_drop_db` define the first divergence
     (see :func:`quantlab.compare.first_divergence`); `atol`/`rtol` the tolerance
-    of the ``frac_outside`` column.
+    of the ``frac_outside`` column. `memory_budget` is bytes or text such as ``"512M"``
+    (None: 2 GiB).
     """
+    memory_budget = parse_memory(memory_budget)
     if mode not in MODES:
         raise ConfigError(f"mode '{mode}' is not one of {', '.join(MODES)}.")
     check_threshold(threshold_db, min_drop_db)
@@ -265,11 +269,17 @@ class StageRuns:
 
 
 class _Segmented:
-    """A stage run segment by segment: one backend per segment of its graph."""
+    """A stage run segment by segment: one backend per segment of its graph.
 
-    def __init__(self, stage: Backend, plan: list[segments.Segment]):
+    `uncut` says whether `stage` runs on the slice's graph inputs (then a failed segment
+    is told from failing data by running it whole) and `hint` how to cut less.
+    """
+
+    def __init__(self, stage: Backend, plan: list[segments.Segment], uncut: bool = True,
+                 hint: str = ""):
         self.stage = stage
         self.plan = plan
+        self.uncut, self.hint = uncut, hint
         if isinstance(stage, OnnxRuntimeBackend):
             # Segment sessions run one after another and share ONNX Runtime's process-wide
             # arena: memory peaks at the largest segment's, not at the sum over segments.
@@ -283,14 +293,20 @@ class _Segmented:
             self.backends = None  # any other backend runs whole, exposing what is asked
 
     def run(self, number: int, live: Mapping[str, np.ndarray],
-            batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Outputs of segment `number`, its inputs read from `live` (graph inputs from `batch`)."""
+            batch: Mapping[str, np.ndarray], samples: str) -> dict[str, np.ndarray]:
+        """Outputs of segment `number`, its inputs read from `live` (graph inputs from `batch`);
+        `samples` names the slice in an error."""
         segment = self.plan[number]
         if not segment.outputs:
             return {}
         if self.backends is None:
             return self.stage.run(batch, segment.outputs)
-        return self.backends[number].run({name: live[name] for name in segment.inputs})
+        try:
+            return self.backends[number].run({name: live[name] for name in segment.inputs})
+        except InternalRunError as error:
+            whole = (lambda: self.stage.run(batch)) if self.uncut else None
+            raise segments.run_failure(error, whole, f"'{self.stage.name}'", number, len(self.plan),
+                                       samples, self.hint) from None
 
 
 def run_stages(
@@ -444,6 +460,13 @@ class _Layout:
                 local_groups[group_of[tensor]].append(by_tensor[tensor])
         return cls(slice_size, fixed, groups, local_groups, extra, per_unit)
 
+    def hint(self) -> str:
+        """How to run with fewer cuts: the memory budget that exposes one sample uncut."""
+        uncut = math.ceil(self.sample_bytes / EXPOSED_SHARE / (1 << 20))
+        return (f"Until then, pass a larger --memory so the graph is cut less: --memory {uncut}M "
+                f"or more runs it uncut ({self.sample_bytes / (1 << 20):.0f} MiB of compared "
+                "tensors per sample).")
+
 
 class _Stream:
     """Runs slices through the stages segment by segment and folds what they produce."""
@@ -457,16 +480,20 @@ class _Stream:
         self.pool: ThreadPoolExecutor | None = None
         self.engine_pair = pairs[-1]
         self.outputs = list(index.outputs)
+        hint = layout.hint()
         self.fp32_run = _Segmented(fp32, segments.plan_segments(index, layout.groups,
-                                                                extra=layout.fp32_extra))
+                                                                extra=layout.fp32_extra),
+                                   hint=hint)
         if local is None:
             self.test_run = _Segmented(engine, segments.plan_segments(engine_index,
-                                                                      layout.groups))
+                                                                      layout.groups), hint=hint)
         else:
-            # Local mode is defined on the Q/DQ ONNX graph: its cut-out nodes run in ONNX Runtime.
+            # Local mode is defined on the Q/DQ ONNX graph: its cut-out nodes run in ONNX Runtime,
+            # fed the FP32 run's tensors (so it cannot be run uncut on the slice's inputs).
             local_index = graph.Graph(local.model)
             self.test_run = _Segmented(OnnxRuntimeBackend(local.model, name=engine.name),
-                                       segments.plan_segments(local_index, layout.local_groups))
+                                       segments.plan_segments(local_index, layout.local_groups),
+                                       uncut=False, hint=hint)
         steps = len(layout.groups)
         self.fp32_last = _last_use(self.fp32_run.plan, self.test_run.plan if local else [])
         self.fp32_last.update(dict.fromkeys(self.outputs, steps))  # read after the last step
@@ -483,14 +510,15 @@ class _Stream:
         engine_outputs = self.engine.run(part)
         fp32_live = {name: part[name] for name in self.index.input_names}
         test_live = dict(fp32_live)
+        samples = f"samples {start}..{stop - 1}"
         for number, group in enumerate(self.layout.groups):
-            fp32_live.update(self.fp32_run.run(number, fp32_live, part))
+            fp32_live.update(self.fp32_run.run(number, fp32_live, part, samples))
             if self.local is None:
-                test_live.update(self.test_run.run(number, test_live, part))
+                test_live.update(self.test_run.run(number, test_live, part, samples))
                 test_values = test_live
             else:
-                test_values = {self.local.outputs[k]: v
-                               for k, v in self.test_run.run(number, fp32_live, part).items()}
+                test_values = {self.local.outputs[k]: v for k, v in
+                               self.test_run.run(number, fp32_live, part, samples).items()}
             # The comparison kernel counts NaN/Inf as it folds; only then are they searched.
             flagged = self.engine_pair.comparison.update(
                 fp32_live, test_values, [t for t in group if t in test_values], self.pool)

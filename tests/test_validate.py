@@ -561,3 +561,97 @@ def test_backends_handed_in_name_the_stages(four_conv, tmp_path):
     assert list(result.tables) == [("fp32", "int8")]
     assert (tmp_path / "layers_fp32_vs_int8.csv").is_file()
     assert read_json(tmp_path / "summary.json")["pairs"][0]["test"] == "int8"
+
+
+@pytest.fixture(scope="module")
+def tiny_vit(tmp_path_factory):
+    """(folder, calibration folder, evaluation .npy) of TinyViT, exported with the TorchScript
+    exporter and calibrated by `quantlab calibrate`."""
+    from helpers import export_tiny_vit
+
+    folder = tmp_path_factory.mktemp("vit")
+    export_tiny_vit(folder / "vit.onnx")
+    rng = np.random.default_rng(0)
+    np.save(folder / "calib.npy", rng.standard_normal((16, 3, 12, 12)).astype(np.float32))
+    np.save(folder / "eval.npy", rng.standard_normal((6, 3, 12, 12)).astype(np.float32))
+    assert cli.main(["calibrate", str(folder / "vit.onnx"), "--data", str(folder / "calib.npy"),
+                     "--out", str(folder / "calibration"), "--no-progress"]) == 0
+    return folder, folder / "calibration", folder / "eval.npy"
+
+
+def test_vit_with_in_graph_position_interpolation_validates_in_segments(tiny_vit, capsys):
+    """Global mode under a small --memory cuts the ViT into segments across its shape scalars;
+    every table and output figure equals the uncut run's."""
+    folder, calibration, data = tiny_vit
+    common = ["validate", "--from", str(calibration), "--data", str(data), "--no-progress"]
+    assert cli.main([*common, "--out", str(folder / "whole")]) == 0
+    # 60M: three segments (shape inference leaves the Resize's sizes open; they are counted
+    # generously), and before the scalars were recomputed their cuts failed in ONNX Runtime.
+    assert cli.main([*common, "--memory", "60M", "--out", str(folder / "cut")]) == 0
+    capsys.readouterr()
+    whole, cut = (read_json(folder / name / "summary.json") for name in ("whole", "cut"))
+    assert whole["memory"]["segments"] == 1
+    assert cut["memory"]["budget_bytes"] == 60 << 20 and cut["memory"]["segments"] > 1
+    for a, b in zip(whole["pairs"][0]["outputs"]["logits"].values(),
+                    cut["pairs"][0]["outputs"]["logits"].values(), strict=True):
+        assert b == pytest.approx(a, rel=1e-6)
+    tables = [pd.read_csv(folder / name / "layers_onnx_fp32_vs_engine_int8.csv")
+              for name in ("whole", "cut")]
+    assert list(tables[0]["tensor"]) == list(tables[1]["tensor"])
+    np.testing.assert_allclose(tables[1]["sqnr_db"], tables[0]["sqnr_db"], rtol=1e-5)
+    np.testing.assert_allclose(tables[1]["cosine"], tables[0]["cosine"], rtol=1e-9)
+    # The shape scalars' readers are among the compared tensors: the Resize of the positions.
+    assert "/Resize_output_0" in set(tables[1]["tensor"])
+
+
+def _reshaping_model() -> onnx.ModelProto:
+    """x [N, L] -> Relu a -> Neg b -> Reshape to [-1, 4] c -> Relu y: runs only when N*L is a
+    multiple of 4."""
+    from helpers import onnx_model
+
+    nodes = [onnx.helper.make_node("Relu", ["x"], ["a"]),
+             onnx.helper.make_node("Neg", ["a"], ["b"]),
+             onnx.helper.make_node("Reshape", ["b", "shape"], ["c"]),
+             onnx.helper.make_node("Relu", ["c"], ["y"])]
+    model = onnx_model(nodes, [("x", ["N", "L"])], ["y"], {})
+    model.graph.initializer.append(numpy_helper.from_array(np.array([-1, 4], np.int64), "shape"))
+    return graph.normalize(model)
+
+
+def test_a_failing_cut_is_not_blamed_on_the_data(tmp_path, monkeypatch):
+    """A segment that fails where the uncut model runs is quantlab's fault: the error says so,
+    names the segment and how to cut less, and names no internal tensor as a model input."""
+    from quantlab.errors import InternalRunError
+
+    model = _reshaping_model()
+    x = np.ones((2, 8), np.float32)
+    original = OnnxRuntimeBackend.run
+
+    def segment_fails(self, batch, tensors=None):
+        if not self.check_inputs and "c" in self.outputs:
+            raise InternalRunError(f"ONNX Runtime failed to run '{self.name}' fed tensors of "
+                                   "shapes {'b': (1, 8)}: Reshape went wrong")
+        return original(self, batch, tensors)
+
+    monkeypatch.setattr(OnnxRuntimeBackend, "run", segment_fails)
+    with pytest.raises(ModelError) as error:
+        validate(model, model, _source(model, x), tmp_path / "v", progress=False,
+                 memory_budget=64)
+    message = str(error.value)
+    assert message.startswith("'onnx_fp32' runs uncut on samples 0..0, but segment ")
+    assert "Reshape went wrong. This is a quantlab bug" in message
+    assert "--memory" in message and "model's inputs" not in message
+
+
+def test_data_that_the_uncut_model_cannot_run_is_blamed_with_its_real_inputs(tmp_path):
+    """The same failure when the uncut model fails too: the data is the cause, and the error
+    names the model's input, not the tensors a segment was fed."""
+    model = _reshaping_model()
+    x = np.ones((3, 6), np.float32)  # neither 6 values (one sample) nor 18 reshape to [-1, 4]
+    for budget in (64, None):  # cut into a segment per tensor, and uncut
+        with pytest.raises(DataError) as error:
+            validate(model, model, _source(model, x), tmp_path / "v", progress=False,
+                     memory_budget=budget)
+        message = str(error.value)
+        assert "on inputs of shapes {'x': (" in message and "model's inputs [('x'" in message
+        assert "'b'" not in message and "segment" not in message

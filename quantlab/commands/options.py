@@ -189,6 +189,14 @@ def nonnegative_float(text: str) -> float:
     return value
 
 
+def add_memory_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """--memory SIZE: the memory budget of `what` (None: the 2G default)."""
+    parser.add_argument("--memory", type=memory_size, metavar="SIZE",
+                        help=f"memory budget of {what}, e.g. 2G or 512M (default 2G; a model "
+                             "whose tensors of one sample do not fit runs in segments, cut "
+                             "in topological order)")
+
+
 def memory_size(text: str) -> int:
     """argparse type: a memory budget in bytes from ``2G``, ``512M`` (collect.parse_memory)."""
     from quantlab.collect import parse_memory

@@ -25,7 +25,7 @@ import importlib
 import warnings
 from pathlib import Path
 
-from quantlab.commands.options import DATA_HELP, add_data_arguments
+from quantlab.commands.options import DATA_HELP, add_data_arguments, add_memory_argument
 
 HELP = "compare torch, ONNX Runtime FP32 and the INT8 engine layer by layer and end to end"
 # Worst layers of the INT8 pair printed on the console (the report lists more).
@@ -63,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "input (default: %(default)s)")
     parser.add_argument("--threshold-db", type=float, default=30.0, metavar="DB",
                         help="SQNR below which a tensor counts as diverged (default: %(default)s)")
+    add_memory_argument(parser, "the comparison (half of it for the tensors compared at once)")
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_data_arguments(parser, required=False,
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore")
         result = validate(model, engine, source, args.out, torch_module=torch_module, task=task,
                           mode=args.mode, threshold_db=args.threshold_db, force=args.force,
-                          progress=not args.no_progress,
+                          progress=not args.no_progress, memory_budget=args.memory,
                           title=f"Validation of {args.zoo or Path(onnx_path).name}")
     if calibration is not None:
         pipeline.write_results(calibration, calibration_out, force=args.force)
