@@ -75,6 +75,54 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
                         help="tensor layout of the model input (default: NCHW)")
 
 
+# The zoo's task metrics (with its ground truth): top-1 for classifiers, COCO mAP@[.5:.95]
+# for detectors.
+TASK_METRICS = ("top1", "map")
+
+
+def add_metric_argument(parser: argparse.ArgumentParser, default: str | None,
+                        ground_truth: str, role: str = "") -> None:
+    """--metric NAME|module:function, as plan, sweep and validate take it; `ground_truth` says
+    how a zoo model's task metric gets its labels, `role` what the metric is for."""
+    shown = f"default: {default}" if default else "default: none"
+    parser.add_argument(
+        "--metric", default=default, metavar="NAME",
+        help=f"{role}sqnr (output SQNR, dB), agreement (share of samples whose argmax agrees "
+             f"with FP32's), top1 or map (a zoo model's task metric, {ground_truth}) or "
+             "module:function from the current directory or PYTHONPATH, called "
+             "function(outputs, references) -> float (higher is better) with two lists, one "
+             "entry per batch, of {output name: array}, samples on axis 0 (an output holding "
+             "them on another axis, a state [layers, N, hidden], comes with that axis moved "
+             f"first) ({shown})")
+
+
+def check_metric(metric: str, ground_truth: bool, how: str, model: str | None = None) -> None:
+    """ConfigError unless `metric` is known and fits: a task metric needs `ground_truth` (else
+    the error says `how` to get it) and, when `model` is named, a zoo model of its task.
+    Checked before any data is read."""
+    from quantlab.errors import ConfigError
+    from quantlab.planner.certify import resolve_metric
+    from quantlab.tasks import PRIMARY_METRIC
+    from quantlab.zoo_names import ZOO_NAMES
+
+    if metric not in TASK_METRICS:
+        resolve_metric(metric)  # an unknown metric, or a module that does not load, fails now
+        return
+    if not ground_truth:
+        raise ConfigError(f"--metric {metric} needs ground truth: {how}.")
+    if model is None:
+        return
+    if model not in ZOO_NAMES:
+        raise ConfigError(f"--metric {metric} is a zoo model's task metric; {model} is not a "
+                          "zoo model. Use sqnr, agreement or module:function.")
+    from quantlab import zoo
+
+    task = zoo.get(model).task
+    if metric != PRIMARY_METRIC[task]:
+        raise ConfigError(f"--metric {metric} does not fit {model}, a {task} model: its task "
+                          f"metric is {PRIMARY_METRIC[task]}.")
+
+
 # Preprocess field -> the option that sets it.
 PREPROCESS_OPTIONS = {"size": "--resize", "scale": "--scale", "mean": "--mean", "std": "--std",
                       "channel_order": "--channel-order", "layout": "--layout",

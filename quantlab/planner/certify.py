@@ -3,7 +3,6 @@ and what the data are too few to certify."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,6 +10,7 @@ import numpy as np
 
 from quantlab.errors import ConfigError, DataError
 from quantlab.planner.measure import sample_nsr
+from quantlab.user_code import import_module
 
 Outputs = list[dict[str, np.ndarray]]
 
@@ -41,7 +41,8 @@ METRICS: dict[str, Callable[[Outputs, Outputs], float]] = {
 
 
 def resolve_metric(name: str) -> Callable[[Outputs, Outputs], float]:
-    """A built-in label-free metric by name, or ``module:function`` imported."""
+    """A built-in label-free metric by name, or ``module:function`` imported (from the current
+    directory or PYTHONPATH)."""
     if name in METRICS:
         return METRICS[name]
     if ":" not in name:
@@ -50,11 +51,11 @@ def resolve_metric(name: str) -> Callable[[Outputs, Outputs], float]:
                           "is better).")
     module_name, _, function_name = name.partition(":")
     try:
-        function = getattr(importlib.import_module(module_name), function_name)
+        function = getattr(import_module(module_name), function_name)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"cannot load metric '{name}': {exc}. Pass module:function with the "
-                          "module importable (on PYTHONPATH) and the function defined in it."
-                          ) from None
+                          "module importable (in the current directory or on PYTHONPATH) and "
+                          "the function defined in it.") from None
     if not callable(function):
         raise ConfigError(f"metric '{name}' is not a function.")
     return function
@@ -227,6 +228,91 @@ def certify_paired(name: str, evaluate: Callable[[np.ndarray], tuple[float, floa
               if too_small and max_drop > 0 else None)
     return Certificate(name, reference, value, limit, (float(low), float(high)), confidence,
                        count, bool(low >= 0), bool(too_small), needed)
+
+
+def metric_scorer(name: str, function: Callable | None, task, outputs: Outputs,
+                  references: Outputs) -> Callable[[np.ndarray], float]:
+    """``score(picked samples)``: the metric of `outputs` on the samples picked: `task`'s
+    primary metric (:func:`task_scorer`) when `function` is None, else `function` against
+    `references` (output SQNR through each sample's NSR, computed once)."""
+    if function is None:
+        return task_scorer(task, outputs)
+    if function is output_sqnr:
+        return nsr_scorer(np.concatenate([sample_nsr(o, r)
+                                          for o, r in zip(outputs, references, strict=True)]))
+    samples, refs = split_samples(outputs), split_samples(references)
+    return lambda pick: metric_value(function, name, [samples[i] for i in pick],
+                                     [refs[i] for i in pick])
+
+
+def nsr_scorer(nsr: np.ndarray) -> Callable[[np.ndarray], float]:
+    """``score(picked samples)``: output SQNR of the samples picked from their NSRs: -10 log10
+    of the mean (as :func:`output_sqnr`; infinite without noise)."""
+    return lambda pick: noise_db(float(nsr[pick].mean()))
+
+
+def noise_db(nsr: float) -> float:
+    """A noise-to-signal ratio in dB of SQNR (infinite without noise), as output_sqnr."""
+    return float(-10.0 * np.log10(nsr)) if nsr > 0 else float("inf")
+
+
+def against_reference(name: str, evaluate: Callable[[np.ndarray], tuple[float, float]],
+                      count: int, resamples: int = 200) -> Certificate:
+    """A candidate's metric and its paired interval against the reference's (FP32): of the
+    difference (margin over ``limit`` = the reference's value), or of the value itself where
+    the reference's is infinite (output SQNR: ``limit`` 0)."""
+    full = evaluate(np.arange(count))
+    bound = {"max_drop": 0.0} if np.isfinite(full[1]) else {"floor": 0.0}
+    return certify_paired(name, evaluate, count, full, resamples=resamples, **bound)
+
+
+class PairedScore:
+    """A candidate's `metric` against FP32's, folded batch by batch, scored with a paired
+    bootstrap interval (:func:`against_reference`).
+
+    `metric` is a label-free metric or ``module:function`` (:func:`resolve_metric`), or the
+    primary metric of `task` (``top1``, ``map``: the batches come in the task's sample
+    order). Output SQNR keeps one noise ratio per sample; any other metric keeps both
+    stages' outputs, samples first, as the planner does.
+    """
+
+    def __init__(self, metric: str, task=None, resamples: int = 200):
+        from quantlab.tasks import PRIMARY_METRIC
+
+        if metric in PRIMARY_METRIC.values() and (task is None or task.primary_metric != metric):
+            raise ConfigError(f"metric '{metric}' is a task metric: it needs the ground truth "
+                              f"of a {metric}-scored task (a quantlab.tasks.Task), not "
+                              f"{'none' if task is None else task.kind}.")
+        self.metric = metric
+        self.task = task if task is not None and metric == task.primary_metric else None
+        self.function = None if self.task is not None else resolve_metric(metric)
+        self.resamples = resamples
+        self.outputs: Outputs = []
+        self.references: Outputs = []
+        self.nsr: list[np.ndarray] = []
+
+    def update(self, outputs: dict[str, np.ndarray], references: dict[str, np.ndarray]) -> None:
+        """Fold one batch of the candidate's and FP32's outputs (samples on axis 0)."""
+        if self.function is output_sqnr:
+            self.nsr.append(sample_nsr(outputs, references))
+        else:
+            self.outputs.append(dict(outputs))
+            self.references.append(dict(references))
+
+    def certificate(self) -> Certificate:
+        """The candidate's value, FP32's (``reference``) and the paired interval."""
+        if self.function is output_sqnr:
+            nsr = np.concatenate(self.nsr)
+            score = nsr_scorer(nsr)
+            return against_reference(self.metric, lambda pick: (score(pick), float("inf")),
+                                     len(nsr), self.resamples)
+        candidate = metric_scorer(self.metric, self.function, self.task, self.outputs,
+                                  self.references)
+        fp32 = metric_scorer(self.metric, self.function, self.task, self.references,
+                             self.references)
+        count = sum(len(next(iter(batch.values()))) for batch in self.references)
+        return against_reference(self.metric, lambda pick: (candidate(pick), fp32(pick)), count,
+                                 self.resamples)
 
 
 def task_evaluator(task, outputs: Outputs,
