@@ -53,9 +53,11 @@ from quantlab.experiment import (
     recorded_path,
     write_json,
 )
+from quantlab.planner.certify import Certificate, PairedScore
+from quantlab.planner.measure import output_sample_axes
 from quantlab.progress import progress_bar
 from quantlab.report import write_report
-from quantlab.report.validation import validation_section
+from quantlab.report.validation import next_steps, validation_section
 from quantlab.sensitivity import LocalErrorModel, local_error_model
 from quantlab.tasks import Task, TaskScore
 
@@ -128,6 +130,7 @@ class _Pair:
     not_compared: list[str]
     extra: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    channels: dict[str, compare.ChannelError] = field(default_factory=dict)
 
 
 def validate(
@@ -146,6 +149,10 @@ def validate(
     progress: bool = True,
     title: str = "Validation",
     memory_budget: int | str | None = MEMORY_BUDGET,
+    metric: str | None = None,
+    resamples: int = 200,
+    model_file: str | None = None,
+    calibration: str | None = None,
 ) -> ValidationResult:
     """Run every stage over `data`, compare adjacent stages per tensor, score the task.
 
@@ -158,9 +165,15 @@ def validate(
     ``report.html``. `threshold_db`/`min_drop_db` define the first divergence
     (see :func:`quantlab.compare.first_divergence`); `atol`/`rtol` the tolerance
     of the ``frac_outside`` column. `memory_budget` is bytes or text such as ``"512M"``
-    (None: 2 GiB).
+    (None: 2 GiB). `metric` (as `quantlab plan` takes it: ``sqnr``, ``agreement``,
+    ``module:function``, or `task`'s ``top1`` / ``map``) scores the engine's outputs against
+    FP32's end to end, with a paired bootstrap interval over `resamples` resamples
+    (summary.json's ``metric``). `model_file` (the user's model, for the report's
+    subtitle) and `calibration` (the calibration folder) go into the next steps the
+    report suggests (summary.json's ``next_steps``).
     """
     memory_budget = parse_memory(memory_budget)
+    paired = PairedScore(metric, task, resamples) if metric is not None else None
     if mode not in MODES:
         raise ConfigError(f"mode '{mode}' is not one of {', '.join(MODES)}.")
     check_threshold(threshold_db, min_drop_db)
@@ -179,12 +192,14 @@ def validate(
     check_output(out, force=force, produces=produces)
 
     streamed = run_stages(fp32, engine, data, torch_stage=torch_stage, task=task, mode=mode,
-                          atol=atol, rtol=rtol, progress=progress, memory_budget=memory_budget)
+                          atol=atol, rtol=rtol, progress=progress, memory_budget=memory_budget,
+                          paired=paired)
     index = streamed.index
     info = index.tensor_info()
     pairs = [_pair_result(p, info, index.order, threshold_db, min_drop_db)
              for p in streamed.pairs]
     metrics = {name: score.result() for name, score in streamed.scores.items()}
+    end_to_end = metric_record(paired.certificate(), fp32.name, engine.name) if paired else None
     summary = {
         "samples": data.num_samples,
         "data": recorded_path(data.description),
@@ -193,6 +208,8 @@ def validate(
                    for s in (torch_stage, fp32, engine) if s is not None},
         "task": task.kind if task else None,
         "metrics": metrics,
+        # --metric: the engine against FP32 end to end, with its paired bootstrap interval.
+        "metric": end_to_end,
         "divergence_rule": {"threshold_db": threshold_db, "min_drop_db": min_drop_db},
         "tolerance": {"atol": atol, "rtol": rtol},
         "memory": streamed.memory,
@@ -207,18 +224,45 @@ def validate(
             "warnings": p.warnings,
             "first_divergence": p.divergence.to_dict() if p.divergence else None,
             "outputs": p.outputs,
+            # Per output, on the axis whose channels' max |value| span most: that span and
+            # the worst channel's SQNR (an output mixing scales, compare.ChannelError).
+            "output_channels": p.channels,
         } for p in pairs],
     }
-    section = validation_section(pairs, metrics, index.order, threshold_db, notes=[NOTES[mode]])
+    steps = next_steps(pairs, end_to_end, threshold_db, mode, model_file,
+                       recorded_path(data.description), calibration)
+    summary["next_steps"] = steps
+    section = validation_section(pairs, metrics, index.order, threshold_db, notes=[NOTES[mode]],
+                                 metric=end_to_end, steps=steps)
+    source = f"{model_file}; " if model_file else ""
     with output_folder(out, force=force, produces=produces) as staging:
         for pair in pairs:
             atomic_write(staging / layers_file(pair.reference, pair.test, pair.mode),
                          lambda tmp, t=pair.table: t.to_csv(tmp, index=False))
         write_json(staging / "summary.json", summary)
         write_report(staging / "report.html", title, [section],
-                     subtitle=f"{data.description}, {data.num_samples} samples")
+                     subtitle=f"{source}{data.description}, {data.num_samples} samples")
     folder = Path(out)
     return ValidationResult(folder, pairs, metrics, summary, folder / "report.html")
+
+
+def metric_record(certificate: Certificate, reference: str, test: str) -> dict:
+    """summary.json's ``metric``: the `test` stage's value against the `reference` stage's,
+    and the paired bootstrap interval of the change (of the value itself where the
+    reference's is infinite: output SQNR of FP32 against itself)."""
+    change = np.isfinite(certificate.reference)
+    return {
+        "name": certificate.metric,
+        "stages": [reference, test],
+        reference: certificate.reference + 0.0,  # + 0.0: never -0 (a metric's -mean(0))
+        test: certificate.value + 0.0,
+        "change": certificate.value - certificate.reference if change else None,
+        "interval_of": "change" if change else "value",
+        "interval": list(certificate.interval),
+        # certify_paired's quantiles are one-sided bounds at `confidence`: a two-sided interval.
+        "confidence": 2 * certificate.confidence - 1,
+        "samples": certificate.samples,
+    }
 
 
 def check_threshold(threshold_db: float, min_drop_db: float) -> None:
@@ -252,7 +296,8 @@ def _pair_result(pair: _Pair, info: pd.DataFrame, order: Sequence[str], threshol
     divergence = compare.first_divergence(table, order, pair.upstream, threshold_db, min_drop_db)
     outputs = {name: err.metrics() for name, err in pair.outputs.errors.items()}
     return PairResult(pair.reference, pair.test, pair.mode, table, divergence, outputs,
-                      pair.not_compared, pair.warnings)
+                      pair.not_compared, pair.warnings,
+                      {name: c.spread() for name, c in pair.channels.items()})
 
 
 # ------------------------------------------------------------------ streaming the stages
@@ -320,11 +365,13 @@ def run_stages(
     rtol: float = 1e-3,
     progress: bool = True,
     memory_budget: int = MEMORY_BUDGET,
+    paired: PairedScore | None = None,
 ) -> StageRuns:
     """Stream `data` through the stages and fold every compared tensor and output as it comes.
 
     The comparisons and task scores are returned; no array of any run outlives
-    the segment that produced it (boundary tensors live until their last reader).
+    the segment that produced it (boundary tensors live until their last reader),
+    except the outputs `paired` keeps for a metric other than output SQNR.
     """
     index = graph.Graph(fp32.model)
     engine_index = graph.Graph(engine.model)
@@ -357,6 +404,9 @@ def run_stages(
     layout = _Layout.plan(index, data, next(iter(data)), engine_tensors, torch_tensors, local,
                           memory_budget, segmentable=isinstance(fp32, OnnxRuntimeBackend))
     stream = _Stream(index, engine_index, fp32, engine, torch_stage, local, layout, pairs, scores)
+    if paired is not None:  # outputs samples first, as the planner's metrics read them
+        stream.paired = paired
+        stream.output_axes = output_sample_axes(fp32.model, fp32.run, next(iter(data)), data)
     start = 0
     # Tensors are folded in parallel: the comparison kernel releases the GIL.
     with (ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as stream.pool,
@@ -480,6 +530,7 @@ class _Stream:
         self.pool: ThreadPoolExecutor | None = None
         self.engine_pair = pairs[-1]
         self.outputs = list(index.outputs)
+        self.engine_pair.channels = {o: compare.ChannelError() for o in self.outputs}
         hint = layout.hint()
         self.fp32_run = _Segmented(fp32, segments.plan_segments(index, layout.groups,
                                                                 extra=layout.fp32_extra),
@@ -499,6 +550,8 @@ class _Stream:
         self.fp32_last.update(dict.fromkeys(self.outputs, steps))  # read after the last step
         self.test_last = _last_use(self.test_run.plan) if local is None else {}
         self.inputs = set(index.input_names)
+        self.paired: PairedScore | None = None
+        self.output_axes: dict[str, int] = {}
 
     def run_slice(self, part: Mapping[str, np.ndarray], start: int, stop: int) -> None:
         """Run samples `start:stop` (`part`) through every stage, folding as it goes."""
@@ -538,6 +591,9 @@ class _Stream:
         stage_outputs = {self.fp32.name: {o: fp32_live[o] for o in outputs},
                          self.engine.name: engine_outputs}
         flagged = self.engine_pair.outputs.update(stage_outputs[self.fp32.name], engine_outputs)
+        if not flagged:  # an output's channels: whether it mixes scales
+            for name, channels in self.engine_pair.channels.items():
+                channels.update(stage_outputs[self.fp32.name][name], engine_outputs[name])
         if torch_values is not None:
             stage_outputs[self.torch.name] = {o: torch_values[o] for o in outputs}
             flagged += self.torch_pair.outputs.update(stage_outputs[self.torch.name],
@@ -546,6 +602,11 @@ class _Stream:
             self._blame(fp32_live, torch_values or {}, engine_outputs, outputs, "")
         for name, score in self.scores.items():
             score.update(stage_outputs[name], start, stop)
+        if self.paired is not None:
+            first = {name: {o: np.moveaxis(v, self.output_axes[o], 0) if o in self.output_axes
+                            else v for o, v in values.items()}
+                     for name, values in stage_outputs.items()}
+            self.paired.update(first[self.engine.name], first[self.fp32.name])
 
     def _blame(self, fp32: Mapping[str, np.ndarray], torch: Mapping[str, np.ndarray],
                test: Mapping[str, np.ndarray], group: Sequence[str], test_mode: str) -> None:

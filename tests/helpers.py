@@ -110,3 +110,19 @@ def export_tiny_vit(path, size: int = 12) -> onnx.ModelProto:
                           dynamic_axes={"pixels": {0: "n", 2: "h", 3: "w"},
                                         "logits": {0: "n"}})
     return onnx.load(str(path))
+
+
+def assert_every_column_explained(html: str) -> int:
+    """Every table of a report shows a unit under each column name and a legend entry (name,
+    unit, a non-empty explanation) for each column, in order; returns the number of tables."""
+    import re
+
+    tables = re.findall(r"<thead><tr>(.*?)</tr></thead>.*?</table>\s*</div>\s*"
+                        r"(<dl class=\"legend columns\">.*?</dl>)?", html, re.S)
+    assert tables
+    for header, legend in tables:
+        columns = re.findall(r"<th>(.*?)<br><span class=\"unit\">\[(.+?)\]</span></th>", header)
+        assert len(columns) == header.count("<th>"), header
+        entries = re.findall(r"<dt>(.*?) \[(.+?)\]</dt><dd>(.+?)</dd>", legend)
+        assert [(name, unit) for name, unit, _ in entries] == columns, (columns, entries)
+    return len(tables)

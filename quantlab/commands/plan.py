@@ -45,6 +45,7 @@ import contextlib
 from quantlab.commands.options import (
     DATA_HELP,
     add_data_arguments,
+    add_metric_argument,
     finite_float,
     nonnegative_float,
     positive_int,
@@ -52,8 +53,6 @@ from quantlab.commands.options import (
 
 HELP = "choose INT8/FP16/FP32 per layer under an accuracy budget, certified on held-out data"
 EPILOG = DATA_HELP
-# The zoo's task metrics (--eval zoo): top-1 for classifiers, COCO mAP@[.5:.95] for detectors.
-TASK_METRICS = ("top1", "map")
 # summary.json's "generator": `quantlab build` reads the plan's batch from such a folder.
 GENERATOR = "quantlab plan"
 # The checkpoint of a running plan, left in --out when it is interrupted.
@@ -79,14 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="held-out data the plan is certified on (same formats as --data; "
                              "'zoo': a zoo model's held-out split, with its task metric)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
-    parser.add_argument("--metric", default="sqnr", metavar="NAME",
-                        help="sqnr (output SQNR, dB), agreement (argmax agreement with FP32), "
-                             "top1 or map (a zoo model's task metric, with --eval zoo) or "
-                             "module:function, called function(outputs, references) -> float "
-                             "(higher is better) with two lists, one entry per batch, of "
-                             "{output name: array}, samples on axis 0 (an output holding them "
-                             "on another axis, a state [layers, N, hidden], comes with that "
-                             "axis moved first) (default: %(default)s)")
+    add_metric_argument(parser, "sqnr", "with --eval zoo",
+                        "what the budget is on (certified with a paired bootstrap): ")
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--max-drop", type=nonnegative_float, metavar="X",
                         help="largest allowed drop of the metric from FP32, in its own units")
@@ -214,35 +207,13 @@ def _calibration(args, model, recorded, preprocess):
 
 
 def _check_metric(args) -> None:
-    """The metric is known and fits --eval and the model, before any data is read."""
+    """The metric is known and fits --eval, the model and the budget, before any data is read."""
     from quantlab import plan
-    from quantlab.errors import ConfigError
+    from quantlab.commands.options import check_metric
 
-    if args.metric not in TASK_METRICS:
-        plan.resolve_metric(args.metric)  # an unknown metric fails before any work
-    elif args.eval != "zoo":
-        raise ConfigError(f"--metric {args.metric} needs ground truth: with a zoo model, pass "
-                          "--eval zoo (its held-out split).")
-    else:
-        _check_task_metric(args)
+    check_metric(args.metric, args.eval == "zoo",
+                 "with a zoo model, pass --eval zoo (its held-out split)", args.model)
     plan.check_budget(args.metric, args.max_drop, args.min_sqnr)
-
-
-def _check_task_metric(args) -> None:
-    """--metric top1 or map fits the zoo model planned (top1: a classifier, map: a detector)."""
-    from quantlab.errors import ConfigError
-    from quantlab.tasks import PRIMARY_METRIC
-    from quantlab.zoo_names import ZOO_NAMES
-
-    if args.model not in ZOO_NAMES:
-        raise ConfigError(f"--metric {args.metric} is a zoo model's task metric; {args.model} "
-                          "is not a zoo model. Use sqnr, agreement or module:function.")
-    from quantlab import zoo
-
-    task = zoo.get(args.model).task
-    if args.metric != PRIMARY_METRIC[task]:
-        raise ConfigError(f"--metric {args.metric} does not fit {args.model}, a {task} model: "
-                          f"its task metric is {PRIMARY_METRIC[task]}.")
 
 
 def _check_eval_shapes(model, evaluation, args) -> None:
@@ -440,7 +411,7 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     from quantlab.pipeline import CACHE_ALGORITHM
     from quantlab.progress import progress_bar
     from quantlab.report import write_report
-    from quantlab.report.plan import plan_section
+    from quantlab.report.plan import next_steps, plan_section
 
     stats = _statistics(model, source, stats, args)
     scales, ranges, p9999, candidates = _calibrated(stats, args)
@@ -521,8 +492,13 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
         write_text(folder / "trtexec.txt", trtexec.trtexec_text(
             trt_backend.implicit_pins(result.model, result.plan.node_precisions()), profile,
             cache_name, header and str(header), trt_backend.has_float16(result.qdq_model)))
-        write_report(folder / "report.html", f"quantlab plan: {args.model}", [plan_section(result)])
+        # Titled with the user's model, not a calibration folder's normalized copy of it.
+        model_file = graph.source_model(model) or args.model
+        steps = next_steps(result, args.out, UNCERTIFIED)
+        write_report(folder / "report.html", f"Plan of {Path(model_file).name}",
+                     [plan_section(result, steps)], subtitle=model_file)
         write_json(folder / "summary.json", {
+            "model": model_file,
             "metric": args.metric,
             "budget": {"max_drop": args.max_drop, "min_sqnr": args.min_sqnr},
             "int8_mac_share": result.plan.int8_mac_share(),
@@ -546,6 +522,7 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             # The certified plan is this folder's; a better one that could not be certified
             # on this evaluation set is in uncertified/ (null: none).
             "uncertified": kept,
+            "next_steps": steps,
         })
     (out / PROGRESS_FILE).unlink(missing_ok=True)
     verdict = "certified" if certificate.certified else "NOT certified"
@@ -564,6 +541,8 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
               f"{evaluation_kept.certificate.limit:.4g}) but could not be certified on "
               f"{evaluation_kept.certificate.samples} samples; written to "
               f"{args.out}/{UNCERTIFIED}/ (plan.json, model.int8.onnx) beside the certified one.")
+    for step in steps:
+        print(f"next: {step}")
     if not certificate.certified and args.min_sqnr is not None and args.high_precision == "fp16":
         print(f"no plan certifies {args.min_sqnr:g} dB with FP16 outside INT8; with "
               "--high-precision fp32 the plan without INT8 is the FP32 model itself, which "
