@@ -159,6 +159,50 @@ def output_sqnr_db(noise: Sequence[float] | np.ndarray,
     return -10.0 * math.log10(nsr) if nsr > 0 else math.inf
 
 
+class ChannelError:
+    """Per-channel signal and noise power and largest |reference| of one tensor pair, along
+    axis 1 and along the last axis (samples on axis 0), folded batch by batch: whether the
+    tensor mixes scales (:meth:`spread`), which one pooled SQNR hides."""
+
+    def __init__(self):
+        self.sums: dict[int, np.ndarray] = {}  # axis -> rows signal, noise, max |ref|
+
+    def update(self, ref: np.ndarray, test: np.ndarray) -> None:
+        """Add one batch (arrays of equal shape; nothing for fewer than 2 axes)."""
+        if np.ndim(ref) < 2:
+            return
+        for axis in dict.fromkeys((1, np.ndim(ref) - 1)):
+            r = np.moveaxis(ref, axis, 0).reshape(np.shape(ref)[axis], -1).astype(np.float64)
+            e = np.moveaxis(test, axis, 0).reshape(r.shape).astype(np.float64) - r
+            got = np.stack([(r * r).sum(1), (e * e).sum(1), np.abs(r).max(1, initial=0.0)])
+            old = self.sums.get(axis)
+            self.sums[axis] = got if old is None else np.stack(
+                [old[0] + got[0], old[1] + got[1], np.maximum(old[2], got[2])])
+
+    def spread(self) -> dict | None:
+        """On the axis whose channels' largest |values| span the widest factor: the axis, the
+        channel count, the smallest and largest max |value| (channels not all zero), and the
+        worst channel with its SQNR in dB. None for a tensor of fewer than 2 channels."""
+        best = None
+        for axis, (signal, noise, amax) in self.sums.items():
+            live = amax > 0
+            if live.sum() < 2:
+                continue
+            ratio = amax[live].max() / amax[live].min()
+            if best is None or ratio > best[0]:
+                best = ratio, axis, signal, noise, amax, live
+        if best is None:
+            return None
+        _, axis, signal, noise, amax, live = best
+        with np.errstate(divide="ignore"):
+            sqnr = np.where(noise > 0, 10 * np.log10(signal / np.where(noise > 0, noise, 1)),
+                            np.inf)
+        worst = int(np.argmin(np.where(live, sqnr, np.inf)))
+        return {"axis": axis, "channels": len(amax), "amax_min": float(amax[live].min()),
+                "amax_max": float(amax[live].max()), "worst_channel": worst,
+                "worst_sqnr_db": float(sqnr[worst])}
+
+
 class Comparison:
     """Compare two runs tensor by tensor, batch after batch, keeping only sums in memory."""
 
@@ -287,7 +331,8 @@ class PairResult:
     the end-to-end runs); `not_compared` lists float tensors left out, and
     `warnings` says why a reader should not trust the pair as complete.
     `output_sqnr_db` is the model's output SQNR over its float outputs
-    (:func:`output_sqnr_db`, the figure `plan --min-sqnr` bounds; None without one).
+    (:func:`output_sqnr_db`, the figure `plan --min-sqnr` bounds; None without one);
+    `channels` maps each output to its :meth:`ChannelError.spread` (where it was measured).
     """
 
     reference: str
@@ -299,3 +344,4 @@ class PairResult:
     not_compared: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     output_sqnr_db: float | None = None
+    channels: dict[str, dict | None] = field(default_factory=dict)

@@ -36,6 +36,10 @@ FROZEN_INPUTS_KEY = "quantlab.frozen_inputs"
 # input with other dynamic dimensions was fed (audio length, image size); written by
 # `record_data_shapes`, read where a fixed shape is needed (TensorRT's profile).
 DATA_SHAPES_KEY = "quantlab.data_shapes"
+# Model metadata key holding the file (absolute path) or zoo name a model was first loaded
+# from, carried by every normalized copy (a calibration folder's model.onnx): reports are
+# titled with the user's model, not with the copy; written by `record_source`.
+SOURCE_KEY = "quantlab.source_model"
 # ONNX ops that hold subgraphs; their bodies are not quantized (see qdq.py).
 CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan"})
 
@@ -356,6 +360,19 @@ def record_data_shapes(model: onnx.ModelProto, source) -> onnx.ModelProto:
 def data_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     """The shapes recorded by :func:`record_data_shapes` (None on the sample axis)."""
     return metadata.read(model, DATA_SHAPES_KEY, {})
+
+
+def record_source(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
+    """Record, in place, the file or zoo name `model` was loaded from, unless a copy of a
+    model already says where it came from (a calibration folder's model.onnx)."""
+    if metadata.read(model, SOURCE_KEY) is None:
+        metadata.write(model, SOURCE_KEY, source)
+    return model
+
+
+def source_model(model: onnx.ModelProto) -> str | None:
+    """The file or zoo name recorded by :func:`record_source`, None if none was."""
+    return metadata.read(model, SOURCE_KEY)
 
 
 def freeze_inputs(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:

@@ -70,14 +70,15 @@ class CalibrationResult:
 
 
 def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
-    """An ONNX model from a path, a zoo model name, or a ModelProto (normalized)."""
+    """An ONNX model from a path, a zoo model name, or a ModelProto (normalized); a file's
+    absolute path or the zoo name is recorded in it (:func:`graph.record_source`)."""
     if isinstance(model, onnx.ModelProto):
         return graph.normalize(model)
     if Path(model).exists():
-        return graph.load_model(model)
+        return graph.record_source(graph.load_model(model), str(Path(model).resolve()))
     # Only a name that is not a file may be a zoo model (importing the zoo imports torch).
     if str(model) in ZOO_NAMES:
-        return export_zoo_model(str(model))
+        return graph.record_source(export_zoo_model(str(model)), str(model))
     return graph.load_model(model)
 
 
@@ -326,6 +327,8 @@ def write_results(
         write_json(
             folder / "calibration.json",
             {
+                # The user's model file (absolute) or zoo name; model.onnx is its normalized copy.
+                "model": graph.source_model(result.model),
                 # Absolute: a later command (plan --data DIR) may run from anywhere.
                 "data": recorded_path(result.data.description),
                 # Size and mtime of its files: `plan --data DIR` reuses stats.npz only while

@@ -27,25 +27,17 @@ import onnx
 
 from quantlab import calibrate, collect, graph, qdq
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-from quantlab.compare import output_sqnr_db
 from quantlab.data import BatchSource
 from quantlab.errors import ConfigError
 from quantlab.planner.certify import (
     Certificate,
     Outputs,
+    against_reference,
     certify_paired,
-    metric_value,
-    output_sqnr,
+    metric_scorer,
     resolve_metric,
-    split_samples,
-    task_scorer,
 )
-from quantlab.planner.measure import (
-    in_runs,
-    output_sample_axes,
-    sample_energies,
-    samples_per_run,
-)
+from quantlab.planner.measure import in_runs, output_sample_axes, samples_per_run
 
 # `quantlab sweep --help` states DEFAULT_PERCENTILES and TOLERANCE (its parser imports no NumPy).
 DEFAULT_PERCENTILES = (99.9, 99.99, 99.999)
@@ -250,19 +242,7 @@ class Evaluator:
     def _scorer(self, outputs: Outputs) -> Callable[[np.ndarray], float]:
         """``score(picked samples)``: the metric of `outputs` (label-free metrics: against
         FP32's outputs) on the samples picked."""
-        if self.task is not None:
-            return task_scorer(self.task, outputs)
-        if self.function is output_sqnr:
-            # output_sqnr of a resample pools its samples' noise and signal energies: computed
-            # once per sample instead of once per sample and resample.
-            energies = [sample_energies(o, r)
-                        for o, r in zip(outputs, self.references, strict=True)]
-            noise = np.concatenate([n for n, _ in energies])
-            power = np.concatenate([p for _, p in energies])
-            return lambda pick: output_sqnr_db(noise[pick].sum(axis=0), power[pick].sum(axis=0))
-        samples, refs = split_samples(outputs), split_samples(self.references)
-        return lambda pick: metric_value(self.function, self.metric, [samples[i] for i in pick],
-                                         [refs[i] for i in pick])
+        return metric_scorer(self.metric, self.function, self.task, outputs, self.references)
 
     def _fp32(self, pick: np.ndarray) -> float:
         """FP32's score on the samples picked, remembered: every configuration's bootstrap
@@ -295,11 +275,8 @@ class Evaluator:
         """The metric of `outputs` and its paired interval: of the difference to FP32 (margin
         over ``limit`` = FP32's value), or of the value itself where FP32's is infinite (output
         SQNR: ``limit`` 0)."""
-        evaluate = self._scores(outputs, None)
-        full = evaluate(np.arange(self.evaluation.num_samples))
-        bound = {"max_drop": 0.0} if np.isfinite(full[1]) else {"floor": 0.0}
-        return certify_paired(self.metric, evaluate, self.evaluation.num_samples, full,
-                              resamples=self.resamples, **bound)
+        return against_reference(self.metric, self._scores(outputs, None),
+                                 self.evaluation.num_samples, self.resamples)
 
     def versus(self, outputs: Outputs, others: Outputs) -> Certificate:
         """The paired interval of metric(outputs) - metric(others) (``interval``, margin over

@@ -8,6 +8,7 @@ import warnings
 
 import numpy as np
 import pytest
+from helpers import assert_every_column_explained
 from onnx import TensorProto, helper, numpy_helper
 
 from quantlab import graph, plan
@@ -1124,7 +1125,19 @@ def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
     screened = summary["evaluations"][0]
     assert screened["screened"] and not screened["model_run"] and screened["value"] < 24
     assert f"on 16 calibration samples drawn at random it scored {screened['value']:.4g}" in report
-    assert "no (failed on 16 calibration samples)" in report
+    # The ledger says how each plan was run by a code, explained once under the table.
+    ledger = report[report.index("Evaluations of the real"):report.index("<dl class=\"legend\">")]
+    assert re.findall(r"<td>(int8|screened|fp32)</td>", ledger)[0] == "screened"
+    assert "<dt>screened</dt><dd>not evaluated: on calibration samples drawn" in report
+    # Titled with the user's model file; every column with a unit and a line of explanation;
+    # next steps computed from the plan: build it, naming the units kept out of INT8.
+    assert "<title>Plan of planted.onnx</title>" in report and summary["model"] == str(onnx_path)
+    assert assert_every_column_explained(report) == 2
+    assert "<dt>margin_low [dB]</dt><dd>one-sided 95% paired-bootstrap lower bound" in report
+    step = summary["next_steps"][0]
+    assert step.startswith(f"Certified at {summary['int8_mac_share']:.1%} of MACs in INT8, with "
+                           "these units out of INT8 (FP16: conv3, conv5")
+    assert f"<code>quantlab build {out}</code>" in report and f"next: {step}" in printed
     # Nothing is overwritten without --force; a bad metric fails before any work.
     assert main(["plan", *argv]) == 1
     assert "--force" in capsys.readouterr().err

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 
-from quantlab.commands.options import DATA_HELP, add_data_arguments, memory_size
+from quantlab.commands.options import DATA_HELP, add_data_arguments, add_memory_argument
 
 HELP = "collect statistics, compute scales, write the Q/DQ model (and a TensorRT cache)"
 EPILOG = DATA_HELP
@@ -62,9 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "every float tensor (about 2x longer). Not needed for TensorRT 10/11 explicit builds "
         "from model.int8.onnx",
     )
-    parser.add_argument("--memory", type=memory_size, metavar="SIZE",
-                        help="memory budget of collection, e.g. 2G (default 2G; a larger "
-                             "model runs in segments)")
+    add_memory_argument(parser, "collection")
     parser.add_argument("--weight-amax", choices=WEIGHT_CRITERIA, default="max",
                         help="per-channel weight amax: max |w| (default), or mse (least int8 "
                         "error over 0.5-1 x max |w|; lower weight error, but not always lower "

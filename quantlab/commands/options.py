@@ -86,6 +86,54 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
                         help="tensor layout of the model input (default: NCHW)")
 
 
+# The zoo's task metrics (with its ground truth): top-1 for classifiers, COCO mAP@[.5:.95]
+# for detectors.
+TASK_METRICS = ("top1", "map")
+
+
+def add_metric_argument(parser: argparse.ArgumentParser, default: str | None,
+                        ground_truth: str, role: str = "") -> None:
+    """--metric NAME|module:function, as plan, sweep and validate take it; `ground_truth` says
+    how a zoo model's task metric gets its labels, `role` what the metric is for."""
+    shown = f"default: {default}" if default else "default: none"
+    parser.add_argument(
+        "--metric", default=default, metavar="NAME",
+        help=f"{role}sqnr (output SQNR, dB), agreement (share of samples whose argmax agrees "
+             f"with FP32's), top1 or map (a zoo model's task metric, {ground_truth}) or "
+             "module:function from the current directory or PYTHONPATH, called "
+             "function(outputs, references) -> float (higher is better) with two lists, one "
+             "entry per batch, of {output name: array}, samples on axis 0 (an output holding "
+             "them on another axis, a state [layers, N, hidden], comes with that axis moved "
+             f"first) ({shown})")
+
+
+def check_metric(metric: str, ground_truth: bool, how: str, model: str | None = None) -> None:
+    """ConfigError unless `metric` is known and fits: a task metric needs `ground_truth` (else
+    the error says `how` to get it) and, when `model` is named, a zoo model of its task.
+    Checked before any data is read."""
+    from quantlab.errors import ConfigError
+    from quantlab.planner.certify import resolve_metric
+    from quantlab.tasks import PRIMARY_METRIC
+    from quantlab.zoo_names import ZOO_NAMES
+
+    if metric not in TASK_METRICS:
+        resolve_metric(metric)  # an unknown metric, or a module that does not load, fails now
+        return
+    if not ground_truth:
+        raise ConfigError(f"--metric {metric} needs ground truth: {how}.")
+    if model is None:
+        return
+    if model not in ZOO_NAMES:
+        raise ConfigError(f"--metric {metric} is a zoo model's task metric; {model} is not a "
+                          "zoo model. Use sqnr, agreement or module:function.")
+    from quantlab import zoo
+
+    task = zoo.get(model).task
+    if metric != PRIMARY_METRIC[task]:
+        raise ConfigError(f"--metric {metric} does not fit {model}, a {task} model: its task "
+                          f"metric is {PRIMARY_METRIC[task]}.")
+
+
 # Preprocess field -> the option that sets it.
 PREPROCESS_OPTIONS = {"size": "--resize", "scale": "--scale", "mean": "--mean", "std": "--std",
                       "channel_order": "--channel-order", "layout": "--layout",
@@ -200,6 +248,14 @@ def nonnegative_float(text: str) -> float:
     return value
 
 
+def add_memory_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """--memory SIZE: the memory budget of `what` (None: the 2G default)."""
+    parser.add_argument("--memory", type=memory_size, metavar="SIZE",
+                        help=f"memory budget of {what}, e.g. 2G or 512M (default 2G; a model "
+                             "whose tensors of one sample do not fit runs in segments, cut "
+                             "in topological order)")
+
+
 def memory_size(text: str) -> int:
     """argparse type: a memory budget in bytes from ``2G``, ``512M`` (collect.parse_memory)."""
     from quantlab.collect import parse_memory
@@ -243,37 +299,7 @@ def _split(text: str, option: str) -> tuple[str, str]:
     return name, value
 
 
-# --- metric and evaluation data of the commands that score a model on --eval (plan, sweep) ---
-
-# The zoo's task metrics (--eval zoo): top-1 for classifiers, COCO mAP@[.5:.95] for detectors.
-TASK_METRICS = ("top1", "map")
-
-
-def check_metric(metric: str, eval_data: str, model: str) -> None:
-    """`metric` is known and fits --eval and `model` (MODEL), checked before any data is
-    read: a label-free metric or ``module:function`` that loads, or a task metric with
-    ``--eval zoo`` that is the zoo model's own (top1 a classifier's, map a detector's)."""
-    from quantlab.errors import ConfigError
-    from quantlab.planner.certify import resolve_metric
-
-    if metric not in TASK_METRICS:
-        resolve_metric(metric)  # an unknown metric fails before any work
-        return
-    if eval_data != "zoo":
-        raise ConfigError(f"--metric {metric} needs ground truth: with a zoo model, pass "
-                          "--eval zoo (its held-out split).")
-    from quantlab.tasks import PRIMARY_METRIC
-    from quantlab.zoo_names import ZOO_NAMES
-
-    if model not in ZOO_NAMES:
-        raise ConfigError(f"--metric {metric} is a zoo model's task metric; {model} is not a "
-                          "zoo model. Use sqnr, agreement or module:function.")
-    from quantlab import zoo
-
-    task = zoo.get(model).task
-    if metric != PRIMARY_METRIC[task]:
-        raise ConfigError(f"--metric {metric} does not fit {model}, a {task} model: its task "
-                          f"metric is {PRIMARY_METRIC[task]}.")
+# --- evaluation data of the commands that score a model on --eval (plan, sweep) ---
 
 
 def open_evaluation(args: argparse.Namespace, model, preprocess):

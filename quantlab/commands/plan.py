@@ -49,6 +49,7 @@ import contextlib
 from quantlab.commands.options import (
     DATA_HELP,
     add_data_arguments,
+    add_metric_argument,
     finite_float,
     nonnegative_float,
     positive_int,
@@ -81,15 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="held-out data the plan is certified on (same formats as --data; "
                              "'zoo': a zoo model's held-out split, with its task metric)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
-    parser.add_argument("--metric", default="sqnr", metavar="NAME",
-                        help="sqnr (output SQNR in dB, pooled over the samples as validate "
-                             "reports it: docs/metrics.md), agreement (argmax agreement with "
-                             "FP32), top1 or map (a zoo model's task metric, with --eval zoo) or "
-                             "module:function, called function(outputs, references) -> float "
-                             "(higher is better) with two lists, one entry per batch, of "
-                             "{output name: array}, samples on axis 0 (an output holding them "
-                             "on another axis, a state [layers, N, hidden], comes with that "
-                             "axis moved first) (default: %(default)s)")
+    add_metric_argument(parser, "sqnr", "with --eval zoo",
+                        "what the budget is on (certified with a paired bootstrap): ")
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--max-drop", type=nonnegative_float, metavar="X",
                         help="largest allowed drop of the metric from FP32, in its own units")
@@ -351,7 +345,8 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.out, force=args.force, produces=PLAN_FILES)
     if args.trt_version is not None:
         cache.implicit_int8_version(args.trt_version)
-    check_metric(args.metric, args.eval, args.model)
+    check_metric(args.metric, args.eval == "zoo",
+                 "with a zoo model, pass --eval zoo (its held-out split)", args.model)
     plan.check_budget(args.metric, args.max_drop, args.min_sqnr)
     recorded = _recorded(args)
     # Calibration and evaluation images are read alike: a calibration folder's recorded
@@ -409,7 +404,7 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     from quantlab.pipeline import CACHE_ALGORITHM
     from quantlab.progress import progress_bar
     from quantlab.report import write_report
-    from quantlab.report.plan import plan_section
+    from quantlab.report.plan import next_steps, plan_section
 
     started = time.perf_counter()
     stats = _statistics(model, source, stats, args)
@@ -496,8 +491,13 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
         write_text(folder / "trtexec.txt", trtexec.trtexec_text(
             trt_backend.implicit_pins(result.model, result.plan.node_precisions()), profile,
             cache_name, header and str(header), trt_backend.has_float16(result.qdq_model)))
-        write_report(folder / "report.html", f"quantlab plan: {args.model}", [plan_section(result)])
+        # Titled with the user's model, not a calibration folder's normalized copy of it.
+        model_file = graph.source_model(model) or args.model
+        steps = next_steps(result, args.out, UNCERTIFIED)
+        write_report(folder / "report.html", f"Plan of {Path(model_file).name}",
+                     [plan_section(result, steps)], subtitle=model_file)
         write_json(folder / "summary.json", {
+            "model": model_file,
             "metric": args.metric,
             "budget": {"max_drop": args.max_drop, "min_sqnr": args.min_sqnr},
             "int8_mac_share": result.plan.int8_mac_share(),
@@ -534,6 +534,7 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             # The certified plan is this folder's; a better one that could not be certified
             # on this evaluation set is in uncertified/ (null: none).
             "uncertified": uncertified,
+            "next_steps": steps,
         })
     (out / PROGRESS_FILE).unlink(missing_ok=True)
     verdict = "certified" if certificate.certified else "NOT certified"
@@ -552,4 +553,6 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
               f"{evaluation_kept.certificate.limit:.4g}) but could not be certified on "
               f"{evaluation_kept.certificate.samples} samples; written to "
               f"{args.out}/{UNCERTIFIED}/ (plan.json, model.int8.onnx) beside the certified one.")
+    for step in steps:
+        print(f"next: {step}")
     return 0 if certificate.certified else 1

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 
-from quantlab.commands.options import DATA_HELP, add_data_arguments
+from quantlab.commands.options import DATA_HELP, add_data_arguments, add_metric_argument
 
 HELP = "sweep calibrators x parameters x calibration sizes in one pass; data sufficiency"
 EPILOG = DATA_HELP
@@ -55,9 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="held-out data every configuration is evaluated on (same formats "
                              "as --data; 'zoo': a zoo model's held-out split)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
-    parser.add_argument("--metric", default="sqnr", metavar="NAME",
-                        help="as in `quantlab plan`: sqnr, agreement, top1 or map (with --eval "
-                             "zoo) or module:function (default: %(default)s)")
+    add_metric_argument(parser, "sqnr", "with --eval zoo",
+                        "what every configuration is scored by, against FP32: ")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
                         help=f"calibrators (default: all of {', '.join(METHODS)})")
     # Defaults of quantlab.sweep, filled in by run (the parser does not import NumPy).
@@ -102,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
         calibrate.check_method(method, {})
     if not 0 < tolerance < 1:
         raise ConfigError(f"--tolerance {tolerance}: give a share in (0, 1), e.g. 0.02.")
-    check_metric(args.metric, args.eval, args.model)
+    check_metric(args.metric, args.eval == "zoo",
+                 "with a zoo model, pass --eval zoo (its held-out split)", args.model)
     recorded = _recorded(args)
     preprocess = preprocess_from_args(args, recorded and recorded.get("preprocess"))
     model = _prepared(args, recorded)

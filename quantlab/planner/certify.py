@@ -3,7 +3,6 @@ and what the data are too few to certify."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,6 +11,7 @@ import numpy as np
 from quantlab.compare import output_sqnr_db
 from quantlab.errors import ConfigError, DataError
 from quantlab.planner.measure import sample_energies
+from quantlab.user_code import import_module
 
 Outputs = list[dict[str, np.ndarray]]
 
@@ -47,7 +47,8 @@ METRICS: dict[str, Callable[[Outputs, Outputs], float]] = {
 
 
 def resolve_metric(name: str) -> Callable[[Outputs, Outputs], float]:
-    """A built-in label-free metric by name, or ``module:function`` imported."""
+    """A built-in label-free metric by name, or ``module:function`` imported (from the current
+    directory or PYTHONPATH)."""
     if name in METRICS:
         return METRICS[name]
     if ":" not in name:
@@ -56,11 +57,11 @@ def resolve_metric(name: str) -> Callable[[Outputs, Outputs], float]:
                           "is better).")
     module_name, _, function_name = name.partition(":")
     try:
-        function = getattr(importlib.import_module(module_name), function_name)
+        function = getattr(import_module(module_name), function_name)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"cannot load metric '{name}': {exc}. Pass module:function with the "
-                          "module importable (on PYTHONPATH) and the function defined in it."
-                          ) from None
+                          "module importable (in the current directory or on PYTHONPATH) and "
+                          "the function defined in it.") from None
     if not callable(function):
         raise ConfigError(f"metric '{name}' is not a function.")
     return function
@@ -255,6 +256,84 @@ def certify_paired(name: str, evaluate: Callable[[np.ndarray], tuple[float, floa
               if too_small and max_drop > 0 else None)
     return Certificate(name, reference, value, limit, (float(low), float(high)), confidence,
                        count, bool(low >= 0), bool(too_small), needed)
+
+
+def metric_scorer(name: str, function: Callable | None, task, outputs: Outputs,
+                  references: Outputs) -> Callable[[np.ndarray], float]:
+    """``score(picked samples)``: the metric of `outputs` on the samples picked: `task`'s
+    primary metric (:func:`task_scorer`) when `function` is None, else `function` against
+    `references` (the built-in metrics from per-sample figures computed once,
+    :func:`_resampled`)."""
+    if function is None:
+        return task_scorer(task, outputs)
+    resampled = _resampled(function, outputs, references)
+    if resampled is not None:
+        return resampled
+    samples, refs = split_samples(outputs), split_samples(references)
+    return lambda pick: metric_value(function, name, [samples[i] for i in pick],
+                                     [refs[i] for i in pick])
+
+
+def against_reference(name: str, evaluate: Callable[[np.ndarray], tuple[float, float]],
+                      count: int, resamples: int = 200) -> Certificate:
+    """A candidate's metric and its paired interval against the reference's (FP32): of the
+    difference (margin over ``limit`` = the reference's value), or of the value itself where
+    the reference's is infinite (output SQNR: ``limit`` 0)."""
+    full = evaluate(np.arange(count))
+    bound = {"max_drop": 0.0} if np.isfinite(full[1]) else {"floor": 0.0}
+    return certify_paired(name, evaluate, count, full, resamples=resamples, **bound)
+
+
+class PairedScore:
+    """A candidate's `metric` against FP32's, folded batch by batch, scored with a paired
+    bootstrap interval (:func:`against_reference`).
+
+    `metric` is a label-free metric or ``module:function`` (:func:`resolve_metric`), or the
+    primary metric of `task` (``top1``, ``map``: the batches come in the task's sample
+    order). Output SQNR keeps each sample's noise and signal energy per output (pooled when
+    scored); any other metric keeps both stages' outputs, samples first, as the planner
+    does.
+    """
+
+    def __init__(self, metric: str, task=None, resamples: int = 200):
+        from quantlab.tasks import PRIMARY_METRIC
+
+        if metric in PRIMARY_METRIC.values() and (task is None or task.primary_metric != metric):
+            raise ConfigError(f"metric '{metric}' is a task metric: it needs the ground truth "
+                              f"of a {metric}-scored task (a quantlab.tasks.Task), not "
+                              f"{'none' if task is None else task.kind}.")
+        self.metric = metric
+        self.task = task if task is not None and metric == task.primary_metric else None
+        self.function = None if self.task is not None else resolve_metric(metric)
+        self.resamples = resamples
+        self.outputs: Outputs = []
+        self.references: Outputs = []
+        self.energies: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def update(self, outputs: dict[str, np.ndarray], references: dict[str, np.ndarray]) -> None:
+        """Fold one batch of the candidate's and FP32's outputs (samples on axis 0)."""
+        if self.function is output_sqnr:
+            self.energies.append(sample_energies(outputs, references))
+        else:
+            self.outputs.append(dict(outputs))
+            self.references.append(dict(references))
+
+    def certificate(self) -> Certificate:
+        """The candidate's value, FP32's (``reference``) and the paired interval."""
+        if self.function is output_sqnr:
+            noise = np.concatenate([n for n, _ in self.energies])
+            power = np.concatenate([p for _, p in self.energies])
+            return against_reference(
+                self.metric, lambda pick: (output_sqnr_db(noise[pick].sum(axis=0),
+                                                          power[pick].sum(axis=0)), float("inf")),
+                len(noise), self.resamples)
+        candidate = metric_scorer(self.metric, self.function, self.task, self.outputs,
+                                  self.references)
+        fp32 = metric_scorer(self.metric, self.function, self.task, self.references,
+                             self.references)
+        count = sum(len(next(iter(batch.values()))) for batch in self.references)
+        return against_reference(self.metric, lambda pick: (candidate(pick), fp32(pick)), count,
+                                 self.resamples)
 
 
 def task_evaluator(task, outputs: Outputs,
