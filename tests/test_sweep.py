@@ -184,6 +184,57 @@ def test_interrupted_sweep_resumes_without_collecting_again(tmp_path, monkeypatc
          read_json(fresh / "sweep.json")["configurations"]]
 
 
+def test_resume_key_is_the_data_content_not_its_path_size_or_date(tmp_path, monkeypatch,
+                                                                   capsys):
+    data = tmp_path / "calib.npy"
+    samples = np.load("calibration_data/digits/calibration.npy")[:64]
+    np.save(data, samples)
+    size = data.stat().st_size
+    calls = {"evaluate": 0, "collect": 0}
+    interrupt = []
+    real_evaluate, real_collect = sweep.Evaluator.against_fp32, collect.collect
+
+    def evaluate(self, outputs):
+        calls["evaluate"] += 1
+        if interrupt and calls["evaluate"] == 3:
+            raise KeyboardInterrupt
+        return real_evaluate(self, outputs)
+
+    def counted_collect(*args, **kwargs):
+        calls["collect"] += 1
+        return real_collect(*args, **kwargs)
+
+    def sweep_into(out: Path, interrupted: bool) -> int:
+        calls.update(evaluate=0, collect=0)
+        interrupt[:] = [True] if interrupted else []
+        return main(["sweep", "digits-cnn", "--data", str(data), *SWEEP_ARGS[2:],
+                     "--out", str(out)])
+
+    monkeypatch.setattr(sweep.Evaluator, "against_fp32", evaluate)
+    monkeypatch.setattr(collect, "collect", counted_collect)
+    # The same content written again (another modification time): resumed.
+    assert sweep_into(tmp_path / "same", interrupted=True) == 130
+    np.save(data, samples.copy())
+    capsys.readouterr()
+    assert sweep_into(tmp_path / "same", interrupted=False) == 0
+    assert "resuming: 2 configuration(s) and 64 samples' statistics" in capsys.readouterr().out
+    assert calls == {"evaluate": 4, "collect": 0}
+    # The same path, shape, dtype and file size, other content: started over.
+    assert sweep_into(tmp_path / "changed", interrupted=True) == 130
+    np.save(data, samples[::-1].copy())
+    assert data.stat().st_size == size
+    capsys.readouterr()
+    assert sweep_into(tmp_path / "changed", interrupted=False) == 0
+    printed = capsys.readouterr().out
+    assert "resuming" not in printed and "from a sweep of another model, data" in printed
+    assert calls == {"evaluate": 6, "collect": 4}  # every configuration, every block again
+    assert sweep_into(tmp_path / "fresh", interrupted=False) == 0
+    changed, fresh = (read_json(tmp_path / name / "sweep.json")["configurations"]
+                      for name in ("changed", "fresh"))
+    assert [(r["label"], r["value"], r["interval"]) for r in changed] == \
+        [(r["label"], r["value"], r["interval"]) for r in fresh]
+
+
 @pytest.mark.parametrize("options, message", [
     (["--methods", "max", "kl"], "calibration method 'kl' is not one of"),
     (["--calib-sizes", "16", "500"], "--calib-sizes 500 is larger than the calibration data"),

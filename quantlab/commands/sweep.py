@@ -23,8 +23,9 @@ setting), report.html (metric vs method with intervals, metric vs calibration si
 the scales that have not converged) and best/ (a calibration folder of the best
 configuration: `quantlab validate --from`, `plan --data` and `check --baseline`
 read it). An interrupted sweep resumes from --out (snapshots and finished
-configurations are checkpointed there). A sweep estimated to take over an hour is
-refused unless --allow-long is given.
+configurations are checkpointed there) when the model, the data's content (hashed),
+the preprocessing and the options are the same; otherwise it starts over. A sweep
+estimated to take over an hour is refused unless --allow-long is given.
 
 examples:
   quantlab sweep digits-cnn --data zoo --eval zoo --metric top1 --out runs/cnn-sweep
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from quantlab import calibrate, graph, qdq, sweep
     from quantlab.commands.options import preprocess_from_args
     from quantlab.commands.plan import TASK_METRICS, _calibration, _prepared, _recorded
-    from quantlab.data import open_data
+    from quantlab.data import checked_digest, open_data
     from quantlab.errors import ConfigError, DataError
     from quantlab.experiment import check_output
     from quantlab.plan import fingerprint, resolve_metric
@@ -131,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
                                args.max_samples, preprocess)
+    # One pass over each: NaN/Inf refused, and the content identifies the run (checkpoint).
+    digests = (checked_digest(source, f"--data {recorded['data'] if recorded else args.data}"),
+               checked_digest(evaluation, f"--eval {args.eval}"))
     estimate = sweep.estimate_seconds(model, evaluation, args.metric, task, args.resamples,
                                       sizes[-1], len(configs))
     plan_text = (f"{len(configs)} configurations ({len(configs) // len(sizes)} calibrator "
@@ -155,14 +159,21 @@ def run(args: argparse.Namespace) -> int:
             {name: folder_stats.tensors[name] for name in tensors}, folder_stats.num_samples,
             folder_stats.num_bins)
     progress_dir = Path(args.out) / PROGRESS_DIR
+    # Statistics and records are reused only for the same model, data content (not paths,
+    # sizes or dates: a file rewritten in place is other data), preprocessing and options.
     checkpoint = _Checkpoint(progress_dir, fingerprint(
-        model, source.description, source.num_samples, evaluation.description,
-        evaluation.num_samples, args.metric, args.resamples, tensors))
+        model, *digests, source.num_samples, evaluation.num_samples, preprocess.to_dict(),
+        args.metric, args.resamples, tensors,
+        None if folder_stats is None else (folder_stats.num_samples, folder_stats.num_bins)))
     blocks = checkpoint.blocks()
     if checkpoint.records or blocks:
         print(f"sweep: resuming: {len(checkpoint.records)} configuration(s) and "
               f"{sum(b.num_samples for b in blocks.values())} samples' statistics already in "
-              f"{progress_dir}.")
+              f"{progress_dir}, of an interrupted sweep of the same model, data (same content), "
+              "preprocessing and options.")
+    elif checkpoint.ignored:
+        print(f"sweep: {progress_dir} is from a sweep of another model, data or options (or "
+              "unreadable); starting over.")
     progress = None if args.no_progress else partial(tqdm, leave=False)
     evaluator = sweep.Evaluator(model, evaluation, args.metric, task, args.resamples, progress)
     result = sweep.run_sweep(
@@ -248,6 +259,8 @@ class _Checkpoint:
         self.folder = folder
         self.fingerprint = fingerprint
         self.records: dict[str, dict] = {}
+        # True when a checkpoint of another sweep (or an unreadable one) was found and deleted.
+        self.ignored = False
         path = folder / "records.json"
         try:
             data = read_json(path) if path.is_file() else {}
@@ -256,6 +269,7 @@ class _Checkpoint:
         if data.get("format") == PROGRESS_FORMAT and data.get("fingerprint") == fingerprint:
             self.records = dict(data["records"])
         else:
+            self.ignored = folder.exists()
             self.remove()
 
     def blocks(self) -> dict:
