@@ -322,17 +322,18 @@ def table(result: Mapping) -> str:
 
 
 def doubling(result: Mapping) -> str:
-    """The half-data sweep's calibration sentence, and what doubling the data gave its best
-    setting: its metric at n/2 (half sweep) and at n (full sweep), its amax movement."""
+    """The half-data sweep's calibration sentence, and what doubling the data gave the setting
+    it judged (its best): its metric at n/2 (half sweep) and at n (full sweep), and how far
+    its scales moved from n/2 to n (full sweep)."""
     halved, sweep = result["sweep_half"], result["sweep"]
-    best = halved["best"]
-    setting, _, size = best.rpartition(" @")
-    at_full = f"{setting} @{result['sizes'][-1]}"
-    return (f"on half the data ({size} samples): {halved['sufficiency']['calibration']}\n"
-            f"doubling it: {best} {halved['best_value']:.4f} -> {at_full} "
+    setting = halved["best"].rpartition(" @")[0]
+    full = result["sizes"][-1]
+    at_half, at_full = f"{setting} @{full // 2}", f"{setting} @{full}"
+    return (f"on half the data ({full // 2} samples, best {halved['best']}): "
+            f"{halved['sufficiency']['calibration']}\n"
+            f"doubling it: {at_half} {halved['values'][at_half]:.4f} -> {at_full} "
             f"{sweep['values'][at_full]:.4f} ({result['metric']}); largest amax movement of "
-            f"{setting} from {size} to {result['sizes'][-1]}: "
-            f"{sweep['max_movement'][setting]:.1%}")
+            f"{setting} from {full // 2} to {full}: {sweep['max_movement'][setting]:.1%}")
 
 
 def main() -> None:
