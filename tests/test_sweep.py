@@ -376,3 +376,39 @@ def test_a_calibration_folder_serves_its_size_from_stats_npz(tmp_path, monkeypat
     assert [(r["label"], r["value"]) for r in reused["configurations"]] == \
         [(r["label"], r["value"]) for r in fresh["configurations"]]
     assert reused["max_movement"] == fresh["max_movement"]
+
+
+@pytest.mark.parametrize("equalize", [True, False])
+def test_sweep_quantizes_the_model_calibrate_does_depthwise_inputs_equalized(tmp_path, capsys,
+                                                                             equalize):
+    from test_repairs import hardswish_dw_model
+
+    model_path, data, val = tmp_path / "dw.onnx", tmp_path / "calib.npy", tmp_path / "val.npy"
+    onnx.save(hardswish_dw_model(), model_path)
+    rng = np.random.default_rng(5)
+    np.save(data, rng.standard_normal((32, 3, 8, 8)).astype(np.float32))
+    np.save(val, rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
+    flag = [] if equalize else ["--no-equalize"]
+    assert main(["calibrate", str(model_path), "--data", str(data), "--out",
+                 str(tmp_path / "calib"), "--no-progress", *flag]) == 0
+    assert main(["sweep", str(model_path), "--data", str(data), "--eval", str(val),
+                 "--methods", "percentile", "--percentiles", "99.99", "--calib-sizes", "32",
+                 "--resamples", "20", "--out", str(tmp_path / "sweep"), "--no-progress",
+                 *flag]) == 0
+    result = read_json(tmp_path / "sweep" / "sweep.json")
+    assert result["equalized"] == (["h"] if equalize else [])
+    calibrated, best = (read_json(tmp_path / name / "calibration.json")
+                        for name in ("calib", "sweep/best"))
+    assert bool(calibrated["repairs"]) == bool(best["repairs"]) == equalize
+    scales, swept = (read_json(tmp_path / name / "scales.json")["tensors"]
+                     for name in ("calib", "sweep/best"))
+    assert ("h_equalized" in swept) == equalize
+    assert swept == scales
+    # the sweep's record is calibrate's INT8 model scored the sweep's way
+    fp32 = onnx.load(tmp_path / "calib" / "model.onnx")
+    evaluator = sweep.Evaluator(fp32, open_data(str(val), input_specs(fp32), 32), "sqnr",
+                                resamples=20)
+    separate = evaluator.against_fp32(evaluator.outputs(
+        onnx.load(tmp_path / "calib" / "model.int8.onnx"), "INT8")).value
+    (swept_record,) = result["configurations"]
+    assert swept_record["value"] == pytest.approx(separate, abs=1e-9)

@@ -14,6 +14,10 @@ for the best configuration's method (every amax moves by less than --tolerance
 from n/2 to n samples, or which tensors still move), and whether the evaluation
 set tells the two best configurations apart (paired bootstrap of their difference).
 
+The model is the one `quantlab calibrate` quantizes by default: depthwise-conv
+inputs equalized first (from the largest calibration size's samples; one more FP32
+pass), unless --no-equalize; a calibration folder's model.onnx is taken as it is.
+
 Statistics do not depend on the batch size (histograms of every element, merged
 exactly), so the batch size is not swept.
 
@@ -73,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "converged (default: 0.02)")
     parser.add_argument("--resamples", type=int, default=200, metavar="B",
                         help="paired bootstrap resamples (default: %(default)s)")
+    parser.add_argument("--no-equalize", action="store_true",
+                        help="do not equalize depthwise-conv inputs first (by default the model "
+                             "is equalized as `quantlab calibrate` does, from the largest "
+                             "calibration size's samples; one more FP32 pass)")
     parser.add_argument("--allow-long", action="store_true",
                         help="run a sweep estimated to take over an hour")
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
@@ -89,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
-    from quantlab import calibrate, graph, qdq, sweep
+    from quantlab import calibrate, graph, pipeline, qdq, sweep
     from quantlab.commands.options import preprocess_from_args
     from quantlab.commands.plan import TASK_METRICS, _calibration, _prepared, _recorded
     from quantlab.data import checked_digest, open_data
@@ -147,6 +155,19 @@ def run(args: argparse.Namespace) -> int:
             "down: fewer --methods, --percentiles or --calib-sizes, --max-samples, or fewer "
             "--resamples (a detector's mAP bootstrap takes most of its time).")
     print(f"sweep: {plan_text}; estimated {_duration(estimate)}.")
+    repairs = {}
+    if recorded is None and not args.no_equalize:
+        # The model `quantlab calibrate` quantizes by default: depthwise inputs equalized from
+        # the calibration data (here the largest size's; a calibration folder's model.onnx
+        # is already as it was calibrated).
+        model, repairs = pipeline.equalized(model, source.subset(0, sizes[-1]))
+        applied = repairs.get("depthwise_equalization", {}).get("applied", [])
+        if applied:
+            graph.record_data_shapes(model, source)
+            index = qdq.indexed(model)
+            tensors = qdq.activation_tensors_to_calibrate(index)
+            print(f"sweep: equalized {len(applied)} depthwise-conv input(s) as `quantlab "
+                  "calibrate` does (--no-equalize: not).")
 
     known = {}
     if folder_stats is not None:
@@ -183,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         progress=None if args.no_progress else partial(tqdm, leave=True),
         show_collection=not args.no_progress,
         **({"num_bins": folder_stats.num_bins} if folder_stats is not None else {}))
-    _write(args, index, source, preprocess, configs, result)
+    _write(args, index, source, preprocess, configs, result, repairs)
     checkpoint.remove()
     best = result.best_record
     print(f"sweep: best {best['label']}: {args.metric} {best['value']:.4g} "
@@ -198,7 +219,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def _write(args, index, source, preprocess, configs, result) -> None:
+def _write(args, index, source, preprocess, configs, result, repairs) -> None:
     """sweep.json, amax_movement.csv, report.html and best/ into --out, all or nothing."""
     import pandas as pd
 
@@ -211,6 +232,7 @@ def _write(args, index, source, preprocess, configs, result) -> None:
     calibrated = pipeline.calibrate_from_stats(
         index, result.snapshots[best.size], source.subset(0, best.size), best.method,
         dict(best.params), preprocess)
+    calibrated.repairs = repairs
     movement = pd.DataFrame([
         {"setting": setting, "tensor": name, f"amax_{result.half}": half[name],
          f"amax_{result.full}": full[name], "movement": result.movement[setting][name],
@@ -229,6 +251,8 @@ def _write(args, index, source, preprocess, configs, result) -> None:
             "sizes": sorted({c.size for c in configs}),
             "settings": list(result.movement),
             "tolerance": result.tolerance,
+            "equalized": [entry["tensor"] for entry in
+                          repairs.get("depthwise_equalization", {}).get("applied", [])],
             "collection_passes": 1,
             "configurations": result.records,
             "best": result.best_record["label"],
