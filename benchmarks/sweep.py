@@ -248,11 +248,12 @@ def real_data(name: str, dirs: list[Path], scratch: Path) -> tuple[str, str, str
             str(found / f"val.{spec['suffix']}"))
 
 
-def real_benchmark(name: str, dirs: list[Path], scratch: Path) -> dict:
+def real_benchmark(name: str, dirs: list[Path], scratch: Path,
+                   grid: list[int] | None = None) -> dict:
     """The full sweep, the sweep on half the data and `quantlab calibrate`'s default, on one
-    model of the real-model suite."""
+    model of the real-model suite; `grid`: the sizes swept (default: REAL's)."""
     model, data, evaluation = real_data(name, dirs, scratch)
-    grid = REAL[name]["sizes"]
+    grid = grid or REAL[name]["sizes"]
     folder = scratch / name
     folder.mkdir(parents=True, exist_ok=True)
     common = {"model": model, "data": data, "eval": evaluation, "metric": "sqnr",
@@ -264,7 +265,7 @@ def real_benchmark(name: str, dirs: list[Path], scratch: Path) -> dict:
     if grid[-1] >= 16:  # layout's 8 pages: a 4-page sweep says little, and takes long
         half = grid[-1] // 2
         result["sweep_half"] = run_child("sweep", {
-            **common, "methods": list(METHODS), "sizes": [half // 2, half],
+            **common, "methods": list(METHODS), "sizes": [n for n in grid if n < half] + [half],
             "out": str(folder / "sweep-half")}, folder)
     result["calibrate_default"] = run_child("default", {**common, "out": str(folder)}, folder)
     return result
@@ -346,6 +347,8 @@ def main() -> None:
     parser.add_argument("--data-dir", nargs="+", type=Path, default=[],
                         help="folders holding NAME/calib.np[yz] and NAME/val.np[yz] of the real "
                              "models (and onet_models/onet_quantlab.onnx); generated if absent")
+    parser.add_argument("--sizes", nargs="+", type=int,
+                        help="calibration sizes of the --real sweeps (default: per model)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -357,7 +360,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="quantlab-bench-sweep-") as scratch:
         if args.real:
             for name in args.real:
-                results.append(real_benchmark(name, args.data_dir, Path(scratch)))
+                results.append(real_benchmark(name, args.data_dir, Path(scratch), args.sizes))
                 print(f"\n{name}\n{real_table(results[-1])}", flush=True)
         else:
             for name in args.models:
