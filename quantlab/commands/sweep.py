@@ -14,6 +14,10 @@ for the best configuration's method (every amax moves by less than --tolerance
 from n/2 to n samples, or which tensors still move), and whether the evaluation
 set tells the two best configurations apart (paired bootstrap of their difference).
 
+The model is the one `quantlab calibrate` quantizes by default: depthwise-conv
+inputs equalized first (from the largest calibration size's samples; one more FP32
+pass), unless --no-equalize; a calibration folder's model.onnx is taken as it is.
+
 Statistics do not depend on the batch size (histograms of every element, merged
 exactly), so the batch size is not swept.
 
@@ -23,8 +27,9 @@ setting), report.html (metric vs method with intervals, metric vs calibration si
 the scales that have not converged) and best/ (a calibration folder of the best
 configuration: `quantlab validate --from`, `plan --data` and `check --baseline`
 read it). An interrupted sweep resumes from --out (snapshots and finished
-configurations are checkpointed there). A sweep estimated to take over an hour is
-refused unless --allow-long is given.
+configurations are checkpointed there) when the model, the data's content (hashed),
+the preprocessing and the options are the same; otherwise it starts over. A sweep
+estimated to take over an hour is refused unless --allow-long is given.
 
 examples:
   quantlab sweep digits-cnn --data zoo --eval zoo --metric top1 --out runs/cnn-sweep
@@ -71,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "converged (default: 0.02)")
     parser.add_argument("--resamples", type=int, default=200, metavar="B",
                         help="paired bootstrap resamples (default: %(default)s)")
+    parser.add_argument("--no-equalize", action="store_true",
+                        help="do not equalize depthwise-conv inputs first (by default the model "
+                             "is equalized as `quantlab calibrate` does, from the largest "
+                             "calibration size's samples; one more FP32 pass)")
     parser.add_argument("--allow-long", action="store_true",
                         help="run a sweep estimated to take over an hour")
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
@@ -87,9 +96,10 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
-    from quantlab import calibrate, graph, qdq, sweep
+    from quantlab import calibrate, graph, pipeline, qdq, sweep
     from quantlab.commands.options import check_metric, open_evaluation, preprocess_from_args
     from quantlab.commands.plan import _calibration, _prepared, _recorded
+    from quantlab.data import checked_digest
     from quantlab.errors import ConfigError, DataError
     from quantlab.experiment import check_output
     from quantlab.plan import fingerprint
@@ -115,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
                               source.num_samples, source.description, fixed)
     configs = sweep.configurations(args.methods, percentiles, sizes)
     evaluation, task = open_evaluation(args, model, preprocess)
+    # One pass over each: NaN/Inf refused, and the content identifies the run (checkpoint).
+    digests = (checked_digest(source, f"--data {recorded['data'] if recorded else args.data}"),
+               checked_digest(evaluation, f"--eval {args.eval}"))
     estimate = sweep.estimate_seconds(model, evaluation, args.metric, task, args.resamples,
                                       sizes[-1], len(configs))
     plan_text = (f"{len(configs)} configurations ({len(configs) // len(sizes)} calibrator "
@@ -127,6 +140,19 @@ def run(args: argparse.Namespace) -> int:
             "down: fewer --methods, --percentiles or --calib-sizes, --max-samples, or fewer "
             "--resamples (a detector's mAP bootstrap takes most of its time).")
     print(f"sweep: {plan_text}; estimated {_duration(estimate)}.")
+    repairs = {}
+    if recorded is None and not args.no_equalize:
+        # The model `quantlab calibrate` quantizes by default: depthwise inputs equalized from
+        # the calibration data (here the largest size's; a calibration folder's model.onnx
+        # is already as it was calibrated).
+        model, repairs = pipeline.equalized(model, source.subset(0, sizes[-1]))
+        applied = repairs.get("depthwise_equalization", {}).get("applied", [])
+        if applied:
+            graph.record_data_shapes(model, source)
+            index = qdq.indexed(model)
+            tensors = qdq.activation_tensors_to_calibrate(index)
+            print(f"sweep: equalized {len(applied)} depthwise-conv input(s) as `quantlab "
+                  "calibrate` does (--no-equalize: not).")
 
     known = {}
     if folder_stats is not None:
@@ -139,14 +165,21 @@ def run(args: argparse.Namespace) -> int:
             {name: folder_stats.tensors[name] for name in tensors}, folder_stats.num_samples,
             folder_stats.num_bins)
     progress_dir = Path(args.out) / PROGRESS_DIR
+    # Statistics and records are reused only for the same model, data content (not paths,
+    # sizes or dates: a file rewritten in place is other data), preprocessing and options.
     checkpoint = _Checkpoint(progress_dir, fingerprint(
-        model, source.description, source.num_samples, evaluation.description,
-        evaluation.num_samples, args.metric, args.resamples, tensors))
+        model, *digests, source.num_samples, evaluation.num_samples, preprocess.to_dict(),
+        args.metric, args.resamples, tensors,
+        None if folder_stats is None else (folder_stats.num_samples, folder_stats.num_bins)))
     blocks = checkpoint.blocks()
     if checkpoint.records or blocks:
         print(f"sweep: resuming: {len(checkpoint.records)} configuration(s) and "
               f"{sum(b.num_samples for b in blocks.values())} samples' statistics already in "
-              f"{progress_dir}.")
+              f"{progress_dir}, of an interrupted sweep of the same model, data (same content), "
+              "preprocessing and options.")
+    elif checkpoint.ignored:
+        print(f"sweep: {progress_dir} is from a sweep of another model, data or options (or "
+              "unreadable); starting over.")
     progress = None if args.no_progress else partial(tqdm, leave=False)
     evaluator = sweep.Evaluator(model, evaluation, args.metric, task, args.resamples, progress)
     result = sweep.run_sweep(
@@ -156,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         progress=None if args.no_progress else partial(tqdm, leave=True),
         show_collection=not args.no_progress,
         **({"num_bins": folder_stats.num_bins} if folder_stats is not None else {}))
-    _write(args, index, source, configs, result)
+    _write(args, index, source, configs, result, repairs)
     checkpoint.remove()
     best = result.best_record
     print(f"sweep: best {best['label']}: {args.metric} {best['value']:.4g} "
@@ -171,7 +204,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def _write(args, index, source, configs, result) -> None:
+def _write(args, index, source, configs, result, repairs) -> None:
     """sweep.json, amax_movement.csv, report.html and best/ into --out, all or nothing."""
     import pandas as pd
 
@@ -184,6 +217,7 @@ def _write(args, index, source, configs, result) -> None:
     calibrated = pipeline.calibrate_from_stats(
         index, result.snapshots[best.size], source.subset(0, best.size), best.method,
         dict(best.params))
+    calibrated.repairs = repairs
     movement = pd.DataFrame([
         {"setting": setting, "tensor": name, f"amax_{result.half}": half[name],
          f"amax_{result.full}": full[name], "movement": result.movement[setting][name],
@@ -202,6 +236,8 @@ def _write(args, index, source, configs, result) -> None:
             "sizes": sorted({c.size for c in configs}),
             "settings": list(result.movement),
             "tolerance": result.tolerance,
+            "equalized": [entry["tensor"] for entry in
+                          repairs.get("depthwise_equalization", {}).get("applied", [])],
             "collection_passes": 1,
             "configurations": result.records,
             "best": result.best_record["label"],
@@ -232,6 +268,8 @@ class _Checkpoint:
         self.folder = folder
         self.fingerprint = fingerprint
         self.records: dict[str, dict] = {}
+        # True when a checkpoint of another sweep (or an unreadable one) was found and deleted.
+        self.ignored = False
         path = folder / "records.json"
         try:
             data = read_json(path) if path.is_file() else {}
@@ -240,6 +278,7 @@ class _Checkpoint:
         if data.get("format") == PROGRESS_FORMAT and data.get("fingerprint") == fingerprint:
             self.records = dict(data["records"])
         else:
+            self.ignored = folder.exists()
             self.remove()
 
     def blocks(self) -> dict:
