@@ -53,8 +53,8 @@ COLUMNS = {
     "reasons": ("codes", "rules and measurements that decided it (legend below; hover a code "
                          "for its evidence)"),
     "noise rank": ("rank", "1 = the largest measured share of the output noise in INT8"),
-    "output NSR": ("ratio", "output noise-to-signal ratio the unit adds in INT8 (switchboard, "
-                            "hardest calibration samples)"),
+    "output NSR": ("ratio", "output noise-to-signal ratio the unit adds in INT8 (fitted from "
+                            "trials on the hardest calibration samples)"),
     "local SQNR INT8 dB": ("dB", "SQNR of the unit's outputs, run alone in INT8 on FP32 inputs"),
     "local SQNR FP16 dB": ("dB", "the same in FP16 (-inf: FP16 overflows)"),
     "FP16 output NSR": ("ratio", "predicted output noise-to-signal ratio of the unit in FP16"),
