@@ -6,9 +6,9 @@ scales), every unit's local INT8 SQNR (the planner's prior and `validate --mode 
 the unit alone on FP32 inputs, measured at the output of the fused layer TensorRT runs:
 folded BatchNorm, bias and fused activation) is compared with its single-unit output
 impact: that unit alone in INT8, every other unit in FP32, output SQNR on the same
-samples (one switchboard pass per unit). Prints the Spearman correlation of both
-rankings, also for the local error taken at the linear op's own output (before the fused
-activation), and the units the local error ranks worst and the output ranks worst;
+samples (one pass of that plan's Q/DQ model per unit). Prints the Spearman correlation of
+both rankings, also for the local error taken at the linear op's own output (before the
+fused activation), and the units the local error ranks worst and the output ranks worst;
 ``--out FILE`` writes every unit's three figures.
 
     python -m benchmarks.local_rank reports/layout --samples 4
@@ -29,7 +29,7 @@ from scipy.stats import spearmanr
 
 
 def main(argv: list[str] | None = None) -> int:
-    from quantlab import graph, plan, switchboard
+    from quantlab import graph, plan, qdq
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.calibrate import Scales
     from quantlab.data import Preprocess, open_data
@@ -58,17 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     local = plan.local_sqnr(g, amax, units, batches, precisions=("int8",))
     unfused = plan.local_sqnr(g, amax, units, batches, precisions=("int8",),
                               fuse_activations=False)
-    board = switchboard.build(g, units, amax)
-    backend = OnnxRuntimeBackend(board.model, name="switchboard", check_inputs=False)
     references = [fp32.run(b) for b in batches]
     impact = {}
     for unit in units:
         if unit.name not in local:
             continue
-        flags = board.feeds({u.name: "int8" if u is unit else "fp32" for u in units})
-        nsr = np.mean([plan.sample_nsr(backend.run({**b, **flags}), r).mean()
-                       for b, r in zip(batches, references, strict=True)])
-        impact[unit.name] = float(-10 * np.log10(nsr)) if nsr > 0 else np.inf
+        alone = qdq.quantize_model(model, amax, {n: "int8" if u is unit else "fp32"
+                                                 for u in units for n in u.nodes})
+        backend = OnnxRuntimeBackend(alone, name=f"{unit.name} in INT8")
+        impact[unit.name] = plan.output_sqnr([backend.run(b) for b in batches], references)
     names = sorted(impact)
 
     def rho(figures) -> float:

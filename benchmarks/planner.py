@@ -24,7 +24,7 @@ table gives every tool's wall time and peak RSS as multiples of it.
 
 An evaluation is one pass of a candidate (or the FP32 model) over the evaluation set;
 the FP32 pass counts as one for every tool. Other model runs are reported separately:
-quantlab's switchboard trials (on its hardest calibration samples) and NNCF's ranking
+quantlab's trials (on its hardest calibration samples) and NNCF's ranking
 runs (on a subset of the evaluation items), as counts and as evaluation-set equivalents
 (samples run / evaluation samples).
 
@@ -302,7 +302,9 @@ def run_quantlab(args: list[str], unit: float, budget: float, out: Path, progres
     progress.counts.update({
         # The ledger's evaluations plus the FP32 pass over the evaluation set.
         "evaluations": sum(e.get("model_run", True) for e in summary["evaluations"]) + 1,
-        "switchboard_trials": summary["switchboard_trials"],
+        "trials": summary["trials"],
+        "phases": summary.get("phases", {}),
+        "largest_disagreement": summary.get("noise_model", {}).get("largest_disagreement"),
         "hard_samples": len(summary["hard_samples"]),
         "samples_by_backend": samples, "exit_code": code,
         "certified": summary["certificate"]["certified"],
@@ -312,7 +314,7 @@ def run_quantlab(args: list[str], unit: float, budget: float, out: Path, progres
         "own_interval": [x / unit for x in summary["certificate"]["interval"]],
         # Runs on the calibration data (hardest samples + trials + local passes) in
         # evaluation-set equivalents.
-        "partial_samples": samples.get("switchboard", 0),
+        "partial_samples": samples.get("trial", 0),
     })
     progress.save()
     return onnx.load(out / "model.int8.onnx")
@@ -576,8 +578,8 @@ def cell_rows(rows: list[dict]) -> list[dict]:
         done = "int8_mac_share" in r
         status = r.get("stopped") or ("FAILED" if r.get("error") else "")
         other = "-"
-        if r["tool"] == "quantlab" and "switchboard_trials" in r:
-            other = f"{r['switchboard_trials']} trials x {r.get('hard_samples', '?')}"
+        if r["tool"] == "quantlab" and "trials" in r:
+            other = f"{r['trials']} trials x {r.get('hard_samples', '?')}"
         elif r.get("partial_runs"):
             other = f"{r['partial_runs']} runs, {r['partial_samples']} items"
         table.append({
@@ -748,7 +750,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     done = json.loads(checkpoint.read_text())
                     Path(spec["progress"]).write_text(json.dumps({
                         "evaluations": len(done["evaluations"]) + bool(done["evaluations"]),
-                        "switchboard_trials": len(done["trials"])}))
+                        "trials": len(done["trials"])}))
                 if result is None and Path(spec["progress"]).is_file():
                     partial = json.loads(Path(spec["progress"]).read_text())
                     result = None

@@ -35,7 +35,7 @@ from onnx import helper
 from quantlab import graph, segments
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.data import BatchSource, batch_length, sample_axes, slice_batch
-from quantlab.errors import ConfigError, DataError
+from quantlab.errors import ConfigError, DataError, InternalRunError
 from quantlab.experiment import atomic_write
 from quantlab.progress import progress_bar
 
@@ -445,8 +445,18 @@ def collect(
             while start < size:
                 stop = size if fixed else min(size, start + (1 if measure else run_size))
                 part = batch if fixed else slice_batch(batch, axes, start, stop)
-                measured = _run_segments(runs, part, pool, stats, tensor_axes,
-                                         (num_samples + start, stop - start), batch_index)
+                try:
+                    measured = _run_segments(runs, part, pool, stats, tensor_axes,
+                                             (num_samples + start, stop - start), batch_index)
+                except _SegmentFailed as failed:
+                    uncut = math.ceil(2 * sum(sizes.values()) / (1 << 20))
+                    raise segments.run_failure(
+                        failed.error, lambda feeds=part: OnnxRuntimeBackend(model).run(feeds),
+                        "the model",
+                        failed.number, len(runs), f"samples {num_samples + start}.."
+                        f"{num_samples + stop - 1}", "Until then, pass a larger --memory so "
+                        f"the graph is cut less: --memory {uncut}M or more runs it uncut."
+                    ) from None
                 if measure:
                     measure = False
                     sizes.update(measured)
@@ -500,6 +510,14 @@ def _runs(index: graph.Graph, groups: Sequence[Sequence[str]]) -> list[Run]:
             for segment in segments.plan_segments(index, groups)]
 
 
+class _SegmentFailed(Exception):
+    """Segment `number` of a run failed with `error` (told from failing data by the caller)."""
+
+    def __init__(self, error: InternalRunError, number: int):
+        super().__init__(str(error))
+        self.error, self.number = error, number
+
+
 def _run_segments(runs: Sequence[Run], feeds: Mapping[str, np.ndarray],
                   pool: ThreadPoolExecutor, stats: dict[str, TensorStats],
                   tensor_axes: Mapping[str, int | None], samples: tuple[int, int],
@@ -517,8 +535,11 @@ def _run_segments(runs: Sequence[Run], feeds: Mapping[str, np.ndarray],
     measured = {}
     for number, run in enumerate(runs):
         segment = run.segment
-        values = {} if run.backend is None else run.backend.run(
-            {name: carry[name] for name in segment.inputs}, tensors=segment.outputs)
+        try:
+            values = {} if run.backend is None else run.backend.run(
+                {name: carry[name] for name in segment.inputs}, tensors=segment.outputs)
+        except InternalRunError as error:
+            raise _SegmentFailed(error, number) from None
         exposed = {name: values[name] if name in values else carry[name]
                    for name in segment.group}
         for name in segment.outputs:

@@ -72,7 +72,8 @@ class TensorError:
 
     @property
     def sqnr_db(self) -> float:
-        """10 log10(sum ref^2 / sum (ref - test)^2); +inf for identical tensors."""
+        """10 log10(sum ref^2 / sum (ref - test)^2), the sums over every element of every
+        batch (pooled, docs/metrics.md); +inf for identical tensors."""
         if self.sum_err2 == 0.0:
             return math.inf
         if self.sum_ref2 == 0.0:
@@ -133,6 +134,73 @@ def _error_sums(ref, test, atol, rtol):
         totals[3] += err2
         totals[4] = max(totals[4], largest)
     return totals[0], totals[1], totals[2], totals[3], totals[4], outside, nonfinite
+
+
+def output_nsr(noise: Sequence[float] | np.ndarray, power: Sequence[float] | np.ndarray) -> float:
+    """A model's output noise-to-signal ratio from one total per float output: each output's
+    noise energy ``sum (test - ref)^2`` over its signal energy ``sum ref^2``, both summed
+    over every sample and element (pooled), averaged over the outputs (docs/metrics.md).
+
+    0 without noise; NaN when a total is NaN. A silent reference output (``sum ref^2`` 0)
+    counts its noise against the smallest positive float64.
+    """
+    noise, power = np.asarray(noise, np.float64), np.asarray(power, np.float64)
+    return float(np.mean(noise / np.maximum(power, np.finfo(np.float64).tiny)))
+
+
+def output_sqnr_db(noise: Sequence[float] | np.ndarray,
+                   power: Sequence[float] | np.ndarray) -> float:
+    """quantlab's output SQNR in dB, ``-10 log10`` of :func:`output_nsr`: with one output,
+    that output's :attr:`TensorError.sqnr_db`; +inf without noise, NaN with a NaN total.
+    `validate`'s output SQNR and `plan`'s ``--min-sqnr`` and ``--metric sqnr`` are this."""
+    nsr = output_nsr(noise, power)
+    if np.isnan(nsr):
+        return math.nan
+    return -10.0 * math.log10(nsr) if nsr > 0 else math.inf
+
+
+class ChannelError:
+    """Per-channel signal and noise power and largest |reference| of one tensor pair, along
+    axis 1 and along the last axis (samples on axis 0), folded batch by batch: whether the
+    tensor mixes scales (:meth:`spread`), which one pooled SQNR hides."""
+
+    def __init__(self):
+        self.sums: dict[int, np.ndarray] = {}  # axis -> rows signal, noise, max |ref|
+
+    def update(self, ref: np.ndarray, test: np.ndarray) -> None:
+        """Add one batch (arrays of equal shape; nothing for fewer than 2 axes)."""
+        if np.ndim(ref) < 2:
+            return
+        for axis in dict.fromkeys((1, np.ndim(ref) - 1)):
+            r = np.moveaxis(ref, axis, 0).reshape(np.shape(ref)[axis], -1).astype(np.float64)
+            e = np.moveaxis(test, axis, 0).reshape(r.shape).astype(np.float64) - r
+            got = np.stack([(r * r).sum(1), (e * e).sum(1), np.abs(r).max(1, initial=0.0)])
+            old = self.sums.get(axis)
+            self.sums[axis] = got if old is None else np.stack(
+                [old[0] + got[0], old[1] + got[1], np.maximum(old[2], got[2])])
+
+    def spread(self) -> dict | None:
+        """On the axis whose channels' largest |values| span the widest factor: the axis, the
+        channel count, the smallest and largest max |value| (channels not all zero), and the
+        worst channel with its SQNR in dB. None for a tensor of fewer than 2 channels."""
+        best = None
+        for axis, (signal, noise, amax) in self.sums.items():
+            live = amax > 0
+            if live.sum() < 2:
+                continue
+            ratio = amax[live].max() / amax[live].min()
+            if best is None or ratio > best[0]:
+                best = ratio, axis, signal, noise, amax, live
+        if best is None:
+            return None
+        _, axis, signal, noise, amax, live = best
+        with np.errstate(divide="ignore"):
+            sqnr = np.where(noise > 0, 10 * np.log10(signal / np.where(noise > 0, noise, 1)),
+                            np.inf)
+        worst = int(np.argmin(np.where(live, sqnr, np.inf)))
+        return {"axis": axis, "channels": len(amax), "amax_min": float(amax[live].min()),
+                "amax_max": float(amax[live].max()), "worst_channel": worst,
+                "worst_sqnr_db": float(sqnr[worst])}
 
 
 class Comparison:
@@ -262,6 +330,9 @@ class PairResult:
     the reference's inputs); `outputs` maps each model output to its metrics (from
     the end-to-end runs); `not_compared` lists float tensors left out, and
     `warnings` says why a reader should not trust the pair as complete.
+    `output_sqnr_db` is the model's output SQNR over its float outputs
+    (:func:`output_sqnr_db`, the figure `plan --min-sqnr` bounds; None without one);
+    `channels` maps each output to its :meth:`ChannelError.spread` (where it was measured).
     """
 
     reference: str
@@ -272,3 +343,5 @@ class PairResult:
     outputs: dict[str, dict[str, float]]
     not_compared: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    output_sqnr_db: float | None = None
+    channels: dict[str, dict | None] = field(default_factory=dict)

@@ -11,6 +11,7 @@ reported with the file name and the fix.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,8 +24,8 @@ from quantlab.errors import ConfigError, DataError
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff")
 
 
-RESIZE_MODES = ("squash", "letterbox", "center-crop")
-INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos")
+RESIZE_MODES = ("squash", "letterbox", "pad", "height-pad", "center-crop")
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "area")
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,18 @@ class Preprocess:
     (H, W); ``size=None`` takes the model input's static H and W. Resize modes:
     ``squash`` stretches to H x W; ``letterbox`` scales to fit inside H x W keeping
     the aspect ratio and pads, centred, with `pad_value` (in pixel units, YOLO's
-    114 by default); ``center-crop`` scales the short side to `resize_short`
-    (default max(H, W)) and crops the centre H x W. `mean`/`std` default to
-    0 and 1 for every channel.
+    114 by default); ``pad`` is ``letterbox`` anchored at the top-left corner (the
+    padding all at the bottom and right, as Ultralytics' ``LetterBox(center=False)``;
+    the YOLOv8 ONNX examples that paste the image into a square before resizing give the
+    same image but for the blending of its last row and column with the padding);
+    ``height-pad`` scales to height H keeping the aspect ratio (width
+    ``ceil(H * w / h)``, at most W, squashed to W beyond) and pads on the right to W
+    (text recognizers: PaddleOCR's ``resize_norm_img``); ``center-crop`` scales the
+    short side to `resize_short` (default max(H, W)) and crops the centre H x W.
+    Padding is written after resampling, in float, so a pad value such as 127.5 is
+    exact. Interpolation ``area`` averages the source pixels each output pixel
+    covers (OpenCV's ``INTER_AREA``, :func:`area_resize`); the others are Pillow's
+    filters. `mean`/`std` default to 0 and 1 for every channel.
     """
 
     size: tuple[int, int] | None = None
@@ -70,6 +80,8 @@ class Preprocess:
             raise ConfigError(f"--resize-short must be at least 1 pixel, got {self.resize_short}.")
         if not np.isfinite(self.scale):
             raise ConfigError(f"--scale must be a finite number, got {self.scale}.")
+        if not np.isfinite(self.pad_value):
+            raise ConfigError(f"--pad-value must be a finite number, got {self.pad_value}.")
         channels = self.channels
         for label, values in (("mean", self.mean), ("std", self.std)):
             if values is None:
@@ -127,34 +139,90 @@ class Preprocess:
 
     def _resize(self, image, size: tuple[int, int]) -> np.ndarray:
         """The image as float32 pixels of height/width `size`, by `resize_mode`."""
-        from PIL import Image
-
         height, width = size
-        method = getattr(Image.Resampling, self.interpolation.upper())
         if self.resize_mode == "squash":
-            if image.size != (width, height):
-                image = image.resize((width, height), method)
-            return np.asarray(image, dtype=np.float32)
-        if self.resize_mode == "letterbox":
+            return self._scaled(image, width, height)
+        if self.resize_mode in ("letterbox", "pad"):
             ratio = min(height / image.height, width / image.width)
             inner = (max(1, round(image.width * ratio)), max(1, round(image.height * ratio)))
-            canvas = Image.new(image.mode, (width, height), (round(self.pad_value),) *
-                               len(image.getbands()))
-            canvas.paste(image.resize(inner, method),
-                         ((width - inner[0]) // 2, (height - inner[1]) // 2))
-            return np.asarray(canvas, dtype=np.float32)
+            corner = ((0, 0) if self.resize_mode == "pad" else
+                      ((height - inner[1]) // 2, (width - inner[0]) // 2))
+            return self._padded(self._scaled(image, *inner), size, corner)
+        if self.resize_mode == "height-pad":
+            # PaddleOCR's expression, float rounding included: ceil(H * (w / h)), at most W.
+            inner_width = min(width, max(1, math.ceil(height * (image.width / image.height))))
+            return self._padded(self._scaled(image, inner_width, height), size, (0, 0))
         short = self.resize_short or max(height, width)
         ratio = short / min(image.width, image.height)
         scaled = (max(width, round(image.width * ratio)), max(height, round(image.height * ratio)))
-        image = image.resize(scaled, method)
-        left, top = (scaled[0] - width) // 2, (scaled[1] - height) // 2
-        return np.asarray(image.crop((left, top, left + width, top + height)), dtype=np.float32)
+        top, left = (scaled[1] - height) // 2, (scaled[0] - width) // 2
+        return self._scaled(image, *scaled)[top:top + height, left:left + width]
+
+    def _scaled(self, image, width: int, height: int) -> np.ndarray:
+        """The image resampled to `width` x `height` by `interpolation`, as float32 pixels
+        (8-bit values: Pillow's filters and :func:`area_resize` both round)."""
+        if image.size == (width, height):
+            return np.asarray(image, dtype=np.float32)
+        if self.interpolation == "area":
+            averaged = area_resize(np.asarray(image), height, width)
+            return np.floor(averaged + 0.5).astype(np.float32)  # halves up, as OpenCV's 8-bit
+        from PIL import Image
+
+        method = getattr(Image.Resampling, self.interpolation.upper())
+        return np.asarray(image.resize((width, height), method), dtype=np.float32)
+
+    def _padded(self, pixels: np.ndarray, size: tuple[int, int],
+                corner: tuple[int, int]) -> np.ndarray:
+        """`pixels` placed with their top-left at `corner` (row, column) in an H x W canvas of
+        `pad_value`."""
+        canvas = np.full(tuple(size) + pixels.shape[2:], self.pad_value, np.float32)
+        top, left = corner
+        canvas[top:top + pixels.shape[0], left:left + pixels.shape[1]] = pixels
+        return canvas
+
+
+def area_resize(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """`pixels` (H x W or H x W x C) resampled by area averaging, in float64.
+
+    Every output pixel is the mean of the source over the rectangle it covers, source
+    pixels cut at its edges weighted by the part inside (OpenCV's ``INTER_AREA`` when
+    shrinking; OpenCV switches to a bilinear variant when enlarging, this stays the
+    area mean there too). Separable: each axis integrates the piecewise-constant source
+    between the output pixel edges (block sums for a whole factor, exact for 8-bit
+    pixels), and the result is divided once by the rectangle's area.
+    """
+    pixels = np.asarray(pixels)
+    summed = _area_sums(_area_sums(pixels, height, 0), width, 1)
+    return summed * (height * width) / (pixels.shape[0] * pixels.shape[1])
+
+
+def _area_sums(values: np.ndarray, size: int, axis: int) -> np.ndarray:
+    """Integrals of `values` along `axis` over `size` equal intervals of its length."""
+    count = values.shape[axis]
+    exact = np.int64 if values.dtype.kind in "biu" else np.float64  # 8-bit pixels sum exactly
+    if count % size == 0:  # whole blocks of count // size pixels
+        blocks = values.shape[:axis] + (size, count // size) + values.shape[axis + 1:]
+        return values.reshape(blocks).sum(axis=axis + 1, dtype=exact).astype(np.float64)
+    # Edge e sits at e * count / size source pixels: whole pixels, and the fraction of the
+    # next. An interval holds the whole pixels from its first edge's to its last edge's,
+    # less the fraction of the first before its edge, plus the fraction of the last.
+    whole, part = np.divmod(np.arange(size + 1) * count, size)
+    along = [1] * values.ndim
+    along[axis] = size
+    pixels = np.add.reduceat(values, whole[:-1], axis=axis, dtype=exact).astype(np.float64)
+    pixels *= (whole[1:] > whole[:-1]).reshape(along)  # reduceat gives one pixel for none
+    first = np.take(values, np.minimum(whole[:-1], count - 1), axis=axis)
+    last = np.take(values, np.minimum(whole[1:], count - 1), axis=axis)
+    return (pixels - (part[:-1] / size).reshape(along) * first
+            + (part[1:] / size).reshape(along) * last)
 
 
 class BatchSource:
     """An iterable of batches with a known number of samples; iterate it as often as needed.
 
     `axes` maps input name -> sample axis for inputs whose samples are not on axis 0.
+    `preprocess` is the image preprocessing the source applies (None: it applies none, as
+    for arrays), which a calibration folder records.
     """
 
     def __init__(
@@ -164,6 +232,7 @@ class BatchSource:
         batch_size: int,
         load: Callable[[int, int], dict[str, np.ndarray]],
         axes: Mapping[str, int] | None = None,
+        preprocess: Preprocess | None = None,
     ):
         if num_samples == 0:
             raise DataError(f"{description} holds no samples; point --data at a non-empty source.")
@@ -175,6 +244,7 @@ class BatchSource:
         self.num_samples = num_samples
         self.batch_size = int(batch_size)
         self.axes = dict(axes or {})
+        self.preprocess = preprocess
         self._load = load
 
     def __len__(self) -> int:
@@ -194,9 +264,10 @@ class BatchSource:
 
     def subset(self, start: int, stop: int) -> BatchSource:
         """Samples `start:stop` of this source as a source of their own (same batch size and
-        description: a calibration folder records the data it came from)."""
+        description and preprocessing: a calibration folder records the data it came from)."""
         return BatchSource(self.description, stop - start, self.batch_size,
-                           lambda a, b: self._load(start + a, start + b), self.axes)
+                           lambda a, b: self._load(start + a, start + b), self.axes,
+                           self.preprocess)
 
     def __repr__(self) -> str:
         return (
@@ -504,7 +575,7 @@ def _image_source(files, description, inputs, batch_size, max_samples, preproces
         images = np.stack([preprocess.apply(f, size) for f in files[start:stop]])
         return {spec.name: images.astype(spec.dtype, copy=False)}
 
-    return BatchSource(description, len(files), batch_size, load)
+    return BatchSource(description, len(files), batch_size, load, preprocess=preprocess)
 
 
 def _tensor_as_array(value: object) -> object:

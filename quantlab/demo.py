@@ -36,6 +36,7 @@ from quantlab.experiment import check_output, output_folder, read_record, write_
 from quantlab.graph import input_specs
 from quantlab.progress import progress_bar
 from quantlab.report import Section, figure_html, table_html, write_report
+from quantlab.report.plan import COLUMNS as DECISION_COLUMNS
 from quantlab.report.plan import (
     decisions_frame,
     reason_codes_html,
@@ -379,7 +380,8 @@ def _plan_html(planned: dict, decided: plan.Plan) -> str:
                    "front, every evaluation, the noise each pin removes).</p>").format(
         planned["command"], planned["folder"], planned["folder"])
         + unit_strip_html(decided)
-        + Markup(table_html(decisions_frame(decided), caption="Decision per unit"))
+        + Markup(table_html(decisions_frame(decided), caption="Decision per unit",
+                            columns=DECISION_COLUMNS))
         + reasons_legend(r for d in decided.units.values() for r in d.reasons))
 
 

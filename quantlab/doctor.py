@@ -202,11 +202,11 @@ def format_report(report: Mapping) -> str:
     lines = [f"# quantlab doctor: TensorRT {report['tensorrt']}", "",
              f"quantlab {report['quantlab']}, Polygraphy {report['polygraphy']}, GPU "
              f"{report['gpu']}, trtexec {report['trtexec'] or 'not on PATH'}", "",
-             "| model | path | status | end-to-end SQNR dB | tensors compared (how) | "
+             "| model | path | status | worst-output SQNR dB | tensors compared (how) | "
              "not exposed | detail |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in report["paths"]:
         how = ", ".join(f"{k} {v}" for k, v in sorted(row.get("obtained", {}).items()))
-        sqnr = row.get("output_sqnr_db")
+        sqnr = row.get("worst_output_sqnr_db")
         lines.append(f"| {row['model']} | {row['path']} | {row['status']} | "
                      f"{'' if sqnr is None else f'{sqnr:.1f}'} | {how} | "
                      f"{len(row.get('not_exposed', []))} | {row.get('detail', '')} |")
@@ -252,7 +252,7 @@ def _check_path(path: str, name: str, folder: Path, version: tuple[int, ...],
         engine, extra = _engine(path, folder, version)
         row.update(extra)
         row.update(_compare(name, folder, engine, path, max_samples))
-        row["status"] = "ok" if row["output_sqnr_db"] >= AGREEMENT_DB else "disagrees"
+        row["status"] = "ok" if row["worst_output_sqnr_db"] >= AGREEMENT_DB else "disagrees"
         engine.close()
     except Exception as exc:  # a path that fails is what the report is for; go on
         row.update(status="failed", detail=f"{type(exc).__name__}: {exc}")
@@ -347,7 +347,7 @@ def _compare(name: str, folder: Path, engine, path: str, max_samples: int) -> di
     counts: dict[str, int] = {}
     for value in obtained:
         counts[value] = counts.get(value, 0) + 1
-    return {"output_sqnr_db": min(m["sqnr_db"] for m in pair.outputs.values()),
+    return {"worst_output_sqnr_db": min(m["sqnr_db"] for m in pair.outputs.values()),
             "metrics": result.metrics, "obtained": counts,
             "not_exposed": list(pair.not_compared), "notes": list(pair.warnings),
             "first_divergence": pair.divergence.to_dict() if pair.divergence else None,

@@ -12,6 +12,11 @@ class ModelError(QuantlabError):
     """A model file is missing, is not ONNX, is corrupt or uses something unsupported."""
 
 
+class InternalRunError(ModelError):
+    """ONNX Runtime failed on a model quantlab cut out of the user's (a segment, a layer),
+    fed tensors quantlab computed; the caller says whether the data or the cut is at fault."""
+
+
 class DataError(QuantlabError):
     """Input data is missing, empty, undecodable, of the wrong shape, or holds NaN/Inf."""
 

@@ -15,11 +15,12 @@ recorded with the reason (:func:`kept_batchnorms`).
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
+
+from quantlab import metadata
+from quantlab.metadata import attribute
 
 # Model metadata keys: the folds made, and the BatchNormalizations kept with the reason.
 FOLDED_KEY = "quantlab.folded_batchnorm"
@@ -28,36 +29,16 @@ FOLDABLE_OPS = ("Conv", "ConvTranspose", "Gemm")
 _ONNX_DOMAINS = ("", "ai.onnx")
 
 
-def _attribute(node: onnx.NodeProto, name: str, default):
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return helper.get_attribute_value(attribute)
-    return default
-
-
-def _metadata(model: onnx.ModelProto, key: str):
-    value = next((p.value for p in model.metadata_props if p.key == key), None)
-    return json.loads(value) if value else None
-
-
-def _set_metadata(model: onnx.ModelProto, key: str, value) -> None:
-    kept = [p for p in model.metadata_props if p.key != key]
-    del model.metadata_props[:]
-    model.metadata_props.extend(kept)
-    if value:
-        model.metadata_props.add(key=key, value=json.dumps(value, sort_keys=True))
-
-
 def folded_batchnorms(model: onnx.ModelProto) -> list[dict]:
     """The folds :func:`fold_batchnorms` made: ``node`` (the linear op, which now computes the
     BN's output ``tensor``), ``batchnorm`` (the BN node's name), ``scope`` (its torch module
     path, or None) and ``replaced`` (the linear op's former output, gone from the graph)."""
-    return _metadata(model, FOLDED_KEY) or []
+    return metadata.read(model, FOLDED_KEY, [])
 
 
 def kept_batchnorms(model: onnx.ModelProto) -> dict[str, str]:
     """BatchNormalization node name -> why it was not folded."""
-    return _metadata(model, KEPT_KEY) or {}
+    return metadata.read(model, KEPT_KEY, {})
 
 
 def fold_batchnorms(model: onnx.ModelProto, module_path=None) -> onnx.ModelProto:
@@ -67,7 +48,9 @@ def fold_batchnorms(model: onnx.ModelProto, module_path=None) -> onnx.ModelProto
     real arithmetic: ``W' = W * g``, ``b' = (b - mean) * g + beta`` with
     ``g = scale / sqrt(var + epsilon)`` per output channel (computed in float64).
     `module_path(node)` gives a node's torch module scope (recorded for the torch stage).
-    Returns `model` itself when there is no BatchNormalization, else a folded copy.
+    Returns `model` itself when there is no BatchNormalization, else a folded copy (the
+    BatchNormalizations' parameters stay as unread initializers; :func:`quantlab.graph.normalize`
+    drops them).
     """
     if not any(n.op_type == "BatchNormalization" for n in model.graph.node):
         return model
@@ -96,7 +79,7 @@ def fold_batchnorms(model: onnx.ModelProto, module_path=None) -> onnx.ModelProto
             continue
         scale, beta, mean, var = (numpy_helper.to_array(inits[n]).astype(np.float64)
                                   for n in bn.input[1:5])
-        gain = scale / np.sqrt(var + float(_attribute(bn, "epsilon", 1e-5)))
+        gain = scale / np.sqrt(var + float(attribute(bn, "epsilon", 1e-5)))
         weight_index = 1
         weight = numpy_helper.to_array(inits[linear.input[weight_index]]).astype(np.float64)
         bias_index = 2
@@ -106,9 +89,9 @@ def fold_batchnorms(model: onnx.ModelProto, module_path=None) -> onnx.ModelProto
         _set_input(linear, weight_index, weight, inits, uses, taken, graph)
         _set_input(linear, bias_index, bias, inits, uses, taken, graph)
         if linear.op_type == "Gemm":
-            for attribute in linear.attribute:
-                if attribute.name in ("alpha", "beta"):
-                    attribute.f = 1.0
+            for field in linear.attribute:
+                if field.name in ("alpha", "beta"):
+                    field.f = 1.0
         folded.append({"node": linear.name, "batchnorm": bn.name, "tensor": bn.output[0],
                        "replaced": linear.output[0],
                        "scope": module_path(bn) if module_path else None})
@@ -117,30 +100,15 @@ def fold_batchnorms(model: onnx.ModelProto, module_path=None) -> onnx.ModelProto
     kept_nodes = [n for n in graph.node if n.name not in removed]
     del graph.node[:]
     graph.node.extend(kept_nodes)
-    used = _names_read(graph) | outputs
-    unused = [init for init in graph.initializer if init.name not in used]
-    for init in unused:
-        graph.initializer.remove(init)
-    _set_metadata(model_copy, FOLDED_KEY, folded)
-    _set_metadata(model_copy, KEPT_KEY, kept)
+    metadata.write(model_copy, FOLDED_KEY, folded)
+    metadata.write(model_copy, KEPT_KEY, kept)
     return model_copy
-
-
-def _names_read(graph: onnx.GraphProto) -> set[str]:
-    """Every name the graph's nodes read, inside If/Loop/Scan bodies too."""
-    names = set()
-    for node in graph.node:
-        names.update(node.input)
-        for attribute in node.attribute:
-            for body in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
-                names |= _names_read(body)
-    return names
 
 
 def _unfoldable(bn: onnx.NodeProto, linear: onnx.NodeProto | None, inits, uses,
                 outputs) -> str | None:
     """Why `bn` cannot be folded into `linear` (None: it can)."""
-    if len([o for o in bn.output if o]) != 1 or _attribute(bn, "training_mode", 0):
+    if len([o for o in bn.output if o]) != 1 or attribute(bn, "training_mode", 0):
         return "it runs in training mode (it computes batch statistics)"
     if any(name not in inits or inits[name].data_type != onnx.TensorProto.FLOAT
            for name in bn.input[1:5]):
@@ -161,9 +129,9 @@ def _unfoldable(bn: onnx.NodeProto, linear: onnx.NodeProto | None, inits, uses,
     channels = numpy_helper.to_array(inits[bn.input[1]]).size
     weight = inits[linear.input[1]]
     if linear.op_type == "Gemm":
-        n_axis = 0 if _attribute(linear, "transB", 0) else 1
+        n_axis = 0 if attribute(linear, "transB", 0) else 1
         if len(weight.dims) != 2 or weight.dims[n_axis] != channels or \
-                _attribute(linear, "transA", 0) not in (0, 1):
+                attribute(linear, "transA", 0) not in (0, 1):
             return f"Gemm '{linear.name}' has no output axis of {channels} channels"
         if len(names) > 1 and int(np.prod(inits[names[1]].dims)) not in (1, channels):
             return f"the bias of Gemm '{linear.name}' is not per output channel"
@@ -174,7 +142,7 @@ def _unfoldable(bn: onnx.NodeProto, linear: onnx.NodeProto | None, inits, uses,
 
 def _out_channels(node: onnx.NodeProto, dims: list[int]) -> int:
     if node.op_type == "ConvTranspose":
-        return dims[1] * int(_attribute(node, "group", 1))
+        return dims[1] * int(attribute(node, "group", 1))
     return dims[0]
 
 
@@ -188,16 +156,16 @@ def _folded(linear: onnx.NodeProto, weight: np.ndarray, bias: np.ndarray | None,
     elif linear.op_type == "ConvTranspose":
         # Weight [C_in, C_out / group, k...]: output channel g * C_out/group + j is column j
         # of group g's rows.
-        group = int(_attribute(linear, "group", 1))
+        group = int(attribute(linear, "group", 1))
         grouped = weight.reshape((group, -1, channels // group) + weight.shape[2:])
         weight = (grouped * gain.reshape((group, 1, channels // group) +
                                          (1,) * (weight.ndim - 2))).reshape(weight.shape)
     else:  # Gemm: Y = alpha * A @ B(^T) + beta * C
-        n_axis = 0 if _attribute(linear, "transB", 0) else 1
-        weight = weight * float(_attribute(linear, "alpha", 1.0)) * \
+        n_axis = 0 if attribute(linear, "transB", 0) else 1
+        weight = weight * float(attribute(linear, "alpha", 1.0)) * \
             (gain[:, None] if n_axis == 0 else gain[None, :])
         if bias is not None:
-            bias = np.broadcast_to(bias.reshape(-1) * float(_attribute(linear, "beta", 1.0)),
+            bias = np.broadcast_to(bias.reshape(-1) * float(attribute(linear, "beta", 1.0)),
                                    (channels,))
     base = np.zeros(channels) if bias is None else bias.reshape(-1)
     return weight, (base - mean) * gain + beta

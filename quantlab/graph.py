@@ -7,7 +7,6 @@ node, so statistics, scales, plans and comparisons can all be keyed by names.
 from __future__ import annotations
 
 import ast
-import json
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -18,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, shape_inference
 
+from quantlab import metadata
 from quantlab.errors import ConfigError, ModelError
 from quantlab.experiment import atomic_write
 from quantlab.folding import fold_batchnorms, folded_batchnorms
@@ -36,6 +36,10 @@ FROZEN_INPUTS_KEY = "quantlab.frozen_inputs"
 # input with other dynamic dimensions was fed (audio length, image size); written by
 # `record_data_shapes`, read where a fixed shape is needed (TensorRT's profile).
 DATA_SHAPES_KEY = "quantlab.data_shapes"
+# Model metadata key holding the file (absolute path) or zoo name a model was first loaded
+# from, carried by every normalized copy (a calibration folder's model.onnx): reports are
+# titled with the user's model, not with the copy; written by `record_source`.
+SOURCE_KEY = "quantlab.source_model"
 # ONNX ops that hold subgraphs; their bodies are not quantized (see qdq.py).
 CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan"})
 
@@ -126,6 +130,7 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     """Return a copy with weights as initializers, opset >= 17, unique node names, inferred shapes,
     and every BatchNormalization that TensorRT would fuse folded into its Conv/Gemm.
 
+    Initializers nothing reads (a folded BatchNormalization's parameters) are dropped.
     Constant nodes that hold tensors (every Paddle export stores its weights that
     way) become initializers, so every later step sees weights in one place.
     Declared shapes of intermediate tensors and outputs are dropped and inferred
@@ -135,6 +140,7 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     model = _upgrade_opset(model)
     model = _name_nodes(model)
     model = fold_batchnorms(model, node_module_path)
+    drop_unused_initializers(model)
     del model.graph.value_info[:]
     declared = {}
     for output in model.graph.output:
@@ -303,10 +309,7 @@ def _dim_params(value: onnx.ValueInfoProto) -> list[str]:
 
 def batch_axes(model: onnx.ModelProto) -> dict[str, int | None]:
     """The sample axes recorded in the model's metadata by :func:`set_batch_axes`."""
-    for prop in model.metadata_props:
-        if prop.key == BATCH_AXES_KEY:
-            return json.loads(prop.value)
-    return {}
+    return metadata.read(model, BATCH_AXES_KEY, {})
 
 
 def set_batch_axes(model: onnx.ModelProto, axes: Mapping[str, int | None]) -> onnx.ModelProto:
@@ -330,7 +333,7 @@ def set_batch_axes(model: onnx.ModelProto, axes: Mapping[str, int | None]) -> on
                 f"in 0..{rank - 1}."
             )
         merged[name] = None if axis is None else axis % rank
-    _set_metadata(model, BATCH_AXES_KEY, json.dumps(merged, sort_keys=True))
+    metadata.write(model, BATCH_AXES_KEY, merged)
     return model
 
 
@@ -350,21 +353,26 @@ def record_data_shapes(model: onnx.ModelProto, source) -> onnx.ModelProto:
     batch = next(iter(source))
     shapes = {spec.name: [None if i == spec.batch_axis else int(d)
                           for i, d in enumerate(np.shape(batch[spec.name]))] for spec in wanted}
-    _set_metadata(model, DATA_SHAPES_KEY, json.dumps(
-        {**data_shapes(model), **shapes}, sort_keys=True))
+    metadata.write(model, DATA_SHAPES_KEY, {**data_shapes(model), **shapes})
     return model
 
 
 def data_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     """The shapes recorded by :func:`record_data_shapes` (None on the sample axis)."""
-    return json.loads(_metadata(model, DATA_SHAPES_KEY) or "{}")
+    return metadata.read(model, DATA_SHAPES_KEY, {})
 
 
-def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
-    kept = [p for p in model.metadata_props if p.key != key]
-    del model.metadata_props[:]
-    model.metadata_props.extend(kept)
-    model.metadata_props.add(key=key, value=value)
+def record_source(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
+    """Record, in place, the file or zoo name `model` was loaded from, unless a copy of a
+    model already says where it came from (a calibration folder's model.onnx)."""
+    if metadata.read(model, SOURCE_KEY) is None:
+        metadata.write(model, SOURCE_KEY, source)
+    return model
+
+
+def source_model(model: onnx.ModelProto) -> str | None:
+    """The file or zoo name recorded by :func:`record_source`, None if none was."""
+    return metadata.read(model, SOURCE_KEY)
 
 
 def freeze_inputs(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:
@@ -422,19 +430,15 @@ def freeze_inputs(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> o
             f"could not fold the model after freezing {sorted(values)} ({exc}); the frozen "
             "inputs are constants but control flow they decide was not inlined.", stacklevel=2)
         folded = copy
-    frozen = {**json.loads(_metadata(folded, FROZEN_INPUTS_KEY) or "{}"),
+    frozen = {**frozen_inputs(folded),
               **{name: np.asarray(v).tolist() for name, v in values.items()}}
-    _set_metadata(folded, FROZEN_INPUTS_KEY, json.dumps(frozen, sort_keys=True))
+    metadata.write(folded, FROZEN_INPUTS_KEY, frozen)
     return normalize(folded)
-
-
-def _metadata(model: onnx.ModelProto, key: str) -> str | None:
-    return next((p.value for p in model.metadata_props if p.key == key), None)
 
 
 def frozen_inputs(model: onnx.ModelProto) -> dict[str, object]:
     """The inputs :func:`freeze_inputs` turned into constants, with their values."""
-    return json.loads(_metadata(model, FROZEN_INPUTS_KEY) or "{}")
+    return metadata.read(model, FROZEN_INPUTS_KEY, {})
 
 
 def outer_scope_names(model: onnx.ModelProto) -> set[str]:
@@ -450,6 +454,20 @@ def outer_scope_names(model: onnx.ModelProto) -> set[str]:
 
     visit(model.graph, False)
     return names
+
+
+def drop_unused_initializers(model: onnx.ModelProto) -> None:
+    """Remove, in place, the initializers that no node reads (at any depth of If/Loop/Scan
+    bodies) and that are neither a graph input nor a graph output."""
+    g = model.graph
+    still_read = {name for node in g.node for name in node.input}
+    still_read.update(outer_scope_names(model))
+    still_read.update(v.name for v in g.input)
+    still_read.update(v.name for v in g.output)
+    kept = [init for init in g.initializer if init.name in still_read]
+    if len(kept) != len(g.initializer):
+        del g.initializer[:]
+        g.initializer.extend(kept)
 
 
 def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:

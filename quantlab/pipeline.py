@@ -97,14 +97,15 @@ class CalibrationResult:
 
 
 def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
-    """An ONNX model from a path, a zoo model name, or a ModelProto (normalized)."""
+    """An ONNX model from a path, a zoo model name, or a ModelProto (normalized); a file's
+    absolute path or the zoo name is recorded in it (:func:`graph.record_source`)."""
     if isinstance(model, onnx.ModelProto):
         return graph.normalize(model)
     if Path(model).exists():
-        return graph.load_model(model)
+        return graph.record_source(graph.load_model(model), str(Path(model).resolve()))
     # Only a name that is not a file may be a zoo model (importing the zoo imports torch).
     if str(model) in ZOO_NAMES:
-        return export_zoo_model(str(model))
+        return graph.record_source(export_zoo_model(str(model)), str(model))
     return graph.load_model(model)
 
 
@@ -255,8 +256,9 @@ def run_calibration(
         tensors = trt_ranges.tensors_to_calibrate(index)  # Q/DQ inputs + TensorRT <= 10 ranges
         check_cache_names(tensors)
     stats = collect.collect(index, source, tensors, progress=progress, memory_budget=memory_budget)
-    result = calibrate_from_stats(index, stats, source, method, method_params, preprocess,
-                                  weight_criterion, bias_correction)
+    result = calibrate_from_stats(index, stats, source, method, method_params,
+                                  weight_criterion=weight_criterion,
+                                  bias_correction=bias_correction)
     result.repairs = {**applied, **result.repairs}
     write_results(result, out, force=force, trt_version=trt_version)
     return result
@@ -313,7 +315,6 @@ def calibrate_from_stats(
     source: BatchSource,
     method: str = calibrate.DEFAULT_METHOD,
     method_params: Mapping[str, float] | None = None,
-    preprocess: Preprocess | None = None,
     weight_criterion: str = "max",
     bias_correction: bool = False,
 ) -> CalibrationResult:
@@ -332,6 +333,7 @@ def calibrate_from_stats(
     it holds on data it was not measured on: measured on either half of `source`, it
     must lower the output noise on the other (two folds, one more pass over the data
     and a few runs; the report in ``repairs`` gives the figures and the verdict).
+    The result's `preprocess` is the one `source` applied (None for arrays).
 
     `stats` must cover :func:`qdq.activation_tensors_to_calibrate` of the normalized
     `model` (and :func:`trt_ranges.tensors_to_calibrate` for a calibration cache); one
@@ -367,7 +369,7 @@ def calibrate_from_stats(
         quantized = shifted if kept else quantized
         corrected = {report.repair: report.to_dict()}
     return CalibrationResult(index.model, quantized, stats, scales, source,
-                             preprocess=preprocess, repairs=corrected,
+                             preprocess=source.preprocess, repairs=corrected,
                              weight_criterion=weight_criterion, weight_choice=weight_choice,
                              layer_calibrators=chosen)
 
@@ -502,6 +504,8 @@ def write_results(
         write_json(
             folder / "calibration.json",
             {
+                # The user's model file (absolute) or zoo name; model.onnx is its normalized copy.
+                "model": graph.source_model(result.model),
                 # Absolute: a later command (plan --data DIR) may run from anywhere.
                 "data": recorded_path(result.data.description),
                 # Size and mtime of its files: `plan --data DIR` reuses stats.npz only while
@@ -513,7 +517,8 @@ def write_results(
                 "params": scales.params,
                 "tensors": len(scales.amax),
                 "trt_version": trt_version,
-                # How the data fed the model, so `validate --from` feeds it the same way.
+                # How the images were read, so `validate --from` reads them the same way; null
+                # where none was applied (arrays are fed as they are).
                 "preprocess": result.preprocess.to_dict() if result.preprocess else None,
                 "frozen_inputs": graph.frozen_inputs(result.model),
                 "sample_axes": {spec.name: spec.batch_axis

@@ -184,7 +184,7 @@ def quantize_model(
     if high_precision == "fp16":
         _cast_to_fp16(result, {name for name, p in _precisions(model, plan).items()
                                if p == "fp16"})
-    _drop_unused_initializers(result)
+    graph.drop_unused_initializers(result)  # weights now read as int8 or float16 copies
     return result
 
 
@@ -591,14 +591,3 @@ def _build(model, placement: Placement, scales, per_channel: bool,
     del g.node[:]
     g.node.extend(nodes)
     return result
-
-
-def _drop_unused_initializers(model: onnx.ModelProto) -> None:
-    """Remove initializers nothing reads (weights now read as int8 or float16 copies)."""
-    g = model.graph
-    still_read = {name for node in g.node for name in node.input}
-    still_read.update(v.name for v in g.input)
-    still_read.update(graph.outer_scope_names(model))
-    kept = [init for init in g.initializer if init.name in still_read]
-    del g.initializer[:]
-    g.initializer.extend(kept)

@@ -1,6 +1,6 @@
 """Repairs that change weights, not precisions: equalization, bias correction, SmoothQuant.
 
-Stage C of the planner design (docs/peers.md section 12): each repair rewrites a
+The repairs step of the planner (docs/planner.md): each repair rewrites a
 model so that INT8 loses less, at no runtime cost (SmoothQuant's inserted Mul
 excepted), and competes with pins in the planner. Every function works on
 ``onnx.ModelProto`` (the normalized FP32 model, or the Q/DQ model
@@ -37,6 +37,7 @@ from quantlab.collect import RUN_BYTES
 from quantlab.data import batch_length, sample_axes, slice_batch
 from quantlab.errors import ConfigError, DataError, ModelError
 from quantlab.graph import Graph
+from quantlab.metadata import attribute
 from quantlab.qdq import FreshNames, weight_axis
 
 _ONNX_DOMAINS = ("", "ai.onnx")
@@ -140,13 +141,6 @@ class _Weights:
             self.stored[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
 
 
-def _attribute(node: onnx.NodeProto, name: str, default):
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return helper.get_attribute_value(attribute)
-    return default
-
-
 def _runs(batches: Iterable[Mapping[str, np.ndarray]], index: Graph, tensors: Sequence[str],
           run_bytes: int) -> Iterator[dict[str, np.ndarray]]:
     """The samples of `batches` in runs whose exposed `tensors` fit `run_bytes` (one sample min).
@@ -203,7 +197,7 @@ def _weight_in_axis(node: onnx.NodeProto) -> int:
     if node.op_type == "Conv":
         return 1
     if node.op_type == "Gemm":
-        return 1 if _attribute(node, "transB", 0) else 0
+        return 1 if attribute(node, "transB", 0) else 0
     return 0
 
 
@@ -211,7 +205,7 @@ def _equalizable(node: onnx.NodeProto, weights: _Weights) -> bool:
     if node.domain not in _ONNX_DOMAINS or len(node.input) < 2:
         return False
     if node.op_type == "Gemm":
-        if _attribute(node, "transA", 0):
+        if attribute(node, "transA", 0):
             return False
     elif node.op_type not in ("Conv", "MatMul"):
         return False
@@ -290,7 +284,7 @@ def _in_groups(node: onnx.NodeProto, weight: np.ndarray, channels: int) -> np.nd
     c % (C / g); Gemm/MatMul weights are one group.
     """
     if node.op_type == "Conv":
-        groups = int(_attribute(node, "group", 1))
+        groups = int(attribute(node, "group", 1))
         per_group = weight.shape[1]
         if per_group * groups != channels or weight.shape[0] % groups:
             return None
@@ -436,11 +430,11 @@ def _output_channels(node: onnx.NodeProto, shape: Sequence[int]) -> tuple[int, i
     if node.op_type == "Conv":
         return shape[0], 1
     if node.op_type == "ConvTranspose":
-        return shape[1] * int(_attribute(node, "group", 1)), 1
+        return shape[1] * int(attribute(node, "group", 1)), 1
     if len(shape) != 2:
         return None
     if node.op_type == "Gemm":
-        return (shape[0] if _attribute(node, "transB", 0) else shape[1]), -1
+        return (shape[0] if attribute(node, "transB", 0) else shape[1]), -1
     return shape[1], -1
 
 
@@ -474,7 +468,7 @@ def _correction_targets(result: onnx.ModelProto, weights: _Weights, reference: G
             skipped.append({"node": node.name, "reason": f"output '{output}' is not a float32 "
                             "tensor of the FP32 model with a known channel axis"})
             continue
-        gain = float(_attribute(node, "beta", 1.0)) if node.op_type == "Gemm" else 1.0
+        gain = float(attribute(node, "beta", 1.0)) if node.op_type == "Gemm" else 1.0
         if gain == 0.0:
             skipped.append({"node": node.name, "reason": "Gemm with beta = 0 ignores its bias"})
             continue
@@ -591,9 +585,8 @@ def bias_shifts(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     Measured as :func:`bias_correction` ``mode="local"`` measures (each op quantized
     on FP32 inputs), so an op's shift is its own error's and holds whatever
     precision the other ops run in: the planner measures it once on the all-INT8
-    model and applies it to the INT8 ops of any plan (:func:`shift_biases`; per
-    unit in :func:`quantlab.switchboard.build`). Returns node -> shift (added to the
-    op's output, -mean error) and the report.
+    model and applies it to the INT8 ops of any plan (:func:`shift_biases`).
+    Returns node -> shift (added to the op's output, -mean error) and the report.
     """
     _, report, shifts = _bias_correction(fp32_model, qdq_model, batches, "local", 1, run_bytes)
     return shifts, report
@@ -738,7 +731,7 @@ def _smoothable(node: onnx.NodeProto, weights: _Weights, index: Graph) -> bool:
         return False
     if len(weights.stored[node.input[1]].dims) != 2:
         return False
-    return node.op_type == "MatMul" or not _attribute(node, "transA", 0)
+    return node.op_type == "MatMul" or not attribute(node, "transA", 0)
 
 
 def _median_spread(amax: np.ndarray) -> float:
@@ -884,7 +877,7 @@ def _fold_into_producer(index: Graph, weights: _Weights, tensor: str,
     channels = factor.size
     if producer.op_type == "LayerNormalization":
         rank = len(index.shapes.get(producer.input[0], ()))
-        axis = int(_attribute(producer, "axis", -1))
+        axis = int(attribute(producer, "axis", -1))
         params = [i for i in (1, 2) if i < len(producer.input) and producer.input[i]]
         if axis not in (-1, rank - 1) or any(
                 not weights.float_initializer(producer.input[i]) or
@@ -945,7 +938,7 @@ def depthwise_convs(index: Graph, weights: _Weights | None = None
                 len(node.input) < 2 or node.input[0] in index.constants or \
                 not weights.float_initializer(node.input[1]):
             continue
-        group = int(_attribute(node, "group", 1))
+        group = int(attribute(node, "group", 1))
         if group > 1 and weights.stored[node.input[1]].dims[1] == 1:
             found.setdefault(node.input[0], []).append(node)
     return found
@@ -1113,7 +1106,7 @@ def _absorb(index: Graph, weights: _Weights, tensor: str, factor: np.ndarray
             weights.values[name] = base * per_channel if op == "Div" else base / per_channel
             return f"{op} '{producer.name}'", changed
         if op == "Conv" and weights.float_initializer(producer.input[1]) and \
-                int(_attribute(producer, "group", 1)) == 1 and \
+                int(attribute(producer, "group", 1)) == 1 and \
                 weights.get(producer.input[1]).shape[0] == factor.size:
             name = weights.own(producer, 1)
             weights.values[name] = _scale_out(producer, weights.get(name), 1.0 / factor)

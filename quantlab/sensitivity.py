@@ -84,13 +84,14 @@ def local_error_model(qdq: Graph | Sequence[Graph], reference: Graph,
     or reads float16 (a Cast to float16 or another FP16 node's output): such a
     node runs in float32 on its float16-rounded inputs and its output is rounded
     to float16, the arithmetic of TensorRT's FP16 kernels (float32 accumulation)
-    and of :mod:`quantlab.switchboard`. Its other non-constant inputs, the inputs of
-    its Quantize nodes and Casts and the computed side inputs of the pass-through
-    ops (a Reshape's shape made by Shape -> Gather -> Concat) are fed from the FP32
-    run of `reference` under the same names. `qdq` may be several Q/DQ graphs of
-    `reference`: their nodes go side by side, once per (node, precision), or once per
-    (node, label) with `labels` (one per graph: Q/DQ graphs of one precision that differ
-    otherwise, such as their weight scales).
+    and of ONNX Runtime running a Cast-wrapped float16 node on CPU. Its other
+    non-constant inputs, the inputs of its Quantize nodes and Casts and the
+    computed side inputs of the pass-through ops (a Reshape's shape made by Shape
+    -> Gather -> Concat) are fed from the FP32 run of `reference` under the same
+    names. `qdq` may be several Q/DQ graphs of `reference`: their nodes go side by
+    side, once per (node, precision), or once per (node, label) with `labels` (one per
+    graph: Q/DQ graphs of one precision that differ otherwise, such as their weight
+    scales).
 
     With `fuse_activations` (default) a linear op is followed by the activation
     TensorRT fuses into its layer, copied from `reference` in FP32, and compared at

@@ -32,14 +32,12 @@ from quantlab.errors import ConfigError
 from quantlab.planner.certify import (
     Certificate,
     Outputs,
+    against_reference,
     certify_paired,
-    metric_value,
-    output_sqnr,
+    metric_scorer,
     resolve_metric,
-    split_samples,
-    task_scorer,
 )
-from quantlab.planner.measure import in_runs, output_sample_axes, sample_nsr, samples_per_run
+from quantlab.planner.measure import in_runs, output_sample_axes, samples_per_run
 
 # `quantlab sweep --help` states DEFAULT_PERCENTILES and TOLERANCE (its parser imports no NumPy).
 DEFAULT_PERCENTILES = (99.9, 99.99, 99.999)
@@ -244,17 +242,7 @@ class Evaluator:
     def _scorer(self, outputs: Outputs) -> Callable[[np.ndarray], float]:
         """``score(picked samples)``: the metric of `outputs` (label-free metrics: against
         FP32's outputs) on the samples picked."""
-        if self.task is not None:
-            return task_scorer(self.task, outputs)
-        if self.function is output_sqnr:
-            # output_sqnr of a resample is -10 log10 of its samples' mean NSR: computed once
-            # per sample instead of once per sample and resample.
-            nsr = np.concatenate([sample_nsr(o, r) for o, r in
-                                  zip(outputs, self.references, strict=True)])
-            return lambda pick: _db(nsr[pick].mean())
-        samples, refs = split_samples(outputs), split_samples(self.references)
-        return lambda pick: metric_value(self.function, self.metric, [samples[i] for i in pick],
-                                         [refs[i] for i in pick])
+        return metric_scorer(self.metric, self.function, self.task, outputs, self.references)
 
     def _fp32(self, pick: np.ndarray) -> float:
         """FP32's score on the samples picked, remembered: every configuration's bootstrap
@@ -287,11 +275,8 @@ class Evaluator:
         """The metric of `outputs` and its paired interval: of the difference to FP32 (margin
         over ``limit`` = FP32's value), or of the value itself where FP32's is infinite (output
         SQNR: ``limit`` 0)."""
-        evaluate = self._scores(outputs, None)
-        full = evaluate(np.arange(self.evaluation.num_samples))
-        bound = {"max_drop": 0.0} if np.isfinite(full[1]) else {"floor": 0.0}
-        return certify_paired(self.metric, evaluate, self.evaluation.num_samples, full,
-                              resamples=self.resamples, **bound)
+        return against_reference(self.metric, self._scores(outputs, None),
+                                 self.evaluation.num_samples, self.resamples)
 
     def versus(self, outputs: Outputs, others: Outputs) -> Certificate:
         """The paired interval of metric(outputs) - metric(others) (``interval``, margin over
@@ -299,11 +284,6 @@ class Evaluator:
         return certify_paired(self.metric, self._scores(outputs, others),
                               self.evaluation.num_samples, max_drop=0.0,
                               resamples=self.resamples)
-
-
-def _db(nsr: float) -> float:
-    """A noise-to-signal ratio in dB of SQNR (infinite without noise), as output_sqnr."""
-    return float(-10.0 * np.log10(nsr)) if nsr > 0 else float("inf")
 
 
 def estimate_seconds(model: onnx.ModelProto, evaluation: BatchSource, metric: str, task,

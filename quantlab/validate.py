@@ -28,9 +28,10 @@ comparison and dropped as soon as its segment is done.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,9 +44,10 @@ from quantlab import compare, graph, segments
 from quantlab.backends import Backend
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.choices import MODES
+from quantlab.collect import parse_memory
 from quantlab.compare import PairResult
 from quantlab.data import BatchSource
-from quantlab.errors import ConfigError, DataError
+from quantlab.errors import ConfigError, DataError, InternalRunError
 from quantlab.experiment import (
     atomic_write,
     check_output,
@@ -54,9 +56,11 @@ from quantlab.experiment import (
     write_json,
 )
 from quantlab.fusion import fused_activation
+from quantlab.planner.certify import Certificate, PairedScore
+from quantlab.planner.measure import output_sample_axes
 from quantlab.progress import progress_bar
 from quantlab.report import write_report
-from quantlab.report.validation import validation_section
+from quantlab.report.validation import next_steps, validation_section
 from quantlab.sensitivity import LocalErrorModel, local_error_model
 from quantlab.tasks import Task, TaskScore
 
@@ -131,6 +135,7 @@ class _Pair:
     not_compared: list[str]
     extra: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    channels: dict[str, compare.ChannelError] = field(default_factory=dict)
     # compared tensor -> the output of the linear op whose fused layer ends there (local mode)
     layers: dict[str, str] = field(default_factory=dict)
 
@@ -150,7 +155,11 @@ def validate(
     force: bool = False,
     progress: bool = True,
     title: str = "Validation",
-    memory_budget: int = MEMORY_BUDGET,
+    memory_budget: int | str | None = MEMORY_BUDGET,
+    metric: str | None = None,
+    resamples: int = 200,
+    model_file: str | None = None,
+    calibration: str | None = None,
 ) -> ValidationResult:
     """Run every stage over `data`, compare adjacent stages per tensor, score the task.
 
@@ -162,8 +171,16 @@ def validate(
     stage, first divergence and end-to-end output errors per pair) and
     ``report.html``. `threshold_db`/`min_drop_db` define the first divergence
     (see :func:`quantlab.compare.first_divergence`); `atol`/`rtol` the tolerance
-    of the ``frac_outside`` column.
+    of the ``frac_outside`` column. `memory_budget` is bytes or text such as ``"512M"``
+    (None: 2 GiB). `metric` (as `quantlab plan` takes it: ``sqnr``, ``agreement``,
+    ``module:function``, or `task`'s ``top1`` / ``map``) scores the engine's outputs against
+    FP32's end to end, with a paired bootstrap interval over `resamples` resamples
+    (summary.json's ``metric``). `model_file` (the user's model, for the report's
+    subtitle) and `calibration` (the calibration folder) go into the next steps the
+    report suggests (summary.json's ``next_steps``).
     """
+    memory_budget = parse_memory(memory_budget)
+    paired = PairedScore(metric, task, resamples) if metric is not None else None
     if mode not in MODES:
         raise ConfigError(f"mode '{mode}' is not one of {', '.join(MODES)}.")
     check_threshold(threshold_db, min_drop_db)
@@ -182,12 +199,14 @@ def validate(
     check_output(out, force=force, produces=produces)
 
     streamed = run_stages(fp32, engine, data, torch_stage=torch_stage, task=task, mode=mode,
-                          atol=atol, rtol=rtol, progress=progress, memory_budget=memory_budget)
+                          atol=atol, rtol=rtol, progress=progress, memory_budget=memory_budget,
+                          paired=paired)
     index = streamed.index
     info = index.tensor_info()
-    pairs = [_pair_result(p, info, index.order, threshold_db, min_drop_db)
+    pairs = [_pair_result(p, info, index.order, threshold_db, min_drop_db, index.floats)
              for p in streamed.pairs]
     metrics = {name: score.result() for name, score in streamed.scores.items()}
+    end_to_end = metric_record(paired.certificate(), fp32.name, engine.name) if paired else None
     summary = {
         "samples": data.num_samples,
         "data": recorded_path(data.description),
@@ -196,6 +215,8 @@ def validate(
                    for s in (torch_stage, fp32, engine) if s is not None},
         "task": task.kind if task else None,
         "metrics": metrics,
+        # --metric: the engine against FP32 end to end, with its paired bootstrap interval.
+        "metric": end_to_end,
         "divergence_rule": {"threshold_db": threshold_db, "min_drop_db": min_drop_db},
         "tolerance": {"atol": atol, "rtol": rtol},
         "memory": streamed.memory,
@@ -209,19 +230,48 @@ def validate(
             "tensors_not_compared": p.not_compared,
             "warnings": p.warnings,
             "first_divergence": p.divergence.to_dict() if p.divergence else None,
+            # Over the float outputs, pooled over the samples: plan's --min-sqnr figure.
+            "output_sqnr_db": p.output_sqnr_db,
             "outputs": p.outputs,
+            # Per output, on the axis whose channels' max |value| span most: that span and
+            # the worst channel's SQNR (an output mixing scales, compare.ChannelError).
+            "output_channels": p.channels,
         } for p in pairs],
     }
-    section = validation_section(pairs, metrics, index.order, threshold_db, notes=[NOTES[mode]])
+    steps = next_steps(pairs, end_to_end, threshold_db, mode, model_file,
+                       recorded_path(data.description), calibration)
+    summary["next_steps"] = steps
+    section = validation_section(pairs, metrics, index.order, threshold_db, notes=[NOTES[mode]],
+                                 metric=end_to_end, steps=steps)
+    source = f"{model_file}; " if model_file else ""
     with output_folder(out, force=force, produces=produces) as staging:
         for pair in pairs:
             atomic_write(staging / layers_file(pair.reference, pair.test, pair.mode),
                          lambda tmp, t=pair.table: t.to_csv(tmp, index=False))
         write_json(staging / "summary.json", summary)
         write_report(staging / "report.html", title, [section],
-                     subtitle=f"{data.description}, {data.num_samples} samples")
+                     subtitle=f"{source}{data.description}, {data.num_samples} samples")
     folder = Path(out)
     return ValidationResult(folder, pairs, metrics, summary, folder / "report.html")
+
+
+def metric_record(certificate: Certificate, reference: str, test: str) -> dict:
+    """summary.json's ``metric``: the `test` stage's value against the `reference` stage's,
+    and the paired bootstrap interval of the change (of the value itself where the
+    reference's is infinite: output SQNR of FP32 against itself)."""
+    change = np.isfinite(certificate.reference)
+    return {
+        "name": certificate.metric,
+        "stages": [reference, test],
+        reference: certificate.reference + 0.0,  # + 0.0: never -0 (a metric's -mean(0))
+        test: certificate.value + 0.0,
+        "change": certificate.value - certificate.reference if change else None,
+        "interval_of": "change" if change else "value",
+        "interval": list(certificate.interval),
+        # certify_paired's quantiles are one-sided bounds at `confidence`: a two-sided interval.
+        "confidence": 2 * certificate.confidence - 1,
+        "samples": certificate.samples,
+    }
 
 
 def check_threshold(threshold_db: float, min_drop_db: float) -> None:
@@ -248,7 +298,7 @@ def _torch_stage(torch_module, fp32: Backend, data: BatchSource) -> Backend | No
 
 
 def _pair_result(pair: _Pair, info: pd.DataFrame, order: Sequence[str], threshold_db: float,
-                 min_drop_db: float) -> PairResult:
+                 min_drop_db: float, floats: Collection[str]) -> PairResult:
     if pair.layers:
         info = info.copy()
         for tensor, layer in pair.layers.items():
@@ -259,8 +309,12 @@ def _pair_result(pair: _Pair, info: pd.DataFrame, order: Sequence[str], threshol
         table[column] = [" ".join(by_tensor.get(t, [])) for t in table["tensor"]]
     divergence = compare.first_divergence(table, order, pair.upstream, threshold_db, min_drop_db)
     outputs = {name: err.metrics() for name, err in pair.outputs.errors.items()}
+    compared = [err for name, err in pair.outputs.errors.items() if name in floats]
+    output_sqnr = (compare.output_sqnr_db([e.sum_err2 for e in compared],
+                                          [e.sum_ref2 for e in compared]) if compared else None)
     return PairResult(pair.reference, pair.test, pair.mode, table, divergence, outputs,
-                      pair.not_compared, pair.warnings)
+                      pair.not_compared, pair.warnings, output_sqnr,
+                      {name: c.spread() for name, c in pair.channels.items()})
 
 
 # ------------------------------------------------------------------ streaming the stages
@@ -277,11 +331,17 @@ class StageRuns:
 
 
 class _Segmented:
-    """A stage run segment by segment: one backend per segment of its graph."""
+    """A stage run segment by segment: one backend per segment of its graph.
 
-    def __init__(self, stage: Backend, plan: list[segments.Segment]):
+    `uncut` says whether `stage` runs on the slice's graph inputs (then a failed segment
+    is told from failing data by running it whole) and `hint` how to cut less.
+    """
+
+    def __init__(self, stage: Backend, plan: list[segments.Segment], uncut: bool = True,
+                 hint: str = ""):
         self.stage = stage
         self.plan = plan
+        self.uncut, self.hint = uncut, hint
         if isinstance(stage, OnnxRuntimeBackend):
             # Segment sessions run one after another and share ONNX Runtime's process-wide
             # arena: memory peaks at the largest segment's, not at the sum over segments.
@@ -295,14 +355,20 @@ class _Segmented:
             self.backends = None  # any other backend runs whole, exposing what is asked
 
     def run(self, number: int, live: Mapping[str, np.ndarray],
-            batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Outputs of segment `number`, its inputs read from `live` (graph inputs from `batch`)."""
+            batch: Mapping[str, np.ndarray], samples: str) -> dict[str, np.ndarray]:
+        """Outputs of segment `number`, its inputs read from `live` (graph inputs from `batch`);
+        `samples` names the slice in an error."""
         segment = self.plan[number]
         if not segment.outputs:
             return {}
         if self.backends is None:
             return self.stage.run(batch, segment.outputs)
-        return self.backends[number].run({name: live[name] for name in segment.inputs})
+        try:
+            return self.backends[number].run({name: live[name] for name in segment.inputs})
+        except InternalRunError as error:
+            whole = (lambda: self.stage.run(batch)) if self.uncut else None
+            raise segments.run_failure(error, whole, f"'{self.stage.name}'", number, len(self.plan),
+                                       samples, self.hint) from None
 
 
 def run_stages(
@@ -316,11 +382,13 @@ def run_stages(
     rtol: float = 1e-3,
     progress: bool = True,
     memory_budget: int = MEMORY_BUDGET,
+    paired: PairedScore | None = None,
 ) -> StageRuns:
     """Stream `data` through the stages and fold every compared tensor and output as it comes.
 
     The comparisons and task scores are returned; no array of any run outlives
-    the segment that produced it (boundary tensors live until their last reader).
+    the segment that produced it (boundary tensors live until their last reader),
+    except the outputs `paired` keeps for a metric other than output SQNR.
     """
     index = graph.Graph(fp32.model)
     engine_index = graph.Graph(engine.model)
@@ -357,13 +425,16 @@ def run_stages(
         compare.Comparison(engine_tensors, fp32.name, engine.name, atol, rtol),
         compare.Comparison(index.outputs, fp32.name, engine.name, atol, rtol),
         upstream, [t for t in index.order if t in index.floats and t not in set(engine_tensors)],
-        extra, list(getattr(engine, "notes", [])), layers))
+        extra, list(getattr(engine, "notes", [])), layers=layers))
     scores = {s.name: task.score() for s in (torch_stage, fp32, engine) if s is not None} \
         if task is not None else {}
     torch_tensors = pairs[0].comparison.tensors if torch_stage is not None else []
     layout = _Layout.plan(index, data, next(iter(data)), engine_tensors, torch_tensors, local,
                           memory_budget, segmentable=isinstance(fp32, OnnxRuntimeBackend))
     stream = _Stream(index, engine_index, fp32, engine, torch_stage, local, layout, pairs, scores)
+    if paired is not None:  # outputs samples first, as the planner's metrics read them
+        stream.paired = paired
+        stream.output_axes = output_sample_axes(fp32.model, fp32.run, next(iter(data)), data)
     start = 0
     # Tensors are folded in parallel: the comparison kernel releases the GIL.
     with (ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as stream.pool,
@@ -467,6 +538,13 @@ class _Layout:
                 local_groups[group_of[tensor]].append(by_tensor[tensor])
         return cls(slice_size, fixed, groups, local_groups, extra, per_unit)
 
+    def hint(self) -> str:
+        """How to run with fewer cuts: the memory budget that exposes one sample uncut."""
+        uncut = math.ceil(self.sample_bytes / EXPOSED_SHARE / (1 << 20))
+        return (f"Until then, pass a larger --memory so the graph is cut less: --memory {uncut}M "
+                f"or more runs it uncut ({self.sample_bytes / (1 << 20):.0f} MiB of compared "
+                "tensors per sample).")
+
 
 class _Stream:
     """Runs slices through the stages segment by segment and folds what they produce."""
@@ -480,21 +558,28 @@ class _Stream:
         self.pool: ThreadPoolExecutor | None = None
         self.engine_pair = pairs[-1]
         self.outputs = list(index.outputs)
+        self.engine_pair.channels = {o: compare.ChannelError() for o in self.outputs}
+        hint = layout.hint()
         self.fp32_run = _Segmented(fp32, segments.plan_segments(index, layout.groups,
-                                                                extra=layout.fp32_extra))
+                                                                extra=layout.fp32_extra),
+                                   hint=hint)
         if local is None:
             self.test_run = _Segmented(engine, segments.plan_segments(engine_index,
-                                                                      layout.groups))
+                                                                      layout.groups), hint=hint)
         else:
-            # Local mode is defined on the Q/DQ ONNX graph: its cut-out nodes run in ONNX Runtime.
+            # Local mode is defined on the Q/DQ ONNX graph: its cut-out nodes run in ONNX Runtime,
+            # fed the FP32 run's tensors (so it cannot be run uncut on the slice's inputs).
             local_index = graph.Graph(local.model)
             self.test_run = _Segmented(OnnxRuntimeBackend(local.model, name=engine.name),
-                                       segments.plan_segments(local_index, layout.local_groups))
+                                       segments.plan_segments(local_index, layout.local_groups),
+                                       uncut=False, hint=hint)
         steps = len(layout.groups)
         self.fp32_last = _last_use(self.fp32_run.plan, self.test_run.plan if local else [])
         self.fp32_last.update(dict.fromkeys(self.outputs, steps))  # read after the last step
         self.test_last = _last_use(self.test_run.plan) if local is None else {}
         self.inputs = set(index.input_names)
+        self.paired: PairedScore | None = None
+        self.output_axes: dict[str, int] = {}
 
     def run_slice(self, part: Mapping[str, np.ndarray], start: int, stop: int) -> None:
         """Run samples `start:stop` (`part`) through every stage, folding as it goes."""
@@ -506,14 +591,15 @@ class _Stream:
         engine_outputs = self.engine.run(part)
         fp32_live = {name: part[name] for name in self.index.input_names}
         test_live = dict(fp32_live)
+        samples = f"samples {start}..{stop - 1}"
         for number, group in enumerate(self.layout.groups):
-            fp32_live.update(self.fp32_run.run(number, fp32_live, part))
+            fp32_live.update(self.fp32_run.run(number, fp32_live, part, samples))
             if self.local is None:
-                test_live.update(self.test_run.run(number, test_live, part))
+                test_live.update(self.test_run.run(number, test_live, part, samples))
                 test_values = test_live
             else:
-                test_values = {self.local.outputs[k]: v
-                               for k, v in self.test_run.run(number, fp32_live, part).items()}
+                test_values = {self.local.outputs[k]: v for k, v in
+                               self.test_run.run(number, fp32_live, part, samples).items()}
             # The comparison kernel counts NaN/Inf as it folds; only then are they searched.
             flagged = self.engine_pair.comparison.update(
                 fp32_live, test_values, [t for t in group if t in test_values], self.pool)
@@ -533,6 +619,9 @@ class _Stream:
         stage_outputs = {self.fp32.name: {o: fp32_live[o] for o in outputs},
                          self.engine.name: engine_outputs}
         flagged = self.engine_pair.outputs.update(stage_outputs[self.fp32.name], engine_outputs)
+        if not flagged:  # an output's channels: whether it mixes scales
+            for name, channels in self.engine_pair.channels.items():
+                channels.update(stage_outputs[self.fp32.name][name], engine_outputs[name])
         if torch_values is not None:
             stage_outputs[self.torch.name] = {o: torch_values[o] for o in outputs}
             flagged += self.torch_pair.outputs.update(stage_outputs[self.torch.name],
@@ -541,6 +630,11 @@ class _Stream:
             self._blame(fp32_live, torch_values or {}, engine_outputs, outputs, "")
         for name, score in self.scores.items():
             score.update(stage_outputs[name], start, stop)
+        if self.paired is not None:
+            first = {name: {o: np.moveaxis(v, self.output_axes[o], 0) if o in self.output_axes
+                            else v for o, v in values.items()}
+                     for name, values in stage_outputs.items()}
+            self.paired.update(first[self.engine.name], first[self.fp32.name])
 
     def _blame(self, fp32: Mapping[str, np.ndarray], torch: Mapping[str, np.ndarray],
                test: Mapping[str, np.ndarray], group: Sequence[str], test_mode: str) -> None:

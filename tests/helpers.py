@@ -42,3 +42,87 @@ def onnx_model(nodes, inputs, outputs, initializers) -> onnx.ModelProto:
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
         [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in initializers.items()])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+class TinyBlock(torch.nn.Module):
+    """A pre-norm transformer block (2 heads) written with -1 in its reshapes, as Hugging Face's
+    ViT is, so the traced graph runs for any number of tokens."""
+
+    def __init__(self, dim: int, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        n, tokens, dim = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(n, -1, 3, self.heads, dim // self.heads
+                                                 ).permute(2, 0, 3, 1, 4)
+        attention = torch.softmax(q @ k.transpose(-1, -2) / (dim // self.heads) ** 0.5, dim=-1)
+        x = x + self.proj((attention @ v).transpose(1, 2).reshape(n, -1, dim))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyViT(torch.nn.Module):
+    """A ViT whose position embeddings are interpolated in the graph to the input's patch grid
+    (as Hugging Face's ``interpolate_pos_encoding``): exported with the TorchScript exporter,
+    shape scalars (Shape -> Gather -> Div -> Cast) size a Resize of a weight and a Reshape."""
+
+    def __init__(self, dim: int = 16, patch: int = 4, grid: int = 2, depth: int = 2,
+                 classes: int = 5):
+        super().__init__()
+        self.patch = patch
+        self.embed = torch.nn.Conv2d(3, dim, patch, patch)
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos = torch.nn.Parameter(torch.randn(1, grid * grid + 1, dim) * 0.5)
+        self.blocks = torch.nn.Sequential(*(TinyBlock(dim) for _ in range(depth)))
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, classes)
+
+    def positions(self, dim, height, width):
+        side = int((self.pos.shape[1] - 1) ** 0.5)
+        patches = self.pos[:, 1:].reshape(1, side, side, dim).permute(0, 3, 1, 2)
+        patches = torch.nn.functional.interpolate(
+            patches, size=(height // self.patch, width // self.patch), mode="bicubic",
+            align_corners=False)
+        return torch.cat((self.pos[:, :1], patches.permute(0, 2, 3, 1).reshape(1, -1, dim)), 1)
+
+    def forward(self, x):
+        tokens = self.embed(x).flatten(2).transpose(1, 2)
+        tokens = torch.cat((self.cls.expand(tokens.shape[0], -1, -1), tokens), dim=1)
+        tokens = tokens + self.positions(tokens.shape[-1], x.shape[2], x.shape[3])
+        return self.head(self.norm(self.blocks(tokens)[:, 0]))
+
+
+def export_tiny_vit(path, size: int = 12) -> onnx.ModelProto:
+    """TinyViT (seed 0) exported by torch.onnx.export(dynamo=False) to `path` for inputs
+    (N, 3, H, W), all three dynamic, from an example of `size` x `size` pixels."""
+    import warnings
+
+    torch.manual_seed(0)
+    module = TinyViT().eval()
+    with warnings.catch_warnings():  # the tracer's warnings about Python ints from shapes
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.randn(2, 3, size, size),), str(path), dynamo=False,
+                          opset_version=17, input_names=["pixels"], output_names=["logits"],
+                          dynamic_axes={"pixels": {0: "n", 2: "h", 3: "w"},
+                                        "logits": {0: "n"}})
+    return onnx.load(str(path))
+
+
+def assert_every_column_explained(html: str) -> int:
+    """Every table of a report shows a unit under each column name and a legend entry (name,
+    unit, a non-empty explanation) for each column, in order; returns the number of tables."""
+    import re
+
+    tables = re.findall(r"<thead><tr>(.*?)</tr></thead>.*?</table>\s*</div>\s*"
+                        r"(<dl class=\"legend columns\">.*?</dl>)?", html, re.S)
+    assert tables
+    for header, legend in tables:
+        columns = re.findall(r"<th>(.*?)<br><span class=\"unit\">\[(.+?)\]</span></th>", header)
+        assert len(columns) == header.count("<th>"), header
+        entries = re.findall(r"<dt>(.*?) \[(.+?)\]</dt><dd>(.+?)</dd>", legend)
+        assert [(name, unit) for name, unit, _ in entries] == columns, (columns, entries)
+    return len(tables)

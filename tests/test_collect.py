@@ -153,6 +153,28 @@ def test_slices_and_segments_give_identical_statistics(monkeypatch):
     assert {size for _, size in runs} == {1}
 
 
+def test_a_failing_segment_is_blamed_on_the_cut_not_the_data(monkeypatch):
+    """A segment that fails where the uncut model runs on the same samples: a ModelError that
+    names the segment and the budget that runs uncut, not the data."""
+    from quantlab.errors import InternalRunError, ModelError
+
+    model = small_model()
+    run_batch = OnnxRuntimeBackend.run
+
+    def third_fails(self, batch, tensors=None):
+        if self.name == "collect segment 2":
+            raise InternalRunError("ONNX Runtime failed to run 'collect segment 2' fed tensors "
+                                   "of shapes {'log_out': (1, 4, 8)}: no")
+        return run_batch(self, batch, tensors)
+
+    monkeypatch.setattr(OnnxRuntimeBackend, "run", third_fails)
+    with pytest.raises(ModelError, match=r"^the model runs uncut on samples 0\.\.0, but segment "
+                       r"3 of the 4 it was cut into .* fed tensors of shapes \{'log_out'.*: no\. "
+                       r"This is a quantlab bug.* --memory 1M or more runs it uncut\.$"):
+        collect(model, source(model, data()), TENSORS, num_bins=256, progress=False,
+                memory_budget=2 * 128)
+
+
 def test_segments_cut_in_topological_order_hand_on_boundary_tensors():
     model = small_model()
     index = graph.Graph(model)

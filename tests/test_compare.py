@@ -156,3 +156,37 @@ def test_update_names_the_tensors_holding_nan_or_inf():
     test = {"a": np.ones(3), "b": np.ones(2), "c": np.array([np.nan, 0.0])}
     assert comparison.update(ref, test) == ["b", "c"]
     assert comparison.update({"a": np.ones(1)}, {"a": np.ones(1)}, ["a"]) == []
+
+
+# Two outputs, two samples: a loud sample with little noise, a quiet one with as much noise as
+# signal. Pooled over the samples, the noise is small; per sample, the quiet one dominates.
+LOUD_AND_QUIET_REF = {"a": np.array([[10.0, 0.0], [0.1, 0.0]]),
+                      "b": np.array([[1.0, 2.0], [2.0, 1.0]])}
+LOUD_AND_QUIET_TEST = {"a": np.array([[10.1, 0.0], [0.0, 0.1]]),
+                       "b": np.array([[1.0, 2.1], [2.0, 1.0]])}
+
+
+def loud_and_quiet_sqnr() -> tuple[float, float]:
+    """(pooled output SQNR, mean of per-sample ratios in dB) of the outputs above, written
+    out in float64."""
+    nsr_a = (0.1 ** 2 + 0.1 ** 2 + 0.1 ** 2) / (10.0 ** 2 + 0.1 ** 2)
+    nsr_b = 0.1 ** 2 / (1 + 4 + 4 + 1)
+    per_sample = [(0.1 ** 2 / 10.0 ** 2 + 0.1 ** 2 / 5) / 2, (2 * 0.1 ** 2 / 0.1 ** 2 + 0) / 2]
+    return -10 * math.log10((nsr_a + nsr_b) / 2), -10 * math.log10(np.mean(per_sample))
+
+
+def test_output_sqnr_pools_every_sample_and_averages_the_outputs():
+    errors = {name: compare.TensorError() for name in LOUD_AND_QUIET_REF}
+    for sample in range(2):  # one batch per sample: the sums stream
+        for name, error in errors.items():
+            error.update(LOUD_AND_QUIET_REF[name][sample], LOUD_AND_QUIET_TEST[name][sample])
+    pooled, per_sample = loud_and_quiet_sqnr()
+    assert pooled - per_sample > 25  # the two definitions disagree here
+    got = compare.output_sqnr_db([e.sum_err2 for e in errors.values()],
+                                 [e.sum_ref2 for e in errors.values()])
+    assert got == pytest.approx(pooled, rel=1e-12)
+    # One output: the output SQNR is that output's sqnr_db.
+    assert compare.output_sqnr_db([errors["a"].sum_err2], [errors["a"].sum_ref2]) == \
+        pytest.approx(errors["a"].sqnr_db, rel=1e-12)
+    assert compare.output_sqnr_db([0.0, 0.0], [1.0, 2.0]) == math.inf
+    assert math.isnan(compare.output_sqnr_db([math.nan, 0.0], [1.0, 2.0]))

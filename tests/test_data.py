@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-from quantlab.data import Preprocess, check_batch, open_data, scalar_arrays
+from quantlab.data import Preprocess, area_resize, check_batch, open_data, scalar_arrays
 from quantlab.errors import ConfigError, DataError
 from quantlab.graph import TensorSpec
 
@@ -136,11 +136,122 @@ def test_center_crop_scales_the_short_side_then_crops(tmp_path):
                                   scaled[1:9, 3:11].astype(np.float32))
 
 
+def _preprocessed(folder, pre, height, width, channels=3):
+    spec = [TensorSpec("input", (None, channels, height, width), np.dtype(np.float32))]
+    (batch,) = list(open_data(folder, spec, preprocess=pre))
+    return batch["input"][0].transpose(1, 2, 0)
+
+
+def test_pad_anchors_the_image_top_left_and_pads_bottom_and_right(tmp_path):
+    # 4 x 8 into 8 x 8: already fits (scale 1), rows 4..7 are padding; 8 x 4 into 8 x 8:
+    # columns 4..7. No resampling, so every pixel is known.
+    wide = _rgb_image(tmp_path / "wide" / "a.png", 4, 8)
+    tall = _rgb_image(tmp_path / "tall" / "a.png", 8, 4, seed=1)
+    pre = Preprocess(size=(8, 8), resize_mode="pad", pad_value=7, scale=1.0)
+    expected = np.full((8, 8, 3), 7.0, np.float32)
+    expected[:4] = wide
+    np.testing.assert_array_equal(_preprocessed(tmp_path / "wide", pre, 8, 8), expected)
+    expected = np.full((8, 8, 3), 7.0, np.float32)
+    expected[:, :4] = tall
+    np.testing.assert_array_equal(_preprocessed(tmp_path / "tall", pre, 8, 8), expected)
+
+
+def test_pad_scales_to_fit_as_letterbox_does_without_centring(tmp_path):
+    # 20 x 40 into 16 x 24: scale 0.6 (width bound), 12 x 24 at the top, rows 12..15 padding.
+    pixels = _rgb_image(tmp_path / "imgs" / "a.png", 20, 40)
+    pre = Preprocess(size=(16, 24), resize_mode="pad", pad_value=0, scale=1.0)
+    image = _preprocessed(tmp_path / "imgs", pre, 16, 24)
+    inner = np.asarray(Image.fromarray(pixels).resize((24, 12), Image.Resampling.BILINEAR))
+    np.testing.assert_array_equal(image[:12], inner.astype(np.float32))
+    assert (image[12:] == 0).all()
+    centred = _preprocessed(tmp_path / "imgs", Preprocess(
+        size=(16, 24), resize_mode="letterbox", pad_value=0, scale=1.0), 16, 24)
+    np.testing.assert_array_equal(centred[2:14], image[:12])
+
+
+def paddle_resize_norm_img(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """PaddleOCR's recognizer preprocessing (ppocr/data/imaug/rec_img_aug.py
+    resize_norm_img), with Pillow's bilinear filter for cv2.resize: HWC uint8 in, CHW out."""
+    h, w = pixels.shape[:2]
+    ratio = w / float(h)
+    resized_w = width if np.ceil(height * ratio) > width else int(np.ceil(height * ratio))
+    resized = np.asarray(Image.fromarray(pixels).resize((resized_w, height),
+                                                         Image.Resampling.BILINEAR))
+    resized = (resized.astype("float32").transpose((2, 0, 1)) / 255 - 0.5) / 0.5
+    padded = np.zeros((3, height, width), dtype=np.float32)
+    padded[:, :, :resized_w] = resized
+    return padded
+
+
+@pytest.mark.parametrize("size", [(10, 25), (10, 100), (48, 100), (30, 12)])
+def test_height_pad_is_paddleocrs_recognizer_preprocessing(tmp_path, size):
+    # (10, 25) -> width 50 of 64; (10, 100) -> wider than 64: squashed to 64; (48, 100):
+    # 20 * (100 / 48) is 41.67, ceil 42; (30, 12) -> width 8.
+    pixels = _rgb_image(tmp_path / "imgs" / "a.png", *size)
+    pre = Preprocess(size=(20, 64), resize_mode="height-pad", pad_value=127.5,
+                     mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    got = _preprocessed(tmp_path / "imgs", pre, 20, 64).transpose(2, 0, 1)
+    want = paddle_resize_norm_img(pixels, 20, 64)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    columns = int(min(64, np.ceil(20 * size[1] / size[0])))
+    assert np.abs(got[:, :, columns:]).max(initial=0.0) < 1e-6  # 127.5 is normalized 0
+    assert np.abs(got[:, :, :columns]).max() > 0.1
+
+
+def area_reference(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Area averaging written out: each output pixel's rectangle, each source pixel weighted by
+    the area of its overlap with it (float64, one pixel at a time)."""
+    in_h, in_w = pixels.shape[:2]
+    out = np.zeros((height, width) + pixels.shape[2:])
+    step_y, step_x = in_h / height, in_w / width
+    for oy in range(height):
+        for ox in range(width):
+            y0, y1, x0, x1 = oy * step_y, (oy + 1) * step_y, ox * step_x, (ox + 1) * step_x
+            total, weight = 0.0, 0.0
+            for iy in range(int(np.floor(y0)), min(in_h, int(np.ceil(y1)))):
+                for ix in range(int(np.floor(x0)), min(in_w, int(np.ceil(x1)))):
+                    area = (min(y1, iy + 1) - max(y0, iy)) * (min(x1, ix + 1) - max(x0, ix))
+                    total = total + area * pixels[iy, ix].astype(np.float64)
+                    weight += area
+            out[oy, ox] = total / weight
+    return out
+
+
+@pytest.mark.parametrize("shape, size", [
+    ((12, 18, 3), (6, 9)),     # 2 x 2 blocks
+    ((12, 18, 3), (4, 3)),     # 3 x 6 blocks
+    ((12, 18), (3, 18)),       # 4 x 1, grayscale
+    ((13, 17, 3), (5, 7)),     # fractional coverage
+    ((7, 5, 3), (11, 8)),      # enlarging: still the mean of the area covered
+])
+def test_area_resize_equals_area_averaging_written_out(shape, size):
+    pixels = np.random.default_rng(3).integers(0, 256, shape).astype(np.uint8)
+    np.testing.assert_allclose(area_resize(pixels, *size), area_reference(pixels, *size),
+                               rtol=0, atol=1e-9)
+
+
+def test_area_interpolation_averages_whole_blocks_and_rounds_halves_up(tmp_path):
+    # 4 x 4 -> 2 x 2: each output pixel is the mean of a 2 x 2 block (OpenCV INTER_AREA),
+    # rounded to whole pixel values with halves up, as OpenCV's 8-bit 2x path does.
+    blocks = np.array([[0, 1, 10, 10],
+                       [0, 1, 10, 11],
+                       [200, 200, 3, 4],
+                       [201, 202, 5, 5]], np.uint8)
+    (tmp_path / "imgs").mkdir()
+    Image.fromarray(blocks).save(tmp_path / "imgs" / "a.png")
+    pre = Preprocess(size=(2, 2), interpolation="area", channel_order="L", scale=1.0)
+    image = _preprocessed(tmp_path / "imgs", pre, 2, 2, channels=1)[:, :, 0]
+    # Means 0.5, 10.25, 200.75, 4.25.
+    np.testing.assert_array_equal(image, [[1, 10], [201, 4]])
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"mean": (0.5, 0.4)}, r"--mean has 2 value\(s\).*RGB has 3 channel"),
     ({"std": (0.2, 0.2, 0.2), "channel_order": "L"}, r"--std has 3 value\(s\).*L has 1 channel"),
     ({"size": (0, 0)}, "at least 1 pixel"),
-    ({"resize_mode": "pad"}, "resize mode 'pad'"),
+    ({"resize_mode": "pad-centre"}, "resize mode 'pad-centre'"),
+    ({"interpolation": "cubic"}, "interpolation 'cubic'"),
+    ({"pad_value": float("nan")}, "--pad-value must be a finite number"),
     ({"scale": float("nan")}, "finite"),
     ({"mean": (0.0, float("inf"), 0.0)}, "finite"),
 ])
@@ -153,6 +264,10 @@ def test_preprocess_round_trips_through_its_record():
     pre = Preprocess(size=(224, 224), mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
                      channel_order="BGR", resize_mode="center-crop", resize_short=256)
     assert Preprocess.from_dict(json.loads(json.dumps(pre.to_dict()))) == pre
+    for mode in ("pad", "height-pad"):
+        pre = Preprocess(size=(48, 320), resize_mode=mode, pad_value=127.5,
+                         interpolation="area")
+        assert Preprocess.from_dict(json.loads(json.dumps(pre.to_dict()))) == pre
 
 
 @pytest.mark.parametrize("content, message", [

@@ -97,7 +97,7 @@ def test_report_markdown():
     report = {"quantlab": "0.1", "tensorrt": "10.3.0", "polygraphy": "0.49.26", "gpu": "L4",
               "trtexec": None, "ok": False,
               "paths": [{"model": "digits-cnn", "path": "strongly_typed", "status": "ok",
-                         "output_sqnr_db": 41.5, "obtained": {"debug_marked": 7,
+                         "worst_output_sqnr_db": 41.5, "obtained": {"debug_marked": 7,
                                                              "graph_output": 1},
                          "not_exposed": ["a", "b"]},
                         {"model": "digits-cnn", "path": "explicit", "status": "failed",
@@ -124,6 +124,6 @@ def test_comparison_against_onnxruntime_int8_runs_through_validate(tmp_path):
                              progress=False)
     same = OnnxRuntimeBackend(graph.load_model(folder / "model.int8.onnx"), name="onnxruntime")
     row = doctor._compare("digits-cnn", folder, same, "onnxruntime", 16)
-    assert row["output_sqnr_db"] == np.inf and row["first_divergence"] is None
+    assert row["worst_output_sqnr_db"] == np.inf and row["first_divergence"] is None
     assert row["metrics"]["onnxruntime_int8"] == row["metrics"]["onnxruntime"]
     assert (folder / "doctor-onnxruntime" / "report.html").is_file()

@@ -4,7 +4,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import TensorProto, helper
+from helpers import onnx_model
+from onnx import TensorProto, helper, numpy_helper
 
 from quantlab import graph
 from quantlab.errors import ModelError
@@ -81,3 +82,18 @@ def test_save_model_is_loadable(tiny_model, tmp_path):
     model, _, _ = tiny_model
     path = graph.save_model(model, tmp_path / "copy.onnx")
     assert onnx.load(str(path)).graph.node[0].name == model.graph.node[0].name
+
+
+def test_normalize_drops_the_initializers_nothing_reads_and_keeps_the_others():
+    branch = helper.make_graph([helper.make_node("Add", ["x", "inner"], ["b"])], "branch", [],
+                               [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2])])
+    nodes = [helper.make_node("Add", ["x", "read"], ["y"], name="add"),
+             helper.make_node("If", ["cond"], ["z"], name="if", then_branch=branch,
+                              else_branch=branch)]
+    model = onnx_model(nodes, [("x", [2])], ["y", "z", "out"],
+                       {name: np.ones(2) for name in ("read", "inner", "out", "unread")})
+    model.graph.initializer.append(numpy_helper.from_array(np.array(True), "cond"))
+    model.graph.input.append(helper.make_tensor_value_info("cond", TensorProto.BOOL, []))
+    kept = {init.name for init in graph.normalize(model).graph.initializer}
+    # Read by a node, inside a branch, an overridable input, a graph output: all stay.
+    assert kept == {"read", "inner", "cond", "out"}

@@ -245,3 +245,39 @@ def test_a_bias_correction_that_raises_the_output_noise_is_left_out(tmp_path, mo
     run = {"input": DATA}
     np.testing.assert_array_equal(OnnxRuntimeBackend(result.qdq_model).run(run)["output"],
                                   OnnxRuntimeBackend(plain.qdq_model).run(run)["output"])
+
+
+def test_calibration_json_records_only_the_preprocessing_applied_and_validate_reads_it_back(
+        tmp_path, monkeypatch, capsys):
+    from PIL import Image
+
+    from quantlab import data
+    from quantlab.cli import main
+    from quantlab.commands.options import read_calibration_record
+
+    path = tmp_path / "small.onnx"
+    graph.save_model(small_model(), path)
+    np.save(tmp_path / "calib.npy", DATA)
+    # Arrays are fed as they are: no preprocess block, and options given are said to be moot.
+    assert main(["calibrate", str(path), "--data", str(tmp_path / "calib.npy"), "--out",
+                 str(tmp_path / "arrays"), "--no-progress", "--mean", "0.5", "0.5", "0.5"]) == 0
+    assert "--mean had no effect" in capsys.readouterr().err
+    assert json.loads((tmp_path / "arrays" / "calibration.json").read_text())["preprocess"] is None
+    # Images: the new modes are recorded, and `validate --from` reads the images the same way.
+    images = tmp_path / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        Image.fromarray(rng.integers(0, 256, (12, 3 + 2 * i, 3), dtype=np.uint8)).save(
+            images / f"{i}.png")
+    options = ["--resize-mode", "height-pad", "--interpolation", "area", "--pad-value", "127.5"]
+    assert main(["calibrate", str(path), "--data", str(images), "--out", str(tmp_path / "cal"),
+                 "--no-progress", *options]) == 0
+    expected = data.Preprocess(resize_mode="height-pad", interpolation="area", pad_value=127.5)
+    assert read_calibration_record(tmp_path / "cal")["preprocess"] == expected
+    opened = []
+    real = data.open_data
+    monkeypatch.setattr(data, "open_data", lambda *args: opened.append(real(*args)) or opened[-1])
+    assert main(["validate", "--from", str(tmp_path / "cal"), "--data", str(images), "--out",
+                 str(tmp_path / "val"), "--no-progress"]) == 0
+    assert [source.preprocess for source in opened] == [expected]

@@ -70,7 +70,7 @@ def test_a_zoo_plan_logged_to_a_file_is_a_few_dozen_plain_lines(tmp_path, capsys
     logged = capsys.readouterr()
     lines = (logged.out + logged.err).splitlines()
     assert "\r" not in logged.out + logged.err
-    assert any(line.startswith("switchboard trials: started") for line in lines)
+    assert any(line.startswith("trials: started") for line in lines)
     assert any(line.startswith("INT8 evaluation: done") for line in lines)
     assert len(lines) <= 40, "\n".join(lines)
     assert main([*argv, "--no-progress", "--out", str(tmp_path / "quiet")]) == 0

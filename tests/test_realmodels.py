@@ -371,20 +371,19 @@ PLAN_CASES = {
 # The planner asks for --hard-samples (64) calibration samples; the layout case has 8 pages
 # (800x608 each), so it asks for what it has.
 PLAN_OPTIONS = {"layout-npy": ("--hard-samples", "8")}
-# Outputs whose samples are not on axis 0 (the planner's metrics read them samples first).
-SAMPLE_AXES = {"stateN": 1}
 
 
 def planner_sqnr(fp32: dict[str, np.ndarray], int8: dict[str, np.ndarray]) -> float:
-    """The planner's output SQNR, computed here in float64: -10 log10 of the mean over
-    samples of each sample's noise-to-signal ratio averaged over the float outputs."""
+    """The planner's output SQNR (docs/metrics.md), computed here in float64: -10 log10 of
+    the mean over float outputs of sum (int8 - fp32)^2 / sum fp32^2, each sum over every
+    element of every sample."""
     ratios = []
     for name, reference in fp32.items():
-        axis = SAMPLE_AXES.get(name, 0)
-        ref = np.moveaxis(reference, axis, 0).astype(np.float64)
-        err = np.moveaxis(int8[name], axis, 0).astype(np.float64) - ref
-        ref, err = ref.reshape(len(ref), -1), err.reshape(len(err), -1)
-        ratios.append((err * err).sum(axis=1) / (ref * ref).sum(axis=1))
+        if not np.issubdtype(reference.dtype, np.floating):
+            continue
+        ref = reference.astype(np.float64)
+        err = int8[name].astype(np.float64) - ref
+        ratios.append((err * err).sum() / (ref * ref).sum())
     return float(-10 * np.log10(np.mean(ratios)))
 
 

@@ -24,6 +24,7 @@ from test_plan import make_graph, planted_model
 
 from quantlab import graph, plan
 from quantlab.cli import build_parser, main
+from quantlab.data import Preprocess
 from quantlab.errors import DataError, OutputExistsError
 
 # Node names with matplotlib mathtext in them (P61): conv3 and conv5 are the planted units the
@@ -275,16 +276,17 @@ def test_p61_mathtext_names_reach_the_report_figures(planned):
     assert "conv$^$3" in (planned / "report.html").read_text()
 
 
-# 6. P46, P46b, F04-F06: a damaged calibration.json.
+# 6. P46, P46b, F04-F06: a damaged calibration.json (its data are arrays, so it records no
+# preprocessing: the damaged block is written in).
 
 @pytest.mark.parametrize("damage, message", [
     (lambda text: text[:20], "calibration.json is not a readable calibration record file"),
     (lambda text: "[]", "calibration.json holds a JSON list, not the object"),
     (lambda text: json.dumps({**json.loads(text), "preprocess": {
-        **json.loads(text)["preprocess"], "mean": "abc"}}),
+        **Preprocess().to_dict(), "mean": "abc"}}),
      "field 'preprocess' cannot be used: its mean is 'abc', not a list of numbers."),
     (lambda text: json.dumps({**json.loads(text), "preprocess": {
-        **json.loads(text)["preprocess"], "layout": 7}}),
+        **Preprocess().to_dict(), "layout": 7}}),
      "field 'preprocess' cannot be used: layout '7' is not one of NCHW, NHWC."),
     (lambda text: json.dumps({**json.loads(text), "data": 3}),
      "field 'data' (3) cannot be used: expected the path of the calibration data."),
@@ -340,7 +342,6 @@ def test_an_input_option_contradicting_reused_statistics_is_refused(files, tmp_p
 
 def test_f09_an_explicit_option_wins_over_the_recorded_one_even_at_its_default():
     from quantlab.commands.options import preprocess_from_args
-    from quantlab.data import Preprocess
 
     recorded = Preprocess(channel_order="L", scale=1.0, layout="NHWC")
     parser = build_parser()
@@ -444,12 +445,17 @@ def test_p21_an_unreachable_floor_with_fp16_points_at_fp32(tiny_model, tmp_path,
     rng = np.random.default_rng(0)
     for name in ("calib", "eval"):
         np.save(tmp_path / f"{name}.npy", rng.standard_normal((32, 3, 16, 16)).astype(np.float32))
+    """A floor no INT8 plan and not even all-FP16 reaches (issue 25: FP16 before FP32): the
+    FP32 model is the plan, certified, and every unit's reason says what all-FP16 scored."""
     assert main(["plan", str(path), "--data", str(tmp_path / "calib.npy"), "--eval",
                  str(tmp_path / "eval.npy"), "--min-sqnr", "1000", "--out", str(tmp_path / "P21"),
-                 *PLAN_OPTIONS]) == 1
-    printed = capsys.readouterr().out
-    assert "NOT certified" in printed
-    assert "with --high-precision fp32 the plan without INT8 is the FP32 model itself" in printed
+                 *PLAN_OPTIONS]) == 0
+    assert "reaches only" in capsys.readouterr().err  # all-FP16's warning
+    written = plan.Plan.load(tmp_path / "P21" / "plan.json")
+    assert {d.precision for d in written.units.values()} == {"fp32"}
+    assert written.floor is not None and not written.floor["certified"]
+    assert all(any("all-FP16 scored" in r.evidence for r in d.reasons)
+               for d in written.units.values() if not any(r.hard for r in d.reasons))
 
 
 def test_p37_evaluation_images_of_another_size_than_the_profile_are_refused(tmp_path, capsys):

@@ -184,11 +184,64 @@ def test_interrupted_sweep_resumes_without_collecting_again(tmp_path, monkeypatc
          read_json(fresh / "sweep.json")["configurations"]]
 
 
+def test_resume_key_is_the_data_content_not_its_path_size_or_date(tmp_path, monkeypatch,
+                                                                   capsys):
+    data = tmp_path / "calib.npy"
+    samples = np.load("calibration_data/digits/calibration.npy")[:64]
+    np.save(data, samples)
+    size = data.stat().st_size
+    calls = {"evaluate": 0, "collect": 0}
+    interrupt = []
+    real_evaluate, real_collect = sweep.Evaluator.against_fp32, collect.collect
+
+    def evaluate(self, outputs):
+        calls["evaluate"] += 1
+        if interrupt and calls["evaluate"] == 3:
+            raise KeyboardInterrupt
+        return real_evaluate(self, outputs)
+
+    def counted_collect(*args, **kwargs):
+        calls["collect"] += 1
+        return real_collect(*args, **kwargs)
+
+    def sweep_into(out: Path, interrupted: bool) -> int:
+        calls.update(evaluate=0, collect=0)
+        interrupt[:] = [True] if interrupted else []
+        return main(["sweep", "digits-cnn", "--data", str(data), *SWEEP_ARGS[2:],
+                     "--out", str(out)])
+
+    monkeypatch.setattr(sweep.Evaluator, "against_fp32", evaluate)
+    monkeypatch.setattr(collect, "collect", counted_collect)
+    # The same content written again (another modification time): resumed.
+    assert sweep_into(tmp_path / "same", interrupted=True) == 130
+    np.save(data, samples.copy())
+    capsys.readouterr()
+    assert sweep_into(tmp_path / "same", interrupted=False) == 0
+    assert "resuming: 2 configuration(s) and 64 samples' statistics" in capsys.readouterr().out
+    assert calls == {"evaluate": 4, "collect": 0}
+    # The same path, shape, dtype and file size, other content: started over.
+    assert sweep_into(tmp_path / "changed", interrupted=True) == 130
+    np.save(data, samples[::-1].copy())
+    assert data.stat().st_size == size
+    capsys.readouterr()
+    assert sweep_into(tmp_path / "changed", interrupted=False) == 0
+    printed = capsys.readouterr().out
+    assert "resuming" not in printed and "from a sweep of another model, data" in printed
+    assert calls == {"evaluate": 6, "collect": 4}  # every configuration, every block again
+    assert sweep_into(tmp_path / "fresh", interrupted=False) == 0
+    changed, fresh = (read_json(tmp_path / name / "sweep.json")["configurations"]
+                      for name in ("changed", "fresh"))
+    assert [(r["label"], r["value"], r["interval"]) for r in changed] == \
+        [(r["label"], r["value"], r["interval"]) for r in fresh]
+
+
 @pytest.mark.parametrize("options, message", [
     (["--methods", "max", "kl"], "calibration method 'kl' is not one of"),
     (["--calib-sizes", "16", "500"], "--calib-sizes 500 is larger than the calibration data"),
     (["--calib-sizes", "1"], "must be at least 2 samples"),
     (["--metric", "nosuch"], "unknown metric 'nosuch'"),
+    # The metric is checked as plan checks it (commands.options.check_metric).
+    (["--metric", "map"], "--metric map does not fit digits-cnn, a classification model"),
 ])
 def test_bad_sweep_options_are_one_clear_error(tmp_path, capsys, options, message):
     args = ["sweep", "digits-cnn", "--data", "zoo", "--eval", "zoo", "--out",
@@ -325,3 +378,39 @@ def test_a_calibration_folder_serves_its_size_from_stats_npz(tmp_path, monkeypat
     assert [(r["label"], r["value"]) for r in reused["configurations"]] == \
         [(r["label"], r["value"]) for r in fresh["configurations"]]
     assert reused["max_movement"] == fresh["max_movement"]
+
+
+@pytest.mark.parametrize("equalize", [True, False])
+def test_sweep_quantizes_the_model_calibrate_does_depthwise_inputs_equalized(tmp_path, capsys,
+                                                                             equalize):
+    from test_repairs import hardswish_dw_model
+
+    model_path, data, val = tmp_path / "dw.onnx", tmp_path / "calib.npy", tmp_path / "val.npy"
+    onnx.save(hardswish_dw_model(), model_path)
+    rng = np.random.default_rng(5)
+    np.save(data, rng.standard_normal((32, 3, 8, 8)).astype(np.float32))
+    np.save(val, rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
+    flag = [] if equalize else ["--no-equalize"]
+    assert main(["calibrate", str(model_path), "--data", str(data), "--out",
+                 str(tmp_path / "calib"), "--no-progress", *flag]) == 0
+    assert main(["sweep", str(model_path), "--data", str(data), "--eval", str(val),
+                 "--methods", "percentile", "--percentiles", "99.99", "--calib-sizes", "32",
+                 "--resamples", "20", "--out", str(tmp_path / "sweep"), "--no-progress",
+                 *flag]) == 0
+    result = read_json(tmp_path / "sweep" / "sweep.json")
+    assert result["equalized"] == (["h"] if equalize else [])
+    calibrated, best = (read_json(tmp_path / name / "calibration.json")
+                        for name in ("calib", "sweep/best"))
+    assert bool(calibrated["repairs"]) == bool(best["repairs"]) == equalize
+    scales, swept = (read_json(tmp_path / name / "scales.json")["tensors"]
+                     for name in ("calib", "sweep/best"))
+    assert ("h_equalized" in swept) == equalize
+    assert swept == scales
+    # the sweep's record is calibrate's INT8 model scored the sweep's way
+    fp32 = onnx.load(tmp_path / "calib" / "model.onnx")
+    evaluator = sweep.Evaluator(fp32, open_data(str(val), input_specs(fp32), 32), "sqnr",
+                                resamples=20)
+    separate = evaluator.against_fp32(evaluator.outputs(
+        onnx.load(tmp_path / "calib" / "model.int8.onnx"), "INT8")).value
+    (swept_record,) = result["configurations"]
+    assert swept_record["value"] == pytest.approx(separate, abs=1e-9)

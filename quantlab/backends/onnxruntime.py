@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from quantlab import graph
 from quantlab.data import check_batch
-from quantlab.errors import DataError, ModelError
+from quantlab.errors import DataError, InternalRunError, ModelError
 
 _DEFAULT_SESSIONS_CACHED = 4
 # Session config every quantlab session sets. Without it, ONNX Runtime on x86 rewrites
@@ -125,7 +125,9 @@ class OnnxRuntimeBackend:
                 "quantlab.graph.topological_tensors(model)."
             )
         session = self._session(wanted)
-        arrays = {spec.name: np.ascontiguousarray(batch[spec.name], dtype=spec.dtype)
+        # np.require, not np.ascontiguousarray: that one turns a 0-d value (a shape scalar a
+        # segment reads) into shape (1,).
+        arrays = {spec.name: np.require(batch[spec.name], dtype=spec.dtype, requirements="C")
                   for spec in self.inputs}
         feeds = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
         # OrtValues, not session.run: their .numpy() views ONNX Runtime's own buffers
@@ -134,6 +136,10 @@ class OnnxRuntimeBackend:
             values = session.run_with_ort_values(list(wanted), feeds)
         except Exception as exc:  # ORT raises InvalidArgument/Fail/RuntimeException at run time
             shapes = {name: tuple(np.shape(batch[name])) for name in feeds}
+            if not self.check_inputs:  # fed tensors quantlab computed, not the user's data
+                raise InternalRunError(
+                    f"ONNX Runtime failed to run '{self.name}' fed tensors of shapes {shapes}: "
+                    f"{_first_line(exc)}") from None
             raise DataError(
                 f"ONNX Runtime failed to run '{self.name}' on inputs of shapes {shapes}: "
                 f"{_first_line(exc)}. Check that the data matches the model's inputs "

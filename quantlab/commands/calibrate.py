@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import argparse
 
-from quantlab.commands.options import DATA_HELP, add_data_arguments, memory_size
+from quantlab.commands.options import DATA_HELP, add_data_arguments, add_memory_argument
 
 HELP = "collect statistics, compute scales, write the Q/DQ model (and a TensorRT cache)"
 EPILOG = DATA_HELP
@@ -81,9 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "every float tensor (about 2x longer). Not needed for TensorRT 10/11 explicit builds "
         "from model.int8.onnx",
     )
-    parser.add_argument("--memory", type=memory_size, metavar="SIZE",
-                        help="memory budget of collection, e.g. 2G (default 2G; a larger "
-                             "model runs in segments)")
+    add_memory_argument(parser, "collection")
     parser.add_argument("--weight-amax", choices=CALIBRATE_WEIGHT_CRITERIA, default="local",
                         help="per-channel weight amax: local (default: per output channel, max "
                         "|w| or the mse amax, whichever gives the layer TensorRT runs the least "
@@ -92,8 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "0.5-1 x max |w|)")
     parser.add_argument("--no-bias-correction", action="store_true",
                         help="keep the INT8 layers' biases (by default each INT8 layer's mean "
-                        "output error on the calibration data is subtracted from its bias: "
-                        "one more pass)")
+                        "output error on the calibration data is subtracted from its bias, "
+                        "where, measured on either half of the data, it lowers the output "
+                        "noise on the other)")
     parser.add_argument("--no-equalize", action="store_true",
                         help="do not equalize depthwise-conv inputs (by default each depthwise "
                         "input whose channels differ in range gets per-channel scales folded "
@@ -106,7 +105,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the calibration and print a summary of what was written."""
-    from quantlab.commands.options import input_options, preprocess_from_args
+    import sys
+
+    from quantlab.commands.options import (
+        PREPROCESS_OPTIONS,
+        given_preprocessing,
+        input_options,
+        preprocess_from_args,
+    )
     from quantlab.pipeline import run_calibration
 
     params = {"percentile": args.percentile} if args.percentile is not None else {}
@@ -128,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
         bias_correction=not args.no_bias_correction,
         **input_options(args),
     )
+    unused = [PREPROCESS_OPTIONS[field] for field in given_preprocessing(args)]
+    if unused and result.preprocess is None:
+        print(f"note: {', '.join(unused)} had no effect: {args.data} holds arrays, which are "
+              "fed as they are (the preprocessing options apply to image folders and COCO "
+              "files); calibration.json records no preprocessing.", file=sys.stderr)
     cache = ", calibration.cache" if args.trt_version else ""
     chosen = result.layer_calibrators.get("chosen")
     if chosen:
@@ -138,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
     if corrected and corrected["summary"].get("kept"):
         print(f"bias-corrected {len(corrected['applied'])} INT8 layers")
     elif corrected:
-        print("bias correction left out: it did not lower the output noise on the calibration "
-              "samples (calibration.json, repairs)")
+        print("bias correction left out: measured on either half of the calibration data, it "
+              "did not lower the output noise on the other (calibration.json, repairs)")
     equalized = result.repairs.get("depthwise_equalization")
     if equalized:
         print(f"equalized {len(equalized['applied'])} of "

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 
-from quantlab.commands.options import DATA_HELP, add_data_arguments
+from quantlab.commands.options import DATA_HELP, add_data_arguments, add_metric_argument
 
 HELP = "regression gate: fail when INT8 accuracy falls below a stored baseline's"
 EPILOG = DATA_HELP
@@ -41,15 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval", required=True, metavar="EVAL",
                         help="evaluation data (same formats as --data; 'zoo': the zoo model's "
                              "held-out split, when MODEL_OR_DIR is a zoo name)")
-    parser.add_argument("--metric", default="sqnr", metavar="NAME",
-                        help="as in `quantlab plan`: sqnr, agreement, top1 or map (with --eval "
-                             "zoo) or module:function (default: %(default)s)")
+    add_metric_argument(parser, "sqnr", "with --eval zoo",
+                        "what baseline and candidate are scored by, against FP32: ")
     parser.add_argument("--max-drop", type=float, default=0.0, metavar="X",
                         help="largest allowed drop of the INT8 metric from the baseline's, in "
                              "its own units (default: %(default)s)")
     parser.add_argument("--min-sqnr", type=float, metavar="DB",
                         help="lowest allowed output SQNR of the candidate's INT8 model vs its "
-                             "FP32 model, in dB")
+                             "FP32 model, in dB, as `plan --min-sqnr` measures it "
+                             "(docs/metrics.md)")
     parser.add_argument("--resamples", type=int, default=200, metavar="B",
                         help="paired bootstrap resamples of the reported intervals "
                              "(default: %(default)s)")
@@ -67,17 +67,13 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
-    from quantlab.commands.options import preprocess_from_args
-    from quantlab.commands.plan import TASK_METRICS
+    from quantlab.commands.options import check_metric, preprocess_from_args
     from quantlab.errors import ConfigError
-    from quantlab.plan import Plan, resolve_metric
+    from quantlab.plan import Plan
     from quantlab.runs import load_run
 
-    if args.metric not in TASK_METRICS:
-        resolve_metric(args.metric)
-    elif args.eval != "zoo":
-        raise ConfigError(f"--metric {args.metric} needs ground truth: pass --eval zoo with a "
-                          "zoo model name as MODEL_OR_DIR.")
+    check_metric(args.metric, args.eval == "zoo",
+                 "pass --eval zoo with a zoo model name as MODEL_OR_DIR")
     if args.max_drop < 0:
         raise ConfigError(f"--max-drop {args.max_drop}: give a drop >= 0.")
     baseline = load_run(args.baseline)

@@ -52,17 +52,28 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
     # The preprocessing options default to None: an option left out takes the value a
     # calibration folder recorded (or Preprocess's default), one given always wins, even
     # when it equals the default (see preprocess_from_args).
-    images.add_argument("--resize-mode", choices=("squash", "letterbox", "center-crop"),
+    images.add_argument("--resize-mode",
+                        choices=("squash", "letterbox", "pad", "height-pad", "center-crop"),
                         help="squash: stretch to H x W; letterbox: fit inside, keep the aspect "
-                             "ratio, pad with --pad-value; center-crop: scale the short side to "
-                             "--resize-short, crop the centre (default: squash)")
+                             "ratio, pad with --pad-value, centred; pad: the same anchored "
+                             "top-left, padded at the bottom and right (Ultralytics' "
+                             "LetterBox(center=False)); "
+                             "height-pad: scale to height H keeping the aspect ratio (width at "
+                             "most W), pad on the right to W (text recognizers, PaddleOCR); "
+                             "center-crop: scale the short side to --resize-short, crop the "
+                             "centre (default: squash)")
     images.add_argument("--resize-short", type=positive_int, metavar="S",
                         help="center-crop: short side before cropping (default: max(H, W); "
                              "ImageNet style: --resize 224 224 --resize-short 256)")
     images.add_argument("--pad-value", type=finite_float, metavar="V",
-                        help="letterbox padding, in pixel units 0..255 (default: 114)")
-    images.add_argument("--interpolation", choices=("nearest", "bilinear", "bicubic", "lanczos"),
-                        help="resampling filter (default: bilinear)")
+                        help="padding of letterbox, pad and height-pad, in pixel units 0..255 "
+                             "before --scale/--mean/--std, fractions kept (default: 114; 127.5 "
+                             "with --mean 0.5 --std 0.5 pads with 0 as PaddleOCR does)")
+    images.add_argument("--interpolation",
+                        choices=("nearest", "bilinear", "bicubic", "lanczos", "area"),
+                        help="resampling filter: Pillow's, or area (the mean of the source "
+                             "pixels each output pixel covers, OpenCV's INTER_AREA when "
+                             "shrinking) (default: bilinear)")
     images.add_argument("--scale", type=finite_float,
                         help="pixel multiplier before mean/std (default: 1/255)")
     images.add_argument("--mean", type=finite_float, nargs="+",
@@ -73,6 +84,54 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
                         help="channel order fed to the model (default: RGB; L = grayscale)")
     images.add_argument("--layout", choices=("NCHW", "NHWC"),
                         help="tensor layout of the model input (default: NCHW)")
+
+
+# The zoo's task metrics (with its ground truth): top-1 for classifiers, COCO mAP@[.5:.95]
+# for detectors.
+TASK_METRICS = ("top1", "map")
+
+
+def add_metric_argument(parser: argparse.ArgumentParser, default: str | None,
+                        ground_truth: str, role: str = "") -> None:
+    """--metric NAME|module:function, as plan, sweep and validate take it; `ground_truth` says
+    how a zoo model's task metric gets its labels, `role` what the metric is for."""
+    shown = f"default: {default}" if default else "default: none"
+    parser.add_argument(
+        "--metric", default=default, metavar="NAME",
+        help=f"{role}sqnr (output SQNR, dB), agreement (share of samples whose argmax agrees "
+             f"with FP32's), top1 or map (a zoo model's task metric, {ground_truth}) or "
+             "module:function from the current directory or PYTHONPATH, called "
+             "function(outputs, references) -> float (higher is better) with two lists, one "
+             "entry per batch, of {output name: array}, samples on axis 0 (an output holding "
+             "them on another axis, a state [layers, N, hidden], comes with that axis moved "
+             f"first) ({shown})")
+
+
+def check_metric(metric: str, ground_truth: bool, how: str, model: str | None = None) -> None:
+    """ConfigError unless `metric` is known and fits: a task metric needs `ground_truth` (else
+    the error says `how` to get it) and, when `model` is named, a zoo model of its task.
+    Checked before any data is read."""
+    from quantlab.errors import ConfigError
+    from quantlab.planner.certify import resolve_metric
+    from quantlab.tasks import PRIMARY_METRIC
+    from quantlab.zoo_names import ZOO_NAMES
+
+    if metric not in TASK_METRICS:
+        resolve_metric(metric)  # an unknown metric, or a module that does not load, fails now
+        return
+    if not ground_truth:
+        raise ConfigError(f"--metric {metric} needs ground truth: {how}.")
+    if model is None:
+        return
+    if model not in ZOO_NAMES:
+        raise ConfigError(f"--metric {metric} is a zoo model's task metric; {model} is not a "
+                          "zoo model. Use sqnr, agreement or module:function.")
+    from quantlab import zoo
+
+    task = zoo.get(model).task
+    if metric != PRIMARY_METRIC[task]:
+        raise ConfigError(f"--metric {metric} does not fit {model}, a {task} model: its task "
+                          f"metric is {PRIMARY_METRIC[task]}.")
 
 
 # Preprocess field -> the option that sets it.
@@ -189,6 +248,14 @@ def nonnegative_float(text: str) -> float:
     return value
 
 
+def add_memory_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """--memory SIZE: the memory budget of `what` (None: the 2G default)."""
+    parser.add_argument("--memory", type=memory_size, metavar="SIZE",
+                        help=f"memory budget of {what}, e.g. 2G or 512M (default 2G; a model "
+                             "whose tensors of one sample do not fit runs in segments, cut "
+                             "in topological order)")
+
+
 def memory_size(text: str) -> int:
     """argparse type: a memory budget in bytes from ``2G``, ``512M`` (collect.parse_memory)."""
     from quantlab.collect import parse_memory
@@ -230,3 +297,24 @@ def _split(text: str, option: str) -> tuple[str, str]:
     if not sep or not name or not value:
         raise argparse.ArgumentTypeError(f"{option} {text}: expected NAME=VALUE.")
     return name, value
+
+
+# --- evaluation data of the commands that score a model on --eval (plan, sweep) ---
+
+
+def open_evaluation(args: argparse.Namespace, model, preprocess):
+    """(--eval opened for the normalized `model`, its Task or None): ``--eval zoo`` is the zoo
+    model MODEL's held-out split with its ground truth, anything else data read as --data
+    is (same batch size, --max-samples and preprocessing)."""
+    from quantlab import graph
+    from quantlab.data import open_data
+
+    inputs = graph.input_specs(model)
+    if args.eval != "zoo":
+        return open_data(args.eval, inputs, args.batch_size, args.max_samples, preprocess), None
+    from quantlab import zoo
+    from quantlab.tasks import Task
+
+    entry = zoo.get(args.model)
+    eval_set = entry.eval_set(args.max_samples)
+    return open_data(eval_set.inputs, inputs, args.batch_size), Task.from_zoo(entry, eval_set)

@@ -7,24 +7,28 @@ here). The planner seeds the plan with rules (TensorRT kernel limits, heads and
 decode arithmetic, depthwise weight spread, outlier ranges, FP16 range), weighs
 the --repairs asked for (the least noisy all-INT8 model is planned) and bias
 correction of the INT8 ops (unless --no-bias-correction), measures
-every unit's share of the output noise with a few randomized passes of one
-"switchboard" ONNX Runtime session on the hardest calibration samples and its
-local INT8 and FP16 error in one pass, solves the INT8-share-vs-noise front (FP16
-where the budget left holds it, else FP32), and certifies the chosen plan on
---eval with the real INT8 model (integer kernels) and a paired bootstrap interval.
+every unit's share of the output noise with a few randomized trials (each plan
+its own Q/DQ model, run once on the hardest calibration samples) and its local
+INT8 and FP16 error in one pass, checks that noise model on plans of the front
+(a unit whose error a gate or softmax amplifies is found by halving and measured
+alone), solves the INT8-share-vs-noise front (FP16 where the budget left holds it,
+else FP32), and certifies the chosen plan on --eval with the real INT8 model
+(integer kernels) and a paired bootstrap interval. When no plan with INT8
+certifies, all-FP16 is evaluated (with --high-precision fp16), then the FP32 model.
 
 Writes into --out: plan.json (every unit: precision, reason codes, evidence,
 predicted contribution; the repairs weighed), model.onnx (FP32, normalized, repaired
 when plan.json says so), model.int8.onnx (the plan's Q/DQ model, FP16 units as Cast
 pairs, strongly typed for TensorRT 11), trtexec.txt (quantlab.trtexec: TensorRT
 10/11 strongly typed from model.int8.onnx), summary.json (certificate, evaluation
-ledger, predicted front), report.html (the front, the evaluations, a waterfall of
-the noise each pin removes, the decisions). With --trt-version (TensorRT 8.x-10.x)
+ledger, predicted front, seconds per step, the noise model's checks), report.html
+(the front, the evaluations, a waterfall of the noise each pin removes, the
+decisions). With --trt-version (TensorRT 8.x-10.x)
 also calibration.cache without the pinned units' tensors (relabelled
 EntropyCalibration2 copy calibration.trtexec.cache for trtexec when the method is
 not entropy) and the implicit INT8 trtexec line with the plan's pins.
 
-The switchboard trials and evaluations are checkpointed in --out as they finish:
+The trials and evaluations are checkpointed in --out as they finish:
 run the same command again after an interruption and it resumes (statistics are
 collected again unless --data is a calibration folder).
 
@@ -45,6 +49,7 @@ import contextlib
 from quantlab.commands.options import (
     DATA_HELP,
     add_data_arguments,
+    add_metric_argument,
     finite_float,
     nonnegative_float,
     positive_int,
@@ -52,8 +57,6 @@ from quantlab.commands.options import (
 
 HELP = "choose INT8/FP16/FP32 per layer under an accuracy budget, certified on held-out data"
 EPILOG = DATA_HELP
-# The zoo's task metrics (--eval zoo): top-1 for classifiers, COCO mAP@[.5:.95] for detectors.
-TASK_METRICS = ("top1", "map")
 # summary.json's "generator": `quantlab build` reads the plan's batch from such a folder.
 GENERATOR = "quantlab plan"
 # The checkpoint of a running plan, left in --out when it is interrupted.
@@ -79,19 +82,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="held-out data the plan is certified on (same formats as --data; "
                              "'zoo': a zoo model's held-out split, with its task metric)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
-    parser.add_argument("--metric", default="sqnr", metavar="NAME",
-                        help="sqnr (output SQNR, dB), agreement (argmax agreement with FP32), "
-                             "top1 or map (a zoo model's task metric, with --eval zoo) or "
-                             "module:function, called function(outputs, references) -> float "
-                             "(higher is better) with two lists, one entry per batch, of "
-                             "{output name: array}, samples on axis 0 (an output holding them "
-                             "on another axis, a state [layers, N, hidden], comes with that "
-                             "axis moved first) (default: %(default)s)")
+    add_metric_argument(parser, "sqnr", "with --eval zoo",
+                        "what the budget is on (certified with a paired bootstrap): ")
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--max-drop", type=nonnegative_float, metavar="X",
                         help="largest allowed drop of the metric from FP32, in its own units")
     budget.add_argument("--min-sqnr", type=finite_float, metavar="DB",
-                        help="lowest allowed output SQNR in dB (metric sqnr)")
+                        help="lowest allowed output SQNR in dB (metric sqnr): -10 log10 of the "
+                             "mean over float outputs of sum (int8 - fp32)^2 / sum fp32^2, each "
+                             "sum over every element of every --eval sample (pooled); with one "
+                             "output, the output SQNR `quantlab validate` reports "
+                             "(docs/metrics.md)")
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS,
                         help="calibrator of the tensors no unit quantizes (TensorRT <= 10 "
                              "cache ranges) and the starting scales (default: %(default)s)")
@@ -119,8 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what non-INT8 units run in where the rules allow FP16 "
                              "(default: %(default)s)")
     parser.add_argument("--trials", type=positive_int, default=24, metavar="K",
-                        help="randomized switchboard passes (default: %(default)s); up to 8 "
-                             "more then check plans of the predicted front and refit")
+                        help="randomized plans run on the hardest samples to fit each unit's "
+                             "share of the output noise (default: %(default)s); up to 8 more "
+                             "then check plans of the predicted front and refit, and about "
+                             "2 log2(units) more localize a unit the fit under-predicts")
     parser.add_argument("--hard-samples", type=positive_int, default=64, metavar="N",
                         help="hardest calibration samples the passes run on (default: "
                              "%(default)s); with a label-free metric, an all-INT8 plan that "
@@ -211,38 +214,6 @@ def _calibration(args, model, recorded, preprocess):
               f"{unchanged} with its recorded preprocessing.")
         return source, collect.Statistics.load(Path(args.data) / "stats.npz")
     return open_data(args.data, inputs, args.batch_size, args.max_samples, preprocess), None
-
-
-def _check_metric(args) -> None:
-    """The metric is known and fits --eval and the model, before any data is read."""
-    from quantlab import plan
-    from quantlab.errors import ConfigError
-
-    if args.metric not in TASK_METRICS:
-        plan.resolve_metric(args.metric)  # an unknown metric fails before any work
-    elif args.eval != "zoo":
-        raise ConfigError(f"--metric {args.metric} needs ground truth: with a zoo model, pass "
-                          "--eval zoo (its held-out split).")
-    else:
-        _check_task_metric(args)
-    plan.check_budget(args.metric, args.max_drop, args.min_sqnr)
-
-
-def _check_task_metric(args) -> None:
-    """--metric top1 or map fits the zoo model planned (top1: a classifier, map: a detector)."""
-    from quantlab.errors import ConfigError
-    from quantlab.tasks import PRIMARY_METRIC
-    from quantlab.zoo_names import ZOO_NAMES
-
-    if args.model not in ZOO_NAMES:
-        raise ConfigError(f"--metric {args.metric} is a zoo model's task metric; {args.model} "
-                          "is not a zoo model. Use sqnr, agreement or module:function.")
-    from quantlab import zoo
-
-    task = zoo.get(args.model).task
-    if args.metric != PRIMARY_METRIC[task]:
-        raise ConfigError(f"--metric {args.metric} does not fit {args.model}, a {task} model: "
-                          f"its task metric is {PRIMARY_METRIC[task]}.")
 
 
 def _check_eval_shapes(model, evaluation, args) -> None:
@@ -362,10 +333,10 @@ def run(args: argparse.Namespace) -> int:
     """Plan, certify and write the plan's folder."""
     from pathlib import Path
 
-    from quantlab import cache, graph, qdq
+    from quantlab import cache, graph, plan, qdq
     from quantlab.backends import tensorrt as trt_backend
-    from quantlab.commands.options import preprocess_from_args
-    from quantlab.data import checked_digest, open_data
+    from quantlab.commands.options import check_metric, open_evaluation, preprocess_from_args
+    from quantlab.data import checked_digest
     from quantlab.errors import DataError
     from quantlab.experiment import check_output
     from quantlab.pipeline import quantized_inputs
@@ -374,7 +345,9 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.out, force=args.force, produces=PLAN_FILES)
     if args.trt_version is not None:
         cache.implicit_int8_version(args.trt_version)
-    _check_metric(args)
+    check_metric(args.metric, args.eval == "zoo",
+                 "with a zoo model, pass --eval zoo (its held-out split)", args.model)
+    plan.check_budget(args.metric, args.max_drop, args.min_sqnr)
     recorded = _recorded(args)
     # Calibration and evaluation images are read alike: a calibration folder's recorded
     # preprocessing, any option given overriding it (refused where stats.npz is reused).
@@ -394,18 +367,8 @@ def run(args: argparse.Namespace) -> int:
             raise DataError(f"the statistics of {args.data} lack tensors {missing[:5]} the Q/DQ "
                             "model quantizes; they were collected on another model. Calibrate "
                             "this model, or pass its calibration data with --data.")
-    task = None  # the evaluation data are opened (and checked) before any long work
-    if args.eval == "zoo":
-        from quantlab import zoo
-        from quantlab.tasks import Task
-
-        entry = zoo.get(args.model)
-        eval_set = entry.eval_set(args.max_samples)
-        task = Task.from_zoo(entry, eval_set)
-        evaluation = open_data(eval_set.inputs, graph.input_specs(model), args.batch_size)
-    else:
-        evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
-                               args.max_samples, preprocess)
+    # The evaluation data are opened (and checked) before any long work.
+    evaluation, task = open_evaluation(args, model, preprocess)
     _check_eval_shapes(model, evaluation, args)
     # One pass over each: NaN/Inf refused, and the content identifies the run (checkpoint).
     digests = (checked_digest(source, f"--data {recorded['data'] if recorded else args.data}"),
@@ -430,6 +393,7 @@ def run(args: argparse.Namespace) -> int:
 def _plan(args, model, source, stats, evaluation, task, profile, preprocess, digests) -> int:
     """The long work of :func:`run` once everything is checked: statistics, the plan, the
     folder. `digests` (calibration, evaluation) identify the data's content."""
+    import time
     from functools import partial
     from pathlib import Path
 
@@ -440,10 +404,13 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     from quantlab.pipeline import CACHE_ALGORITHM
     from quantlab.progress import progress_bar
     from quantlab.report import write_report
-    from quantlab.report.plan import plan_section
+    from quantlab.report.plan import next_steps, plan_section
 
+    started = time.perf_counter()
     stats = _statistics(model, source, stats, args)
     scales, ranges, p9999, candidates = _calibrated(stats, args)
+    phases = {"statistics": time.perf_counter() - started}
+    started = time.perf_counter()
     repaired = {}
     for name in args.repairs:
         if name == "dw-equalize":
@@ -459,9 +426,10 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
         changed_stats = _statistics(changed, source, None, args)
         changed_scales, changed_ranges, changed_p9999, changed_candidates = _calibrated(
             changed_stats, args)
-        repaired[name] = plan.RepairedModel(
+        repaired[name] = plan.CalibratedModel(
             changed, changed_scales.amax, changed_ranges, changed_p9999,
             changed_candidates if len(changed_candidates) > 1 else None, report.to_dict())
+    phases["repairs"] = time.perf_counter() - started
     progress = None if args.no_progress else partial(progress_bar, leave=False)
     # Trials and evaluations are checkpointed in --out: an interrupted run resumes from there,
     # only when the model, the data's content, the preprocessing and the options are the same.
@@ -472,39 +440,41 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
         args.hard_samples, args.high_precision, args.resamples, sorted(scales.amax.items()),
         sorted(candidates), sorted(repaired), args.bias_correction))
     if checkpoint.trials or checkpoint.evaluations:
-        print(f"plan: resuming from {checkpoint.path}: {len(checkpoint.trials)} switchboard "
+        print(f"plan: resuming from {checkpoint.path}: {len(checkpoint.trials)} "
               f"trial(s) and {len(checkpoint.evaluations)} evaluation(s) of an interrupted run "
               "of the same model, data (same content), preprocessing and options are reused.")
     elif checkpoint.ignored:
         print(f"plan: {checkpoint.path} is from a run of another model, data or options "
               "(or unreadable); starting over.")
-    result = plan.make_plan(model, source, evaluation, scales.amax, ranges, p9999,
-                            metric=args.metric, max_drop=args.max_drop,
-                            min_sqnr=args.min_sqnr, trials=args.trials,
-                            hard_count=args.hard_samples, high_precision=args.high_precision,
-                            task=task, resamples=args.resamples, checkpoint=checkpoint,
-                            candidates=candidates if len(candidates) > 1 else None,
-                            repairs=repaired, bias_correction=args.bias_correction,
-                            progress=progress)
+    settings = plan.PlanSettings(
+        metric=args.metric, max_drop=args.max_drop, min_sqnr=args.min_sqnr, trials=args.trials,
+        hard_count=args.hard_samples, high_precision=args.high_precision,
+        resamples=args.resamples, bias_correction=args.bias_correction)
+    result = plan.make_plan(
+        plan.CalibratedModel(model, scales.amax, ranges, p9999,
+                             candidates if len(candidates) > 1 else None),
+        source, evaluation, settings, task=task, checkpoint=checkpoint, repairs=repaired,
+        progress=progress)
+    result.phases = {**phases, **result.phases}
     certificate = result.certificate
     pinned = plan.pinned_tensors(result.plan, graph.Graph(result.model))
     with output_folder(args.out, force=args.force, produces=PLAN_FILES) as folder:
         result.plan.save(folder / "plan.json")
         graph.save_model(result.model, folder / "model.onnx")  # repaired when plan.json says
         graph.save_model(result.qdq_model, folder / "model.int8.onnx")
-        kept = None
+        uncertified = None
         if result.uncertified is not None:
             kept_plan, kept_model, kept_eval = result.uncertified
             (folder / UNCERTIFIED).mkdir()
             kept_plan.save(folder / UNCERTIFIED / "plan.json")
             graph.save_model(kept_model, folder / UNCERTIFIED / "model.int8.onnx")
-            kept = {"folder": UNCERTIFIED, "certified": False,
-                    "int8_mac_share": kept_eval.int8_mac_share,
-                    "value": kept_eval.certificate.value,
-                    "limit": kept_eval.certificate.limit,
-                    "margin_interval": list(kept_eval.certificate.interval),
-                    "samples": kept_eval.certificate.samples,
-                    "needed_samples": kept_eval.certificate.needed_samples}
+            uncertified = {"folder": UNCERTIFIED, "certified": False,
+                           "int8_mac_share": kept_eval.int8_mac_share,
+                           "value": kept_eval.certificate.value,
+                           "limit": kept_eval.certificate.limit,
+                           "margin_interval": list(kept_eval.certificate.interval),
+                           "samples": kept_eval.certificate.samples,
+                           "needed_samples": kept_eval.certificate.needed_samples}
         cache_name = header = None
         if args.trt_version is not None:
             kept = {name: amax / 127.0 for name, amax in result.amax.items()
@@ -521,8 +491,13 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
         write_text(folder / "trtexec.txt", trtexec.trtexec_text(
             trt_backend.implicit_pins(result.model, result.plan.node_precisions()), profile,
             cache_name, header and str(header), trt_backend.has_float16(result.qdq_model)))
-        write_report(folder / "report.html", f"quantlab plan: {args.model}", [plan_section(result)])
+        # Titled with the user's model, not a calibration folder's normalized copy of it.
+        model_file = graph.source_model(model) or args.model
+        steps = next_steps(result, args.out, UNCERTIFIED)
+        write_report(folder / "report.html", f"Plan of {Path(model_file).name}",
+                     [plan_section(result, steps)], subtitle=model_file)
         write_json(folder / "summary.json", {
+            "model": model_file,
             "metric": args.metric,
             "budget": {"max_drop": args.max_drop, "min_sqnr": args.min_sqnr},
             "int8_mac_share": result.plan.int8_mac_share(),
@@ -534,7 +509,20 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
                             for e in result.evaluations],
             "front": [{"int8_mac_share": p.int8_mac_share, "predicted": p.predicted}
                       for p in result.front],
-            "switchboard_trials": len(result.sensitivity.nsr),
+            "trials": len(result.sensitivity.nsr),
+            # Seconds per step of the planning flow (docs/planner.md).
+            "phases": result.phases,
+            # A trial's median seconds against a warm FP32 pass over the same samples.
+            "trial_cost": result.trial_cost,
+            # The noise model checked: plans measured against its prediction (front checks,
+            # localization) and every evaluated plan's prediction on the hardest samples.
+            "noise_model": {"disagreement_factor": plan.DISAGREEMENT,
+                            "largest_disagreement": result.largest_disagreement(),
+                            # Plans the search chose, found noisier than predicted on the
+                            # hardest samples before their evaluation: refitted, chosen again.
+                            "refits": result.refits,
+                            "checks": result.sensitivity.checks,
+                            "evaluated": result.noise_checks},
             "hard_samples": result.hard_samples,
             "calibration": {"data": recorded_path(source.description), "method": scales.method,
                             "calibrators": list(candidates)},
@@ -545,7 +533,8 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             "repairs": result.plan.repairs,
             # The certified plan is this folder's; a better one that could not be certified
             # on this evaluation set is in uncertified/ (null: none).
-            "uncertified": kept,
+            "uncertified": uncertified,
+            "next_steps": steps,
         })
     (out / PROGRESS_FILE).unlink(missing_ok=True)
     verdict = "certified" if certificate.certified else "NOT certified"
@@ -564,8 +553,6 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
               f"{evaluation_kept.certificate.limit:.4g}) but could not be certified on "
               f"{evaluation_kept.certificate.samples} samples; written to "
               f"{args.out}/{UNCERTIFIED}/ (plan.json, model.int8.onnx) beside the certified one.")
-    if not certificate.certified and args.min_sqnr is not None and args.high_precision == "fp16":
-        print(f"no plan certifies {args.min_sqnr:g} dB with FP16 outside INT8; with "
-              "--high-precision fp32 the plan without INT8 is the FP32 model itself, which "
-              "certifies any floor.")
+    for step in steps:
+        print(f"next: {step}")
     return 0 if certificate.certified else 1

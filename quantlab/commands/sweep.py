@@ -14,6 +14,10 @@ for the best configuration's method (every amax moves by less than --tolerance
 from n/2 to n samples, or which tensors still move), and whether the evaluation
 set tells the two best configurations apart (paired bootstrap of their difference).
 
+The model is the one `quantlab calibrate` quantizes by default: depthwise-conv
+inputs equalized first (from the largest calibration size's samples; one more FP32
+pass), unless --no-equalize; a calibration folder's model.onnx is taken as it is.
+
 Statistics do not depend on the batch size (histograms of every element, merged
 exactly), so the batch size is not swept.
 
@@ -23,8 +27,9 @@ setting), report.html (metric vs method with intervals, metric vs calibration si
 the scales that have not converged) and best/ (a calibration folder of the best
 configuration: `quantlab validate --from`, `plan --data` and `check --baseline`
 read it). An interrupted sweep resumes from --out (snapshots and finished
-configurations are checkpointed there). A sweep estimated to take over an hour is
-refused unless --allow-long is given.
+configurations are checkpointed there) when the model, the data's content (hashed),
+the preprocessing and the options are the same; otherwise it starts over. A sweep
+estimated to take over an hour is refused unless --allow-long is given.
 
 examples:
   quantlab sweep digits-cnn --data zoo --eval zoo --metric top1 --out runs/cnn-sweep
@@ -36,7 +41,7 @@ from __future__ import annotations
 
 import argparse
 
-from quantlab.commands.options import DATA_HELP, add_data_arguments
+from quantlab.commands.options import DATA_HELP, add_data_arguments, add_metric_argument
 
 HELP = "sweep calibrators x parameters x calibration sizes in one pass; data sufficiency"
 EPILOG = DATA_HELP
@@ -55,9 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="held-out data every configuration is evaluated on (same formats "
                              "as --data; 'zoo': a zoo model's held-out split)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
-    parser.add_argument("--metric", default="sqnr", metavar="NAME",
-                        help="as in `quantlab plan`: sqnr, agreement, top1 or map (with --eval "
-                             "zoo) or module:function (default: %(default)s)")
+    add_metric_argument(parser, "sqnr", "with --eval zoo",
+                        "what every configuration is scored by, against FP32: ")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
                         help=f"calibrators (default: all of {', '.join(METHODS)})")
     # Defaults of quantlab.sweep, filled in by run (the parser does not import NumPy).
@@ -72,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "converged (default: 0.02)")
     parser.add_argument("--resamples", type=int, default=200, metavar="B",
                         help="paired bootstrap resamples (default: %(default)s)")
+    parser.add_argument("--no-equalize", action="store_true",
+                        help="do not equalize depthwise-conv inputs first (by default the model "
+                             "is equalized as `quantlab calibrate` does, from the largest "
+                             "calibration size's samples; one more FP32 pass)")
     parser.add_argument("--allow-long", action="store_true",
                         help="run a sweep estimated to take over an hour")
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
@@ -88,13 +96,13 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
-    from quantlab import calibrate, graph, qdq, sweep
-    from quantlab.commands.options import preprocess_from_args
-    from quantlab.commands.plan import TASK_METRICS, _calibration, _prepared, _recorded
-    from quantlab.data import open_data
+    from quantlab import calibrate, graph, pipeline, qdq, sweep
+    from quantlab.commands.options import check_metric, open_evaluation, preprocess_from_args
+    from quantlab.commands.plan import _calibration, _prepared, _recorded
+    from quantlab.data import checked_digest
     from quantlab.errors import ConfigError, DataError
     from quantlab.experiment import check_output
-    from quantlab.plan import fingerprint, resolve_metric
+    from quantlab.plan import fingerprint
 
     check_output(args.out, force=args.force, produces=SWEEP_FILES)
     percentiles = args.percentiles or sweep.DEFAULT_PERCENTILES
@@ -103,11 +111,8 @@ def run(args: argparse.Namespace) -> int:
         calibrate.check_method(method, {})
     if not 0 < tolerance < 1:
         raise ConfigError(f"--tolerance {tolerance}: give a share in (0, 1), e.g. 0.02.")
-    if args.metric not in TASK_METRICS:
-        resolve_metric(args.metric)  # an unknown metric fails before any work
-    elif args.eval != "zoo":
-        raise ConfigError(f"--metric {args.metric} needs ground truth: with a zoo model, pass "
-                          "--eval zoo (its held-out split).")
+    check_metric(args.metric, args.eval == "zoo",
+                 "with a zoo model, pass --eval zoo (its held-out split)", args.model)
     recorded = _recorded(args)
     preprocess = preprocess_from_args(args, recorded and recorded.get("preprocess"))
     model = _prepared(args, recorded)
@@ -119,18 +124,10 @@ def run(args: argparse.Namespace) -> int:
     sizes = sweep.check_sizes(args.calib_sizes or sweep.default_sizes(source.num_samples),
                               source.num_samples, source.description, fixed)
     configs = sweep.configurations(args.methods, percentiles, sizes)
-    task = None
-    if args.eval == "zoo":
-        from quantlab import zoo
-        from quantlab.tasks import Task
-
-        entry = zoo.get(args.model)
-        eval_set = entry.eval_set(args.max_samples)
-        task = Task.from_zoo(entry, eval_set)
-        evaluation = open_data(eval_set.inputs, graph.input_specs(model), args.batch_size)
-    else:
-        evaluation = open_data(args.eval, graph.input_specs(model), args.batch_size,
-                               args.max_samples, preprocess)
+    evaluation, task = open_evaluation(args, model, preprocess)
+    # One pass over each: NaN/Inf refused, and the content identifies the run (checkpoint).
+    digests = (checked_digest(source, f"--data {recorded['data'] if recorded else args.data}"),
+               checked_digest(evaluation, f"--eval {args.eval}"))
     estimate = sweep.estimate_seconds(model, evaluation, args.metric, task, args.resamples,
                                       sizes[-1], len(configs))
     plan_text = (f"{len(configs)} configurations ({len(configs) // len(sizes)} calibrator "
@@ -143,6 +140,19 @@ def run(args: argparse.Namespace) -> int:
             "down: fewer --methods, --percentiles or --calib-sizes, --max-samples, or fewer "
             "--resamples (a detector's mAP bootstrap takes most of its time).")
     print(f"sweep: {plan_text}; estimated {_duration(estimate)}.")
+    repairs = {}
+    if recorded is None and not args.no_equalize:
+        # The model `quantlab calibrate` quantizes by default: depthwise inputs equalized from
+        # the calibration data (here the largest size's; a calibration folder's model.onnx
+        # is already as it was calibrated).
+        model, repairs = pipeline.equalized(model, source.subset(0, sizes[-1]))
+        applied = repairs.get("depthwise_equalization", {}).get("applied", [])
+        if applied:
+            graph.record_data_shapes(model, source)
+            index = qdq.indexed(model)
+            tensors = qdq.activation_tensors_to_calibrate(index)
+            print(f"sweep: equalized {len(applied)} depthwise-conv input(s) as `quantlab "
+                  "calibrate` does (--no-equalize: not).")
 
     known = {}
     if folder_stats is not None:
@@ -155,14 +165,21 @@ def run(args: argparse.Namespace) -> int:
             {name: folder_stats.tensors[name] for name in tensors}, folder_stats.num_samples,
             folder_stats.num_bins)
     progress_dir = Path(args.out) / PROGRESS_DIR
+    # Statistics and records are reused only for the same model, data content (not paths,
+    # sizes or dates: a file rewritten in place is other data), preprocessing and options.
     checkpoint = _Checkpoint(progress_dir, fingerprint(
-        model, source.description, source.num_samples, evaluation.description,
-        evaluation.num_samples, args.metric, args.resamples, tensors))
+        model, *digests, source.num_samples, evaluation.num_samples, preprocess.to_dict(),
+        args.metric, args.resamples, tensors,
+        None if folder_stats is None else (folder_stats.num_samples, folder_stats.num_bins)))
     blocks = checkpoint.blocks()
     if checkpoint.records or blocks:
         print(f"sweep: resuming: {len(checkpoint.records)} configuration(s) and "
               f"{sum(b.num_samples for b in blocks.values())} samples' statistics already in "
-              f"{progress_dir}.")
+              f"{progress_dir}, of an interrupted sweep of the same model, data (same content), "
+              "preprocessing and options.")
+    elif checkpoint.ignored:
+        print(f"sweep: {progress_dir} is from a sweep of another model, data or options (or "
+              "unreadable); starting over.")
     progress = None if args.no_progress else partial(tqdm, leave=False)
     evaluator = sweep.Evaluator(model, evaluation, args.metric, task, args.resamples, progress)
     result = sweep.run_sweep(
@@ -172,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         progress=None if args.no_progress else partial(tqdm, leave=True),
         show_collection=not args.no_progress,
         **({"num_bins": folder_stats.num_bins} if folder_stats is not None else {}))
-    _write(args, index, source, preprocess, configs, result)
+    _write(args, index, source, configs, result, repairs)
     checkpoint.remove()
     best = result.best_record
     print(f"sweep: best {best['label']}: {args.metric} {best['value']:.4g} "
@@ -187,7 +204,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def _write(args, index, source, preprocess, configs, result) -> None:
+def _write(args, index, source, configs, result, repairs) -> None:
     """sweep.json, amax_movement.csv, report.html and best/ into --out, all or nothing."""
     import pandas as pd
 
@@ -199,7 +216,8 @@ def _write(args, index, source, preprocess, configs, result) -> None:
     best = configs[result.best]
     calibrated = pipeline.calibrate_from_stats(
         index, result.snapshots[best.size], source.subset(0, best.size), best.method,
-        dict(best.params), preprocess)
+        dict(best.params))
+    calibrated.repairs = repairs
     movement = pd.DataFrame([
         {"setting": setting, "tensor": name, f"amax_{result.half}": half[name],
          f"amax_{result.full}": full[name], "movement": result.movement[setting][name],
@@ -218,6 +236,8 @@ def _write(args, index, source, preprocess, configs, result) -> None:
             "sizes": sorted({c.size for c in configs}),
             "settings": list(result.movement),
             "tolerance": result.tolerance,
+            "equalized": [entry["tensor"] for entry in
+                          repairs.get("depthwise_equalization", {}).get("applied", [])],
             "collection_passes": 1,
             "configurations": result.records,
             "best": result.best_record["label"],
@@ -248,6 +268,8 @@ class _Checkpoint:
         self.folder = folder
         self.fingerprint = fingerprint
         self.records: dict[str, dict] = {}
+        # True when a checkpoint of another sweep (or an unreadable one) was found and deleted.
+        self.ignored = False
         path = folder / "records.json"
         try:
             data = read_json(path) if path.is_file() else {}
@@ -256,6 +278,7 @@ class _Checkpoint:
         if data.get("format") == PROGRESS_FORMAT and data.get("fingerprint") == fingerprint:
             self.records = dict(data["records"])
         else:
+            self.ignored = folder.exists()
             self.remove()
 
     def blocks(self) -> dict:

@@ -8,24 +8,35 @@ The engine stage is the Q/DQ model in ONNX Runtime, or with --engine-backend ten
 a TensorRT engine compared on every tensor it keeps (the layer table says how each
 was obtained on the installed version; docs/tensorrt.md).
 --mode local feeds each quantized layer the FP32 input, isolating its own error.
+--metric scores the engine against FP32 end to end with the metrics `quantlab plan`
+takes, with a paired bootstrap interval. Under --memory the graphs run in segments
+(shape scalars are recomputed in each; a failing segment is told from failing data).
 
-Writes into --out: layers_<A>_vs_<B>.csv per stage pair, summary.json, report.html.
+Writes into --out: layers_<A>_vs_<B>.csv per stage pair, summary.json, report.html
+(titled with your model file; next steps computed from the results, also printed).
 
 examples:
-  quantlab validate --zoo digits-cnn --out runs/cnn-validate
+  quantlab validate --zoo digits-cnn --metric top1 --out runs/cnn-validate
   quantlab validate --from runs/cnn --data eval_images/ --out runs/cnn/validate
   quantlab validate --onnx model.onnx --engine model.int8.onnx --data eval.npy \\
       --torch mypkg.models:make_model --out runs/val --mode local
+  quantlab validate --from runs/vit --data eval.npy --metric mymetrics:f1 --memory 4G \\
+      --out runs/vit/validate
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import warnings
 from pathlib import Path
 
-from quantlab.commands.options import DATA_HELP, add_data_arguments
+from quantlab.commands.options import (
+    DATA_HELP,
+    add_data_arguments,
+    add_memory_argument,
+    add_metric_argument,
+    positive_int,
+)
 
 HELP = "compare torch, ONNX Runtime FP32 and the INT8 engine layer by layer and end to end"
 # Worst layers of the INT8 pair printed on the console (the report lists more).
@@ -63,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "input (default: %(default)s)")
     parser.add_argument("--threshold-db", type=float, default=30.0, metavar="DB",
                         help="SQNR below which a tensor counts as diverged (default: %(default)s)")
+    add_metric_argument(parser, None, "with --zoo and its evaluation split",
+                        "score the engine against FP32 end to end with a paired bootstrap "
+                        "interval, as `quantlab plan` does: ")
+    parser.add_argument("--resamples", type=positive_int, default=200, metavar="B",
+                        help="paired bootstrap resamples of --metric (default: %(default)s)")
+    add_memory_argument(parser, "the comparison (half of it for the tensors compared at once)")
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_data_arguments(parser, required=False,
@@ -74,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_factory(spec: str):
     """Call ``package.module:function`` and return the torch module it builds."""
     from quantlab.errors import ConfigError
+    from quantlab.user_code import import_module
 
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
@@ -81,11 +99,12 @@ def load_factory(spec: str):
             f"--torch '{spec}' is not of the form module:factory (e.g. "
             "mypkg.models:make_resnet); the factory is called with no arguments.")
     try:
-        module = importlib.import_module(module_name)
+        module = import_module(module_name)
     except ImportError as exc:
         raise ConfigError(
             f"--torch '{spec}': python module '{module_name}' cannot be imported ({exc}). "
-            "Check the spelling and that its folder is on PYTHONPATH.") from None
+            "Check the spelling and that it is in the current directory or on PYTHONPATH."
+        ) from None
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ConfigError(
@@ -111,14 +130,18 @@ def run(args: argparse.Namespace) -> int:
     """Run `quantlab validate`."""
     import tempfile
 
-    from quantlab import pipeline
-    from quantlab.commands.options import input_options
+    from quantlab import graph, pipeline
+    from quantlab.commands.options import check_metric, input_options
     from quantlab.errors import ConfigError
     from quantlab.experiment import check_output
     from quantlab.validate import Task, check_threshold, validate
 
     # Every option is checked before any long work (export, calibration, validation).
     check_threshold(args.threshold_db, 10.0)
+    if args.metric is not None:
+        check_metric(args.metric, bool(args.zoo) and args.data in (None, "zoo"),
+                     "pass --zoo NAME without --data: its evaluation split has the labels",
+                     args.zoo)
     if args.engine_backend == "tensorrt":
         from quantlab.backends.tensorrt import require_tensorrt
 
@@ -167,12 +190,18 @@ def run(args: argparse.Namespace) -> int:
                                        calibration.folder / "model.onnx", data, args)
     else:
         engine = _engine_stage(engine_path, onnx_path, data, args)
+    # The report names the user's model, not a normalized copy (a calibration folder's
+    # model.onnx records the file it was made from).
+    model_file = args.zoo if calibrate_here else graph.source_model(model) or str(onnx_path)
     with warnings.catch_warnings():  # shown below with the results instead
         warnings.simplefilter("ignore")
         result = validate(model, engine, source, args.out, torch_module=torch_module, task=task,
                           mode=args.mode, threshold_db=args.threshold_db, force=args.force,
-                          progress=not args.no_progress,
-                          title=f"Validation of {args.zoo or Path(onnx_path).name}")
+                          progress=not args.no_progress, memory_budget=args.memory,
+                          metric=args.metric, resamples=args.resamples,
+                          title=f"Validation of {Path(model_file).name}", model_file=model_file,
+                          calibration=str(Path(args.from_dir or calibration_out).resolve())
+                          if args.from_dir or calibrate_here else None)
     if calibration is not None:
         pipeline.write_results(calibration, calibration_out, force=args.force)
     _print_result(result)
@@ -211,17 +240,23 @@ def _print_result(result) -> None:
     """Task metrics, warnings, end-to-end outputs, first divergences and the worst layers."""
     import sys
 
-    from quantlab.report.validation import outputs_frame, pair_label
+    from quantlab.report.validation import metric_line, outputs_frame, pair_label
 
     for stage, values in result.metrics.items():
         shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items() if isinstance(v, float))
         print(f"{stage:12s} {shown}")
+    if result.summary["metric"]:
+        print(metric_line(result.summary["metric"]))
     for pair in result.pairs:
         for warning in pair.warnings:
             print(f"warning: {warning}", file=sys.stderr)
     for row in outputs_frame(result.pairs).itertuples(index=False):
         print(f"output {row.output} {row.pair}: {row.sqnr_db:.1f} dB SQNR, cosine "
               f"{row.cosine:.4f}")
+    for pair in result.pairs:
+        if pair.output_sqnr_db is not None and len(pair.outputs) > 1:
+            print(f"outputs together {pair_label(pair)}: {pair.output_sqnr_db:.1f} dB SQNR (the "
+                  "figure plan --min-sqnr bounds, docs/metrics.md)")
     for pair in result.pairs:
         divergence = pair.divergence
         where = (f"{divergence.tensor} ({divergence.op_type} {divergence.node}, "
@@ -234,6 +269,8 @@ def _print_result(result) -> None:
         print(f"worst layers, {pair_label(engine_pair)}:")
         for row in worst.itertuples(index=False):
             print(f"  {row.sqnr_db:6.1f} dB  {row.tensor} ({row.op_type} {row.node})")
+    for step in result.summary["next_steps"]:
+        print(f"next: {step}")
     print(f"report: {result.report}")
 
 

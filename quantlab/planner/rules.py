@@ -1,4 +1,4 @@
-"""Rules (Stage A of the planner design in docs/peers.md section 12): graph and ranges only.
+"""Rules (the planner's first step, docs/planner.md): graph and ranges only.
 
 Each rule returns a :class:`Reason` naming its code, the precisions it allows and
 its source. Hard reasons restrict a unit's precisions; soft ones only seed the
@@ -13,11 +13,11 @@ from typing import ClassVar
 
 import numpy as np
 import onnx
-from onnx import helper
 
 from quantlab import qdq
 from quantlab.errors import ModelError
 from quantlab.graph import Graph
+from quantlab.metadata import attribute
 from quantlab.planner.units import Unit
 
 # Largest finite float16 (IEEE 754 binary16).
@@ -87,13 +87,6 @@ class Rule:
         return Reason(self.code, hard, allowed, evidence, self.source)
 
 
-def _attribute(node: onnx.NodeProto, name: str, default):
-    for attr in node.attribute:
-        if attr.name == name:
-            return helper.get_attribute_value(attr)
-    return default
-
-
 class KernelRule(Rule):
     """Linear ops TensorRT has no INT8 kernel for (small or odd channel counts, GEMV)."""
 
@@ -112,7 +105,7 @@ class KernelRule(Rule):
         shapes = context.graph.shapes
         if node.op_type == "Conv" and node.input[1] in context.weights:
             weight = context.weights[node.input[1]]
-            group = _attribute(node, "group", 1)
+            group = attribute(node, "group", 1)
             out_channels, in_channels = weight.shape[0], weight.shape[1] * group
             kernel = weight.shape[2:]
             if in_channels >= 16 and out_channels >= 16:
@@ -205,7 +198,7 @@ class DepthwiseRule(Rule):
         for name in unit.linear:
             node = context.nodes[name]
             weight = context.weights.get(node.input[1])
-            group = _attribute(node, "group", 1)
+            group = attribute(node, "group", 1)
             if node.op_type != "Conv" or weight is None or group == 1 or weight.shape[1] != 1:
                 continue
             channel_amax = np.abs(weight.reshape(weight.shape[0], -1)).max(axis=1)

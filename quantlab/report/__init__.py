@@ -10,14 +10,14 @@ import base64
 import datetime as _dt
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 import matplotlib
 import pandas as pd
-from markupsafe import Markup
+from markupsafe import Markup, escape
 
 from quantlab import __version__
 from quantlab.experiment import write_text
@@ -64,18 +64,50 @@ def figure_html(figure, caption: str) -> str:
     return _ENV.get_template("figure.html").render(src=figure_to_data_uri(figure), caption=caption)
 
 
-def table_html(frame: pd.DataFrame, float_format: str = "{:.4g}", caption: str = "") -> str:
+# Columns several reports show: name -> (unit, what it is), for the legend under a table.
+COLUMNS = {
+    "tensor": ("name", "ONNX tensor of the FP32 graph (the identity every table is keyed by)"),
+    "node": ("name", "ONNX node producing the tensor"),
+    "op_type": ("ONNX op", "operator type of that node"),
+    "torch_module": ("module path", "torch module the node was exported from, if recorded"),
+    "output": ("name", "graph output of the model"),
+    "pair": ("stages", "reference stage vs test stage"),
+    "stage": ("stage", "where the model ran (torch, ONNX Runtime FP32, the INT8 engine)"),
+    "sqnr_db": ("dB", "10 log10(sum ref^2 / sum (test - ref)^2) pooled over every element of "
+                      "every sample; higher is better, inf when identical"),
+    "cosine": ("1", "cosine similarity of test and reference over all elements; 1 is identical"),
+    "rel_l2": ("1", "||test - ref|| / ||ref|| over all elements; 0 is identical"),
+    "max_abs": ("tensor units", "largest |test - ref| of any element"),
+    "frac_outside": ("share 0-1", "share of elements with |test - ref| > atol + rtol |ref| "
+                                  "(numpy.isclose)"),
+}
+
+
+def table_html(frame: pd.DataFrame, float_format: str = "{:.4g}", caption: str = "",
+               columns: Mapping[str, tuple[str, str]] | None = None) -> str:
     """A DataFrame as an HTML table in a box that scrolls when it is wider or taller than the
-    page (values escaped except Markup fragments, numbers right-aligned)."""
+    page (values escaped except Markup fragments, numbers right-aligned). With `columns`
+    (name -> (unit, explanation); :data:`COLUMNS` and the section's own), every header shows
+    its unit and a legend under the table explains each column in one line."""
     rows = [
         [v if isinstance(v, Markup) else float_format.format(v) if isinstance(v, float)
          else str(v) for v in row]
         for row in frame.itertuples(index=False)
     ]
     numeric = [pd.api.types.is_numeric_dtype(frame[c]) for c in frame.columns]
+    described = {**COLUMNS, **(columns or {})} if columns is not None else {}
+    legend = [(str(c), *described[str(c)]) for c in frame.columns if str(c) in described]
     return _ENV.get_template("table.html").render(
-        columns=[str(c) for c in frame.columns], rows=rows, numeric=numeric, caption=caption
+        columns=[(str(c), described.get(str(c), ("", ""))[0]) for c in frame.columns],
+        rows=rows, numeric=numeric, caption=caption, legend=legend,
     )
+
+
+def prose_html(text: str) -> Markup:
+    """`text` escaped, with its `backquoted` commands set as code."""
+    parts = str(escape(text)).split("`")
+    return Markup("".join(f"<code>{part}</code>" if i % 2 else part
+                          for i, part in enumerate(parts)))
 
 
 def render_report(title: str, sections: Sequence[Section], subtitle: str = "") -> str:

@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 from markupsafe import Markup
 
-from quantlab.plan import RULES, SEARCH_CODE, Plan, PlanResult, Reason
-from quantlab.report import _ENV, Section, figure_html, plot_text, table_html
+from quantlab.plan import DISAGREEMENT, RULES, SEARCH_CODE, Plan, PlanResult, Reason
+from quantlab.report import _ENV, Section, figure_html, plot_text, prose_html, table_html
 
 # What each reason code means, for the legend under a table of codes: the rule's own summary.
 REASON_CODES = {
@@ -26,20 +26,80 @@ REASON_CODES = {
 STRIP_NAMED = 3
 # Colours of the precisions in figures (INT8 as the report's accent).
 PRECISION_COLORS = {"int8": "#76b900", "fp16": "#2e86c1", "fp32": "#5b6575"}
+# How an evaluation in the ledger was run (its "run" column), for the legend.
+RUN_CODES = {
+    "int8": "the plan's Q/DQ model ran on the evaluation set (ONNX Runtime integer kernels)",
+    "screened": "not evaluated: on calibration samples drawn at random it failed the budget "
+                "beyond doubt (its whole bootstrap interval below the limit)",
+    "fp32": "not run: every unit in FP32 is the FP32 model, the reference itself",
+}
+# The columns of the plan's tables: name -> (unit, what it is).
+COLUMNS = {
+    "int8_mac_share": ("share 0-1", "share of the linear ops' MACs (Conv, Gemm, MatMul) the "
+                                    "plan runs in INT8"),
+    "predicted_nsr": ("ratio", "output noise-to-signal ratio the fitted noise model predicts "
+                               "for the plan on the hardest calibration samples"),
+    "metric": ("metric units", "the plan's --metric: on the evaluation set, or on calibration "
+                               "samples where run is 'screened'"),
+    "margin_low": ("metric units", "one-sided 95% paired-bootstrap lower bound of the margin "
+                                   "(metric minus the lowest acceptable value): >= 0 certifies"),
+    "certified": ("yes/no", "whether margin_low >= 0"),
+    "chosen": ("yes/-", "the plan written to this folder"),
+    "seconds": ("s", "wall time of the evaluation"),
+    "run": ("code", "how the plan was evaluated (legend below)"),
+    "unit": ("name", "a linear op with the ops that share its input scales"),
+    "precision": ("int8/fp16/fp32", "what the unit runs in under the plan"),
+    "MACs": ("% of MACs", "the unit's share of the model's linear-op multiply-accumulates"),
+    "reasons": ("codes", "rules and measurements that decided it (legend below; hover a code "
+                         "for its evidence)"),
+    "noise rank": ("rank", "1 = the largest measured share of the output noise in INT8"),
+    "output NSR": ("ratio", "output noise-to-signal ratio the unit adds in INT8 (fitted from "
+                            "trials on the hardest calibration samples)"),
+    "local SQNR INT8 dB": ("dB", "SQNR of the unit's outputs, run alone in INT8 on FP32 inputs"),
+    "local SQNR FP16 dB": ("dB", "the same in FP16 (-inf: FP16 overflows)"),
+    "FP16 output NSR": ("ratio", "predicted output noise-to-signal ratio of the unit in FP16"),
+    "calibrator": ("method", "the calibrator whose scales the unit took (least local error)"),
+    "nodes": ("count", "ONNX nodes in the unit"),
+}
 
 
-def plan_section(result: PlanResult) -> Section:
-    """The report section of a plan."""
+def plan_section(result: PlanResult, steps: Iterable[str] = ()) -> Section:
+    """The report section of a plan; `steps` are its next steps (:func:`next_steps`)."""
     certificate = result.certificate
     verdict = "certified" if certificate.certified else "NOT certified"
+    metric = certificate.metric + (" (output SQNR in dB: each float output's noise energy over "
+                                   "its signal energy, pooled over the samples, averaged over "
+                                   "the outputs, as validate reports it)"
+                                   if certificate.metric == "sqnr" else "")
     summary = (
         f"{result.plan.int8_mac_share():.1%} of linear-op MACs run INT8. Metric "
-        f"{certificate.metric}: {certificate.value:.4g} (FP32 {certificate.reference:.4g}, "
+        f"{metric}: {certificate.value:.4g} (FP32 {certificate.reference:.4g}, "
         f"lowest acceptable {certificate.limit:.4g}); {verdict}: the {certificate.confidence:.0%} "
         f"one-sided paired-bootstrap bound of the margin is {certificate.interval[0]:.4g} on "
         f"{certificate.samples} samples, after {result.model_runs} evaluations of the real "
-        f"INT8 model and {len(result.sensitivity.nsr)} switchboard passes on "
-        f"{len(result.hard_samples)} hardest calibration samples.")
+        f"INT8 model and {len(result.sensitivity.nsr)} trials (plans run on the "
+        f"{len(result.hard_samples)} hardest calibration samples).")
+    disagreement = result.largest_disagreement()
+    checked = len(result.sensitivity.checks) + len(result.noise_checks)
+    summary += (f" The noise model (each unit's additive share of the output noise) was checked "
+                f"against {checked} measured plans: the largest disagreement is a factor "
+                f"{disagreement:.3g}" + (
+                    f", above {DISAGREEMENT:g}: the prediction failed there and the units "
+                    "behind it were localized by halving and measured alone (summary.json "
+                    "noise_model)." if disagreement > DISAGREEMENT else "."))
+    if result.refits:
+        summary += (f" {result.refits} plan(s) chosen for an evaluation measured noisier than "
+                    "predicted on the hardest samples: the noise model was refitted and the "
+                    "search chose again instead of evaluating them.")
+    if result.phases:
+        summary += " Seconds per step: " + ", ".join(
+            f"{name} {seconds:.3g}" for name, seconds in result.phases.items()) + "."
+    if result.trial_cost:
+        cost = result.trial_cost
+        summary += (f" A trial took {cost['trial_seconds_median']:.3g} s (median of "
+                    f"{cost['trials_run']}: its Q/DQ model built and run once over the hardest "
+                    f"samples), {cost['ratio']:.2g}x a warm FP32 pass over them "
+                    f"({cost['fp32_pass_seconds']:.3g} s).")
     for e in result.evaluations:
         if e.screened:
             summary += (f" The all-INT8 plan was not evaluated: on {e.certificate.samples} "
@@ -61,21 +121,61 @@ def plan_section(result: PlanResult) -> Section:
     too_small = certificate.too_small_message()
     too_small = too_small[:1].upper() + too_small[1:]
     html = _ENV.get_template("plan.html").render(
-        summary=summary, too_small=too_small,
+        steps=prose_html(" ".join(steps)), summary=summary, too_small=too_small,
         front_figure=Markup(figure_html(front_figure(result), "Predicted front: output noise "
                                         "of the best plan at each INT8 share; evaluated plans "
                                         "marked")),
         ledger_table=Markup(table_html(ledger_frame(result), caption="Evaluations of the real "
-                                       "INT8 model (ONNX Runtime integer kernels), in order")),
+                                       "INT8 model (ONNX Runtime integer kernels), in order",
+                                       columns=_metric_units(COLUMNS, certificate.metric))),
+        run_legend=Markup("").join(
+            Markup("<dt>{}</dt><dd>{}</dd>").format(code, text)
+            for code, text in RUN_CODES.items()
+            if code in {run for run in ledger_frame(result)["run"]}),
         waterfall_figure=Markup(figure_html(waterfall_figure(result), "Predicted output noise "
                                             "removed by each non-INT8 unit, from all-INT8 to "
                                             "the plan")),
         strip_figure=unit_strip_html(result.plan),
         decisions_table=Markup(table_html(decisions_frame(result.plan),
-                                          caption="Decision per unit")),
+                                          caption="Decision per unit", columns=COLUMNS)),
         legend=reasons_legend(r for d in result.plan.units.values() for r in d.reasons),
     )
     return Section("Precision plan", html, anchor="plan")
+
+
+def next_steps(result: PlanResult, folder: str, uncertified: str = "uncertified") -> list[str]:
+    """What to do with the plan written to `folder`, one sentence each: build it, the units
+    it keeps out of INT8, the better plan in `uncertified` and the samples it needs, or
+    what to change when nothing certified."""
+    certificate = result.certificate
+    plan = result.plan
+    out = {p: [n for n, d in plan.units.items() if d.precision == p] for p in ("fp16", "fp32")}
+    steps = []
+    if certificate.certified:
+        kept = "; ".join(f"{p.upper()}: {', '.join(names[:STRIP_NAMED])}"
+                         + (f" and {len(names) - STRIP_NAMED} more" if len(names) > STRIP_NAMED
+                            else "") for p, names in out.items() if names)
+        steps.append(f"Certified at {plan.int8_mac_share():.1%} of MACs in INT8"
+                     + (f", with these units out of INT8 ({kept})" if kept else "")
+                     + f": `quantlab build {folder}` writes its trtexec commands (and the "
+                       "engine, where TensorRT is installed).")
+    else:
+        steps.append("No plan certified: allow a larger budget, pass more --eval samples, or "
+                     "keep FP16 outside INT8 (--high-precision fp16) where the rules allow it.")
+    if result.uncertified is not None:
+        kept_plan, _, evaluation = result.uncertified
+        needed = evaluation.certificate.needed_samples
+        steps.append(
+            f"A plan with {kept_plan.int8_mac_share():.1%} of MACs in INT8 scored "
+            f"{evaluation.certificate.value:.4g} against the limit "
+            f"{evaluation.certificate.limit:.4g} but could not be certified on "
+            f"{evaluation.certificate.samples} samples: it is in {folder}/{uncertified}/; "
+            + (f"about {needed} evaluation samples would tell." if needed else
+               "more evaluation samples would tell."))
+    elif certificate.too_small:
+        steps.append(f"Pass about {certificate.needed_samples or 'many more'} evaluation "
+                     "samples with --eval to certify a plan with more INT8.")
+    return steps
 
 
 def decisions_frame(plan: Plan) -> pd.DataFrame:
@@ -127,10 +227,17 @@ def ledger_frame(result: PlanResult) -> pd.DataFrame:
         "certified": "yes" if e.certificate.certified else "no",
         "chosen": "yes" if i == result.chosen else "",
         "seconds": e.seconds,
-        "model_run": ("yes" if e.model_run else
-                      f"no (failed on {e.certificate.samples} calibration samples)"
-                      if e.screened else "no (the FP32 model)"),
+        "run": "int8" if e.model_run else "screened" if e.screened else "fp32",
     } for i, e in enumerate(result.evaluations)])
+
+
+def _metric_units(columns: dict, metric: str) -> dict:
+    """`columns` with "metric units" named for `metric` (dB for sqnr)."""
+    from quantlab.report.validation import METRIC_UNITS
+
+    unit = METRIC_UNITS.get(metric, "metric units")
+    return {name: (unit if u == "metric units" else u, text)
+            for name, (u, text) in columns.items()}
 
 
 def front_figure(result: PlanResult):
@@ -186,7 +293,7 @@ def unit_strip_html(plan: Plan) -> Markup:
     """:func:`unit_strip_figure` embedded, with its caption."""
     return Markup(figure_html(unit_strip_figure(plan), "The network as its units in "
                               "topological order, coloured by precision, over each unit's "
-                              "output-noise contribution in INT8 (measured on the switchboard, "
+                              "output-noise contribution in INT8 (fitted from trials on the "
                               "hardest calibration samples)"))
 
 

@@ -1,0 +1,286 @@
+"""Evaluations of plans on the evaluation set: the ledger, its checkpoint, and the search.
+
+The search (:func:`search`) evaluates plans of the front on the real INT8 model
+(ONNX Runtime integer kernels) and certifies each on held-out data; the ledger
+(:class:`Evaluation`) and the checkpoint of an interrupted run live here with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from quantlab.errors import DataError
+from quantlab.experiment import read_record, write_json
+from quantlab.planner.certify import Certificate, certify
+from quantlab.planner.search import FrontPoint
+
+# The least INT8 (share of MACs) an evaluation must be able to add over the certified plan.
+MIN_GAIN = 1e-4
+
+
+class Checkpoint:
+    """What an interrupted plan run already measured, in a JSON file, so a re-run resumes.
+
+    Holds the trials (index -> nsr) and the evaluations (plan key, :func:`plan_key`
+    -> :class:`Evaluation`) of a run identified by `fingerprint` (a hash of the model,
+    the data, the scales and the settings); a file of another run is ignored and
+    replaced. Every update is written atomically.
+    """
+
+    def __init__(self, path: str | os.PathLike | None, fingerprint: str):
+        self.path = Path(path) if path is not None else None
+        self.fingerprint = fingerprint
+        self.trials: dict[int, float] = {}
+        self.evaluations: dict[str, Evaluation] = {}
+        # A file was there but of another run (or unreadable): it is replaced.
+        self.ignored = False
+        if self.path is None or not self.path.is_file():
+            return
+        try:
+            data = read_record(self.path, "plan checkpoint")
+            if data.get("fingerprint") != fingerprint:
+                self.ignored = True
+                return
+            self.trials = {int(t): float(v) for t, v in data["trials"].items()}
+            self.evaluations = {str(i): Evaluation(
+                e["int8_mac_share"], e["predicted"],
+                Certificate(**{**e["certificate"],
+                               "interval": tuple(e["certificate"]["interval"])}),
+                e["seconds"], e.get("model_run", True), e.get("screened", False))
+                for i, e in data["evaluations"].items()}
+        except (DataError, ValueError, KeyError, TypeError, AttributeError):
+            self.trials, self.evaluations = {}, {}  # unreadable: start over
+            self.ignored = True
+
+    def add_trial(self, index: int, nsr: float) -> None:
+        """Record one trial (a plan run on the hardest samples)."""
+        self.trials[index] = nsr
+        self._save()
+
+    def add_evaluation(self, key: str, evaluation: Evaluation) -> None:
+        """Record one evaluation of the plan `key` (:func:`plan_key`)."""
+        self.evaluations[key] = evaluation
+        self._save()
+
+    def _save(self) -> None:
+        if self.path is not None:
+            write_json(self.path, {"format": "quantlab.plan-progress",
+                                   "fingerprint": self.fingerprint, "trials": self.trials,
+                                   "evaluations": {i: asdict(e) for i, e in
+                                                   self.evaluations.items()}})
+
+
+def plan_key(precisions: Mapping[str, str]) -> str:
+    """A plan's key in the checkpoint: a digest of its units' precisions."""
+    return hashlib.sha256(json.dumps(sorted(precisions.items())).encode()).hexdigest()[:16]
+
+
+def fingerprint(model: onnx.ModelProto, *parts) -> str:
+    """A hash identifying a plan run: the model and the settings and data descriptions."""
+    digest = hashlib.sha256(model.SerializeToString())
+    digest.update(json.dumps([str(p) for p in parts]).encode())
+    return digest.hexdigest()
+
+
+
+@dataclass
+class Evaluation:
+    """One full evaluation of a plan on the real INT8 model: the ledger entry."""
+
+    int8_mac_share: float
+    predicted: float
+    certificate: Certificate
+    seconds: float
+    # False for the plan with every unit in FP32: it is the FP32 model, whose outputs are known.
+    model_run: bool = True
+    # True when judged on a random draw of calibration samples, not on the evaluation
+    # set: an all-INT8 plan that fails there beyond doubt (see screen).
+    screened: bool = False
+
+
+def search(front: Callable[[], list[FrontPoint]],
+           evaluate: Callable[[FrontPoint], Evaluation | None], max_evaluations: int,
+           max_drop: float | None, min_sqnr: float | None
+           ) -> tuple[list[tuple[FrontPoint, Evaluation]], int]:
+    """Evaluate plans of the front; the (plan, evaluation) pairs in order, and the chosen's
+    position among them.
+
+    ``front()`` is the current front (it may change: ``evaluate`` returns None when,
+    instead of evaluating a plan, it refitted the noise model, and the search then
+    chooses again on the new front, where the plans evaluated keep their outcomes).
+    All-INT8 first (kept when certified), then up to `max_evaluations` in all (not
+    counting a plan `evaluate` screened out on the calibration samples), each chosen by
+    :func:`_next_guess` between the most-INT8 certified plan and the least-INT8 failed
+    one, among the plans that add at least MIN_GAIN of the MACs to the certified one (a
+    layout front holds plans 5e-6 apart: a whole evaluation is wasted on them). The
+    chosen plan is the certified one with the most INT8, else the most conservative
+    evaluated (the caller then falls back to a plan without INT8). Warns when the
+    evaluation set is too small to decide (:func:`warn_undecided` says more once the
+    plan is chosen).
+    """
+    points = front()
+    done: list[tuple[FrontPoint, Evaluation]] = []
+    while not done:  # all-INT8: the first trial, so its prediction holds
+        result = evaluate(points[-1])
+        if result is None:
+            points = front()
+            continue
+        done.append((points[-1], result))
+        if result.certificate.inconclusive:  # said now, not after the other evaluations
+            warnings.warn(result.certificate.too_small_message(), stacklevel=3)
+    while sum(not e.screened for _, e in done) < max_evaluations:
+        points, evaluated = _merged(front(), done)
+        certified = [i for i, e in evaluated.items() if e.certificate.certified]
+        low = max(certified, default=-1)
+        high = min((i for i, e in evaluated.items() if i > low and not e.certificate.certified),
+                   default=len(points))
+        # Plans that add less than MIN_GAIN of the MACs to the certified one are not tried.
+        floor = low if low < 0 else max(i for i in range(low, min(high + 1, len(points))) if (
+            points[i].int8_mac_share < points[low].int8_mac_share + MIN_GAIN))
+        if floor >= high - 1:
+            break
+        guess = _next_guess(points, evaluated, floor, high, max_drop, min_sqnr)
+        result = evaluate(points[guess])
+        if result is not None:
+            done.append((points[guess], result))
+    certified = [k for k, (_, e) in enumerate(done) if e.certificate.certified]
+    chosen = (max(certified, key=lambda k: done[k][1].int8_mac_share) if certified else
+              min(range(len(done)), key=lambda k: done[k][1].int8_mac_share))
+    return done, chosen
+
+
+def _merged(points: list[FrontPoint], done: list[tuple[FrontPoint, Evaluation]]
+            ) -> tuple[list[FrontPoint], dict[int, Evaluation]]:
+    """The front with every evaluated plan in it (by INT8 share; a front plan of the same
+    share gives way to it), and their evaluations by index."""
+    shares = {p.int8_mac_share for p, _ in done}
+    merged = sorted([p for p in points if p.int8_mac_share not in shares] +
+                    [p for p, _ in done], key=lambda p: (p.int8_mac_share, p.predicted))
+    index = {id(p): i for i, p in enumerate(merged)}
+    return merged, {index[id(p)]: e for p, e in done}
+
+
+def warn_undecided(evaluations: list[Evaluation], chosen: Evaluation) -> None:
+    """Warn when a plan with more INT8 than `chosen` (the plan written) scored inside the
+    budget but could not be certified: what it scored and what the data lack. Not when
+    the all-INT8 plan (the first evaluated) was itself inconclusive: said already."""
+    if evaluations[0].certificate.inconclusive:
+        return
+    undecided = [e for e in evaluations if e.certificate.inconclusive and
+                 e.int8_mac_share > chosen.int8_mac_share]
+    if undecided:
+        best = max(undecided, key=lambda e: e.int8_mac_share)
+        warnings.warn(f"the plan with {best.int8_mac_share:.1%} of MACs in INT8 scored "
+                      f"{best.certificate.value:.4g} (limit {best.certificate.limit:.4g}) but "
+                      f"could not be certified: {best.certificate.too_small_message()} The plan "
+                      f"written keeps {chosen.int8_mac_share:.1%} in INT8 "
+                      f"({(best.int8_mac_share - chosen.int8_mac_share) * 100:.2g} "
+                      "points of the MACs fewer).",
+                      stacklevel=4)
+
+
+def screen(point: FrontPoint, run: Callable, inputs: Mapping[str, np.ndarray],
+            references: Mapping[str, np.ndarray], metric_fn: Callable, metric: str,
+            max_drop: float | None, min_sqnr: float | None,
+            resamples: int) -> Evaluation | None:
+    """The all-INT8 `point` judged on calibration samples, if it fails there beyond doubt.
+
+    `run` runs its Q/DQ model (in bounded runs); `inputs` are a random draw
+    of calibration samples (drawn in the pass that finds the hardest, whose drop
+    they would overstate), `references` FP32's outputs on them. It
+    fails beyond doubt when the whole bootstrap interval of its margin lies below
+    the limit: the evaluation-set pass it would take is spared, and the search's
+    law is fitted on this measurement instead. Otherwise None: it is evaluated as
+    any other plan. Only for metrics that read outputs alone: a task metric needs
+    labels the calibration data lack.
+    """
+    start = time.perf_counter()
+    certificate = certify(metric_fn, metric, [run(inputs)], [references],
+                          max_drop=max_drop, floor=min_sqnr, resamples=resamples,
+                          what="random calibration samples")
+    if certificate.interval[1] >= 0:
+        return None
+    return Evaluation(point.int8_mac_share, point.predicted, certificate,
+                      time.perf_counter() - start, model_run=False, screened=True)
+
+
+def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], low: int,
+                high: int, max_drop: float | None, min_sqnr: float | None) -> int:
+    """The front index to evaluate next, strictly between `low` and `high`.
+
+    The metric's shortfall is taken to grow as a power of the predicted noise
+    (:func:`_shortfall_power`; proportional for an SQNR floor), its factor fitted on
+    the evaluation nearest the bracket's middle (re-fitting, not assuming, AIMET's
+    monotone curve); bisection when that guess leaves the open interval. When the
+    plan at `high` scored inside the budget but was not certified (its bootstrap
+    interval reaches below the limit), the factor is fitted on it and the aim is
+    the largest shortfall that can still be certified, the budget less the
+    interval's spread (:func:`_certifiable_drop`; for a floor, the floor raised by
+    the spread in dB): that spread was measured near the budget, where it applies.
+    Failing that, the plan just below: plans with less noise are the likeliest to
+    certify, and a guess further down would give up INT8 no measurement ruled out.
+    """
+    def shortfall(e: Evaluation) -> float:  # noise power for a floor (dB -> NSR), else the drop
+        c = e.certificate
+        return 10 ** (-c.value / 10) if min_sqnr is not None else c.reference - c.value
+
+    above, spread = evaluated.get(high), 0.0
+    if above is not None and above.certificate.value >= above.certificate.limit:
+        c = above.certificate
+        nearest, guess, spread = above, high - 1, max(c.value - c.limit - c.interval[0], 0.0)
+    else:
+        nearest = evaluated[min(evaluated, key=lambda i: abs(i - (low + high) / 2))]
+        guess = (low + high) // 2
+    measured = shortfall(nearest)
+    allowed = (10 ** (-(min_sqnr + spread) / 10) if min_sqnr is not None
+               else _certifiable_drop(max_drop, measured, spread))
+    if measured > 0 and nearest.predicted > 0:
+        power = 1.0 if min_sqnr is not None else _shortfall_power(
+            [(e.predicted, shortfall(e)) for e in evaluated.values()])
+        budget = nearest.predicted * (allowed / measured) ** (1.0 / power)
+        fitting = [i for i, p in enumerate(points) if p.predicted <= budget]
+        if fitting and low < fitting[-1] < high:
+            guess = fitting[-1]
+    return min(max(guess, low + 1), high - 1)
+
+
+def _certifiable_drop(budget: float, drop: float, spread: float) -> float:
+    """The largest drop d that a plan can show and still be certified within `budget`.
+
+    Certification needs the margin's lower end, ``budget - d - spread(d)``, at or
+    above 0. A drop is made of changed predictions (boxes, labels), and the
+    bootstrap spread of a count grows as its square root, so the spread measured
+    at `drop` is scaled as ``spread * sqrt(d / drop)``; d solves
+    ``d + spread * sqrt(d / drop) = budget`` (a quadratic in sqrt(d)). The whole
+    budget when there is no spread, or no drop to scale it from.
+    """
+    if drop <= 0 or spread <= 0:
+        return budget
+    a = spread / np.sqrt(drop)
+    return float(((np.sqrt(a * a + 4 * budget) - a) / 2) ** 2)
+
+
+def _shortfall_power(measured: list[tuple[float, float]]) -> float:
+    """The power p of ``drop = k * noise ** p`` through the evaluations with a drop.
+
+    From the two with the largest drops and distinct predicted noise, clamped to
+    [0.5, 1]; 0.5 with fewer. Power 1 is a metric that degrades with the noise's
+    power (SQNR-like), 0.5 one that degrades with its amplitude, as thresholded
+    metrics do near their thresholds (boxes kept or lost, argmax flips): the
+    cautious assumption when extrapolating down from a single failure.
+    """
+    found = sorted((d, n) for n, d in measured if d > 0 and n > 0)[::-1]
+    for (d1, n1), (d2, n2) in zip(found, found[1:], strict=False):
+        if n1 != n2:
+            return float(np.clip(np.log(d1 / d2) / np.log(n1 / n2), 0.5, 1.0))
+    return 0.5

@@ -1,0 +1,683 @@
+"""The planning flow: :func:`make_plan` runs the planner's steps in order, timing each.
+
+Each step is a function over plain data (docs/planner.md tells the design):
+
+1. ``weigh repairs``: every repaired option's all-INT8 noise on the first batch;
+   the quietest is planned (:func:`_weigh_repairs`).
+2. ``rules``: units, the rules' reasons, the precisions each unit may take
+   (:func:`_rules`).
+3. ``calibrators``: per unit, the calibrator with the least local error
+   (:func:`quantlab.planner.measure.choose_calibrators`), scales shared.
+4. ``bias shifts``: each INT8 op's output shift, one pass (:func:`_bias_shifts`).
+5. ``hardest samples``: one pass of all-INT8 over the calibration data.
+6. ``bias correction``: kept where it lowers the hardest samples' noise.
+7. ``local errors``: every unit's local INT8 and FP16 error, one pass.
+8. ``trials``: random plans on the hardest samples, the noise model fitted
+   (:func:`quantlab.planner.trials.group_test`).
+9. ``front checks``: front plans measured against the fit, refitted, disagreements
+   localized (:func:`_check_front`).
+10. ``evaluations``: plans of the front on the evaluation set, certified
+    (:func:`quantlab.planner.evaluate.search`), FP16 then FP32 the fallback.
+11. the decisions with their evidence and reasons (:func:`_decide`).
+
+Every plan that runs, in a trial or an evaluation, is its own Q/DQ model in ONNX
+Runtime (:class:`_Runner`): what is measured is what is shipped.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from quantlab import qdq
+from quantlab.errors import ConfigError, ModelError
+from quantlab.graph import Graph
+from quantlab.planner.certify import (
+    Certificate,
+    certify,
+    certify_paired,
+    check_budget,
+    data_shortfalls,
+    floor_message,
+    floor_record,
+    metric_value,
+    resolve_metric,
+    task_evaluator,
+)
+from quantlab.planner.decisions import Plan
+from quantlab.planner.evaluate import (
+    Checkpoint,
+    Evaluation,
+    plan_key,
+    screen,
+    search,
+    warn_undecided,
+)
+from quantlab.planner.measure import (
+    CalibratedModel,
+    all_int8_nsr,
+    choose_calibrators,
+    fp16_contributions,
+    hardest_samples,
+    in_runs,
+    local_sqnr,
+    output_sample_axes,
+    samples_per_run,
+    single_samples,
+)
+from quantlab.planner.rules import Reason, RuleContext, allowed_precisions, apply_rules
+from quantlab.planner.search import FrontPoint, fallback_precision, front
+from quantlab.planner.trials import OutputSensitivity, Trials, check_fit, group_test, plan_nsr
+from quantlab.planner.units import Unit, find_units, read_back, share_scales
+
+# Front plans measured per round of checks before any evaluation.
+FRONT_CHECKS = 4
+# Times the noise model may be refitted during the search, when a plan it chose for an
+# evaluation measured noisier than predicted on the hardest samples.
+MAX_REFITS = 3
+# The reason of a unit the search (not a rule) keeps out of INT8.
+SEARCH_CODE = "M-SEARCH"
+SEARCH_SOURCE = ("quantlab: trials on the hardest samples, MILP front, certified on held-out "
+                 "data (docs/planner.md)")
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """How to plan: the budget, and how much to measure.
+
+    The budget is ``max_drop`` of `metric` from FP32, or ``min_sqnr`` (dB of output
+    SQNR, metric "sqnr"). `trials` random plans on the `hard_count` hardest
+    calibration samples fit the noise model; up to `verify_rounds` rounds check
+    FRONT_CHECKS front plans against it; up to `max_evaluations` plans are evaluated
+    on the evaluation set (a plan screened out on calibration samples, and the
+    fallback when none certifies, not counted), each certified with a paired
+    bootstrap of `resamples`. Units out of INT8 run `high_precision` where their
+    rules allow. With `bias_correction` each INT8 op's output shift is measured
+    once and applied where it lowers the hardest samples' noise.
+    """
+
+    metric: str = "sqnr"
+    max_drop: float | None = None
+    min_sqnr: float | None = None
+    trials: int = 24
+    hard_count: int = 64
+    max_evaluations: int = 2
+    high_precision: str = "fp16"
+    resamples: int = 200
+    bias_correction: bool = True
+    verify_rounds: int = 2
+
+    def check(self) -> None:
+        check_budget(self.metric, self.max_drop, self.min_sqnr)
+        for option in ("trials", "hard_count", "resamples", "max_evaluations"):
+            if getattr(self, option) < 1:
+                raise ConfigError(f"{option} must be at least 1, got {getattr(self, option)}.")
+
+    @property
+    def budget(self) -> float:
+        return self.max_drop if self.max_drop is not None else self.min_sqnr
+
+
+@dataclass
+class PlanResult:
+    """Everything `make_plan` produced; ``evaluations[chosen]`` certifies ``plan``.
+
+    The chosen plan is the certified one with the most INT8 MACs or, when none
+    with INT8 is certified, all-FP16 where it holds the budget, else the FP32
+    model (the certificate says so).
+    """
+
+    plan: Plan
+    qdq_model: onnx.ModelProto
+    amax: dict[str, float]
+    front: list[FrontPoint]
+    sensitivity: OutputSensitivity
+    evaluations: list[Evaluation]
+    chosen: int
+    hard_samples: list[int]
+    # The FP32 model planned: the input model, or its repaired copy (plan.repairs says which).
+    model: onnx.ModelProto | None = None
+    # The plan with the most INT8 that scored inside the budget but could not be certified
+    # (the evaluation set too small), with its Q/DQ model and evaluation; None if none did.
+    uncertified: tuple[Plan, onnx.ModelProto, Evaluation] | None = None
+    # Seconds per step of the flow (module docstring), in order.
+    phases: dict[str, float] = field(default_factory=dict)
+    # Each evaluated plan's predicted and measured noise on the hardest samples.
+    noise_checks: list[dict] = field(default_factory=list)
+    # What a trial cost against an FP32 pass over the same (hardest) samples.
+    trial_cost: dict = field(default_factory=dict)
+    # Times the search refitted the noise model instead of evaluating the plan it chose.
+    refits: int = 0
+
+    @property
+    def certificate(self) -> Certificate:
+        """The certificate of the chosen plan."""
+        return self.evaluations[self.chosen].certificate
+
+    def largest_disagreement(self) -> float:
+        """The largest factor between the noise model's prediction and a measurement, over
+        the front checks, the localization and the evaluated plans (1: none)."""
+        return max([self.sensitivity.largest_disagreement()] +
+                   [c["factor"] for c in self.noise_checks])
+
+    @property
+    def model_runs(self) -> int:
+        """Evaluations that ran a model on the evaluation set (not the FP32 plan, whose
+        outputs are known, nor a plan screened out on the calibration samples)."""
+        return sum(e.model_run for e in self.evaluations)
+
+
+class _Phases:
+    """Seconds per named step, in the order first entered."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+@dataclass
+class _Context:
+    """What every step reads: the settings, the data, the FP32 model's bounded runs."""
+
+    settings: PlanSettings
+    calibration: object  # a quantlab.data.BatchSource
+    evaluation: object
+    task: object | None
+    metric_fn: Callable | None  # None for a task metric (labels)
+    runs: Callable[[Callable], Callable]  # a backend's run -> bounded runs, samples first
+    fp32_run: Callable
+    first: Mapping[str, np.ndarray]  # the first calibration batch
+    step: Callable  # progress: (items, desc=) -> items
+
+
+@dataclass
+class _Rules:
+    units: list[Unit]
+    reasons: dict[str, list[Reason]]
+    allowed: dict[str, tuple[str, ...]]
+    fixed: dict[str, str]  # hard pins: unit -> precision
+
+
+class _Runner:
+    """Builds and runs a plan's Q/DQ model (unit -> precision), bias shifts applied to INT8.
+
+    One ONNX Runtime session per plan run, dropped after it: a trial costs one forward
+    pass of the plan's model plus building it.
+    """
+
+    def __init__(self, model: onnx.ModelProto, g: Graph, units: list[Unit],
+                 amax: Mapping[str, float], high_precision: str, runs: Callable):
+        self.model, self.g, self.units, self.amax = model, g, units, amax
+        self.high_precision, self.runs = high_precision, runs
+        self.shifts: dict[str, np.ndarray] = {}
+
+    def quantized(self, precisions: Mapping[str, str]) -> onnx.ModelProto:
+        from quantlab.repairs import shift_biases
+
+        nodes = {n: precisions[u.name] for u in self.units for n in u.nodes}
+        built = qdq.quantize_model(self.model, self.amax, nodes,
+                                   high_precision=self.high_precision)
+        return shift_biases(self.g, built, self.shifts) if self.shifts else built
+
+    def __call__(self, precisions: Mapping[str, str], name: str = "trial") -> Callable:
+        from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+        return self.runs(OnnxRuntimeBackend(self.quantized(precisions), name=name).run)
+
+
+def make_plan(original: CalibratedModel, calibration, evaluation,
+              settings: PlanSettings = PlanSettings(), *, task=None,
+              checkpoint: Checkpoint | None = None,
+              repairs: Mapping[str, CalibratedModel] | None = None,
+              progress: Callable | None = None) -> PlanResult:
+    """Plan `original` (a normalized model and its calibration) under `settings`' budget.
+
+    `calibration` and `evaluation` are BatchSources (measurement on the former's
+    hardest samples, certification on the latter). With a
+    :class:`quantlab.tasks.Task` (labels or COCO ground truth of `evaluation`), the
+    metric may be its primary metric (``top1``, ``map``). `repairs` (name -> a
+    repaired copy and its calibration) are weighed first; ``plan.repairs`` records
+    every option's noise. `checkpoint` (an interrupted run of the same plan) skips
+    the trials and evaluations it holds. The steps are the module's; their
+    seconds are ``result.phases``.
+    """
+    settings.check()
+    phases = _Phases()
+    with phases("setup"):
+        context = _context(original.model, calibration, evaluation, settings, task, progress)
+    with phases("weigh repairs"):
+        chosen, repair, repair_records = _weigh_repairs(context, original, repairs or {})
+    model, g = chosen.model, Graph(chosen.model)
+    with phases("rules"):
+        rules = _rules(context, chosen, g)
+    amax, calibrators = chosen.amax, {}
+    with phases("calibrators"):
+        if chosen.candidates:
+            amax, calibrators = choose_calibrators(
+                g, chosen.candidates, rules.units,
+                single_samples(calibration, context.first), amax)
+        amax = share_scales(g, amax)
+    runner = _Runner(model, g, rules.units, amax, settings.high_precision, context.runs)
+    all_int8 = {u.name: rules.fixed.get(u.name, "int8") for u in rules.units}
+    with phases("bias shifts"):
+        shifts, shift_report = _bias_shifts(context, runner, all_int8)
+    with phases("hardest samples"):
+        runner.shifts = shifts
+        hard, hard_indices, drawn = hardest_samples(
+            calibration, context.fp32_run, runner(all_int8), settings.hard_count,
+            lambda b: context.step(b, desc="hardest samples"), draw=context.metric_fn is not None)
+        references = context.fp32_run(hard)
+        start = time.perf_counter()  # the floor a trial is measured against, warm
+        context.fp32_run(hard)
+        fp32_seconds = time.perf_counter() - start
+    measure = plan_nsr(runner, hard, references)
+    with phases("bias correction"):
+        shift_record = _weigh_bias(runner, measure, all_int8, shifts, shift_report)
+    with phases("local errors"):
+        local = local_sqnr(g, amax, rules.units,
+                           single_samples(calibration, hard, calibration.batch_size))
+    trials = Trials(measure, [u.name for u in rules.units], rules.fixed,
+                    checkpoint.trials if checkpoint else {},
+                    checkpoint.add_trial if checkpoint else None)
+    with phases("trials"):
+        sensitivity = group_test(
+            trials, settings.trials, progress=lambda r: context.step(r, desc="trials"),
+            local_nsr={u: 10.0 ** (-f["int8"] / 10.0) for u, f in local.items() if "int8" in f})
+    if repair != "none":  # its effect where the pins' is measured: the hardest samples
+        fixed_nodes = {n: rules.fixed[u.name] for u in rules.units if u.name in rules.fixed
+                       for n in u.nodes}
+        before = all_int8_nsr({"none": original}, hard, references, context.runs, fixed_nodes)
+        repair_records[repair].update(hard_nsr_before=before["none"],
+                                      hard_nsr_after=float(sensitivity.nsr[0]))
+    with phases("front checks"):
+        sensitivity = _check_front(context, rules, local, sensitivity, trials)
+    model_fit = _ModelFit(context, rules, local, sensitivity, trials)
+    with phases("evaluations"):
+        done, chosen, floor = _evaluate(context, rules, runner, model_fit, drawn, checkpoint)
+    del drawn
+    evaluations = [e for _, e in done]
+    warn_undecided(evaluations, evaluations[chosen])
+    sensitivity, (contribution, fp16_contribution, points) = model_fit.sensitivity, model_fit.fitted
+    with phases("noise checks"):  # every evaluated plan's prediction checked on the hard samples
+        noise_checks = _noise_checks(model_fit, done)
+    decided = _decide(context, rules, done[chosen][0], contribution, fp16_contribution, local,
+                      calibrators, sensitivity, len(done), floor,
+                      shifts if runner.shifts else {})
+    decided.repairs = [*repair_records.values(), *([shift_record] if shift_record else [])]
+    qdq_model = runner.quantized(decided.node_precisions())
+    differ = {u: p for u, p in read_back(qdq_model, rules.units).items()
+              if p != decided.units[u].precision}
+    if differ:
+        raise ModelError(f"the Q/DQ model runs units {sorted(differ)[:5]} as {differ} although "
+                         "the plan says otherwise; this is a bug, please report it with the model.")
+    return PlanResult(decided, qdq_model, dict(amax), points, sensitivity, evaluations, chosen,
+                      hard_indices.tolist(), model,
+                      _uncertified(context, rules, runner, done, done[chosen][0]),
+                      phases.seconds, noise_checks, _trial_cost(trials, fp32_seconds),
+                      model_fit.refits)
+
+
+def _context(model: onnx.ModelProto, calibration, evaluation, settings: PlanSettings, task,
+             progress: Callable | None) -> _Context:
+    """Checks of the settings against the data, the FP32 model's bounded runs, the metric
+    tried once on the first batch (a metric that fails fails now, not late)."""
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    task_metric = task is not None and settings.metric == task.primary_metric
+    if task is not None:
+        task.check_samples(evaluation.num_samples)
+    metric_fn = None if task_metric else resolve_metric(settings.metric)
+    for message in data_shortfalls(calibration.num_samples, evaluation.num_samples,
+                                   settings.hard_count, settings.metric, settings.max_drop,
+                                   task):
+        warnings.warn(message, stacklevel=3)
+    fp32 = OnnxRuntimeBackend(model, name="fp32")
+    first = next(iter(calibration))
+    # Every whole-model run: runs of a bounded size (a 640 px batch of 32 held 13-15 GB),
+    # outputs samples first (a recurrent state [layers, N, hidden]).
+    size = samples_per_run(Graph(model), first, calibration)
+    axes = output_sample_axes(model, fp32.run, first, calibration)
+
+    def runs(run: Callable) -> Callable:
+        return in_runs(run, calibration, size, axes)
+
+    fp32_run = runs(fp32.run)
+    if metric_fn is not None:
+        first_outputs = [fp32_run(first)]
+        metric_value(metric_fn, settings.metric, first_outputs, first_outputs,
+                     "FP32 against itself on the first calibration batch")
+    return _Context(settings, calibration, evaluation, task, metric_fn, runs, fp32_run, first,
+                    progress or (lambda items, **_: items))
+
+
+def _weigh_repairs(context: _Context, original: CalibratedModel,
+                   repairs: Mapping[str, CalibratedModel]
+                   ) -> tuple[CalibratedModel, str, dict[str, dict]]:
+    """The option (the model as given, or a repair) whose all-INT8 model has the least output
+    noise on the first batch, its name and a record per option."""
+    if not repairs:
+        return original, "none", {}
+    options = {"none": original, **repairs}
+    weighed = all_int8_nsr(options, context.first, context.fp32_run(context.first),
+                           context.runs)
+    repair = min(weighed, key=weighed.get)
+    return options[repair], repair, {
+        name: {"repair": name, "chosen": name == repair, "all_int8_nsr_first_batch": nsr,
+               **_repair_summary(options[name].report)} for name, nsr in weighed.items()}
+
+
+def _rules(context: _Context, chosen: CalibratedModel, g: Graph) -> _Rules:
+    """Units (MACs per sample: shapes inference misses, so one sample runs) and their rules."""
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    one = context.calibration.slice(context.first, 0, 1)
+    fp32 = OnnxRuntimeBackend(chosen.model, name="fp32")
+    units = find_units(g, {name: np.shape(value) for name, value in one.items()},
+                       lambda names: {n: a.shape for n, a in fp32.run(one, names).items()})
+    reasons = apply_rules(units, RuleContext(g, chosen.ranges, chosen.p9999))
+    allowed = {u.name: allowed_precisions(reasons.get(u.name, [])) for u in units}
+    fixed = {n: fallback_precision(a, context.settings.high_precision)
+             for n, a in allowed.items() if "int8" not in a}
+    return _Rules(units, reasons, allowed, fixed)
+
+
+def _bias_shifts(context: _Context, runner: _Runner, all_int8: Mapping[str, str]):
+    """Each INT8 op's output shift (one pass over the calibration data), or none."""
+    from quantlab.repairs import bias_shifts
+
+    if not context.settings.bias_correction:
+        return {}, None
+    return bias_shifts(runner.model, runner.quantized(all_int8), context.calibration)
+
+
+def _weigh_bias(runner: _Runner, measure: Callable, all_int8: Mapping[str, str],
+                shifts: Mapping[str, np.ndarray], shift_report) -> dict | None:
+    """Bias correction kept (``runner.shifts``) only where it lowers the hardest samples'
+    all-INT8 noise; its record for plan.json."""
+    if not shifts:
+        return None
+    with_shifts = measure(all_int8)
+    runner.shifts = {}
+    without = measure(all_int8)
+    chosen = with_shifts < without
+    runner.shifts = dict(shifts) if chosen else {}
+    return {"repair": "bias_correction", "chosen": bool(chosen), "hard_nsr_before": without,
+            "hard_nsr_after": with_shifts, **_repair_summary(shift_report.to_dict())}
+
+
+def _fitted(rules: _Rules, local: Mapping, sensitivity: OutputSensitivity, high_precision: str):
+    contribution = dict(zip(sensitivity.units, sensitivity.contribution, strict=True))
+    fp16_contribution = fp16_contributions(contribution, local, rules.fixed)
+    return contribution, fp16_contribution, front(
+        rules.units, rules.allowed, contribution, high_precision=high_precision,
+        fp16_contribution=fp16_contribution)
+
+
+def _check_front(context: _Context, rules: _Rules, local: Mapping,
+                 sensitivity: OutputSensitivity, trials: Trials) -> OutputSensitivity:
+    """Up to ``verify_rounds`` rounds: FRONT_CHECKS plans of the front measured against the
+    fit (:func:`quantlab.planner.trials.check_fit`) and refitted, until every one is within
+    DISAGREEMENT of its prediction. Random half-and-half trials cannot tell many small
+    contributors apart, and a fit that calls them free puts them all in INT8."""
+    from quantlab.planner.trials import DISAGREEMENT
+
+    points = _fitted(rules, local, sensitivity, context.settings.high_precision)[2]
+    for _ in context.step(range(context.settings.verify_rounds), desc="front checks"):
+        masks = _front_masks(points, sensitivity)
+        if not len(masks):
+            break
+        checked = len(sensitivity.checks)
+        sensitivity = check_fit(sensitivity, trials, masks, "front check")
+        points = _fitted(rules, local, sensitivity, context.settings.high_precision)[2]
+        if all(c["factor"] <= DISAGREEMENT for c in sensitivity.checks[checked:]):
+            break
+    return sensitivity
+
+
+class _ModelFit:
+    """The noise model during the search: its fit, the front it gives, and its check before
+    each evaluation (:meth:`verified`)."""
+
+    def __init__(self, context: _Context, rules: _Rules, local: Mapping,
+                 sensitivity: OutputSensitivity, trials: Trials):
+        self.context, self.rules, self.local, self.trials = context, rules, local, trials
+        self.sensitivity = sensitivity
+        self.fitted = _fitted(rules, local, sensitivity, context.settings.high_precision)
+        self.refits = 0
+
+    def front(self) -> list[FrontPoint]:
+        return self.fitted[2]
+
+    def mask(self, point: FrontPoint) -> np.ndarray:
+        return np.array([point.precisions.get(u) == "int8" for u in self.sensitivity.units])
+
+    def verified(self, point: FrontPoint) -> bool:
+        """False when `point`, run as a trial (unless one ran it), was noisier than predicted
+        by more than DISAGREEMENT: the noise model was then localized and refitted, and the
+        front changed (at most MAX_REFITS times; after that, True)."""
+        from quantlab.planner.trials import DISAGREEMENT
+
+        mask = self.mask(point)
+        seen = {m.tobytes() for m in self.sensitivity.masks}
+        if self.refits >= MAX_REFITS or not mask.any() or mask.tobytes() in seen:
+            return True
+        checked = len(self.sensitivity.checks)
+        self.sensitivity = check_fit(self.sensitivity, self.trials, mask[None],
+                                     "before evaluation")
+        if self.sensitivity.checks[checked]["measured"] <= \
+                DISAGREEMENT * self.sensitivity.checks[checked]["predicted"]:
+            return True
+        self.refits += 1
+        self.fitted = _fitted(self.rules, self.local, self.sensitivity,
+                              self.context.settings.high_precision)
+        return False
+
+
+def _front_masks(points: list[FrontPoint], sensitivity: OutputSensitivity,
+                 count: int = FRONT_CHECKS) -> np.ndarray:
+    """INT8 masks of up to `count` front plans no trial ran yet, evenly spread, strictly
+    between no INT8 and all INT8."""
+    seen = {mask.tobytes() for mask in sensitivity.masks}
+    masks = []
+    for point in points:
+        mask = np.array([point.precisions.get(u) == "int8" for u in sensitivity.units])
+        if mask.any() and not mask.all() and mask.tobytes() not in seen:
+            seen.add(mask.tobytes())
+            masks.append(mask)
+    picked = np.unique(np.linspace(0, len(masks) - 1, min(count, len(masks))).astype(int))
+    return np.array([masks[i] for i in picked]).reshape(-1, len(sensitivity.units))
+
+
+def _evaluate(context: _Context, rules: _Rules, runner: _Runner, model_fit: _ModelFit, drawn,
+              checkpoint: Checkpoint | None):
+    """The search over the front on the evaluation set (each plan checked against the noise
+    model first, :meth:`_ModelFit.verified`), then the fallback when no plan with INT8
+    certifies: all-FP16 (where units may run FP16), then the FP32 model. Returns the
+    (plan, evaluation) pairs, the chosen one's position and the all-FP16 evaluation (or
+    None)."""
+    settings = context.settings
+    screened = None
+    if drawn is not None:  # (inputs, FP32 outputs) of a random draw of calibration samples
+        last = model_fit.front()[-1]
+        screened = screen(last, runner(last.precisions), *drawn, context.metric_fn,
+                          settings.metric, settings.max_drop, settings.min_sqnr,
+                          settings.resamples)
+    fp32_outputs = [context.fp32_run(batch)
+                    for batch in context.step(context.evaluation, desc="FP32 evaluation")]
+
+    def evaluate_plan(point: FrontPoint) -> Evaluation:
+        key = plan_key(point.precisions)
+        if checkpoint and key in checkpoint.evaluations:
+            return checkpoint.evaluations[key]
+        start = time.perf_counter()
+        model_run = any(p != "fp32" for p in point.precisions.values())
+        if model_run:
+            run = runner(point.precisions, "int8")
+            outputs = [run(batch) for batch in context.step(context.evaluation,
+                                                              desc="INT8 evaluation")]
+        else:
+            outputs = fp32_outputs
+        if context.metric_fn is None:
+            certificate = certify_paired(
+                settings.metric, task_evaluator(context.task, outputs, fp32_outputs),
+                context.evaluation.num_samples, max_drop=settings.max_drop,
+                floor=settings.min_sqnr, resamples=settings.resamples)
+        else:
+            certificate = certify(context.metric_fn, settings.metric, outputs, fp32_outputs,
+                                  max_drop=settings.max_drop, floor=settings.min_sqnr,
+                                  resamples=settings.resamples)
+        result = Evaluation(point.int8_mac_share, point.predicted, certificate,
+                            time.perf_counter() - start, model_run)
+        if checkpoint:
+            checkpoint.add_evaluation(key, result)
+        return result
+
+    def checked(point: FrontPoint) -> Evaluation | None:
+        if screened is not None and point.int8_mac_share == 1.0:
+            return screened
+        return evaluate_plan(point) if model_fit.verified(point) else None
+
+    done, chosen = search(model_fit.front, checked, settings.max_evaluations,
+                          settings.max_drop, settings.min_sqnr)
+    if done[chosen][1].certificate.certified:
+        return done, chosen, None
+    # No plan with INT8 certified: FP16 everywhere it may run, then the FP32 model.
+    all_fp16 = FrontPoint(0.0, sum(model_fit.fitted[1].values()), 0.0, {
+        u.name: fallback_precision(rules.allowed[u.name], settings.high_precision)
+        for u in rules.units})
+    floor = None
+    if any(p == "fp16" for p in all_fp16.precisions.values()):
+        floor = evaluate_plan(all_fp16)
+        done.append((all_fp16, floor))
+        message = floor_message(floor.certificate, settings.metric, settings.max_drop)
+        if message:
+            warnings.warn(message, stacklevel=3)
+        if floor.certificate.certified:
+            return done, len(done) - 1, floor
+    all_fp32 = FrontPoint(0.0, 0.0, 0.0, {u.name: fallback_precision(rules.allowed[u.name],
+                                                                     "fp32")
+                                          for u in rules.units})
+    done.append((all_fp32, evaluate_plan(all_fp32)))
+    return done, len(done) - 1, floor
+
+
+def _noise_checks(model_fit: _ModelFit, done: list[tuple[FrontPoint, Evaluation]]
+                  ) -> list[dict]:
+    """Each evaluated plan with INT8: its noise predicted by the final fit against its
+    measured noise on the hardest samples (from a trial when one ran it, else one more
+    trial), the evaluation's measured metric beside them."""
+    sensitivity = model_fit.sensitivity
+    index = {m.tobytes(): t for t, m in enumerate(sensitivity.masks)}
+    records = []
+    for point, evaluation in done:
+        mask = model_fit.mask(point)
+        if not mask.any():
+            continue
+        measured = (sensitivity.nsr[index[mask.tobytes()]] if mask.tobytes() in index
+                    else model_fit.trials.run(mask[None])[0])
+        predicted = float(mask.astype(np.float64) @ sensitivity.contribution)
+        tiny = np.finfo(np.float64).tiny
+        factor = max(measured, tiny) / max(predicted, tiny)
+        records.append({"int8_mac_share": evaluation.int8_mac_share, "predicted": predicted,
+                        "measured": float(measured), "factor": float(max(factor, 1 / factor)),
+                        "value": evaluation.certificate.value,
+                        "certified": evaluation.certificate.certified})
+    return records
+
+
+def _trial_cost(trials: Trials, fp32_seconds: float) -> dict:
+    """Median seconds of a trial (building its Q/DQ model and session, one run over the
+    hardest samples) against one warm FP32 pass over the same samples."""
+    if not trials.seconds:
+        return {}
+    median = float(np.median(trials.seconds))
+    return {"trials_run": len(trials.seconds), "trial_seconds_median": median,
+            "fp32_pass_seconds": fp32_seconds,
+            "ratio": median / fp32_seconds if fp32_seconds > 0 else float("inf")}
+
+
+def _uncertified(context: _Context, rules: _Rules, runner: _Runner,
+                 done: list[tuple[FrontPoint, Evaluation]], chosen: FrontPoint):
+    """The plan with the most INT8 (more than the chosen) that scored inside the budget but
+    could not be certified, with its Q/DQ model and evaluation; None when there is none."""
+    promising = [(p, e) for p, e in done if not e.screened and e.certificate.inconclusive and
+                 e.certificate.value >= e.certificate.limit and
+                 p.int8_mac_share > chosen.int8_mac_share]
+    if not promising:
+        return None
+    point, evaluation = max(promising, key=lambda pair: pair[0].int8_mac_share)
+    kept = Plan.from_rules(rules.units, rules.reasons)
+    for unit in rules.units:
+        kept.units[unit.name].precision = point.precisions[unit.name]
+    kept.metric, kept.budget = context.settings.metric, context.settings.budget
+    return kept, runner.quantized(kept.node_precisions()), evaluation
+
+
+def _decide(context: _Context, rules: _Rules, chosen: FrontPoint, contribution: Mapping,
+            fp16_contribution: Mapping, local: Mapping, calibrators: Mapping,
+            sensitivity: OutputSensitivity, evaluated: int, floor: Evaluation | None,
+            applied: Mapping[str, np.ndarray]) -> Plan:
+    """The plan as plain data: each unit's precision, evidence and reasons."""
+    settings = context.settings
+    decided = Plan.from_rules(rules.units, rules.reasons)
+    rank = {u: i + 1 for i, u in enumerate(sensitivity.ranking())}
+    all_int8 = sensitivity.predicted_nsr(contribution)
+    for unit in rules.units:
+        decision = decided.units[unit.name]
+        decision.precision = chosen.precisions[unit.name]
+        decision.predicted = contribution.get(unit.name, 0.0)
+        decision.evidence["output_nsr_contribution"] = decision.predicted
+        decision.evidence["output_rank"] = rank[unit.name]
+        for precision, figure in local.get(unit.name, {}).items():
+            decision.evidence[f"local_sqnr_{precision}_db"] = figure
+        if unit.name in fp16_contribution:
+            decision.evidence["fp16_nsr_contribution"] = fp16_contribution[unit.name]
+        if unit.name in calibrators:
+            decision.evidence["calibrator"] = calibrators[unit.name]
+        if decision.precision == "int8" and any(n in applied for n in unit.linear):
+            decision.evidence["bias_shift_max"] = max(float(np.abs(applied[n]).max())
+                                                      for n in unit.linear if n in applied)
+        if decision.precision != "int8" and not any(r.hard for r in decision.reasons):
+            decision.reasons.append(Reason(
+                SEARCH_CODE, False, (decision.precision,),
+                f"rank {rank[unit.name]} of {len(rules.units)} by output-noise contribution "
+                f"{decision.predicted:.3g} (all INT8: {all_int8:.3g}); " + (
+                    "the certified plan of the front keeps it out of INT8"
+                    if chosen.int8_mac_share > 0 else
+                    f"no plan with INT8 held the budget ({evaluated} evaluated)"),
+                SEARCH_SOURCE))
+        if decision.precision == "fp32" and "fp16" in rules.allowed[unit.name] and \
+                settings.high_precision == "fp16":
+            if floor is None:
+                why = (f"FP16 would add predicted output NSR "
+                       f"{fp16_contribution.get(unit.name, 0.0):.3g} (local FP16 SQNR "
+                       f"{local.get(unit.name, {}).get('fp16', float('nan')):.3g} dB); the "
+                       "budget left by the INT8 units does not hold it")
+            else:
+                why = (f"all-FP16 scored {floor.certificate.value:.4g} against the limit "
+                       f"{floor.certificate.limit:.4g} and could not be certified, so the plan "
+                       "of last resort is the FP32 model")
+            decision.reasons.append(Reason(SEARCH_CODE, False, ("fp32",), why, SEARCH_SOURCE))
+    decided.metric, decided.budget = settings.metric, settings.budget
+    decided.floor = None if floor is None else floor_record(floor.certificate)
+    return decided
+
+
+def _repair_summary(report: Mapping) -> dict:
+    """The plain figures of a RepairReport dict that plan.json keeps: places changed, skipped."""
+    return {"applied": len(report.get("applied", [])), "skipped": len(report.get("skipped", [])),
+            "passes": report.get("passes", 0), **report.get("summary", {})}
+

@@ -1,0 +1,43 @@
+"""user_code.py: the user's module:function is found in the current directory, as the
+`quantlab` console script (whose sys.path starts at its bin folder) runs."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from quantlab import plan, user_code
+from quantlab.commands.options import check_metric
+from quantlab.errors import ConfigError
+
+
+@pytest.fixture
+def beside_the_user(tmp_path, monkeypatch):
+    """The current directory holds here_metric.py; sys.path has neither it nor ''."""
+    (tmp_path / "here_metric.py").write_text(
+        "def closeness(outputs, references):\n    return 0.25\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "here_metric", raising=False)
+    yield tmp_path
+    sys.modules.pop("here_metric", None)
+
+
+def test_a_module_in_the_current_directory_is_imported_and_sys_path_restored(beside_the_user):
+    before = list(sys.path)
+    module = user_code.import_module("here_metric")
+    assert module.__file__ == str(beside_the_user / "here_metric.py")
+    assert sys.path == before
+    with pytest.raises(ModuleNotFoundError):
+        user_code.import_module("no_such_module_here")
+    assert sys.path == before
+
+
+def test_plan_and_validate_metrics_load_from_the_current_directory(beside_the_user):
+    """plan and validate check --metric with options.check_metric, and the planner resolves it
+    with plan.resolve_metric: both find here_metric.py."""
+    check_metric("here_metric:closeness", False, "")
+    assert plan.resolve_metric("here_metric:closeness")([{}], [{}]) == 0.25
+    with pytest.raises(ConfigError, match="in the current directory or on PYTHONPATH"):
+        plan.resolve_metric("elsewhere_metric:closeness")
