@@ -85,8 +85,9 @@ def _detections(batches: Sequence[Mapping[str, np.ndarray]]) -> list:
     return [d for batch in batches for d in _decode_cached(batch)]
 
 
-def agreement_map(candidate: list, reference: list) -> float:
-    """COCO mAP x 100 of decoded `candidate` detections against `reference` as ground truth.
+def agreement_map(candidate: list, reference: list, key: str = "map") -> float:
+    """COCO mAP x 100 (`key`: "map" @[.5:.95], "map50" @.5) of decoded `candidate` detections
+    against `reference` as ground truth.
 
     Image i of one list is image i of the other (bootstrap resamples repeat images, so
     ids are positions, not contents).
@@ -107,10 +108,17 @@ def agreement_map(candidate: list, reference: list) -> float:
         return 100.0 if not detections else 0.0
     truth = {"images": images, "annotations": annotations,
              "categories": [{"id": c, "name": str(c)} for c in range(NUM_CLASSES)]}
-    return 100.0 * coco_map(truth, detections)["map"]
+    return 100.0 * coco_map(truth, detections)[key]
 
 
 def layout_agreement_map(outputs: list[dict[str, np.ndarray]],
                          references: list[dict[str, np.ndarray]]) -> float:
     """`quantlab plan --metric` form: one entry per batch, candidate and FP32 (higher is better)."""
     return agreement_map(_detections(outputs), _detections(references))
+
+
+def layout_agreement_ap50(outputs: list[dict[str, np.ndarray]],
+                          references: list[dict[str, np.ndarray]]) -> float:
+    """As :func:`layout_agreement_map` at IoU 0.5 alone: the box-level agreement, without the
+    0.9-0.95 IoU bins that drive mAP@[.5:.95] on near-identical boxes."""
+    return agreement_map(_detections(outputs), _detections(references), "map50")

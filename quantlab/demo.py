@@ -336,7 +336,15 @@ def _story_section(record: dict, decided: plan.Plan, folder: Path) -> Section:
                   "ONNX Runtime's integer kernels.</p>").format(
         record["name"], record["description"].rstrip("."), label, record["eval_samples"])
     html += Markup(table_html(rows, caption=f"FP32, all INT8 and the plan under a {budget:g}-"
-                                            f"point {label} budget"))
+                                            f"point {label} budget", columns={
+        "model": ("name", "which model: FP32, every unit INT8, or the plan's mix"),
+        "INT8 share of MACs": ("%", "share of the linear ops' multiply-accumulates run in INT8"),
+        label: ("0-1", f"{label} on the held-out images"),
+        "vs FP32, points": ("points", f"{label} minus FP32's, x 100"),
+        f"within {budget:g} point": ("verdict", "whether the drop stays inside the budget; "
+                                         "certified: the paired-bootstrap lower bound of the "
+                                         "margin to the limit is above 0"),
+    }))
     html += Markup("<ol><li><b>Calibrate</b>: one statistics pass, {} calibrators ({}); the best "
                    "all-INT8 model loses {:.1f} points.</li>").format(
         len(record["methods"]),
@@ -367,7 +375,17 @@ def _story_section(record: dict, decided: plan.Plan, folder: Path) -> Section:
                    "</li></ol>").format(
         planned["folder"], build)
     html += Markup(table_html(pins, caption="Units a rule flagged or the plan keeps out of "
-                                            "INT8: reasons, and what was measured"))
+                                            "INT8: reasons, and what was measured", columns={
+        "unit": ("name", "a linear op (with what TensorRT fuses into it) the plan decides"),
+        "runs in": ("precision", "what the plan runs it in"),
+        "share of MACs": ("%", "its share of the linear ops' multiply-accumulates"),
+        "reasons (hover a code)": ("codes", "rules and measurements that decided it (legend "
+                                            "below)"),
+        "local INT8 SQNR, dB": ("dB", "its output with INT8 inputs and weights against FP32, "
+                                      "fed FP32 inputs, on the calibration samples"),
+        "output-noise rank": ("1 = worst", "its rank by the output noise the planner "
+                                           "predicts it adds in INT8"),
+    }))
     html += reasons_legend(r for d in shown.values() for r in d.reasons)
     return Section(f"{record['name']}: from FP32 to a certified INT8 plan", html, anchor="story")
 
@@ -383,6 +401,26 @@ def _plan_html(planned: dict, decided: plan.Plan) -> str:
         + Markup(table_html(decisions_frame(decided), caption="Decision per unit",
                             columns=DECISION_COLUMNS))
         + reasons_legend(r for d in decided.units.values() for r in d.reasons))
+
+
+# Unit and one-line meaning of each column of the zoo's summary and latency tables.
+SUMMARY_COLUMNS = {
+    "model": ("name", "zoo model (quantlab zoo)"),
+    "task": ("name", "what the model does, which sets its metric"),
+    "metric": ("name", "the task metric on the held-out split"),
+    "FP32": ("0-1", "the FP32 model's metric"),
+    "INT8": ("0-1", "the all-INT8 model's metric (its best calibrator)"),
+    "INT8 calibration": ("name", "that calibrator"),
+    "delta": ("0-1", "INT8 minus FP32"),
+}
+LATENCY_COLUMNS = {
+    "model": ("name", "zoo model"),
+    f"FP32 ms / batch {LATENCY_BATCH}": ("ms", "median ONNX Runtime CPU time of one batch, FP32"),
+    f"INT8 ms / batch {LATENCY_BATCH}": ("ms", "the same for the all-INT8 Q/DQ model"),
+    "INT8 speed-up": ("x", "FP32 time / INT8 time"),
+    "INT8 kernels in ORT": ("op x count", "integer kernels ONNX Runtime ran (QLinearConv, "
+                                          "MatMulInteger, ...)"),
+}
 
 
 def _summary_frame(records: Sequence[dict]) -> pd.DataFrame:
@@ -507,8 +545,15 @@ def _calibration_html(record: dict) -> str:
         f"in <code>{record['name']}/</code> (model.onnx, model.int8.onnx, scales.json, "
         "stats.npz; <code>quantlab calibrate --trt-version</code> adds a TensorRT "
         "calibration cache).</p>"
-        + table_html(by_method, caption="INT8 metric by calibration method")
-        + table_html(metrics, caption=f"All metrics, FP32 vs INT8 ({record['method']})")
+        + table_html(by_method, caption="INT8 metric by calibration method", columns={
+            "calibration method": ("name", "calibrator of every activation scale "
+                                           "(docs/calibration.md)"),
+            f"INT8 {label}": ("0-1", f"the all-INT8 model's {label} on the held-out samples"),
+            "delta vs FP32": ("0-1", "INT8 minus FP32 on the same samples")})
+        + table_html(metrics, caption=f"All metrics, FP32 vs INT8 ({record['method']})",
+                     columns={"metric": ("name", "task metric on the held-out samples"),
+                              "FP32": ("0-1", "the FP32 model's value"),
+                              "INT8": ("0-1", f"the all-INT8 model's value ({record['method']})")})
     )
     if record["task"] == "detection":
         body += figure_html(_per_class_figure(record), "Per-class AP, FP32 vs INT8")
@@ -517,7 +562,7 @@ def _calibration_html(record: dict) -> str:
 
 def _overview_section(records: Sequence[dict]) -> Section:
     summary = table_html(
-        _summary_frame(records),
+        _summary_frame(records), columns=SUMMARY_COLUMNS,
         caption=(
             "Metrics computed on each model's held-out evaluation split; INT8 = the Q/DQ model "
             "run by ONNX Runtime (CPU) with integer kernels, every layer in INT8."
@@ -539,7 +584,8 @@ def _latency_section(records: Sequence[dict]) -> Section:
         + ("and this CPU lacks int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI), so "
            "they also widen to 16 bits.</p>" if found == "" else
            f"this CPU's int8 dot-product instructions: {found or 'unknown'}.</p>")
-        + table_html(_latency_frame(records), caption="ONNX Runtime CPU latency, all INT8")
+        + table_html(_latency_frame(records), caption="ONNX Runtime CPU latency, all INT8",
+                     columns=LATENCY_COLUMNS)
         + figure_html(_latency_figure(records, machine),
                       f"ONNX Runtime CPU latency per batch of {LATENCY_BATCH} on this machine")
     )

@@ -4,6 +4,8 @@ The demo itself runs for minutes (`quantlab demo`); these tests render its repor
 records of the shape it writes into summary.json.
 """
 
+from helpers import assert_every_column_explained
+
 from quantlab import demo
 from quantlab.plan import Plan, Reason, UnitDecision
 from quantlab.report import render_report
@@ -61,6 +63,7 @@ def test_story_tells_fp32_all_int8_and_the_plan_with_pins_explained(tmp_path):
     assert "<dt>R-DW</dt><dd>Depthwise convs whose per-channel weight ranges spread" in page
     assert "&lt;40x&gt;" in page and "<40x>" not in page
     assert "1 of the 2 units leave INT8, 1.9% of the MACs" in page
+    assert assert_every_column_explained(page) == 2  # the three rows, the pinned units
 
 
 def test_story_says_when_the_plan_is_not_certified_and_nothing_is_pinned(tmp_path):

@@ -7,6 +7,7 @@ import shutil
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import assert_every_column_explained
 
 from quantlab import graph, pipeline, qdq, runs, zoo
 from quantlab.calibrate import Scales
@@ -59,6 +60,8 @@ def test_compare_command_writes_a_self_contained_page(folders, tmp_path, capsys)
     assert "setting method: percentile -> max" in printed
     html = out.read_text()
     assert "data:image/png;base64," in html and "<script" not in html and "src=\"http" not in html
+    # settings that differ, key figures, scales, layers
+    assert assert_every_column_explained(html) == 4
 
 
 def test_report_indexes_every_run_newest_first_with_links(folders, tmp_path, capsys):

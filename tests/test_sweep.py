@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from helpers import assert_every_column_explained
 from onnx import TensorProto, helper
 from scipy import stats as scipy_stats
 
@@ -143,6 +144,7 @@ def test_sweep_command_writes_a_consistent_folder(tmp_path, capsys):
     assert movement[0] == "setting,tensor,amax_32,amax_64,movement,bootstrap_spread"
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 3
+    assert assert_every_column_explained(html) == 1
     for sentence in result["sufficiency"].values():
         assert sentence in printed
     assert not (out / ".sweep-progress").exists()

@@ -19,6 +19,21 @@ from quantlab.runs import Comparison, Run, as_text
 
 # Rows of the scale and layer tables on the comparison page (the largest changes first).
 ROWS_SHOWN = 40
+# Unit and one-line meaning of each column of the comparison page's tables.
+COMPARISON_COLUMNS = {
+    "setting": ("name", "a recorded option or input of the run (calibration.json, "
+                        "summary.json)"),
+    "figure": ("name", "a key result the run recorded (its metric, SQNR, INT8 share)"),
+    "a": ("as recorded", "the value in run A"),
+    "b": ("as recorded", "the value in run B"),
+    "amax_a": ("tensor units", "the tensor's calibrated amax (scale x 127) in run A"),
+    "amax_b": ("tensor units", "the tensor's calibrated amax in run B"),
+    "ratio": ("x", "amax_b / amax_a; 1 is unchanged"),
+    "sqnr_db_a": ("dB", "FP32 vs INT8 SQNR of the tensor in run A's validation (pooled over "
+                        "samples; docs/metrics.md)"),
+    "sqnr_db_b": ("dB", "the same in run B's validation"),
+    "difference": ("dB", "sqnr_db_b - sqnr_db_a; negative: B is noisier"),
+}
 
 
 def index_section(runs: Sequence[Run], page: str | os.PathLike) -> Section:
@@ -43,22 +58,25 @@ def comparison_sections(comparison: Comparison) -> list[Section]:
     a, b = comparison.a, comparison.b
     head = (f"<p>A: <code>{escape(str(a.path))}</code> ({escape(a.kind)}); B: "
             f"<code>{escape(str(b.path))}</code> ({escape(b.kind)}).</p>")
-    settings = (table_html(comparison.settings, caption="Settings that differ")
+    settings = (table_html(comparison.settings, caption="Settings that differ",
+                           columns=COMPARISON_COLUMNS)
                 if len(comparison.settings) else "<p>No setting differs.</p>")
-    sections = [Section("Runs", head + settings + table_html(comparison.figures,
-                                                             caption="Key figures"))]
+    sections = [Section("Runs", head + settings + table_html(
+        comparison.figures, caption="Key figures", columns=COMPARISON_COLUMNS))]
     if comparison.scales is not None:
         sections.append(Section("Scales", figure_html(
             ratio_figure(comparison), "amax of B over amax of A per tensor (log scale)")
             + table_html(comparison.scales.head(ROWS_SHOWN),
-                         caption="Per-tensor amax, largest change first")))
+                         caption="Per-tensor amax, largest change first",
+                         columns=COMPARISON_COLUMNS)))
     else:
         sections.append(Section("Scales", "<p>Only runs with a scales.json (calibrate, "
                                           "sweep) have scales to compare.</p>"))
     if comparison.layers is not None:
         sections.append(Section("Layers", table_html(
             comparison.layers.head(ROWS_SHOWN),
-            caption="FP32 vs INT8 SQNR per tensor (dB), B - A, largest loss first")))
+            caption="FP32 vs INT8 SQNR per tensor (dB), B - A, largest loss first",
+            columns=COMPARISON_COLUMNS)))
     else:
         sections.append(Section("Layers", Markup(
             "<p>Per-layer SQNR is compared where both runs were validated (a validate run, "

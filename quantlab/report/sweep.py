@@ -18,6 +18,21 @@ from quantlab.sweep import SweepResult
 MOVING_SHOWN = 20
 
 
+def configuration_columns(metric: str) -> dict[str, tuple[str, str]]:
+    """Unit and one-line meaning of each column of :func:`configurations_frame`."""
+    return {
+        "configuration": ("calibrator @samples", "the calibrator, its parameter and the number "
+                                                 "of calibration samples its scales come from"),
+        "value": (metric, "the all-INT8 model's metric on the evaluation samples"),
+        "low": (metric, "lower end of the value's paired-bootstrap interval"),
+        "high": (metric, "upper end of the value's paired-bootstrap interval"),
+        "delta vs FP32": (metric, "value minus the FP32 model's value on the same samples"),
+        "seconds": ("s", "scales, Q/DQ model and its evaluation (the shared statistics pass "
+                         "not counted)"),
+        "best": ("yes/empty", "the configuration the sweep recommends"),
+    }
+
+
 def sweep_section(result: SweepResult, metric: str) -> Section:
     """The report section of a sweep."""
     best = result.best_record
@@ -39,7 +54,8 @@ def sweep_section(result: SweepResult, metric: str) -> Section:
                           f"How far each amax of {best['setting']} moves from {result.half} to "
                           f"{result.full} samples (the tensors that move most; red: over the "
                           "tolerance), and its bootstrap spread over the calibration samples")
-            + table_html(configurations_frame(result), caption="Every configuration"))
+            + table_html(configurations_frame(result), caption="Every configuration",
+                         columns=configuration_columns(metric)))
     return Section("Calibration sweep", html, anchor="sweep")
 
 
