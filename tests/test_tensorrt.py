@@ -363,6 +363,17 @@ def test_feeder_hands_integer_inputs_in_the_network_type(tmp_path):
                                   .reshape(3, 2))
 
 
+def test_feeder_keeps_a_0d_input_0d(tmp_path):
+    # silero-vad's sample rate `sr` is a 0-d int64 input: the engine's binding is 0-d, and
+    # np.ascontiguousarray would hand it as shape (1,).
+    specs = [TensorSpec("x", (None, 4), np.dtype(np.float32)),
+             TensorSpec("sr", (), np.dtype(np.int64), batch_axis=None)]
+    source = open_data({"x": np.ones((2, 4), np.float32), "sr": np.array(16000)}, specs,
+                       batch_size=2)
+    x, sr = CalibrationFeeder(source, tmp_path / "c.cache", specs, batch=2).get_batch(["x", "sr"])
+    assert x.shape == (2, 4) and sr.shape == () and sr == 16000
+
+
 def test_feeder_skips_batches_off_the_network_opt_shape(tmp_path):
     # trt-review F12: TensorRT reads the OPT volume of every dimension, not only the batch.
     data, source = calibration_source(8, 4)

@@ -673,7 +673,8 @@ class TensorRTBackend:
         missing = [name for name in self.inputs if name not in batch]
         if missing:
             raise DataError(f"batch has no array for engine input(s) {missing}.")
-        feed = {name: np.ascontiguousarray(batch[name], dtype=dtype)
+        # order="C" keeps a 0-d input 0-d (np.ascontiguousarray makes it 1-d).
+        feed = {name: np.asarray(batch[name], dtype=dtype, order="C")
                 for name, dtype in self.inputs.items()}
         values = self._runner.infer(feed)
         wanted = list(tensors) if tensors is not None else self.outputs

@@ -154,7 +154,8 @@ class CalibrationFeeder:
                 axis = spec.batch_axis if spec.batch_axis is not None else 0
                 self.skipped_samples += array.shape[axis] if array.ndim else 1
                 return None
-            arrays[spec.name] = np.ascontiguousarray(array, dtype=self._dtype(spec, array))
+            # order="C" keeps a 0-d input 0-d (np.ascontiguousarray makes it 1-d).
+            arrays[spec.name] = np.asarray(array, dtype=self._dtype(spec, array), order="C")
         return arrays
 
     def _dtype(self, spec: TensorSpec, array: np.ndarray) -> np.dtype:
