@@ -40,6 +40,7 @@ from quantlab.planner.flow import (  # noqa: F401 (public API)
     SEARCH_CODE,
     PlanResult,
     PlanSettings,
+    check_metric_on_model,
     make_plan,
 )
 from quantlab.planner.measure import (  # noqa: F401 (public API)

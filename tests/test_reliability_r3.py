@@ -262,6 +262,10 @@ def test_p27_p30_a_failing_metric_is_one_message_before_the_measurement(
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(__import__("sys").modules, "user_metric", raising=False)
     out = tmp_path / "P27"
+    # before the statistics pass (minutes on a real detector), not after it
+    from quantlab import collect
+    monkeypatch.setattr(collect, "collect", lambda *a, **k: pytest.fail("statistics collected "
+                                                                         "before the metric ran"))
     assert main(plan_argv(files, out, "--metric", "user_metric:failing", "--max-drop", "0.1")) == 1
     err = capsys.readouterr().err
     assert "metric 'user_metric:failing'" in err and message in err

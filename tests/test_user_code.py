@@ -24,14 +24,26 @@ def beside_the_user(tmp_path, monkeypatch):
     sys.modules.pop("here_metric", None)
 
 
-def test_a_module_in_the_current_directory_is_imported_and_sys_path_restored(beside_the_user):
-    before = list(sys.path)
+def test_a_module_in_the_current_directory_is_imported_and_its_later_imports_found(
+        beside_the_user):
+    # The metric imports a sibling module only when called, long after the import returned
+    # (benchmarks.planner_metrics does: `from tests import realmodels` inside a function).
+    (beside_the_user / "here_sibling.py").write_text("VALUE = 0.5\n")
+    (beside_the_user / "here_lazy.py").write_text(
+        "def closeness(outputs, references):\n    from here_sibling import VALUE\n"
+        "    return VALUE\n")
     module = user_code.import_module("here_metric")
     assert module.__file__ == str(beside_the_user / "here_metric.py")
-    assert sys.path == before
+    assert sys.path[0] == str(beside_the_user)  # as under `python -c`, and only once
+    user_code.import_module("here_metric")
+    assert sys.path.count(str(beside_the_user)) == 1
+    try:
+        assert user_code.import_module("here_lazy").closeness([], []) == 0.5
+    finally:
+        for name in ("here_lazy", "here_sibling"):
+            sys.modules.pop(name, None)
     with pytest.raises(ModuleNotFoundError):
         user_code.import_module("no_such_module_here")
-    assert sys.path == before
 
 
 def test_plan_and_validate_metrics_load_from_the_current_directory(beside_the_user):

@@ -406,6 +406,8 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     from quantlab.report import write_report
     from quantlab.report.plan import next_steps, plan_section
 
+    if ":" in args.metric:  # the user's metric fails now, not after the statistics pass
+        plan.check_metric_on_model(model, source, args.metric)
     started = time.perf_counter()
     stats = _statistics(model, source, stats, args)
     scales, ranges, p9999, candidates = _calibrated(stats, args)

@@ -330,12 +330,42 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
                       model_fit.refits)
 
 
+def _fp32_runs(model: onnx.ModelProto, calibration
+               ) -> tuple[Callable[[Callable], Callable], Callable, Mapping[str, np.ndarray]]:
+    """(backend run -> bounded runs, the FP32 model's bounded run, the first calibration batch).
+
+    Every whole-model run: runs of a bounded size (a 640 px batch of 32 held 13-15 GB),
+    outputs samples first (a recurrent state [layers, N, hidden])."""
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    fp32 = OnnxRuntimeBackend(model, name="fp32")
+    first = next(iter(calibration))
+    size = samples_per_run(Graph(model), first, calibration)
+    axes = output_sample_axes(model, fp32.run, first, calibration)
+
+    def runs(run: Callable) -> Callable:
+        return in_runs(run, calibration, size, axes)
+
+    return runs, runs(fp32.run), first
+
+
+def check_metric_on_model(model: onnx.ModelProto, calibration, metric: str) -> None:
+    """Call a ``module:function`` or built-in `metric` once, FP32 against itself on the first
+    calibration batch, so that a metric that fails fails before any long pass."""
+    _try_metric(resolve_metric(metric), metric, *_fp32_runs(model, calibration)[1:])
+
+
+def _try_metric(metric_fn: Callable, metric: str, fp32_run: Callable,
+                first: Mapping[str, np.ndarray]) -> None:
+    first_outputs = [fp32_run(first)]
+    metric_value(metric_fn, metric, first_outputs, first_outputs,
+                 "FP32 against itself on the first calibration batch")
+
+
 def _context(model: onnx.ModelProto, calibration, evaluation, settings: PlanSettings, task,
              progress: Callable | None) -> _Context:
     """Checks of the settings against the data, the FP32 model's bounded runs, the metric
     tried once on the first batch (a metric that fails fails now, not late)."""
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-
     task_metric = task is not None and settings.metric == task.primary_metric
     if task is not None:
         task.check_samples(evaluation.num_samples)
@@ -344,21 +374,9 @@ def _context(model: onnx.ModelProto, calibration, evaluation, settings: PlanSett
                                    settings.hard_count, settings.metric, settings.max_drop,
                                    task):
         warnings.warn(message, stacklevel=3)
-    fp32 = OnnxRuntimeBackend(model, name="fp32")
-    first = next(iter(calibration))
-    # Every whole-model run: runs of a bounded size (a 640 px batch of 32 held 13-15 GB),
-    # outputs samples first (a recurrent state [layers, N, hidden]).
-    size = samples_per_run(Graph(model), first, calibration)
-    axes = output_sample_axes(model, fp32.run, first, calibration)
-
-    def runs(run: Callable) -> Callable:
-        return in_runs(run, calibration, size, axes)
-
-    fp32_run = runs(fp32.run)
+    runs, fp32_run, first = _fp32_runs(model, calibration)
     if metric_fn is not None:
-        first_outputs = [fp32_run(first)]
-        metric_value(metric_fn, settings.metric, first_outputs, first_outputs,
-                     "FP32 against itself on the first calibration batch")
+        _try_metric(metric_fn, settings.metric, fp32_run, first)
     return _Context(settings, calibration, evaluation, task, metric_fn, runs, fp32_run, first,
                     progress or (lambda items, **_: items))
 
