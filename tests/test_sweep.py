@@ -131,7 +131,7 @@ def test_sweep_command_writes_a_consistent_folder(tmp_path, capsys):
     best = max(records, key=lambda r: (r["value"], r["size"]))
     assert result["best"] == best["label"]
     default = next(r for r in records if r["label"] == "percentile 99.99 @64")
-    assert best["value"] >= default["value"]  # calibrate's default is in the grid
+    assert best["value"] >= default["value"]  # plan's and validate's default is in the grid
     for r in records:
         assert r["interval"][0] <= r["value"] <= r["interval"][1]
         assert r["delta"] == pytest.approx(r["value"] - r["fp32"])
@@ -393,8 +393,10 @@ def test_sweep_quantizes_the_model_calibrate_does_depthwise_inputs_equalized(tmp
     np.save(data, rng.standard_normal((32, 3, 8, 8)).astype(np.float32))
     np.save(val, rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
     flag = [] if equalize else ["--no-equalize"]
+    # the sweep's configurations: scales alone, weights max |w|, no bias correction
     assert main(["calibrate", str(model_path), "--data", str(data), "--out",
-                 str(tmp_path / "calib"), "--no-progress", *flag]) == 0
+                 str(tmp_path / "calib"), "--no-progress", "--method", "percentile",
+                 "--weight-amax", "max", "--no-bias-correction", *flag]) == 0
     assert main(["sweep", str(model_path), "--data", str(data), "--eval", str(val),
                  "--methods", "percentile", "--percentiles", "99.99", "--calib-sizes", "32",
                  "--resamples", "20", "--out", str(tmp_path / "sweep"), "--no-progress",

@@ -17,6 +17,10 @@ set tells the two best configurations apart (paired bootstrap of their differenc
 The model is the one `quantlab calibrate` quantizes by default: depthwise-conv
 inputs equalized first (from the largest calibration size's samples; one more FP32
 pass), unless --no-equalize; a calibration folder's model.onnx is taken as it is.
+The configurations differ in their activation scales alone: every one (and best/)
+takes weight amax max |w| and no bias correction, as `quantlab calibrate --method M
+--weight-amax max --no-bias-correction` does; calibrate's default weight choice and
+bias correction then add to the chosen calibrator (a few passes each, not swept).
 
 Statistics do not depend on the batch size (histograms of every element, merged
 exactly), so the batch size is not swept.
