@@ -989,6 +989,14 @@ def test_search_on_the_layout_run_certifies_the_plan_below_the_inconclusive_one(
         evaluate.warn_undecided([e for _, e in found], found[chosen][1])
     assert [points.index(p) for p, _ in found] == [7, 3, 2]
     assert points.index(found[chosen][0]) == 2
+    # Plan 3 scoring below the limit, its interval still reaching above it (the layout
+    # detector's 93 % plan at a 2-point AP50 drop: 96.63 against 98, up to +0.68): not
+    # "could not be certified" of a plan inside the budget.
+    below = evaluation(3, 98.9, (-0.8, 0.4))
+    with pytest.warns(UserWarning, match=r"the plan with 42.9% of MACs in INT8 scored 98.9, "
+                      r"below the limit 99, and could be neither certified nor ruled out: the "
+                      r"evaluation set is too small"):
+        evaluate.warn_undecided([evaluated[7], below, outcomes[2]], outcomes[2])
 
 
 def test_search_spends_no_evaluation_on_a_plan_a_hair_above_the_certified_one():

@@ -180,9 +180,14 @@ def warn_undecided(evaluations: list[Evaluation], chosen: Evaluation) -> None:
                  e.int8_mac_share > chosen.int8_mac_share]
     if undecided:
         best = max(undecided, key=lambda e: e.int8_mac_share)
-        warnings.warn(f"the plan with {best.int8_mac_share:.1%} of MACs in INT8 scored "
-                      f"{best.certificate.value:.4g} (limit {best.certificate.limit:.4g}) but "
-                      f"could not be certified: {best.certificate.too_small_message()} The plan "
+        certificate = best.certificate
+        # Inconclusive: its interval straddles the limit, whichever side its score is on.
+        scored = (f"scored {certificate.value:.4g} (limit {certificate.limit:.4g}) but could "
+                  "not be certified" if certificate.value >= certificate.limit else
+                  f"scored {certificate.value:.4g}, below the limit {certificate.limit:.4g}, "
+                  "and could be neither certified nor ruled out")
+        warnings.warn(f"the plan with {best.int8_mac_share:.1%} of MACs in INT8 {scored}: "
+                      f"{certificate.too_small_message()} The plan "
                       f"written keeps {chosen.int8_mac_share:.1%} in INT8 "
                       f"({(best.int8_mac_share - chosen.int8_mac_share) * 100:.2g} "
                       "points of the MACs fewer).",
