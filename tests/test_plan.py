@@ -773,6 +773,31 @@ def test_make_plan_on_the_planted_model(planted_case):
                        min_sqnr=10.0)
 
 
+def test_all_int8_that_certifies_first_needs_no_other_trial(planted_case):
+    """A floor all-INT8 holds: the plan is all-INT8, certified on its first evaluation, from
+    the all-INT8 trial alone (the trials and front checks that could not change it are not
+    run). Under a floor it misses, the trials run after it and the same all-INT8 trial is
+    trial 0 of the fit, not run again."""
+    from quantlab import qdq
+
+    g, source, fp32, run_plan, units = planted_case
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run(
+        next(iter(source)), qdq.activation_tensors_to_calibrate(g.model)).items()}
+    loose = planned(g.model, source, source, amax, amax, amax, min_sqnr=10.0, trials=8,
+                    hard_count=16)
+    assert loose.plan.int8_mac_share() == 1.0 and loose.certificate.certified
+    assert len(loose.sensitivity.nsr) == 1 and loose.model_runs == 1
+    assert "trials" not in loose.phases and "front checks" not in loose.phases
+    tight = planned(g.model, source, source, amax, amax, amax, min_sqnr=24.0, trials=8,
+                    hard_count=16)
+    assert "trials" in tight.phases
+    # Trials 0..7 are group_test's draws (seed 0, row 0 all-INT8), all-INT8 not repeated.
+    drawn = np.random.default_rng(0).random((8, len(tight.sensitivity.units))) < 0.5
+    drawn[0] = True
+    np.testing.assert_array_equal(tight.sensitivity.masks[:8], drawn)
+    assert tight.sensitivity.nsr[0] == pytest.approx(loose.sensitivity.nsr[0], rel=1e-12)
+
+
 def test_make_plan_screens_out_all_int8_failing_beyond_doubt_on_calibration_data(planted_case):
     """A metric of outputs alone: the all-INT8 plan, far below the floor on the
     calibration samples drawn (here all 16, as --hard-samples is 16), is judged on them

@@ -292,22 +292,31 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     trials = Trials(measure, [u.name for u in rules.units], rules.fixed,
                     checkpoint.trials if checkpoint else {},
                     checkpoint.add_trial if checkpoint else None)
-    with phases("trials"):
-        sensitivity = group_test(
-            trials, settings.trials, progress=lambda r: context.step(r, desc="trials"),
-            local_nsr={u: 10.0 ** (-f["int8"] / 10.0) for u, f in local.items() if "int8" in f})
+    local_nsr = {u: 10.0 ** (-f["int8"] / 10.0) for u, f in local.items() if "int8" in f}
+    evaluator = _Evaluator(context, runner, checkpoint)
+    # All-INT8 is the search's first plan in any case: judged before the other trials, a
+    # plan whose all-INT8 certifies needs none of them (their fit could not change it).
+    with phases("all-INT8 first"):
+        model_fit = _ModelFit(context, rules, local, group_test(trials, 1, local_nsr=local_nsr),
+                              trials)
+        first = evaluator.first(model_fit.front()[-1], drawn)
+    del drawn
     if repair != "none":  # its effect where the pins' is measured: the hardest samples
         fixed_nodes = {n: rules.fixed[u.name] for u in rules.units if u.name in rules.fixed
                        for n in u.nodes}
         before = all_int8_nsr({"none": original}, hard, references, context.runs, fixed_nodes)
         repair_records[repair].update(hard_nsr_before=before["none"],
-                                      hard_nsr_after=float(sensitivity.nsr[0]))
-    with phases("front checks"):
-        sensitivity = _check_front(context, rules, local, sensitivity, trials)
-    model_fit = _ModelFit(context, rules, local, sensitivity, trials)
+                                      hard_nsr_after=float(model_fit.sensitivity.nsr[0]))
+    if not first.certificate.certified:
+        with phases("trials"):
+            sensitivity = group_test(
+                trials, settings.trials, progress=lambda r: context.step(r, desc="trials"),
+                local_nsr=local_nsr, all_int8=float(model_fit.sensitivity.nsr[0]))
+        with phases("front checks"):
+            sensitivity = _check_front(context, rules, local, sensitivity, trials)
+        model_fit = _ModelFit(context, rules, local, sensitivity, trials)
     with phases("evaluations"):
-        done, chosen, floor = _evaluate(context, rules, runner, model_fit, drawn, checkpoint)
-    del drawn
+        done, chosen, floor = _evaluate(context, rules, model_fit, evaluator, first)
     evaluations = [e for _, e in done]
     warn_undecided(evaluations, evaluations[chosen])
     sensitivity, (contribution, fp16_contribution, points) = model_fit.sensitivity, model_fit.fitted
@@ -519,54 +528,71 @@ def _front_masks(points: list[FrontPoint], sensitivity: OutputSensitivity,
     return np.array([masks[i] for i in picked]).reshape(-1, len(sensitivity.units))
 
 
-def _evaluate(context: _Context, rules: _Rules, runner: _Runner, model_fit: _ModelFit, drawn,
-              checkpoint: Checkpoint | None):
-    """The search over the front on the evaluation set (each plan checked against the noise
-    model first, :meth:`_ModelFit.verified`), then the fallback when no plan with INT8
-    certifies: all-FP16 (where units may run FP16), then the FP32 model. Returns the
-    (plan, evaluation) pairs, the chosen one's position and the all-FP16 evaluation (or
-    None)."""
-    settings = context.settings
-    screened = None
-    if drawn is not None:  # (inputs, FP32 outputs) of a random draw of calibration samples
-        last = model_fit.front()[-1]
-        screened = screen(last, runner(last.precisions), *drawn, context.metric_fn,
-                          settings.metric, settings.max_drop, settings.min_sqnr,
-                          settings.resamples)
-    fp32_outputs = [context.fp32_run(batch)
-                    for batch in context.step(context.evaluation, desc="FP32 evaluation")]
+class _Evaluator:
+    """Whole evaluation-set passes of plans, against FP32's outputs (run once, here), each
+    kept in the checkpoint."""
 
-    def evaluate_plan(point: FrontPoint) -> Evaluation:
+    def __init__(self, context: _Context, runner: _Runner, checkpoint: Checkpoint | None):
+        self.context, self.runner, self.checkpoint = context, runner, checkpoint
+        self.fp32_outputs = [context.fp32_run(batch) for batch in
+                             context.step(context.evaluation, desc="FP32 evaluation")]
+
+    def __call__(self, point: FrontPoint) -> Evaluation:
+        context, settings = self.context, self.context.settings
         key = plan_key(point.precisions)
-        if checkpoint and key in checkpoint.evaluations:
-            return checkpoint.evaluations[key]
+        if self.checkpoint and key in self.checkpoint.evaluations:
+            return self.checkpoint.evaluations[key]
         start = time.perf_counter()
         model_run = any(p != "fp32" for p in point.precisions.values())
         if model_run:
-            run = runner(point.precisions, "int8")
+            run = self.runner(point.precisions, "int8")
             outputs = [run(batch) for batch in context.step(context.evaluation,
                                                               desc="INT8 evaluation")]
         else:
-            outputs = fp32_outputs
+            outputs = self.fp32_outputs
         if context.metric_fn is None:
             certificate = certify_paired(
-                settings.metric, task_evaluator(context.task, outputs, fp32_outputs),
+                settings.metric, task_evaluator(context.task, outputs, self.fp32_outputs),
                 context.evaluation.num_samples, max_drop=settings.max_drop,
                 floor=settings.min_sqnr, resamples=settings.resamples)
         else:
-            certificate = certify(context.metric_fn, settings.metric, outputs, fp32_outputs,
-                                  max_drop=settings.max_drop, floor=settings.min_sqnr,
-                                  resamples=settings.resamples)
+            certificate = certify(context.metric_fn, settings.metric, outputs,
+                                  self.fp32_outputs, max_drop=settings.max_drop,
+                                  floor=settings.min_sqnr, resamples=settings.resamples)
         result = Evaluation(point.int8_mac_share, point.predicted, certificate,
                             time.perf_counter() - start, model_run)
-        if checkpoint:
-            checkpoint.add_evaluation(key, result)
+        if self.checkpoint:
+            self.checkpoint.add_evaluation(key, result)
         return result
 
+    def first(self, point: FrontPoint, drawn) -> Evaluation:
+        """The all-INT8 `point`: screened out on `drawn` ((inputs, FP32 outputs) of a random
+        draw of calibration samples, for a label-free metric) when it fails there beyond
+        doubt, else evaluated."""
+        settings = self.context.settings
+        if drawn is not None:
+            screened = screen(point, self.runner(point.precisions), *drawn,
+                              self.context.metric_fn, settings.metric, settings.max_drop,
+                              settings.min_sqnr, settings.resamples)
+            if screened is not None:
+                return screened
+        return self(point)
+
+
+def _evaluate(context: _Context, rules: _Rules, model_fit: _ModelFit, evaluator: _Evaluator,
+              first: Evaluation):
+    """The search over the front on the evaluation set, all-INT8 judged already (`first`;
+    each other plan checked against the noise model first, :meth:`_ModelFit.verified`),
+    then the fallback when no plan with INT8 certifies: all-FP16 (where units may run
+    FP16), then the FP32 model. Returns the (plan, evaluation) pairs, the chosen one's
+    position and the all-FP16 evaluation (or None)."""
+    settings = context.settings
+    all_int8 = plan_key(model_fit.front()[-1].precisions)
+
     def checked(point: FrontPoint) -> Evaluation | None:
-        if screened is not None and point.int8_mac_share == 1.0:
-            return screened
-        return evaluate_plan(point) if model_fit.verified(point) else None
+        if plan_key(point.precisions) == all_int8:
+            return first
+        return evaluator(point) if model_fit.verified(point) else None
 
     done, chosen = search(model_fit.front, checked, settings.max_evaluations,
                           settings.max_drop, settings.min_sqnr)
@@ -578,7 +604,7 @@ def _evaluate(context: _Context, rules: _Rules, runner: _Runner, model_fit: _Mod
         for u in rules.units})
     floor = None
     if any(p == "fp16" for p in all_fp16.precisions.values()):
-        floor = evaluate_plan(all_fp16)
+        floor = evaluator(all_fp16)
         done.append((all_fp16, floor))
         message = floor_message(floor.certificate, settings.metric, settings.max_drop)
         if message:
@@ -588,7 +614,7 @@ def _evaluate(context: _Context, rules: _Rules, runner: _Runner, model_fit: _Mod
     all_fp32 = FrontPoint(0.0, 0.0, 0.0, {u.name: fallback_precision(rules.allowed[u.name],
                                                                      "fp32")
                                           for u in rules.units})
-    done.append((all_fp32, evaluate_plan(all_fp32)))
+    done.append((all_fp32, evaluator(all_fp32)))
     return done, len(done) - 1, floor
 
 

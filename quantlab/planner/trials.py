@@ -121,7 +121,8 @@ def plan_nsr(run: Callable[[Mapping[str, str]], Callable], batch: Mapping[str, n
 
 def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: float = 1e-3,
                seed: int = 0, progress: Callable | None = None,
-               local_nsr: Mapping[str, float] | None = None) -> OutputSensitivity:
+               local_nsr: Mapping[str, float] | None = None,
+               all_int8: float | None = None) -> OutputSensitivity:
     """Output-aware sensitivity from `count` random plans run as trials.
 
     Each trial runs a random plan (each unit INT8 with probability `int8_share`,
@@ -141,13 +142,16 @@ def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: 
     at zero: free in every plan of the front, which then jumped from no INT8 to most
     of it. Units in ``trials.fixed`` get no contribution. Where a gain is wrong
     (a gate or a softmax amplifies one unit's error), :func:`check_fit` finds it.
+    `all_int8`: the all-INT8 trial's noise when it already ran (as trial 0 of `trials`,
+    ``group_test(trials, 1)``); the other trials are then run after it.
     """
     units = trials.units
     rng = np.random.default_rng(seed)
     masks = rng.random((count, len(units))) < int8_share
     masks[0] = True
     masks[:, [i for i, u in enumerate(units) if u in trials.fixed]] = False
-    nsr = trials.run(masks, progress)
+    nsr = trials.run(masks, progress) if all_int8 is None else np.concatenate(
+        [[all_int8], trials.run(masks[1:], progress)])
     prior = _prior(units, trials.fixed, local_nsr or {}, nsr[0])
     return OutputSensitivity(units, masks, nsr, _fit(masks, nsr, prior, ridge), prior, ridge)
 
