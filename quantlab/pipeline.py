@@ -408,7 +408,9 @@ def _output_nsr(model: onnx.ModelProto, candidates: list[onnx.ModelProto],
                 samples: list[dict]) -> list[float]:
     """Each candidate Q/DQ model's output noise-to-signal ratio against `model` (FP32):
     |y - r|^2 / |r|^2 of each float output of a sample (whatever axis holds the sample:
-    one per run), averaged over outputs and `samples` (the planner's measure)."""
+    one per run), averaged over outputs and `samples`. A mean of per-sample ratios, not
+    the pooled output NSR the planner and validate use (compare.output_nsr): the folds'
+    verdicts in benchmarks/README.md were measured with this one."""
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
     fp32 = OnnxRuntimeBackend(model, name="fp32")
