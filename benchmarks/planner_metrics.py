@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from quantlab.tasks import coco_map
+from quantlab.tasks import coco_map, coco_map_resampler
 
 POSTPROCESS_MEMBER = "rapid_layout/model_handler/pp/post_process.py"
 # rapid_layout.utils.typings.RapidLayoutInput defaults (conf_thresh, iou_thresh).
@@ -85,13 +85,9 @@ def _detections(batches: Sequence[Mapping[str, np.ndarray]]) -> list:
     return [d for batch in batches for d in _decode_cached(batch)]
 
 
-def agreement_map(candidate: list, reference: list, key: str = "map") -> float:
-    """COCO mAP x 100 (`key`: "map" @[.5:.95], "map50" @.5) of decoded `candidate` detections
-    against `reference` as ground truth.
-
-    Image i of one list is image i of the other (bootstrap resamples repeat images, so
-    ids are positions, not contents).
-    """
+def _coco_sets(candidate: list, reference: list) -> tuple[dict, list]:
+    """(ground truth, detections) in COCO form: `reference`'s boxes are the ground truth of
+    image i, `candidate`'s its detections (ids are positions: resamples repeat images)."""
     images = [{"id": i, "width": INPUT_SHAPE[3], "height": INPUT_SHAPE[2]}
               for i in range(len(reference))]
     annotations, detections = [], []
@@ -104,11 +100,35 @@ def agreement_map(candidate: list, reference: list, key: str = "map") -> float:
         for box, score, label in zip(boxes, scores, labels, strict=True):
             detections.append({"image_id": i, "category_id": label, "score": score,
                                "bbox": [box[0], box[1], box[2] - box[0], box[3] - box[1]]})
-    if not annotations:
-        return 100.0 if not detections else 0.0
     truth = {"images": images, "annotations": annotations,
              "categories": [{"id": c, "name": str(c)} for c in range(NUM_CLASSES)]}
+    return truth, detections
+
+
+def agreement_map(candidate: list, reference: list, key: str = "map") -> float:
+    """COCO mAP x 100 (`key`: "map" @[.5:.95], "map50" @.5) of decoded `candidate` detections
+    against `reference` as ground truth (image i of one list is image i of the other). With
+    no reference box at all: 100 when the candidate has none either, else 0."""
+    truth, detections = _coco_sets(candidate, reference)
+    if not truth["annotations"]:
+        return 100.0 if not detections else 0.0
     return 100.0 * coco_map(truth, detections)[key]
+
+
+def agreement_resampler(candidate: list, reference: list, key: str = "map"):
+    """``score(positions)``: :func:`agreement_map` of the images at `positions` (repeats count
+    again), COCO's per-image matching done once (:func:`quantlab.tasks.coco_map_resampler`)."""
+    truth, detections = _coco_sets(candidate, reference)
+    resample = coco_map_resampler(truth, detections, range(len(reference)), key)
+    boxes = np.array([len(b) for b, _, _ in reference])
+    found = np.array([len(b) for b, _, _ in candidate])
+
+    def score(positions: np.ndarray) -> float:
+        if not boxes[positions].any():  # no ground truth in these images
+            return 100.0 if not found[positions].any() else 0.0
+        return 100.0 * resample(positions)
+
+    return score
 
 
 def layout_agreement_map(outputs: list[dict[str, np.ndarray]],
@@ -122,3 +142,10 @@ def layout_agreement_ap50(outputs: list[dict[str, np.ndarray]],
     """As :func:`layout_agreement_map` at IoU 0.5 alone: the box-level agreement, without the
     0.9-0.95 IoU bins that drive mAP@[.5:.95] on near-identical boxes."""
     return agreement_map(_detections(outputs), _detections(references), "map50")
+
+
+# The bootstrap's resamplers (quantlab.planner.certify reads ``metric.resampler``).
+layout_agreement_map.resampler = lambda outputs, references: agreement_resampler(
+    _detections(outputs), _detections(references))
+layout_agreement_ap50.resampler = lambda outputs, references: agreement_resampler(
+    _detections(outputs), _detections(references), "map50")

@@ -28,6 +28,8 @@ METRIC_LABELS = {
     "map50": "mAP@.5",
     "map75": "mAP@.75",
 }
+# The IoU threshold of each single-threshold COCO figure (:func:`coco_map_resampler`).
+COCO_IOU = {"map50": 0.5, "map75": 0.75}
 
 
 def topk_accuracy(
@@ -204,13 +206,15 @@ class TaskScore:
 
 
 def coco_map_resampler(coco_gt: Mapping, detections: Sequence[Mapping],
-                       image_ids: Sequence[int]) -> Callable[[np.ndarray], float]:
-    """``score(positions) -> mAP@[.5:.95]`` of the images ``image_ids[positions]`` (repeats
-    count again): COCOeval's per-image matching runs once, only the accumulation per call.
+                       image_ids: Sequence[int], key: str = "map",
+                       ) -> Callable[[np.ndarray], float]:
+    """``score(positions) -> mAP`` of the images ``image_ids[positions]`` (repeats count
+    again): COCOeval's per-image matching runs once, only the accumulation per call.
 
     Matching is per image and category, so a bootstrap resample of images is an
     accumulation over their stored per-image results; ``score(arange(N))`` equals
-    :func:`coco_map` of all images.
+    :func:`coco_map`'s `key` ("map": @[.5:.95], "map50": @.5) of all images, -1 where
+    no image picked has ground truth (COCOeval's "absent").
     """
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
@@ -233,13 +237,15 @@ def coco_map_resampler(coco_gt: Mapping, detections: Sequence[Mapping],
     # area "all" (index 0) at the most detections (the last limit) only.
     stride = len(params.areaRng) * len(sorted_ids)
     recalls, most = np.asarray(params.recThrs), params.maxDets[-1]
+    thresholds = (slice(None) if key == "map" else
+                  np.flatnonzero(np.isclose(params.iouThrs, COCO_IOU[key])))
 
     def score(positions: np.ndarray) -> float:
         picked = columns[np.asarray(positions)]
         per_category = [_precision_at_recalls(
             [e for e in (stored[k * stride + i] for i in picked) if e is not None], recalls, most)
             for k in range(len(params.catIds))]
-        found = [p for p in per_category if p is not None]
+        found = [p[thresholds] for p in per_category if p is not None]
         return float(np.mean(found)) if found else -1.0
 
     return score

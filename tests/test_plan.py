@@ -875,6 +875,50 @@ def test_certify_resamples_agreement_as_per_sample_numbers_exactly():
     assert fast == slow and 0 < fast.value < fast.reference
 
 
+def test_a_metric_resampler_gives_the_certificate_of_calling_the_metric_on_every_resample():
+    """A user metric may carry ``resampler`` (per-sample figures once, a resample is a sum):
+    the certificate is the one of the metric called on every resample, to float rounding
+    (the same means, summed in another order). A resampler that does not reproduce the
+    metric on all samples, or fails, is refused with the metric's name."""
+    outputs, references = noisy_outputs()
+
+    def per_sample(o, r):
+        return np.concatenate([-np.abs(a["y"] - b["y"]).reshape(len(b["y"]), -1).mean(axis=1)
+                               for a, b in zip(o, r, strict=True)])
+
+    def closeness(o, r):
+        return float(per_sample(o, r).mean())
+
+    def plain(o, r):
+        return closeness(o, r)
+
+    def resampler(o, r):
+        figures = per_sample(o, r)
+        return lambda pick: float(figures[pick].mean())
+
+    closeness.resampler = resampler
+    fast = plan.certify(closeness, "m", outputs, references, max_drop=0.05, resamples=300)
+    slow = plan.certify(plain, "m", outputs, references, max_drop=0.05, resamples=300)
+    np.testing.assert_allclose(fast.interval, slow.interval, rtol=1e-12, atol=1e-15)
+    assert (fast.value, fast.reference, fast.certified) == pytest.approx(
+        (slow.value, slow.reference, slow.certified), rel=1e-12)
+
+    def off_by_one(o, r):
+        return lambda pick: resampler(o, r)(pick) + 1.0
+
+    closeness.resampler = off_by_one
+    with pytest.raises(DataError, match="metric 'm': its resampler scores .* but the metric "
+                       "itself gives"):
+        plan.certify(closeness, "m", outputs, references, max_drop=0.05)
+
+    def fails(o, r):
+        raise KeyError("boxes")
+
+    closeness.resampler = fails
+    with pytest.raises(DataError, match="metric 'm': its resampler failed on .*KeyError"):
+        plan.certify(closeness, "m", outputs, references, max_drop=0.05)
+
+
 def test_sqnr_floor_certifies_outputs_without_noise():
     """The FP32 plan under --min-sqnr: infinite SQNR on every resample is a margin of
     +inf, certified (quantiles of infinities once interpolated to NaN: never certified)."""

@@ -123,8 +123,11 @@ def test_coco_map_resampler_matches_cocoeval_on_many_detections_and_categories()
     coco = {"images": images, "annotations": annotations,
             "categories": [{"id": k, "name": f"c{k}"} for k in (1, 2, 3)]}
     order = [image["id"] for image in images]  # tied scores keep COCOeval's image order
-    score = coco_map_resampler(coco, dets, order)
-    assert score(np.arange(40)) == pytest.approx(coco_map(coco, dets)["map"], abs=1e-12)
+    scores = {key: coco_map_resampler(coco, dets, order, key)
+              for key in ("map", "map50", "map75")}
+    whole = coco_map(coco, dets)
+    for key, score in scores.items():
+        assert score(np.arange(40)) == pytest.approx(whole[key], abs=1e-12)
     positions = rng.integers(0, 40, 40)
     renumbered = {"images": [], "annotations": [], "categories": coco["categories"]}
     resampled = []
@@ -136,4 +139,35 @@ def test_coco_map_resampler_matches_cocoeval_on_many_detections_and_categories()
                                       for i, a in enumerate(a for a in annotations
                                                             if a["image_id"] == old_id)]
         resampled += [{**d, "image_id": new_id} for d in dets if d["image_id"] == old_id]
-    assert score(positions) == pytest.approx(coco_map(renumbered, resampled)["map"], abs=1e-12)
+    expected = coco_map(renumbered, resampled)
+    for key, score in scores.items():
+        assert score(positions) == pytest.approx(expected[key], abs=1e-12)
+
+
+def test_benchmark_agreement_resampler_equals_agreement_map_of_the_resample():
+    """benchmarks.planner_metrics' resampler (the layout metric's bootstrap) against its
+    agreement_map of the resampled images listed out, repeats included, at both IoU keys;
+    images without reference boxes score 100 when nothing is found there, else 0."""
+    from benchmarks.planner_metrics import agreement_map, agreement_resampler
+
+    rng = np.random.default_rng(5)
+    reference, candidate = [], []
+    for _ in range(12):
+        corners = rng.uniform(0, 300, (int(rng.integers(0, 5)), 2))
+        boxes = np.concatenate([corners, corners + rng.uniform(10, 90, corners.shape)], axis=1)
+        labels = list(rng.integers(0, 4, len(boxes)))
+        reference.append((boxes.tolist(), [1.0] * len(boxes), labels))
+        moved = boxes + rng.normal(0, 3, boxes.shape)
+        keep = rng.random(len(boxes)) < 0.85
+        candidate.append((moved[keep].tolist(), list(rng.random(keep.sum())),
+                          [label for label, k in zip(labels, keep, strict=True) if k]))
+    reference[3] = candidate[3] = ([], [], [])  # a page without boxes
+    for key in ("map", "map50"):
+        score = agreement_resampler(candidate, reference, key)
+        for positions in (np.arange(12), rng.integers(0, 12, 12), rng.integers(0, 12, 12)):
+            expected = agreement_map([candidate[i] for i in positions],
+                                     [reference[i] for i in positions], key)
+            assert score(positions) == pytest.approx(expected, abs=1e-9)
+    found = [([[1, 1, 9, 9]], [0.9], [0])] * 12
+    assert agreement_resampler(found, reference)(np.array([3, 3])) == 0.0
+    assert agreement_resampler(reference, reference)(np.array([3, 3])) == 100.0

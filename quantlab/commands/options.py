@@ -104,7 +104,10 @@ def add_metric_argument(parser: argparse.ArgumentParser, default: str | None,
              "function(outputs, references) -> float (higher is better) with two lists, one "
              "entry per batch, of {output name: array}, samples on axis 0 (an output holding "
              "them on another axis, a state [layers, N, hidden], comes with that axis moved "
-             f"first) ({shown})")
+             "first); the bootstrap calls it on every resample, unless it carries "
+             "function.resampler(outputs, references) -> score(positions) -> float, the "
+             "metric of the samples at those positions, computed from per-sample figures "
+             f"made once (fast; checked against the metric on all samples) ({shown})")
 
 
 def check_metric(metric: str, ground_truth: bool, how: str, model: str | None = None) -> None:
