@@ -12,7 +12,8 @@ measured effect on the zoo models.
 Costs, in forward passes per calibration sample:
 
 - :func:`cross_layer_equalization`: none (weights only).
-- :func:`bias_correction`: one FP32 pass and one pass of the local graph (``mode="local"``),
+- :func:`bias_correction`: one pass of the FP32 graph with the local graph attached, the
+  errors summed in it (``mode="local"``),
   or one FP32 pass and `rounds` Q/DQ passes (``mode="global"``); :func:`bias_shifts`
   measures as the local mode does and :func:`shift_biases` applies its shifts to any
   plan's INT8 ops.
@@ -141,9 +142,10 @@ class _Weights:
             self.stored[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
 
 
-def _runs(batches: Iterable[Mapping[str, np.ndarray]], index: Graph, tensors: Sequence[str],
+def _runs(batches: Iterable[Mapping[str, np.ndarray]], index: Graph, tensors: Sequence[str] | None,
           run_bytes: int) -> Iterator[dict[str, np.ndarray]]:
-    """The samples of `batches` in runs whose exposed `tensors` fit `run_bytes` (one sample min).
+    """The samples of `batches` in runs whose exposed `tensors` (None: all) fit `run_bytes`
+    (one sample at least).
 
     A model with a fixed batch size runs its batches whole.
     """
@@ -642,46 +644,41 @@ def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     if not targets:
         return _copy(qdq_model), report, {}
     weights.write()
-    fp32 = OnnxRuntimeBackend(fp32_model, name="fp32")
-    inputs = set(reference.input_names)
-    if local is not None:
-        feeds = [name for name in local.feeds if name not in inputs]
-        names = list(dict.fromkeys([*feeds, *(t.measured for t in targets)]))
-        local_backend = OnnxRuntimeBackend(local.model, name="local", check_inputs=False)
-    else:
-        names = [t.output for t in targets]
-    fp32_sums = {t.node: np.zeros(t.channels) for t in targets}
-    counts = dict.fromkeys(fp32_sums, 0)
     errors: dict[str, list[float]] = {t.node: [] for t in targets}
     corrections = {t.node: np.zeros(t.channels) for t in targets}
-    for round_index in range(rounds):
-        quantized = OnnxRuntimeBackend(result, name="int8") if local is None else None
-        sums = {t.node: np.zeros(t.channels) for t in targets}
-        for run in _runs(batches, reference, names, run_bytes):
-            if round_index == 0:
-                reference_values = fp32.run(run, names)
-                for t in targets:
-                    tensor = t.measured if local is not None else t.output
-                    fp32_sums[t.node] += _channel_reduce(reference_values[tensor], t.axis,
-                                                         tensor, "sum")
-                    counts[t.node] += reference_values[tensor].size // t.channels
-            if local is not None:
-                fed = {**run, **reference_values}
-                values = local_backend.run({name: fed[name] for name in local.feeds},
-                                           [cut[t.measured] for t in targets])
-                values = {t.output: values[cut[t.measured]] for t in targets}
-            else:
-                values = quantized.run(run, names)
-            reference_values = None
-            for t in targets:
-                sums[t.node] += _channel_reduce(values[t.output], t.axis, t.output, "sum")
-            del values
+
+    def apply(mean_errors: Mapping[str, np.ndarray]) -> None:
         for t in targets:
-            error = (sums[t.node] - fp32_sums[t.node]) / max(counts[t.node], 1)
+            error = mean_errors[t.node]
             errors[t.node].append(float(np.abs(error).max()))
             corrections[t.node] -= error
             weights.values[t.bias] = weights.get(t.bias) - error / t.gain
         weights.write()
+
+    if local is not None:
+        apply(_local_mean_errors(reference, local, cut, targets, batches, run_bytes))
+    else:
+        fp32 = OnnxRuntimeBackend(fp32_model, name="fp32")
+        names = [t.output for t in targets]
+        fp32_sums = {t.node: np.zeros(t.channels) for t in targets}
+        counts = dict.fromkeys(fp32_sums, 0)
+        for round_index in range(rounds):
+            quantized = OnnxRuntimeBackend(result, name="int8")
+            sums = {t.node: np.zeros(t.channels) for t in targets}
+            for run in _runs(batches, reference, names, run_bytes):
+                if round_index == 0:
+                    reference_values = fp32.run(run, names)
+                    for t in targets:
+                        fp32_sums[t.node] += _channel_reduce(reference_values[t.output], t.axis,
+                                                             t.output, "sum")
+                        counts[t.node] += reference_values[t.output].size // t.channels
+                    reference_values = None
+                values = quantized.run(run, names)
+                for t in targets:
+                    sums[t.node] += _channel_reduce(values[t.output], t.axis, t.output, "sum")
+                del values
+            apply({t.node: (sums[t.node] - fp32_sums[t.node]) / max(counts[t.node], 1)
+                   for t in targets})
     for t in targets:
         report.applied.append({
             "node": t.node, "tensor": t.output, "channels": t.channels, "bias_added": t.added,
@@ -691,6 +688,28 @@ def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     report.passes = 2 if local is not None else 1 + rounds
     report.summary.update({"mode": mode, "rounds": rounds})
     return result, report, corrections
+
+
+def _local_mean_errors(reference: Graph, local, cut: Mapping[str, str],
+                       targets: Sequence[_Target], batches: Iterable[Mapping[str, np.ndarray]],
+                       run_bytes: int) -> dict[str, np.ndarray]:
+    """Each target's mean error per output channel, its op quantized on FP32 inputs: one
+    pass of the FP32 model with the local copies attached and the errors summed in it
+    (:func:`quantlab.sensitivity.error_channel_sums`), so only per-channel sums leave ONNX
+    Runtime (returning every op's FP32 inputs and local outputs of one 640 px sample held
+    about 1.9 GB more); runs of as many samples as all their tensors fit `run_bytes`."""
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.sensitivity import error_channel_sums
+
+    model, sums = error_channel_sums(reference, local.model,
+                                     {cut[t.measured]: (t.measured, t.axis) for t in targets})
+    backend = OnnxRuntimeBackend(model, name="bias shifts", memory_pattern=False)
+    totals = dict.fromkeys(backend.outputs, 0.0)
+    for run in _runs(batches, reference, None, run_bytes):
+        for name, value in backend.run(run).items():
+            totals[name] = totals[name] + np.asarray(value, np.float64)
+    return {t.node: totals[sums[cut[t.measured]][0]] /
+            max(float(totals[sums[cut[t.measured]][1]]) / t.channels, 1.0) for t in targets}
 
 
 # ------------------------------------------------------------------------ SmoothQuant

@@ -18,7 +18,7 @@ which the cut-out applies in FP32 to the op's quantized output.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -355,57 +355,99 @@ def error_sums(g: Graph, local: onnx.ModelProto, compared: Mapping[str, str],
     outputs of one 640 px sample instead held about 1 GB.
     """
     channel_axes = channel_axes or {}
-    opset = next((o.version for o in local.opset_import if o.domain in ("", "ai.onnx")), 17)
-    taken = {*g.input_names, *g.initializers, *g.producers}
-    renamed = {init.name: f"{init.name}::local" for init in local.graph.initializer
-               if init.name in taken}
-    added = []
-    for node in local.graph.node:
-        copy = onnx.NodeProto()
-        copy.CopyFrom(node)
-        copy.input[:] = [renamed.get(name, name) for name in node.input]
-        added.append(copy)
-    initializers = [*g.model.graph.initializer,
-                    *(_named(init, renamed.get(init.name, init.name))
-                      for init in local.graph.initializer)]
+    attached = _Attached(g, local)
+    power = {ref: attached.reduced("ReduceSumSquare", attached.in_float64(ref))
+             for ref in dict.fromkeys(compared.values())}
+    sums = {name: (attached.reduced("ReduceSumSquare", attached.error(name, ref),
+                                    channel_axes.get(name), len(g.shapes.get(ref) or ())),
+                   power[ref])
+            for name, ref in compared.items()}
+    return attached.model(t for pair in sums.values() for t in pair), sums
 
-    def in_float64(tensor: str) -> str:
-        added.append(onnx.helper.make_node("Cast", [tensor], [f"{tensor}::f64"],
-                                           to=onnx.TensorProto.DOUBLE))
+
+def error_channel_sums(g: Graph, local: onnx.ModelProto, compared: Mapping[str, tuple[str, int]],
+                       ) -> tuple[onnx.ModelProto, dict[str, tuple[str, str]]]:
+    """As :func:`error_sums`, the signed error summed per channel: `compared` maps each
+    output of `local` to (the tensor of `g` it approximates, its channel axis); the model
+    returns, for each, the float64 sum of (output - reference) per channel and the
+    error's element count (float64; per channel: divide by the channels), by name
+    (output -> (sums, count)). What bias correction needs, without any tensor leaving
+    ONNX Runtime."""
+    attached = _Attached(g, local)
+    sums = {}
+    for name, (ref, axis) in compared.items():
+        error = attached.error(name, ref)
+        attached.added += [onnx.helper.make_node("Size", [error], [f"{error}::size"]),
+                           onnx.helper.make_node("Cast", [f"{error}::size"], [f"{error}::count"],
+                                                 to=onnx.TensorProto.DOUBLE)]
+        sums[name] = (attached.reduced("ReduceSum", error, axis, len(g.shapes.get(ref) or ())),
+                      f"{error}::count")
+    return attached.model(t for pair in sums.values() for t in pair), sums
+
+
+class _Attached:
+    """`g`'s nodes with a `local` graph reading its tensors, and the reductions added to them
+    (:func:`error_sums`, :func:`error_channel_sums`): the nodes, the initializers, the
+    model of it that returns only the named float64 outputs."""
+
+    def __init__(self, g: Graph, local: onnx.ModelProto):
+        self.g, self.local = g, local
+        self.opset = next((o.version for o in local.opset_import if o.domain in ("", "ai.onnx")),
+                          17)
+        taken = {*g.input_names, *g.initializers, *g.producers}
+        renamed = {init.name: f"{init.name}::local" for init in local.graph.initializer
+                   if init.name in taken}
+        self.added: list[onnx.NodeProto] = []
+        for node in local.graph.node:
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            copy.input[:] = [renamed.get(name, name) for name in node.input]
+            self.added.append(copy)
+        self.initializers = [*g.model.graph.initializer,
+                             *(_named(init, renamed.get(init.name, init.name))
+                               for init in local.graph.initializer)]
+        self.cast: set[str] = set()
+
+    def in_float64(self, tensor: str) -> str:
+        if tensor not in self.cast:
+            self.cast.add(tensor)
+            self.added.append(onnx.helper.make_node("Cast", [tensor], [f"{tensor}::f64"],
+                                                    to=onnx.TensorProto.DOUBLE))
         return f"{tensor}::f64"
 
-    def summed_squares(tensor: str, keep: int | None = None, rank: int = 0) -> str:
-        """Sum of squares of `tensor`, over every axis but `keep` when given."""
+    def error(self, name: str, reference: str) -> str:
+        """`name` - `reference` in float64."""
+        self.added.append(onnx.helper.make_node(
+            "Sub", [self.in_float64(name), self.in_float64(reference)], [f"{name}::error"]))
+        return f"{name}::error"
+
+    def reduced(self, op: str, tensor: str, keep: int | None = None, rank: int = 0) -> str:
+        """`op` (ReduceSumSquare, ReduceSum) of `tensor`, over every axis but `keep` when
+        given."""
         axes = [] if keep is None else [a for a in range(rank) if a != keep % rank]
         inputs, attributes = [tensor], {}
-        if axes and opset >= 18:  # ReduceSumSquare-18 takes its axes as an input
+        # ReduceSum takes its axes as an input from opset 13, ReduceSumSquare from 18.
+        if axes and self.opset >= (18 if op == "ReduceSumSquare" else 13):
             inputs.append(f"{tensor}::axes")
-            initializers.append(onnx.numpy_helper.from_array(np.array(axes, np.int64),
-                                                             inputs[-1]))
+            self.initializers.append(onnx.numpy_helper.from_array(np.array(axes, np.int64),
+                                                                  inputs[-1]))
         elif axes:
             attributes["axes"] = axes
-        added.append(onnx.helper.make_node("ReduceSumSquare", inputs, [f"{tensor}::sum2"],
-                                           keepdims=0, **attributes))
-        return f"{tensor}::sum2"
+        self.added.append(onnx.helper.make_node(op, inputs, [f"{tensor}::{op}"], keepdims=0,
+                                                **attributes))
+        return f"{tensor}::{op}"
 
-    power = {ref: summed_squares(in_float64(ref)) for ref in dict.fromkeys(compared.values())}
-    sums = {}
-    for name, ref in compared.items():
-        added.append(onnx.helper.make_node("Sub", [in_float64(name), f"{ref}::f64"],
-                                           [f"{name}::error"]))
-        sums[name] = (summed_squares(f"{name}::error", channel_axes.get(name),
-                                     len(g.shapes.get(ref) or ())), power[ref])
-    outputs = list(dict.fromkeys(t for pair in sums.values() for t in pair))
-    model = onnx.helper.make_model(
-        onnx.helper.make_graph(
-            _interleaved(list(g.model.graph.node), added), "local_error_sums",
-            list(g.model.graph.input),
-            [onnx.helper.make_tensor_value_info(t, onnx.TensorProto.DOUBLE, None)
-             for t in outputs],
-            initializers),
-        opset_imports=local.opset_import)
-    model.ir_version = local.ir_version
-    return model, sums
+    def model(self, outputs: Iterable[str]) -> onnx.ModelProto:
+        model = onnx.helper.make_model(
+            onnx.helper.make_graph(
+                _interleaved(list(self.g.model.graph.node), self.added), "local_error_sums",
+                list(self.g.model.graph.input),
+                [onnx.helper.make_tensor_value_info(t, onnx.TensorProto.DOUBLE, None)
+                 for t in dict.fromkeys(outputs)],
+                self.initializers),
+            opset_imports=self.local.opset_import)
+        model.ir_version = self.local.ir_version
+        return model
 
 
 def _interleaved(nodes: list[onnx.NodeProto], added: list[onnx.NodeProto],

@@ -245,6 +245,26 @@ def test_bias_correction_matches_the_known_shift(mode, with_bias):
     assert report.passes == (2 if mode == "local" else 3)
 
 
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_bias_correction_of_a_conv_matches_the_known_shift_per_output_channel(mode):
+    """A conv's output channel is axis 1 of [N, C, H, W]: the shift is the float64 conv of
+    the inputs (on the INT8 grid, so Q/DQ reproduces them) with W_q - W, averaged over N,
+    H and W (conv64, explicit patch sums); up to float32 rounding of the sums (1e-5)."""
+    w = RNG.standard_normal((5, 3, 3, 3)).astype(np.float32)
+    b = RNG.standard_normal(5).astype(np.float32)
+    model = make_model([helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv",
+                                         pads=[1, 1, 1, 1])],
+                       [("x", [None, 3, 6, 7])], ["y"], {"w": w, "b": b})
+    x = grid_inputs(24 * 3 * 6 * 7, 1, 4.0).reshape(24, 3, 6, 7)
+    quantized = qdq.quantize_model(model, {"x": 4.0}, weight_criterion="max")
+    corrected, _ = repairs.bias_correction(model, quantized, [{"x": x[:10]}, {"x": x[10:]}],
+                                           mode=mode)
+    w_q = dequantized(w.reshape(5, -1)).reshape(w.shape)
+    shift = conv64(x, w_q.astype(np.float64) - w, np.zeros(5), pad=1).mean(axis=(0, 2, 3))
+    bias_name = next(n.input[2] for n in corrected.graph.node if n.op_type == "Conv")
+    np.testing.assert_allclose(weights_of(corrected)[bias_name], b - shift, atol=1e-5)
+
+
 def test_bias_correction_shrinks_the_error_of_a_two_layer_net_and_matmul_gets_a_bias():
     w1 = RNG.standard_normal((12, 8)).astype(np.float32)
     w2 = (RNG.standard_normal((12, 5)) * 0.3).astype(np.float32)

@@ -127,8 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hard-samples", type=positive_int, default=64, metavar="N",
                         help="hardest calibration samples the passes run on (default: "
                              "%(default)s); with a label-free metric, an all-INT8 plan that "
-                             "fails beyond doubt on a random draw of N calibration samples is "
-                             "not evaluated on --eval")
+                             "fails beyond doubt on the calibration samples (all of them for "
+                             "sqnr, else a random draw of N) is not evaluated on --eval")
     parser.add_argument("--resamples", type=positive_int, default=200, metavar="B",
                         help="paired bootstrap resamples of the certificate (default: "
                              "%(default)s)")

@@ -45,12 +45,17 @@ def _agreements(outputs: Outputs, references: Outputs) -> np.ndarray:
     return np.concatenate([s.reshape(len(s), -1).all(axis=1) for s in same]).astype(np.float64)
 
 
+def pooled_sqnr(noise: np.ndarray, power: np.ndarray) -> Callable[[np.ndarray], float]:
+    """``score(pick)``: output SQNR of the samples picked from per-sample noise and signal
+    energies ([samples, outputs] each, :func:`sample_energies`), pooled per output."""
+    return lambda pick: output_sqnr_db(noise[pick].sum(axis=0), power[pick].sum(axis=0))
+
+
 def _sqnr_resampler(outputs: Outputs, references: Outputs) -> Callable[[np.ndarray], float]:
     """Output SQNR of picked samples from each sample's noise and signal energies, pooled."""
     energies = [sample_energies(o, r) for o, r in zip(outputs, references, strict=True)]
-    noise = np.concatenate([n for n, _ in energies])
-    power = np.concatenate([p for _, p in energies])
-    return lambda pick: output_sqnr_db(noise[pick].sum(axis=0), power[pick].sum(axis=0))
+    return pooled_sqnr(np.concatenate([n for n, _ in energies]),
+                       np.concatenate([p for _, p in energies]))
 
 
 def _agreement_resampler(outputs: Outputs,
@@ -383,12 +388,10 @@ class PairedScore:
     def certificate(self) -> Certificate:
         """The candidate's value, FP32's (``reference``) and the paired interval."""
         if self.function is output_sqnr:
-            noise = np.concatenate([n for n, _ in self.energies])
-            power = np.concatenate([p for _, p in self.energies])
-            return against_reference(
-                self.metric, lambda pick: (output_sqnr_db(noise[pick].sum(axis=0),
-                                                          power[pick].sum(axis=0)), float("inf")),
-                len(noise), self.resamples)
+            score = pooled_sqnr(np.concatenate([n for n, _ in self.energies]),
+                                np.concatenate([p for _, p in self.energies]))
+            return against_reference(self.metric, lambda pick: (score(pick), float("inf")),
+                                     sum(len(n) for n, _ in self.energies), self.resamples)
         candidate = metric_scorer(self.metric, self.function, self.task, self.outputs,
                                   self.references)
         fp32 = metric_scorer(self.metric, self.function, self.task, self.references,

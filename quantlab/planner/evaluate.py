@@ -21,7 +21,8 @@ import onnx
 
 from quantlab.errors import DataError
 from quantlab.experiment import read_record, write_json
-from quantlab.planner.certify import Certificate, certify
+from quantlab.planner.certify import Certificate, certify, certify_paired, pooled_sqnr
+from quantlab.planner.measure import Draw
 from quantlab.planner.search import FrontPoint
 
 # The least INT8 (share of MACs) an evaluation must be able to add over the certified plan.
@@ -194,25 +195,32 @@ def warn_undecided(evaluations: list[Evaluation], chosen: Evaluation) -> None:
                       stacklevel=4)
 
 
-def screen(point: FrontPoint, run: Callable, inputs: Mapping[str, np.ndarray],
-            references: Mapping[str, np.ndarray], metric_fn: Callable, metric: str,
-            max_drop: float | None, min_sqnr: float | None,
-            resamples: int) -> Evaluation | None:
+def screen(point: FrontPoint, run: Callable, draw: Draw, metric_fn: Callable, metric: str,
+           max_drop: float | None, min_sqnr: float | None,
+           resamples: int) -> Evaluation | None:
     """The all-INT8 `point` judged on calibration samples, if it fails there beyond doubt.
 
-    `run` runs its Q/DQ model (in bounded runs); `inputs` are a random draw
-    of calibration samples (drawn in the pass that finds the hardest, whose drop
-    they would overstate), `references` FP32's outputs on them. It
-    fails beyond doubt when the whole bootstrap interval of its margin lies below
-    the limit: the evaluation-set pass it would take is spared, and the search's
-    law is fitted on this measurement instead. Otherwise None: it is evaluated as
-    any other plan. Only for metrics that read outputs alone: a task metric needs
-    labels the calibration data lack.
+    `draw` comes from the pass that finds the hardest samples (whose drop they would
+    overstate): for output SQNR, every calibration sample's noise and signal energies
+    of this plan, measured in that pass; for another metric of outputs, a random draw
+    of samples and FP32's outputs on them, on which `run` (the plan's Q/DQ model, in
+    bounded runs) runs now. It fails beyond doubt when the whole bootstrap interval of
+    its margin lies below the limit: the evaluation-set pass it would take is spared,
+    and the search's law is fitted on this measurement instead. Otherwise None: it is
+    evaluated as any other plan. Only for metrics that read outputs alone: a task
+    metric needs labels the calibration data lack.
     """
     start = time.perf_counter()
-    certificate = certify(metric_fn, metric, [run(inputs)], [references],
-                          max_drop=max_drop, floor=min_sqnr, resamples=resamples,
-                          what="random calibration samples")
+    if draw.energies is not None:
+        score = pooled_sqnr(*draw.energies)
+        count = len(draw.energies[0])
+        certificate = certify_paired(metric, lambda pick: (score(pick), np.inf), count,
+                                     (score(np.arange(count)), np.inf), floor=min_sqnr,
+                                     resamples=resamples)
+    else:
+        certificate = certify(metric_fn, metric, [run(draw.inputs)], [draw.references],
+                              max_drop=max_drop, floor=min_sqnr, resamples=resamples,
+                              what="random calibration samples")
     if certificate.interval[1] >= 0:
         return None
     return Evaluation(point.int8_mac_share, point.predicted, certificate,

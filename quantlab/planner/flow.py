@@ -47,6 +47,7 @@ from quantlab.planner.certify import (
     floor_message,
     floor_record,
     metric_value,
+    output_sqnr,
     resolve_metric,
     task_evaluator,
 )
@@ -61,6 +62,7 @@ from quantlab.planner.evaluate import (
 )
 from quantlab.planner.measure import (
     CalibratedModel,
+    Draw,
     all_int8_nsr,
     choose_calibrators,
     fp16_contributions,
@@ -275,10 +277,11 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     with phases("bias shifts"):
         shifts, shift_report = _bias_shifts(context, runner, all_int8)
     with phases("hardest samples"):
+        hard, hard_indices, energies, drawn = hardest_samples(
+            calibration, context.fp32_run, _all_int8_runs(context, runner, all_int8, shifts),
+            settings.hard_count, lambda b: context.step(b, desc="hardest samples"),
+            draw=_draw(context))
         runner.shifts = shifts
-        hard, hard_indices, drawn = hardest_samples(
-            calibration, context.fp32_run, runner(all_int8), settings.hard_count,
-            lambda b: context.step(b, desc="hardest samples"), draw=context.metric_fn is not None)
         references = context.fp32_run(hard)
         start = time.perf_counter()  # the floor a trial is measured against, warm
         context.fp32_run(hard)
@@ -286,6 +289,10 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     measure = plan_nsr(runner, hard, references)
     with phases("bias correction"):
         shift_record = _weigh_bias(runner, measure, all_int8, shifts, shift_report)
+    if context.metric_fn is output_sqnr:  # every sample's noise of the all-INT8 plan kept
+        drawn = Draw(energies=energies["shifted" if runner.shifts else "plain"])
+    elif context.metric_fn is not None and drawn is None:  # the hardest are all samples
+        drawn = Draw(inputs=hard, references=references)
     with phases("local errors"):
         local = local_sqnr(g, amax, rules.units,
                            single_samples(calibration, hard, calibration.batch_size))
@@ -388,6 +395,30 @@ def _context(model: onnx.ModelProto, calibration, evaluation, settings: PlanSett
         _try_metric(metric_fn, settings.metric, fp32_run, first)
     return _Context(settings, calibration, evaluation, task, metric_fn, runs, fp32_run, first,
                     progress or (lambda items, **_: items))
+
+
+def _draw(context: _Context) -> bool:
+    """Whether the hardest-samples pass draws random samples (and keeps FP32's outputs on
+    them) to screen all-INT8 on: for a metric of outputs other than output SQNR (whose
+    screen reads every sample's energies instead), unless the hardest samples are all of
+    them (then those are the draw); not for a task metric (labels)."""
+    return (context.metric_fn not in (None, output_sqnr) and
+            context.calibration.num_samples > context.settings.hard_count)
+
+
+def _all_int8_runs(context: _Context, runner: _Runner, all_int8: Mapping[str, str],
+                   shifts: Mapping[str, np.ndarray]) -> dict[str, Callable]:
+    """All-INT8's runs in the hardest-samples pass: with the bias shifts ("shifted", which
+    ranks the samples), and for output SQNR also without them ("plain"): whichever the
+    bias-correction step keeps, its noise on every sample is known for the screen."""
+    runs = {}
+    if shifts:
+        runner.shifts = dict(shifts)
+        runs["shifted"] = runner(all_int8)
+    if not shifts or context.metric_fn is output_sqnr:
+        runner.shifts = {}
+        runs["plain"] = runner(all_int8)
+    return runs
 
 
 def _weigh_repairs(context: _Context, original: CalibratedModel,
@@ -565,13 +596,13 @@ class _Evaluator:
             self.checkpoint.add_evaluation(key, result)
         return result
 
-    def first(self, point: FrontPoint, drawn) -> Evaluation:
-        """The all-INT8 `point`: screened out on `drawn` ((inputs, FP32 outputs) of a random
-        draw of calibration samples, for a label-free metric) when it fails there beyond
-        doubt, else evaluated."""
+    def first(self, point: FrontPoint, drawn: Draw | None) -> Evaluation:
+        """The all-INT8 `point`: screened out on `drawn` (calibration samples that are not
+        only the hardest, for a label-free metric) when it fails there beyond doubt, else
+        evaluated."""
         settings = self.context.settings
         if drawn is not None:
-            screened = screen(point, self.runner(point.precisions), *drawn,
+            screened = screen(point, self.runner(point.precisions), drawn,
                               self.context.metric_fn, settings.metric, settings.max_drop,
                               settings.min_sqnr, settings.resamples)
             if screened is not None:

@@ -63,7 +63,10 @@ def sample_nsr(outputs: Mapping[str, np.ndarray],
     """Per-sample noise-to-signal ratio, mean over float outputs of |y - r|^2 / |r|^2: how
     hard each sample is (:func:`hardest_samples`). The output NSR pools samples instead
     (:func:`pooled_nsr`)."""
-    noise, power = sample_energies(outputs, references)
+    return _nsr_per_sample(*sample_energies(outputs, references))
+
+
+def _nsr_per_sample(noise: np.ndarray, power: np.ndarray) -> np.ndarray:
     return (noise / np.maximum(power, np.finfo(np.float64).tiny)).mean(axis=1)
 
 
@@ -74,25 +77,43 @@ def pooled_nsr(outputs: Mapping[str, np.ndarray], references: Mapping[str, np.nd
     return output_nsr(noise.sum(axis=0), power.sum(axis=0))
 
 
-def hardest_samples(batches, reference: Callable, candidate: Callable, count: int,
-                    progress: Callable | None = None, draw: bool = False,
-                    ) -> tuple[dict[str, np.ndarray], np.ndarray, tuple | None]:
-    """The `count` samples where `candidate` disagrees most with `reference`, as one batch.
+@dataclass
+class Draw:
+    """Calibration samples that are not only the hardest, to judge all-INT8 on
+    (:func:`quantlab.planner.evaluate.screen`): `energies`, every sample's noise and signal
+    energies of the all-INT8 plan ([samples, outputs] each: enough for output SQNR), or
+    `inputs` and FP32's `references` of a seeded uniform draw (any metric of outputs)."""
 
-    `batches` is a :class:`quantlab.data.BatchSource`; `reference` and `candidate`
-    run one batch (a backend's ``run``). Returns the batch (samples in data order),
-    their indices in the data and, with `draw` (else None), a uniform random draw
-    of up to `count` samples (a seeded reservoir, in data order): (their batch,
-    `reference`'s outputs on it). Only the kept samples and outputs stay in memory.
+    energies: tuple[np.ndarray, np.ndarray] | None = None
+    inputs: dict[str, np.ndarray] | None = None
+    references: dict[str, np.ndarray] | None = None
+
+
+def hardest_samples(batches, reference: Callable, candidates: Mapping[str, Callable],
+                    count: int, progress: Callable | None = None, draw: bool = False,
+                    ) -> tuple[dict[str, np.ndarray], np.ndarray,
+                               dict[str, tuple[np.ndarray, np.ndarray]], Draw | None]:
+    """The `count` samples where the first of `candidates` disagrees most with `reference`.
+
+    `batches` is a :class:`quantlab.data.BatchSource`; `reference` and each candidate
+    (name -> run) run one batch (a backend's ``run``). Returns the hardest samples as
+    one batch (in data order), their indices in the data, every candidate's per-sample
+    noise and signal energies over all samples (name -> (noise, power), [samples,
+    outputs] each) and, with `draw` (else None), a uniform random draw of up to `count`
+    samples (a seeded reservoir, in data order) with `reference`'s outputs on it. Only
+    the kept samples and figures stay in memory.
     """
     kept: list[tuple[float, int, dict]] = []  # a min-heap on disagreement
     drawn: list[tuple[float, int, dict, dict]] = []  # a min-heap on random keys
+    energies: dict[str, list] = {name: [] for name in candidates}
     keys = np.random.default_rng(0)
     start = 0
     for batch in progress(batches) if progress else batches:
         length = batches.length(batch)
         want = reference(batch)
-        nsr = sample_nsr(candidate(batch), want)
+        for name, candidate in candidates.items():
+            energies[name].append(sample_energies(candidate(batch), want))
+        nsr = _nsr_per_sample(*energies[next(iter(candidates))][-1])
         for index, key in enumerate(keys.random(length) if draw else ()):
             if len(drawn) < count or key > drawn[0][0]:
                 item = (float(key), start + index, _sample(batches, batch, index),
@@ -105,11 +126,14 @@ def hardest_samples(batches, reference: Callable, candidate: Callable, count: in
             elif item[0] > kept[0][0]:
                 heapq.heapreplace(kept, item)
         start += length
+        del want
     kept.sort(key=lambda item: item[1])
     drawn.sort(key=lambda item: item[1])
-    random = (_merge([item[2] for item in drawn], batches.axes),
-              _merge([item[3] for item in drawn], {})) if draw else None
-    return _merge([item[2] for item in kept], batches.axes), np.array([k[1] for k in kept]), random
+    random = (Draw(inputs=_merge([item[2] for item in drawn], batches.axes),
+                   references=_merge([item[3] for item in drawn], {})) if draw else None)
+    return (_merge([item[2] for item in kept], batches.axes), np.array([k[1] for k in kept]),
+            {name: (np.concatenate([n for n, _ in parts]), np.concatenate([p for _, p in parts]))
+             for name, parts in energies.items()}, random)
 
 
 def _sample(batches, batch: Mapping[str, np.ndarray], index: int) -> dict[str, np.ndarray]:

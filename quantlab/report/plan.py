@@ -29,8 +29,9 @@ PRECISION_COLORS = {"int8": "#76b900", "fp16": "#2e86c1", "fp32": "#5b6575"}
 # How an evaluation in the ledger was run (its "run" column), for the legend.
 RUN_CODES = {
     "int8": "the plan's Q/DQ model ran on the evaluation set (ONNX Runtime integer kernels)",
-    "screened": "not evaluated: on calibration samples drawn at random it failed the budget "
-                "beyond doubt (its whole bootstrap interval below the limit)",
+    "screened": "not evaluated: on calibration samples (all of them for output SQNR, else a "
+                "random draw; not only the hardest) it failed the budget beyond doubt (its "
+                "whole bootstrap interval below the limit)",
     "fp32": "not run: every unit in FP32 is the FP32 model, the reference itself",
 }
 # The columns of the plan's tables: name -> (unit, what it is).
@@ -103,7 +104,7 @@ def plan_section(result: PlanResult, steps: Iterable[str] = ()) -> Section:
     for e in result.evaluations:
         if e.screened:
             summary += (f" The all-INT8 plan was not evaluated: on {e.certificate.samples} "
-                        f"calibration samples drawn at random it scored "
+                        f"calibration samples ({_screened_on(result)}) it scored "
                         f"{e.certificate.value:.4g} against a limit of "
                         f"{e.certificate.limit:.4g}, its whole bootstrap interval below it.")
     models = [r for r in result.plan.repairs if "all_int8_nsr_first_batch" in r]
@@ -141,6 +142,14 @@ def plan_section(result: PlanResult, steps: Iterable[str] = ()) -> Section:
         legend=reasons_legend(r for d in result.plan.units.values() for r in d.reasons),
     )
     return Section("Precision plan", html, anchor="plan")
+
+
+def _screened_on(result: PlanResult) -> str:
+    """Which calibration samples all-INT8 was screened on (quantlab.planner.flow._draw)."""
+    if result.certificate.metric == "sqnr":
+        return "every one, its noise measured in the pass that found the hardest"
+    return (f"a random draw, or all of them when they are no more than the "
+            f"{len(result.hard_samples)} hardest")
 
 
 def next_steps(result: PlanResult, folder: str, uncertified: str = "uncertified") -> list[str]:
