@@ -81,7 +81,14 @@ LAYOUT_METRIC = "benchmarks.planner_metrics:layout_agreement_map"
 NNCF_RANKING_SUBSET = 300
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CANDIDATE = "candidate.onnx"  # a tool child's output model, for the judging child
-EVALUATION_RATIO_TARGET = 1 / 3
+# Issue 21's targets for quantlab's row: evaluations (the FP32 pass counted) at most the
+# fewest TensorRT-deployable peer's and at most this; wall time and peak RSS at most these
+# multiples of the row's floor and this many bytes; wall time at most the fastest
+# deployable peer's that stays within budget.
+MAX_EVALUATIONS = 3
+MAX_FLOOR_TIMES = 25
+MAX_RSS = 2 * 10**9
+DEPLOYABLE = ("nncf-trt", "bisect-fwd", "bisect-rev")
 
 Outputs = list[dict[str, np.ndarray]]
 
@@ -602,37 +609,56 @@ def cell_rows(rows: list[dict]) -> list[dict]:
 
 
 def verdicts(rows: list[dict], models: Sequence[str], budgets: Sequence[float]) -> list[str]:
-    """PASS/FAIL per model and budget: share >= best peer's, evaluations <= 1/3 fewest peer's."""
+    """PASS/FAIL per model and budget against issue 21's targets: INT8 share >= the best
+    peer's within budget; evaluations <= the fewest deployable peer's and <= MAX_EVALUATIONS;
+    wall time <= MAX_FLOOR_TIMES x the floor and <= the fastest deployable peer's within
+    budget; peak RSS <= MAX_RSS. A target no peer row measures is said so."""
     lines = []
     for model in models:
+        floor = next((r for r in rows if r["model"] == model and r["tool"] == FLOOR
+                      and r.get("wall_s")), None)
         for budget in budgets:
             here = [r for r in rows if r["model"] == model and r["budget"] == budget]
             ours = next((r for r in here if r["tool"] == "quantlab"), None)
-            peers = [r for r in here if r["tool"] in PEERS]
-            judged = [r for r in peers if "int8_mac_share" in r and r["within_budget"]]
             if ours is None or "int8_mac_share" not in ours:
                 lines.append(f"{model} budget {budget}: NOT MEASURED (quantlab did not finish)")
                 continue
-            if not judged:
-                lines.append(f"{model} budget {budget}: NOT MEASURED (no peer finished within "
-                             "budget)")
-                continue
-            best = max(judged, key=lambda r: r["int8_mac_share"])
-            counted = [r for r in peers if "evaluations" in r and "int8_mac_share" in r]
-            fewest = min(counted, key=lambda r: r["evaluations"])
-            share_ok = ours["within_budget"] and (
-                ours["int8_mac_share"] >= best["int8_mac_share"] - 1e-9)
-            evals_ok = ours["evaluations"] <= EVALUATION_RATIO_TARGET * fewest["evaluations"]
-            verdict = "PASS" if share_ok and evals_ok else "FAIL"
-            lines.append(
-                f"{model} budget {budget}: {verdict}: share {100 * ours['int8_mac_share']:.1f}% "
-                f"({'within' if ours['within_budget'] else 'OUTSIDE'} budget) vs best peer "
-                f"{best['tool']} {100 * best['int8_mac_share']:.1f}% "
-                f"[{'ok' if share_ok else 'short' if ours['within_budget'] else 'outside'}]; "
-                f"evaluations {ours['evaluations']} vs "
-                f"fewest peer {fewest['tool']} {fewest['evaluations']} (target <= "
-                f"{EVALUATION_RATIO_TARGET * fewest['evaluations']:.1f}) "
-                f"[{'ok' if evals_ok else 'too many'}]")
+            peers = [r for r in here if r["tool"] in PEERS and "int8_mac_share" in r]
+            within = [r for r in peers if r["within_budget"]]
+            deployable = [r for r in peers if r["tool"] in DEPLOYABLE and "evaluations" in r]
+            checks = {"within budget": bool(ours["within_budget"]),
+                      f"evaluations <= {MAX_EVALUATIONS}":
+                          ours["evaluations"] <= MAX_EVALUATIONS,
+                      f"peak RSS <= {MAX_RSS / 1e9:g} GB": ours["peak_rss"] <= MAX_RSS}
+            notes = [f"share {100 * ours['int8_mac_share']:.1f}%",
+                     f"{ours['evaluations']} evaluations",
+                     f"{ours['wall_s']:.0f} s", f"{ours['peak_rss'] / 1e9:.2f} GB"]
+            if floor:
+                times = ours["wall_s"] / floor["wall_s"]
+                checks[f"wall <= {MAX_FLOOR_TIMES}x floor"] = times <= MAX_FLOOR_TIMES
+                notes.append(f"{times:.1f}x floor")
+            if within:
+                best = max(within, key=lambda r: r["int8_mac_share"])
+                checks["share >= best peer's"] = \
+                    ours["int8_mac_share"] >= best["int8_mac_share"] - 1e-9
+                notes.append(f"best peer {best['tool']} {100 * best['int8_mac_share']:.1f}%")
+            if deployable:
+                fewest = min(deployable, key=lambda r: r["evaluations"])
+                checks["evaluations <= fewest deployable peer's"] = \
+                    ours["evaluations"] <= fewest["evaluations"]
+                notes.append(f"fewest {fewest['tool']} {fewest['evaluations']}")
+            fast = [r for r in within if r["tool"] in DEPLOYABLE]
+            if fast:
+                fastest = min(fast, key=lambda r: r["wall_s"])
+                checks["wall <= fastest deployable peer's"] = \
+                    ours["wall_s"] <= fastest["wall_s"]
+                notes.append(f"fastest {fastest['tool']} {fastest['wall_s']:.0f} s")
+            failed = [name for name, ok in checks.items() if not ok]
+            unmeasured = [] if peers else ["no peer row: peer targets not measured"]
+            lines.append(f"{model} budget {budget}: {'FAIL' if failed else 'PASS'} "
+                         f"({'; '.join(notes)})" +
+                         (f"; failed: {', '.join(failed)}" if failed else "") +
+                         (f"; {unmeasured[0]}" if unmeasured else ""))
     return lines
 
 

@@ -1608,6 +1608,10 @@ def test_choose_calibrators_per_unit_from_local_error(planted_case):
     merged, chosen = plan.choose_calibrators(g, candidates, units, [batch], amax)
     assert chosen[units[0].name] == "b" and chosen[units[1].name] == "a"
     assert all(merged[t] == amax[t] for t in units[0].tensors + units[1].tensors)
+    # The methods measured side by side in one pass choose as each measured alone does.
+    alone = {m: plan.local_sqnr(g, a, units, [batch], ("int8",)) for m, a in candidates.items()}
+    assert chosen == {u.name: max(candidates, key=lambda m, u=u: alone[m][u.name]["int8"])
+                      for u in units}
 
 
 def test_choose_calibrators_replaces_the_amax_a_moved_pair_is_scaled_by():

@@ -2,8 +2,8 @@
 
 Every measurement is a fixed number of passes, whatever the number of units: one
 pass for the hardest samples, one local pass for every unit's INT8 and FP16 error
-(one per candidate calibrator). The trials run on the hardest samples are in
-:mod:`quantlab.planner.trials`.
+(and one with every candidate calibrator side by side). The trials run on the hardest
+samples are in :mod:`quantlab.planner.trials`.
 """
 
 from __future__ import annotations
@@ -230,13 +230,24 @@ def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
     `fuse_activations`). A unit's figure is its worst linear op (-inf when FP16
     overflows). Returns unit -> precision -> dB.
     """
+    everything = [n for u in units for n in u.nodes]
+    return _local_figures(g, {precision: qdq.quantize_model(
+        g.model, amax, dict.fromkeys(everything, precision)) for precision in precisions},
+        units, batches, fuse_activations)
+
+
+def _local_figures(g: Graph, variants: Mapping[str, onnx.ModelProto], units: Sequence[Unit],
+                   batches: Sequence[Mapping[str, np.ndarray]], fuse_activations: bool = True,
+                   ) -> dict[str, dict[str, float]]:
+    """unit -> variant -> local SQNR (dB) of the Q/DQ models `variants` (name -> model of
+    `g`: one per precision, or of one precision with other scales), side by side in one
+    pass of one model."""
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.sensitivity import local_error_model
 
-    everything = [n for u in units for n in u.nodes]
-    local = local_error_model(
-        [Graph(qdq.quantize_model(g.model, amax, dict.fromkeys(everything, precision)))
-         for precision in precisions], g, fuse_activations=fuse_activations)
+    local = local_error_model([Graph(model) for model in variants.values()], g,
+                              labels=list(variants),
+                              fuse_activations=fuse_activations)
     model, sums = error_sums(g, local.model, local.outputs)
     backend = OnnxRuntimeBackend(model, name="local errors", memory_pattern=False)
     totals = dict.fromkeys(backend.outputs, 0.0)
@@ -246,15 +257,15 @@ def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
     sqnr: dict[tuple[str, str], float] = {}
     for name in local.outputs:
         noise, power = (totals[sum_name] for sum_name in sums[name])
-        sqnr[(local.nodes[name], local.precisions[name])] = (
+        sqnr[(local.nodes[name], local.labels[name])] = (
             -np.inf if not np.isfinite(noise) else
             10 * np.log10(power / noise) if noise > 0 else np.inf)
     result: dict[str, dict[str, float]] = {}
     for unit in units:
-        for precision in precisions:
-            figures = [sqnr[(n, precision)] for n in unit.linear if (n, precision) in sqnr]
+        for variant in variants:
+            figures = [sqnr[(n, variant)] for n in unit.linear if (n, variant) in sqnr]
             if figures:
-                result.setdefault(unit.name, {})[precision] = float(min(figures))
+                result.setdefault(unit.name, {})[variant] = float(min(figures))
     return result
 
 
@@ -298,17 +309,18 @@ def choose_calibrators(g: Graph, candidates: Mapping[str, Mapping[str, float]],
 
     A unit's local error depends only on the amax of its own tensors (each pair
     tensor belongs to one unit), so the choice is made unit by unit from one local
-    pass per method. Returns the merged amax (`default` for tensors of no unit)
+    pass with every method's Q/DQ model side by side. Returns the merged amax (`default` for tensors of no unit)
     and unit -> method. A pair moved backward across a pass-through op takes the
     amax of the tensor it was calibrated for (qdq's placement source), which is
     the one replaced.
     """
-    local = {method: local_sqnr(g, amax, units, batches, ("int8",))
-             for method, amax in candidates.items()}
+    everything = dict.fromkeys((n for u in units for n in u.nodes), "int8")
+    local = _local_figures(g, {method: qdq.quantize_model(g.model, amax, everything)
+                               for method, amax in candidates.items()}, units, batches)
     source = qdq.place(g.model).source
     merged, chosen = dict(default), {}
     for unit in units:
-        scored = {m: local[m][unit.name]["int8"] for m in candidates if unit.name in local[m]}
+        scored = local.get(unit.name, {})
         if not scored:
             continue
         chosen[unit.name] = max(scored, key=scored.get)
