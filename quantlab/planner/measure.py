@@ -310,9 +310,9 @@ def choose_calibrators(g: Graph, candidates: Mapping[str, Mapping[str, float]],
     A unit's local error depends only on the amax of its own tensors (each pair
     tensor belongs to one unit), so the choice is made unit by unit from one local
     pass with every method's Q/DQ model side by side. Returns the merged amax
-    (`default` for tensors of no unit) and unit -> method. A pair moved backward across a pass-through op takes the
-    amax of the tensor it was calibrated for (qdq's placement source), which is
-    the one replaced.
+    (`default` for tensors of no unit) and unit -> method. A pair moved backward
+    across a pass-through op takes the amax of the tensor it was calibrated for
+    (qdq's placement source), which is the one replaced.
     """
     everything = dict.fromkeys((n for u in units for n in u.nodes), "int8")
     local = _local_figures(g, {method: qdq.quantize_model(g.model, amax, everything)
