@@ -446,7 +446,7 @@ def test_hardest_samples_are_the_quietest(planted_case):
     g, source, fp32, run_plan, _ = planted_case
     seen = []  # a progress wrapper (tqdm) yields the batches but is not the source
     batch, indices, _, drawn = plan.hardest_samples(
-        source, fp32.run, {"all-INT8": run_plan({})}, count=4,
+        source, fp32.run, run_plan({}), count=4,
         progress=lambda b: seen.append(1) or iter(list(b)))
     assert seen == [1] and drawn is None
     assert {5, 40} <= set(indices.tolist()) and len(indices) == 4
@@ -461,8 +461,7 @@ def test_hardest_samples_also_draw_random_samples(planted_case):
     holds both of the 2 quietest with probability 8*7/(64*63) = 1.4 %)."""
     g, source, fp32, run_plan, _ = planted_case
     samples = np.concatenate([b["x"] for b in source])
-    _, _, _, drawn = plan.hardest_samples(source, fp32.run, {"all-INT8": run_plan({})},
-                                          count=8, draw=True)
+    _, _, _, drawn = plan.hardest_samples(source, fp32.run, run_plan({}), count=8, draw=True)
     batch, references = drawn.inputs, drawn.references
     indices = np.array([int(np.argmin(np.abs(samples - x).reshape(64, -1).max(axis=1)))
                         for x in batch["x"]])
@@ -470,31 +469,26 @@ def test_hardest_samples_also_draw_random_samples(planted_case):
     assert list(indices) == sorted(indices) and not {5, 40} <= set(indices.tolist())
     np.testing.assert_array_equal(batch["x"], samples[indices])
     np.testing.assert_array_equal(references["y"], fp32.run({"x": samples})["y"][indices])
-    _, _, _, every = plan.hardest_samples(source, fp32.run, {"FP32": fp32.run}, count=100,
-                                          draw=True)
+    _, _, _, every = plan.hardest_samples(source, fp32.run, fp32.run, count=100, draw=True)
     np.testing.assert_array_equal(every.inputs["x"], samples)
 
 
-def test_hardest_samples_keep_every_candidates_energies_on_every_sample(planted_case):
-    """Besides the hardest samples (ranked by the first candidate), the pass keeps each
-    candidate's per-sample noise and signal energies over all samples: what the all-INT8
-    screen for output SQNR reads, with or without bias shifts. Equal to the energies of
-    all samples run at once (float64 sums in another order)."""
+def test_hardest_samples_keep_every_samples_energies(planted_case):
+    """Besides the hardest samples, the pass keeps the candidate's per-sample noise and
+    signal energies over all samples: what the all-INT8 screen for output SQNR reads.
+    Equal to the energies of all samples run at once (float64 sums in another order)."""
     g, source, fp32, run_plan, _ = planted_case
     samples = np.concatenate([b["x"] for b in source])
-    candidates = {"all-INT8": run_plan({}), "FP16": run_plan(dict.fromkeys(PLANTED, "fp16"))}
-    _, _, energies, drawn = plan.hardest_samples(source, fp32.run, candidates, count=8)
-    assert drawn is None and list(energies) == list(candidates)
-    for name, run in candidates.items():
-        expected = plan.sample_energies(run({"x": samples}), fp32.run({"x": samples}))
-        for got, want in zip(energies[name], expected, strict=True):
-            np.testing.assert_allclose(got, want, rtol=1e-12)
+    _, _, energies, drawn = plan.hardest_samples(source, fp32.run, run_plan({}), count=8)
+    assert drawn is None
+    expected = plan.sample_energies(run_plan({})({"x": samples}), fp32.run({"x": samples}))
+    for got, want in zip(energies, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
 def test_group_test_ranks_planted_units_first(planted_case):
     g, source, fp32, run_plan, units = planted_case
-    batch, _, _, _ = plan.hardest_samples(source, fp32.run, {"all-INT8": run_plan({})},
-                                          count=16)
+    batch, _, _, _ = plan.hardest_samples(source, fp32.run, run_plan({}), count=16)
     references = fp32.run(batch)
     found = plan.group_test(planted_trials(run_plan, units, batch, references), 16, seed=0)
     assert set(found.ranking()[:2]) == set(PLANTED)
@@ -602,8 +596,7 @@ def test_search_meets_the_budget_on_the_planted_model_and_certifies_real_int8(pl
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
     g, source, fp32, run_plan, units = planted_case
-    batch, _, _, _ = plan.hardest_samples(source, fp32.run, {"all-INT8": run_plan({})},
-                                          count=16)
+    batch, _, _, _ = plan.hardest_samples(source, fp32.run, run_plan({}), count=16)
     found = plan.group_test(planted_trials(run_plan, units, batch, fp32.run(batch)), 16)
     # Output SQNR pooled over the hardest 16 (docs/metrics.md): all INT8 12.8 dB, conv5 pinned
     # 20.7, conv3 and conv5 pinned 30.0.
@@ -1190,7 +1183,7 @@ def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
     argv = [str(onnx_path), "--data", str(tmp_path / "calib.npy"), "--eval",
             str(tmp_path / "eval.npy"), "--min-sqnr", "24", "--out", str(out), "--trials", "16",
             "--hard-samples", "16", "--batch-size", "16", "--no-progress", "--trt-version",
-            "8.6.1"]
+            "8.6.1", "--no-bias-correction"]
     assert main(["plan", *argv]) == 0
     printed = capsys.readouterr().out
     assert "certified at 95% on 64 samples" in printed

@@ -277,11 +277,10 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     with phases("bias shifts"):
         shifts, shift_report = _bias_shifts(context, runner, all_int8)
     with phases("hardest samples"):
-        hard, hard_indices, energies, drawn = hardest_samples(
-            calibration, context.fp32_run, _all_int8_runs(context, runner, all_int8, shifts),
-            settings.hard_count, lambda b: context.step(b, desc="hardest samples"),
-            draw=_draw(context))
         runner.shifts = shifts
+        hard, hard_indices, energies, drawn = hardest_samples(
+            calibration, context.fp32_run, runner(all_int8), settings.hard_count,
+            lambda b: context.step(b, desc="hardest samples"), draw=_draw(context))
         references = context.fp32_run(hard)
         start = time.perf_counter()  # the floor a trial is measured against, warm
         context.fp32_run(hard)
@@ -289,10 +288,10 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     measure = plan_nsr(runner, hard, references)
     with phases("bias correction"):
         shift_record = _weigh_bias(runner, measure, all_int8, shifts, shift_report)
-    if context.metric_fn is output_sqnr:  # every sample's noise of the all-INT8 plan kept
-        drawn = Draw(energies=energies["shifted" if runner.shifts else "plain"])
-    elif context.metric_fn is not None and drawn is None:  # the hardest are all samples
-        drawn = Draw(inputs=hard, references=references)
+    if context.metric_fn is output_sqnr and bool(runner.shifts) == bool(shifts):
+        drawn = Draw(energies=energies)  # every sample's noise of the all-INT8 plan
+    elif context.metric_fn not in (None, output_sqnr) and drawn is None:
+        drawn = Draw(inputs=hard, references=references)  # the hardest are all samples
     with phases("local errors"):
         local = local_sqnr(g, amax, rules.units,
                            single_samples(calibration, hard, calibration.batch_size))
@@ -400,25 +399,12 @@ def _context(model: onnx.ModelProto, calibration, evaluation, settings: PlanSett
 def _draw(context: _Context) -> bool:
     """Whether the hardest-samples pass draws random samples (and keeps FP32's outputs on
     them) to screen all-INT8 on: for a metric of outputs other than output SQNR (whose
-    screen reads every sample's energies instead), unless the hardest samples are all of
-    them (then those are the draw); not for a task metric (labels)."""
+    screen reads every sample's energies, measured in that pass, instead: valid unless
+    the bias-correction step drops the shifts they were measured with; then all-INT8 is
+    evaluated), unless the hardest samples are all of them (then those are the draw);
+    not for a task metric (labels)."""
     return (context.metric_fn not in (None, output_sqnr) and
             context.calibration.num_samples > context.settings.hard_count)
-
-
-def _all_int8_runs(context: _Context, runner: _Runner, all_int8: Mapping[str, str],
-                   shifts: Mapping[str, np.ndarray]) -> dict[str, Callable]:
-    """All-INT8's runs in the hardest-samples pass: with the bias shifts ("shifted", which
-    ranks the samples), and for output SQNR also without them ("plain"): whichever the
-    bias-correction step keeps, its noise on every sample is known for the screen."""
-    runs = {}
-    if shifts:
-        runner.shifts = dict(shifts)
-        runs["shifted"] = runner(all_int8)
-    if not shifts or context.metric_fn is output_sqnr:
-        runner.shifts = {}
-        runs["plain"] = runner(all_int8)
-    return runs
 
 
 def _weigh_repairs(context: _Context, original: CalibratedModel,

@@ -89,31 +89,30 @@ class Draw:
     references: dict[str, np.ndarray] | None = None
 
 
-def hardest_samples(batches, reference: Callable, candidates: Mapping[str, Callable],
-                    count: int, progress: Callable | None = None, draw: bool = False,
+def hardest_samples(batches, reference: Callable, candidate: Callable, count: int,
+                    progress: Callable | None = None, draw: bool = False,
                     ) -> tuple[dict[str, np.ndarray], np.ndarray,
-                               dict[str, tuple[np.ndarray, np.ndarray]], Draw | None]:
-    """The `count` samples where the first of `candidates` disagrees most with `reference`.
+                               tuple[np.ndarray, np.ndarray], Draw | None]:
+    """The `count` samples where `candidate` disagrees most with `reference`, as one batch.
 
-    `batches` is a :class:`quantlab.data.BatchSource`; `reference` and each candidate
-    (name -> run) run one batch (a backend's ``run``). Returns the hardest samples as
-    one batch (in data order), their indices in the data, every candidate's per-sample
-    noise and signal energies over all samples (name -> (noise, power), [samples,
-    outputs] each) and, with `draw` (else None), a uniform random draw of up to `count`
-    samples (a seeded reservoir, in data order) with `reference`'s outputs on it. Only
-    the kept samples and figures stay in memory.
+    `batches` is a :class:`quantlab.data.BatchSource`; `reference` and `candidate`
+    run one batch (a backend's ``run``). Returns the hardest samples as one batch (in
+    data order), their indices in the data, `candidate`'s per-sample noise and signal
+    energies over all samples ((noise, power), [samples, outputs] each) and, with
+    `draw` (else None), a uniform random draw of up to `count` samples (a seeded
+    reservoir, in data order) with `reference`'s outputs on it. Only the kept samples
+    and figures stay in memory.
     """
     kept: list[tuple[float, int, dict]] = []  # a min-heap on disagreement
     drawn: list[tuple[float, int, dict, dict]] = []  # a min-heap on random keys
-    energies: dict[str, list] = {name: [] for name in candidates}
+    energies: list[tuple[np.ndarray, np.ndarray]] = []
     keys = np.random.default_rng(0)
     start = 0
     for batch in progress(batches) if progress else batches:
         length = batches.length(batch)
         want = reference(batch)
-        for name, candidate in candidates.items():
-            energies[name].append(sample_energies(candidate(batch), want))
-        nsr = _nsr_per_sample(*energies[next(iter(candidates))][-1])
+        energies.append(sample_energies(candidate(batch), want))
+        nsr = _nsr_per_sample(*energies[-1])
         for index, key in enumerate(keys.random(length) if draw else ()):
             if len(drawn) < count or key > drawn[0][0]:
                 item = (float(key), start + index, _sample(batches, batch, index),
@@ -132,8 +131,8 @@ def hardest_samples(batches, reference: Callable, candidates: Mapping[str, Calla
     random = (Draw(inputs=_merge([item[2] for item in drawn], batches.axes),
                    references=_merge([item[3] for item in drawn], {})) if draw else None)
     return (_merge([item[2] for item in kept], batches.axes), np.array([k[1] for k in kept]),
-            {name: (np.concatenate([n for n, _ in parts]), np.concatenate([p for _, p in parts]))
-             for name, parts in energies.items()}, random)
+            (np.concatenate([n for n, _ in energies]), np.concatenate([p for _, p in energies])),
+            random)
 
 
 def _sample(batches, batch: Mapping[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
