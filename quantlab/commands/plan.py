@@ -296,16 +296,23 @@ def _needed_tensors(model, implicit: bool) -> list[str]:
     return [name for name in index.order if name in wanted]
 
 
-def _statistics(model, source, stats, args):
+def _statistics(model, source, stats, args, repaired: bool = False):
     """Statistics of every tensor :func:`_needed_tensors` lists: `stats` (reused from a
-    calibration folder, or None) completed by one collection pass over the ones it lacks."""
+    calibration folder, or None) completed by one collection pass over the ones it lacks.
+    For a `repaired` copy, `stats` are the model's own: a repair renames every tensor
+    whose values it changes, so the tensors of the same name keep their statistics and
+    only the renamed ones are collected."""
     from quantlab import collect
 
     needed = _needed_tensors(model, args.trt_version is not None)
+    if repaired:
+        stats = collect.Statistics({name: stats.tensors[name] for name in needed
+                                    if name in stats.tensors}, stats.num_samples,
+                                   stats.num_bins)
     missing = [name for name in needed if stats is None or name not in stats.tensors]
     if not missing:
         return stats
-    if stats is not None:
+    if stats is not None and not repaired:
         print(f"plan: {args.data}'s statistics lack {len(missing)} tensor(s) the planner reads "
               "(linear-op outputs for the FP16 range rule, or the cache's ranges); collecting "
               "them in one pass over its data.")
@@ -313,19 +320,35 @@ def _statistics(model, source, stats, args):
                             **({"num_bins": stats.num_bins} if stats is not None else {}))
     if stats is None:
         return extra
+    if repaired:  # in the order a collection of the whole model gives
+        return collect.Statistics({name: (extra.tensors[name] if name in extra.tensors else
+                                          stats.tensors[name]) for name in needed},
+                                  stats.num_samples, stats.num_bins)
     return collect.Statistics({**stats.tensors, **extra.tensors}, stats.num_samples,
                               stats.num_bins)
 
 
-def _calibrated(stats, args):
-    """(scales of --method, max |x|, 99.99th percentile, --calibrators' amax) of statistics."""
-    from quantlab import calibrate
+def _calibrated(stats, args, known=None):
+    """(scales of --method, max |x|, 99.99th percentile, --calibrators' amax) of statistics.
+    With `known` (the same of statistics sharing tensors with these: the model before a
+    repair), the tensors it has keep its figures; only the others are calibrated."""
+    from quantlab import calibrate, collect
 
-    scales = calibrate.calibrate(stats, args.method)
+    fresh = stats if known is None else collect.Statistics(
+        {name: tensor for name, tensor in stats.tensors.items() if name not in known[1]},
+        stats.num_samples, stats.num_bins)
+    scales = calibrate.calibrate(fresh, args.method)
     ranges = {name: tensor.amax for name, tensor in stats.tensors.items()}
-    p9999 = calibrate.calibrate(stats, "percentile").amax
-    candidates = {m: scales.amax if m == args.method else calibrate.calibrate(stats, m).amax
+    p9999 = calibrate.calibrate(fresh, "percentile").amax
+    candidates = {m: scales.amax if m == args.method else calibrate.calibrate(fresh, m).amax
                   for m in dict.fromkeys(args.calibrators)}
+    if known is not None:
+        def merged(own: dict, theirs: dict) -> dict:
+            return {name: own[name] if name in own else theirs[name] for name in stats.tensors}
+
+        scales.amax = merged(scales.amax, known[0].amax)
+        p9999 = merged(p9999, known[2])
+        candidates = {m: merged(amax, known[3][m]) for m, amax in candidates.items()}
     return scales, ranges, p9999, candidates
 
 
@@ -425,9 +448,13 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             print(f"repair {name}: nothing to change in this model ({len(report.skipped)} "
                   "candidates skipped); not weighed.")
             continue
-        changed_stats = _statistics(changed, source, None, args)
+        # dw-equalize renames every tensor whose values it changes: the others keep their
+        # statistics and calibration (cle rescales tensors in place: all collected again).
+        renames = name == "dw-equalize"
+        changed_stats = _statistics(changed, source, stats if renames else None, args,
+                                    repaired=renames)
         changed_scales, changed_ranges, changed_p9999, changed_candidates = _calibrated(
-            changed_stats, args)
+            changed_stats, args, (scales, ranges, p9999, candidates) if renames else None)
         repaired[name] = plan.CalibratedModel(
             changed, changed_scales.amax, changed_ranges, changed_p9999,
             changed_candidates if len(changed_candidates) > 1 else None, report.to_dict())
