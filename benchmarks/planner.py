@@ -619,6 +619,8 @@ def verdicts(rows: list[dict], models: Sequence[str], budgets: Sequence[float]) 
                       and r.get("wall_s")), None)
         for budget in budgets:
             here = [r for r in rows if r["model"] == model and r["budget"] == budget]
+            if not here:  # merged files of other budgets
+                continue
             ours = next((r for r in here if r["tool"] == "quantlab"), None)
             if ours is None or "int8_mac_share" not in ours:
                 lines.append(f"{model} budget {budget}: NOT MEASURED (quantlab did not finish)")
