@@ -10,7 +10,7 @@ import numpy as np
 
 from quantlab.compare import output_sqnr_db
 from quantlab.errors import ConfigError, DataError
-from quantlab.planner.measure import sample_energies
+from quantlab.planner.measure import joined_energies, sample_energies
 from quantlab.user_code import import_module
 
 Outputs = list[dict[str, np.ndarray]]
@@ -53,9 +53,8 @@ def pooled_sqnr(noise: np.ndarray, power: np.ndarray) -> Callable[[np.ndarray], 
 
 def _sqnr_resampler(outputs: Outputs, references: Outputs) -> Callable[[np.ndarray], float]:
     """Output SQNR of picked samples from each sample's noise and signal energies, pooled."""
-    energies = [sample_energies(o, r) for o, r in zip(outputs, references, strict=True)]
-    return pooled_sqnr(np.concatenate([n for n, _ in energies]),
-                       np.concatenate([p for _, p in energies]))
+    return pooled_sqnr(*joined_energies([sample_energies(o, r) for o, r in
+                                         zip(outputs, references, strict=True)]))
 
 
 def _agreement_resampler(outputs: Outputs,
@@ -388,8 +387,7 @@ class PairedScore:
     def certificate(self) -> Certificate:
         """The candidate's value, FP32's (``reference``) and the paired interval."""
         if self.function is output_sqnr:
-            score = pooled_sqnr(np.concatenate([n for n, _ in self.energies]),
-                                np.concatenate([p for _, p in self.energies]))
+            score = pooled_sqnr(*joined_energies(self.energies))
             return against_reference(self.metric, lambda pick: (score(pick), float("inf")),
                                      sum(len(n) for n, _ in self.energies), self.resamples)
         candidate = metric_scorer(self.metric, self.function, self.task, self.outputs,

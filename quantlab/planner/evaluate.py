@@ -213,9 +213,8 @@ def screen(point: FrontPoint, run: Callable, draw: Draw, metric_fn: Callable, me
     start = time.perf_counter()
     if draw.energies is not None:
         score = pooled_sqnr(*draw.energies)
-        count = len(draw.energies[0])
-        certificate = certify_paired(metric, lambda pick: (score(pick), np.inf), count,
-                                     (score(np.arange(count)), np.inf), floor=min_sqnr,
+        certificate = certify_paired(metric, lambda pick: (score(pick), np.inf),
+                                     len(draw.energies[0]), floor=min_sqnr,
                                      resamples=resamples)
     else:
         certificate = certify(metric_fn, metric, [run(draw.inputs)], [draw.references],

@@ -288,10 +288,8 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     measure = plan_nsr(runner, hard, references)
     with phases("bias correction"):
         shift_record = _weigh_bias(runner, measure, all_int8, shifts, shift_report)
-    if context.metric_fn is output_sqnr and bool(runner.shifts) == bool(shifts):
-        drawn = Draw(energies=energies)  # every sample's noise of the all-INT8 plan
-    elif context.metric_fn not in (None, output_sqnr) and drawn is None:
-        drawn = Draw(inputs=hard, references=references)  # the hardest are all samples
+    drawn = _screen_samples(context, drawn, energies, Draw(inputs=hard, references=references),
+                            shifts_kept=bool(runner.shifts) == bool(shifts))
     with phases("local errors"):
         local = local_sqnr(g, amax, rules.units,
                            single_samples(calibration, hard, calibration.batch_size))
@@ -398,13 +396,25 @@ def _context(model: onnx.ModelProto, calibration, evaluation, settings: PlanSett
 
 def _draw(context: _Context) -> bool:
     """Whether the hardest-samples pass draws random samples (and keeps FP32's outputs on
-    them) to screen all-INT8 on: for a metric of outputs other than output SQNR (whose
-    screen reads every sample's energies, measured in that pass, instead: valid unless
-    the bias-correction step drops the shifts they were measured with; then all-INT8 is
-    evaluated), unless the hardest samples are all of them (then those are the draw);
-    not for a task metric (labels)."""
+    them) for :func:`_screen_samples`: for a metric of outputs other than output SQNR,
+    unless the hardest samples are all the samples."""
     return (context.metric_fn not in (None, output_sqnr) and
             context.calibration.num_samples > context.settings.hard_count)
+
+
+def _screen_samples(context: _Context, drawn: Draw | None,
+                    energies: tuple[np.ndarray, np.ndarray], hardest: Draw,
+                    shifts_kept: bool) -> Draw | None:
+    """The calibration samples all-INT8 is screened on (:func:`screen`), or None (it is
+    evaluated): for output SQNR every sample's energies from the hardest-samples pass,
+    valid while the bias-correction step keeps the shifts that pass ran with; for another
+    metric of outputs the pass's random draw, or the `hardest` when they are all the
+    samples; none for a task metric (labels)."""
+    if context.metric_fn is output_sqnr:
+        return Draw(energies=energies) if shifts_kept else None
+    if context.metric_fn is None:
+        return None
+    return drawn if drawn is not None else hardest
 
 
 def _weigh_repairs(context: _Context, original: CalibratedModel,

@@ -58,6 +58,12 @@ def sample_energies(outputs: Mapping[str, np.ndarray],
     return np.stack(noises, axis=1), np.stack(powers, axis=1)
 
 
+def joined_energies(parts: Sequence[tuple[np.ndarray, np.ndarray]],
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sample_energies` of several batches as one (noise, power), samples in order."""
+    return np.concatenate([n for n, _ in parts]), np.concatenate([p for _, p in parts])
+
+
 def sample_nsr(outputs: Mapping[str, np.ndarray],
                references: Mapping[str, np.ndarray]) -> np.ndarray:
     """Per-sample noise-to-signal ratio, mean over float outputs of |y - r|^2 / |r|^2: how
@@ -131,8 +137,7 @@ def hardest_samples(batches, reference: Callable, candidate: Callable, count: in
     random = (Draw(inputs=_merge([item[2] for item in drawn], batches.axes),
                    references=_merge([item[3] for item in drawn], {})) if draw else None)
     return (_merge([item[2] for item in kept], batches.axes), np.array([k[1] for k in kept]),
-            (np.concatenate([n for n, _ in energies]), np.concatenate([p for _, p in energies])),
-            random)
+            joined_energies(energies), random)
 
 
 def _sample(batches, batch: Mapping[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
