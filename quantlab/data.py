@@ -23,7 +23,11 @@ import numpy as np
 from quantlab.errors import ConfigError, DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff")
-
+# An image folder whose preprocessed samples fit in this many bytes keeps them after the
+# first pass: the planner reads its data a dozen times, and decoding and resizing an
+# 800x608 page costs about as much as the model's forward pass on it. Larger folders
+# are decoded on every pass (memory stays bounded by a batch).
+IMAGE_CACHE_BYTES = 256 * 2**20
 
 RESIZE_MODES = ("squash", "letterbox", "pad", "height-pad", "center-crop")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "area")
@@ -586,8 +590,18 @@ def _image_source(files, description, inputs, batch_size, max_samples, preproces
     first = preprocess.apply(files[0], size)
     check_sample_shape(first.shape, spec, f"{description} (after preprocessing)")
 
-    def load(start: int, stop: int) -> dict[str, np.ndarray]:
-        images = np.stack([preprocess.apply(f, size) for f in files[start:stop]])
+    cache: dict[int, np.ndarray] | None = \
+        {0: first} if first.nbytes * len(files) <= IMAGE_CACHE_BYTES else None
+
+    def sample(index: int) -> np.ndarray:
+        if cache is None:
+            return preprocess.apply(files[index], size)
+        if index not in cache:
+            cache[index] = preprocess.apply(files[index], size)
+        return cache[index]
+
+    def load(start: int, stop: int) -> dict[str, np.ndarray]:  # stacked: a copy of its own
+        images = np.stack([sample(i) for i in range(start, stop)])
         return {spec.name: images.astype(spec.dtype, copy=False)}
 
     return BatchSource(description, len(files), batch_size, load, preprocess=preprocess)

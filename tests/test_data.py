@@ -79,6 +79,31 @@ def test_image_folder_preprocessing_matches_manual(tmp_path):
     np.testing.assert_allclose(bgr["input"][:, 0], pixels[..., 2] / 255.0, atol=1e-6)
 
 
+def test_image_folder_decodes_once_when_it_fits_and_on_every_pass_when_not(tmp_path,
+                                                                          monkeypatch):
+    """A folder whose preprocessed samples fit in IMAGE_CACHE_BYTES is decoded on the
+    first pass only (the planner reads its data a dozen times); a larger one on every
+    pass. Every pass yields the same batches, copies that the caller may change."""
+    from quantlab import data
+
+    _write_images(tmp_path / "imgs", 5)
+    decoded = []
+    apply = Preprocess.apply
+    monkeypatch.setattr(Preprocess, "apply",
+                        lambda self, path, size: decoded.append(path) or apply(self, path, size))
+    # Opening the folder decodes its first image (its shape is checked).
+    for limit, decodes in ((data.IMAGE_CACHE_BYTES, 5), (4 * 3 * 8 * 8 * 4, 1 + 5 * 3)):
+        monkeypatch.setattr(data, "IMAGE_CACHE_BYTES", limit)
+        decoded.clear()
+        source = open_data(tmp_path / "imgs", SPEC, batch_size=2)
+        passes = []
+        for _ in range(3):
+            passes.append(np.concatenate([b["input"] for b in source]))
+            passes[-1] += 1.0  # the caller's own copy
+        assert len(decoded) == decodes
+        np.testing.assert_array_equal(passes[0], passes[2])
+
+
 def test_image_folder_resizes_to_model_input(tmp_path):
     _write_images(tmp_path / "big", 2, size=(20, 30))
     batch = next(iter(open_data(tmp_path / "big", SPEC)))

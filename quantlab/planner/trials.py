@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import optimize
 
-from quantlab.planner.measure import pooled_nsr
+from quantlab.planner.measure import BoundedRun
 
 # Bound of the log-gains of the fitted contributions (exp(30) ~ 1e13 either way).
 LOG_GAIN_LIMIT = 30.0
@@ -112,11 +112,11 @@ class Trials:
         return nsr
 
 
-def plan_nsr(run: Callable[[Mapping[str, str]], Callable], batch: Mapping[str, np.ndarray],
+def plan_nsr(run: Callable[[Mapping[str, str]], BoundedRun], batch: Mapping[str, np.ndarray],
              references: Mapping[str, np.ndarray]) -> Callable[[Mapping[str, str]], float]:
     """``measure`` for :class:`Trials`: the output NSR of the plan on `batch`, pooled over its
-    samples (docs/metrics.md); ``run(precisions)`` gives the plan's runner of a batch."""
-    return lambda precisions: pooled_nsr(run(precisions)(batch), references)
+    samples (docs/metrics.md); ``run(precisions)`` gives the plan's bounded runs."""
+    return lambda precisions: run(precisions).pooled_nsr(batch, references)
 
 
 def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: float = 1e-3,
