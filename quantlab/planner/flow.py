@@ -201,7 +201,8 @@ class _Context:
     metric_fn: Callable | None  # None for a task metric (labels)
     runs: Callable[[Callable], Callable]  # a backend's run -> bounded runs, samples first
     fp32_run: Callable
-    first: Mapping[str, np.ndarray]  # the first calibration batch
+    # The first calibration batch; None after the calibrators, the last step to read it.
+    first: Mapping[str, np.ndarray] | None
     step: Callable  # progress: (items, desc=) -> items
 
 
@@ -275,6 +276,7 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
                 g, chosen.candidates, rules.units,
                 single_samples(calibration, context.first), amax)
         amax = share_scales(g, amax)
+    context.first = None  # under every later step's peak (a 640 px detector's batch: 157 MB)
     runner = _Runner(model, g, rules.units, amax, settings.high_precision, context.runs)
     all_int8 = {u.name: rules.fixed.get(u.name, "int8") for u in rules.units}
     with phases("bias shifts"):

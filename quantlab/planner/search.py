@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,7 +80,7 @@ def _knapsack(value: np.ndarray, weight: np.ndarray, capacity: float,
     # Scaled to [0, 1] (HiGHS mis-handles constraints spanning 1e-13..1: stray prints, repairs).
     unit = float(weight.max()) if weight.max() > 0 else 1.0
     weight, capacity = weight / unit, max(capacity, 0.0) / unit
-    with _native_stdout_silenced:  # HiGHS <= 1.12 prints a debug line now and then
+    with _native_stdout_silenced():  # HiGHS <= 1.12 prints a debug line now and then
         result = optimize.milp(-value / value.max(), integrality=np.ones(len(value)),
                                bounds=optimize.Bounds(0.0, allowed.astype(np.float64)),
                                constraints=[optimize.LinearConstraint(weight[None, :], -np.inf,
@@ -90,39 +89,25 @@ def _knapsack(value: np.ndarray, weight: np.ndarray, capacity: float,
     return np.round(result.x).astype(bool)
 
 
-class _Silenced:
-    """File descriptor 1 to /dev/null while any thread is inside: HiGHS prints
+@contextlib.contextmanager
+def _native_stdout_silenced():
+    """File descriptor 1 to /dev/null meanwhile: HiGHS prints
     "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();" from C++
     whatever its output options (ERGO-Code/HiGHS#2783), which would land in the middle
-    of the progress bars. Nested and concurrent entries share one redirection, made by
-    the first in and undone by the last out."""
-
-    def __init__(self) -> None:
-        self.lock, self.depth, self.saved = threading.Lock(), 0, None
-
-    def __enter__(self) -> None:
-        with self.lock:
-            self.depth += 1
-            if self.depth > 1:
-                return
-            sys.stdout.flush()
-            try:
-                self.saved = os.dup(1)
-            except OSError:  # no standard output to silence
-                return
-            with open(os.devnull, "w") as null:
-                os.dup2(null.fileno(), 1)
-
-    def __exit__(self, *exc) -> None:
-        with self.lock:
-            self.depth -= 1
-            if self.depth == 0 and self.saved is not None:
-                os.dup2(self.saved, 1)
-                os.close(self.saved)
-                self.saved = None
-
-
-_native_stdout_silenced = _Silenced()
+    of the progress bars."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no standard output to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
@@ -138,8 +123,7 @@ def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
     among the others. Each step is solved again with room for all FP16
     contributions on top (two MILPs per budget). Per INT8 share the plan of the
     largest budget is kept: the budget its INT8 units leave goes to FP16 instead
-    of FP32. The budgets are solved on all cores (HiGHS lets go of the GIL). The
-    front always starts with a plan without INT8, every unit FP32
+    of FP32. The front always starts with a plan without INT8, every unit FP32
     where its rules allow: the plan of last resort (the FP32 model itself), even
     where units predicted free make the budget-0 plan partly INT8.
     """
@@ -152,11 +136,9 @@ def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
     # Each step also with room for every FP16 unit: per INT8 share, its plan with most FP16.
     budgets = np.unique(np.concatenate([steps, steps + half]))
     best = {}  # INT8 share -> plan; budgets ascend, so the last plan of a share wins
-    with _native_stdout_silenced, \
-            ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
-        for point in pool.map(lambda b: solve(units, allowed, contribution, b, high_precision,
-                                              fp16_contribution), budgets):
-            best[point.int8_mac_share] = point
+    for budget in budgets:
+        point = solve(units, allowed, contribution, budget, high_precision, fp16_contribution)
+        best[point.int8_mac_share] = point
     points = [best[share] for share in sorted(best)]
     if any(p == "int8" for p in points[0].precisions.values()):
         none = {u.name: fallback_precision(allowed.get(u.name, qdq.PRECISIONS), "fp32")
