@@ -54,6 +54,7 @@ class OnnxRuntimeBackend:
         shared_arena: bool = False,
         spinning: bool = True,
         memory_pattern: bool = True,
+        release_arena: bool = False,
     ):
         self.model = model if isinstance(model, onnx.ModelProto) else graph.load_model(model)
         self.name = name
@@ -74,6 +75,13 @@ class OnnxRuntimeBackend:
         # local-error model of a 640 px detector peaked 0.36 GB higher with it, at the
         # same speed.
         self.memory_pattern = memory_pattern
+        # A session kept for a whole flow (the planner's FP32 model) otherwise holds its
+        # arena's high-water mark between runs: 0.5 GB after runs of a 640 px detector, under
+        # every later step's peak. Released after each run, at some cost in speed.
+        self.run_options = ort.RunOptions()
+        if release_arena:
+            self.run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage",
+                                                  "cpu:0")
         self.inputs = graph.input_specs(self.model)
         self.outputs = [spec.name for spec in graph.output_specs(self.model)]
         self._known = set(graph.topological_tensors(self.model)) | set(self.outputs)
@@ -133,7 +141,7 @@ class OnnxRuntimeBackend:
         # OrtValues, not session.run: their .numpy() views ONNX Runtime's own buffers
         # (kept alive by the array) instead of copying every exposed activation.
         try:
-            values = session.run_with_ort_values(list(wanted), feeds)
+            values = session.run_with_ort_values(list(wanted), feeds, self.run_options)
         except Exception as exc:  # ORT raises InvalidArgument/Fail/RuntimeException at run time
             shapes = {name: tuple(np.shape(batch[name])) for name in feeds}
             if not self.check_inputs:  # fed tensors quantlab computed, not the user's data

@@ -286,18 +286,22 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
         hard, hard_indices, energies, drawn = hardest_samples(
             calibration, context.fp32_run, runner(all_int8), settings.hard_count,
             lambda b: context.step(b, desc="hardest samples"), draw=_draw(context))
-        references = context.fp32_run(hard)
-        start = time.perf_counter()  # the floor a trial is measured against, warm
-        context.fp32_run(hard)
-        fp32_seconds = time.perf_counter() - start
-    measure = plan_nsr(runner, hard, references)
+    # FP32's outputs on the hardest samples are made for bias correction, let go of under the
+    # local errors' peak (a 640 px detector's are 0.3 GB) and made again after it, timed: the
+    # floor a trial is measured against.
     with phases("bias correction"):
-        shift_record = _weigh_bias(runner, measure, all_int8, shifts, shift_report)
-    drawn = _screen_samples(context, drawn, energies, Draw(inputs=hard, references=references),
-                            shifts_kept=bool(runner.shifts) == bool(shifts))
+        shift_record = _weigh_bias(runner, plan_nsr(runner, hard, context.fp32_run(hard)),
+                                   all_int8, shifts, shift_report) if shifts else None
     with phases("local errors"):
         local = local_sqnr(g, amax, rules.units,
                            single_samples(calibration, hard, calibration.batch_size))
+    with phases("hardest samples"):
+        start = time.perf_counter()
+        references = context.fp32_run(hard)
+        fp32_seconds = time.perf_counter() - start
+    measure = plan_nsr(runner, hard, references)
+    drawn = _screen_samples(context, drawn, energies, Draw(inputs=hard, references=references),
+                            shifts_kept=bool(runner.shifts) == bool(shifts))
     trials = Trials(measure, [u.name for u in rules.units], rules.fixed,
                     checkpoint.trials if checkpoint else {},
                     checkpoint.add_trial if checkpoint else None)
@@ -356,7 +360,7 @@ def _fp32_runs(model: onnx.ModelProto, calibration
     outputs samples first (a recurrent state [layers, N, hidden])."""
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
-    fp32 = OnnxRuntimeBackend(model, name="fp32")
+    fp32 = OnnxRuntimeBackend(model, name="fp32", release_arena=True)
     first = next(iter(calibration))
     size = samples_per_run(Graph(model), first, calibration)
     axes = output_sample_axes(model, fp32.run, first, calibration)
@@ -463,11 +467,9 @@ def _bias_shifts(context: _Context, runner: _Runner, all_int8: Mapping[str, str]
 
 
 def _weigh_bias(runner: _Runner, measure: Callable, all_int8: Mapping[str, str],
-                shifts: Mapping[str, np.ndarray], shift_report) -> dict | None:
+                shifts: Mapping[str, np.ndarray], shift_report) -> dict:
     """Bias correction kept (``runner.shifts``) only where it lowers the hardest samples'
-    all-INT8 noise; its record for plan.json."""
-    if not shifts:
-        return None
+    all-INT8 noise (`measure`); its record for plan.json."""
     with_shifts = measure(all_int8)
     runner.shifts = {}
     without = measure(all_int8)
