@@ -177,14 +177,73 @@ def untyped_linear_ops(model: onnx.ModelProto) -> list[str]:
 
 
 def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.ModelProto:
-    """Export a zoo model to ONNX; the file is kept at `path` if one is given."""
+    """Export a zoo model to ONNX; the file is kept at `path` if one is given.
+
+    The export (seconds of torch.export) is cached in :func:`cache_folder`, under a key of
+    everything it is made from (:func:`_zoo_export_key`); a cache that cannot be read or
+    written only costs the export.
+    """
+    import shutil
+
     from quantlab import zoo
 
     entry = zoo.get(name)
     sample = entry.calibration_set()[:2]
+    if not entry.weights_path.is_file():
+        entry.build()  # raises a ModelError that names the file and how to make it
+    cached = cache_folder() / "zoo" / f"{name}-{_zoo_export_key(entry, sample)}.onnx"
+    try:
+        model = graph.load_model(cached)
+    except (OSError, ModelError):  # not cached yet, or unreadable: exported again
+        model = None
+    if model is not None:
+        if path:
+            shutil.copyfile(cached, path)
+        return model
     with tempfile.TemporaryDirectory() as scratch:
         target = Path(path) if path else Path(scratch) / f"{name}.onnx"
-        return graph.export_torch(entry.build(), sample, target, output_names=entry.output_names)
+        model = graph.export_torch(entry.build(), sample, target, output_names=entry.output_names)
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            partial = cached.with_suffix(f".{os.getpid()}.part")
+            shutil.copyfile(target, partial)
+            os.replace(partial, cached)  # whole or absent for a concurrent reader
+        except OSError:
+            pass
+        return model
+
+
+CACHE_ENV = "QUANTLAB_CACHE"
+
+
+def cache_folder() -> Path:
+    """Where quantlab keeps what it can make again (zoo exports): ``$QUANTLAB_CACHE``, else
+    ``$XDG_CACHE_HOME/quantlab``, else ``~/.cache/quantlab``. Safe to delete."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quantlab"
+
+
+def _zoo_export_key(entry, sample: np.ndarray) -> str:
+    """sha256 (16 hex digits) of what a zoo export is made from: the weights, the zoo's and
+    the exporter's sources, the torch/onnx/onnxscript versions, the opset and the sample's
+    shape and the output names."""
+    import hashlib
+    from importlib import metadata
+
+    import quantlab.zoo
+
+    digest = hashlib.sha256(entry.weights_path.read_bytes())
+    sources = sorted(Path(quantlab.zoo.__file__).parent.glob("*.py")) + [Path(graph.__file__)]
+    for source in sources:
+        digest.update(source.read_bytes())
+    for package in ("torch", "onnx", "onnxscript"):
+        try:
+            digest.update(f"{package} {metadata.version(package)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{package} none".encode())
+    digest.update(f"{graph.EXPORT_OPSET} {sample.shape} {entry.output_names}".encode())
+    return digest.hexdigest()[:16]
 
 
 def run_calibration(

@@ -28,6 +28,24 @@ class TinyConvNet(torch.nn.Module):
         return self.fc(y.mean((2, 3)))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def quantlab_cache(tmp_path_factory):
+    """quantlab's cache (zoo exports) in a folder of the test session, for every test and
+    every command a test runs in a child process: never the user's own."""
+    import os
+
+    from quantlab import pipeline
+
+    folder = tmp_path_factory.mktemp("quantlab-cache")
+    saved = os.environ.get(pipeline.CACHE_ENV)
+    os.environ[pipeline.CACHE_ENV] = str(folder)
+    yield folder
+    if saved is None:
+        del os.environ[pipeline.CACHE_ENV]
+    else:
+        os.environ[pipeline.CACHE_ENV] = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """(ONNX model, path, torch module) of TinyConvNet with 3x16x16 inputs."""

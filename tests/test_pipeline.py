@@ -281,3 +281,36 @@ def test_calibration_json_records_only_the_preprocessing_applied_and_validate_re
     assert main(["validate", "--from", str(tmp_path / "cal"), "--data", str(images), "--out",
                  str(tmp_path / "val"), "--no-progress"]) == 0
     assert [source.preprocess for source in opened] == [expected]
+
+
+def test_zoo_export_is_cached_under_a_key_of_its_weights(tmp_path, monkeypatch):
+    """The second export of a zoo model reads quantlab's cache (no torch export) and is the
+    same model, also copied to `path`; an unreadable cache file is exported again; other
+    weights make another key, hence a new export of another model."""
+    import torch
+
+    from quantlab import zoo
+
+    monkeypatch.setenv(pipeline.CACHE_ENV, str(tmp_path / "cache"))
+    exports = []
+    export = graph.export_torch
+    monkeypatch.setattr(graph, "export_torch", lambda *a, **k: exports.append(1) or export(*a, **k))
+    fresh = pipeline.export_zoo_model("digits-cnn")
+    cached = pipeline.export_zoo_model("digits-cnn", tmp_path / "kept.onnx")
+    assert len(exports) == 1
+    assert cached.SerializeToString() == fresh.SerializeToString()
+    assert graph.load_model(tmp_path / "kept.onnx").SerializeToString() == \
+        fresh.SerializeToString()
+    (file,) = (tmp_path / "cache" / "zoo").glob("digits-cnn-*.onnx")
+    file.write_bytes(b"not a model")
+    assert pipeline.export_zoo_model("digits-cnn").SerializeToString() == \
+        fresh.SerializeToString() and len(exports) == 2
+
+    weights = torch.load(zoo.get("digits-cnn").weights_path, weights_only=True)
+    name = next(n for n, t in weights.items() if t.is_floating_point())
+    weights[name] = weights[name] * 2
+    torch.save(weights, tmp_path / "other.pt")
+    monkeypatch.setattr(zoo.ZooModel, "weights_path", property(lambda self: tmp_path / "other.pt"))
+    other = pipeline.export_zoo_model("digits-cnn")
+    assert len(exports) == 3 and other.SerializeToString() != fresh.SerializeToString()
+    assert len(list((tmp_path / "cache" / "zoo").glob("digits-cnn-*.onnx"))) == 2
