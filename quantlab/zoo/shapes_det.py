@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torchvision
 from numpy.lib.stride_tricks import sliding_window_view
 from torch import nn
 from torch.nn import functional as F
@@ -153,6 +152,8 @@ def decode(scores: np.ndarray, boxes: np.ndarray, image_ids: list[int], top_k: i
     left, top, right, bottom = np.moveaxis(dist, -1, 0)
     xyxy = np.stack([cx - left, cy - top, cx + right, cy + bottom], -1)
     xyxy = np.clip(xyxy, 0.0, float(max(h, w) * STRIDE))
+    import torchvision  # here: importing it costs 2 s every zoo command would pay
+
     detections = []
     for i, image_id in enumerate(image_ids):
         keep = top_scores[i] >= score_threshold
@@ -212,6 +213,8 @@ def focal_loss(scores: torch.Tensor, heat: torch.Tensor) -> torch.Tensor:
 def giou_loss(boxes: torch.Tensor, box_target: torch.Tensor, box_weight: torch.Tensor
               ) -> torch.Tensor:
     """TTFNet's weighted GIoU loss, plus L1 on the box edges (in units of 16 px) for tightness."""
+    import torchvision
+
     n, _, h, w = boxes.shape
     mask = box_weight > 0
     xs, ys = (torch.from_numpy(a) for a in cell_centers(h, w))
