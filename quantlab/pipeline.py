@@ -188,10 +188,9 @@ def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.M
     from quantlab import zoo
 
     entry = zoo.get(name)
-    sample = entry.calibration_set()[:2]
     if not entry.weights_path.is_file():
         entry.build()  # raises a ModelError that names the file and how to make it
-    cached = cache_folder() / "zoo" / f"{name}-{_zoo_export_key(entry, sample)}.onnx"
+    cached = cache_folder() / "zoo" / f"{name}-{_zoo_export_key(entry)}.onnx"
     try:
         model = graph.load_model(cached)
     except (OSError, ModelError):  # not cached yet, or unreadable: exported again
@@ -202,7 +201,8 @@ def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.M
         return model
     with tempfile.TemporaryDirectory() as scratch:
         target = Path(path) if path else Path(scratch) / f"{name}.onnx"
-        model = graph.export_torch(entry.build(), sample, target, output_names=entry.output_names)
+        model = graph.export_torch(entry.build(), entry.calibration_set()[:2], target,
+                                   output_names=entry.output_names)
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
             partial = cached.with_suffix(f".{os.getpid()}.part")
@@ -224,10 +224,11 @@ def cache_folder() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quantlab"
 
 
-def _zoo_export_key(entry, sample: np.ndarray) -> str:
+def _zoo_export_key(entry) -> str:
     """sha256 (16 hex digits) of what a zoo export is made from: the weights, the zoo's and
-    the exporter's sources, the torch/onnx/onnxscript versions, the opset and the sample's
-    shape and the output names."""
+    the exporter's sources, the torch/onnx/onnxscript versions, the opset, the input shape
+    and the output names (not the calibration samples it traces: reading shapes-det's
+    costs 1 s, and only their shape matters)."""
     import hashlib
     from importlib import metadata
 
@@ -242,7 +243,7 @@ def _zoo_export_key(entry, sample: np.ndarray) -> str:
             digest.update(f"{package} {metadata.version(package)}".encode())
         except metadata.PackageNotFoundError:
             digest.update(f"{package} none".encode())
-    digest.update(f"{graph.EXPORT_OPSET} {sample.shape} {entry.output_names}".encode())
+    digest.update(f"{graph.EXPORT_OPSET} {entry.input_shape} {entry.output_names}".encode())
     return digest.hexdigest()[:16]
 
 
