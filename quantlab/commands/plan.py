@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from typing import NamedTuple
 
 from quantlab.commands.options import (
     DATA_HELP,
@@ -328,14 +329,23 @@ def _statistics(model, source, stats, args, repaired: bool = False):
                               stats.num_bins)
 
 
-def _calibrated(stats, args, known=None):
-    """(scales of --method, max |x|, 99.99th percentile, --calibrators' amax) of statistics.
-    With `known` (the same of statistics sharing tensors with these: the model before a
-    repair), the tensors it has keep its figures; only the others are calibrated."""
+class _Calibration(NamedTuple):
+    """What :func:`_calibrated` makes of statistics."""
+
+    scales: object  # a quantlab.calibrate.CalibrationResult of --method
+    ranges: dict[str, float]  # max |x|
+    p9999: dict[str, float]  # 99.99th percentile
+    candidates: dict[str, dict[str, float]]  # --calibrators' method -> amax
+
+
+def _calibrated(stats, args, known: _Calibration | None = None) -> _Calibration:
+    """The calibration of statistics. With `known` (that of statistics sharing tensors with
+    these: the model before a repair), the tensors it has keep its figures; only the others
+    are calibrated."""
     from quantlab import calibrate, collect
 
     fresh = stats if known is None else collect.Statistics(
-        {name: tensor for name, tensor in stats.tensors.items() if name not in known[1]},
+        {name: tensor for name, tensor in stats.tensors.items() if name not in known.ranges},
         stats.num_samples, stats.num_bins)
     scales = calibrate.calibrate(fresh, args.method)
     ranges = {name: tensor.amax for name, tensor in stats.tensors.items()}
@@ -346,10 +356,10 @@ def _calibrated(stats, args, known=None):
         def merged(own: dict, theirs: dict) -> dict:
             return {name: own[name] if name in own else theirs[name] for name in stats.tensors}
 
-        scales.amax = merged(scales.amax, known[0].amax)
-        p9999 = merged(p9999, known[2])
-        candidates = {m: merged(amax, known[3][m]) for m, amax in candidates.items()}
-    return scales, ranges, p9999, candidates
+        scales.amax = merged(scales.amax, known.scales.amax)
+        p9999 = merged(p9999, known.p9999)
+        candidates = {m: merged(amax, known.candidates[m]) for m, amax in candidates.items()}
+    return _Calibration(scales, ranges, p9999, candidates)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -433,7 +443,8 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
         plan.check_metric_on_model(model, source, args.metric)
     started = time.perf_counter()
     stats = _statistics(model, source, stats, args)
-    scales, ranges, p9999, candidates = _calibrated(stats, args)
+    calibration = _calibrated(stats, args)
+    scales, ranges, p9999, candidates = calibration
     phases = {"statistics": time.perf_counter() - started}
     started = time.perf_counter()
     repaired = {}
@@ -454,7 +465,7 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
         changed_stats = _statistics(changed, source, stats if renames else None, args,
                                     repaired=renames)
         changed_scales, changed_ranges, changed_p9999, changed_candidates = _calibrated(
-            changed_stats, args, (scales, ranges, p9999, candidates) if renames else None)
+            changed_stats, args, calibration if renames else None)
         repaired[name] = plan.CalibratedModel(
             changed, changed_scales.amax, changed_ranges, changed_p9999,
             changed_candidates if len(changed_candidates) > 1 else None, report.to_dict())
