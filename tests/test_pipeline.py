@@ -283,6 +283,37 @@ def test_calibration_json_records_only_the_preprocessing_applied_and_validate_re
     assert [source.preprocess for source in opened] == [expected]
 
 
+def test_a_cached_zoo_export_and_its_data_read_without_torch(tmp_path, monkeypatch):
+    """With its export cached, a zoo model's ONNX graph, calibration and evaluation data and
+    labels are read in a process that never imports torch (4 s of every zoo command), and
+    they are the same as the exporting process's; building the module still imports it."""
+    import subprocess
+    import sys
+
+    from quantlab import zoo
+
+    monkeypatch.setenv(pipeline.CACHE_ENV, str(tmp_path / "cache"))
+    exported = pipeline.export_zoo_model("digits-vit")
+    entry = zoo.get("digits-vit")
+    np.save(tmp_path / "expected.npy", entry.eval_set(7).labels)
+    script = (
+        "import sys; import numpy as np\n"
+        "from quantlab import pipeline, zoo\n"
+        "model = pipeline.export_zoo_model('digits-vit')\n"
+        "entry = zoo.get('digits-vit')\n"
+        f"np.save({str(tmp_path / 'labels.npy')!r}, entry.eval_set(7).labels)\n"
+        f"open({str(tmp_path / 'model.onnx')!r}, 'wb').write(model.SerializeToString())\n"
+        "entry.calibration_set()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision')))\n"
+        "entry.build()\n"
+        "print('torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.split("\n")[:2] == ["[]", "True"], result.stdout + result.stderr
+    assert (tmp_path / "model.onnx").read_bytes() == exported.SerializeToString()
+    assert np.array_equal(np.load(tmp_path / "labels.npy"), np.load(tmp_path / "expected.npy"))
+
+
 def test_zoo_export_is_cached_under_a_key_of_its_weights(tmp_path, monkeypatch):
     """The second export of a zoo model reads quantlab's cache (no torch export) and is the
     same model, also copied to `path`; an unreadable cache file is exported again; other

@@ -3,7 +3,8 @@
 ``get(name)`` returns a :class:`ZooModel` that builds the trained module, loads its
 calibration split from ``calibration_data/`` and its held-out evaluation split, and
 turns raw outputs into task results. Weights are never downloaded; retrain with
-``python -m quantlab.zoo.train``.
+``python -m quantlab.zoo.train``. Only building a module imports torch: a command whose
+export is cached reads the zoo's data and labels without it (importing torch takes 4 s).
 """
 
 from __future__ import annotations
@@ -12,14 +13,17 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 import quantlab
 from quantlab.errors import ConfigError, DataError, ModelError
 from quantlab.zoo import digits, shapes, shapes_det
 from quantlab.zoo_names import ZOO_NAMES
+
+if TYPE_CHECKING:
+    import torch
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 CALIBRATION_ENV = "QUANTLAB_CALIBRATION_DATA"
@@ -76,6 +80,8 @@ class ZooModel:
                 f"weights of zoo model '{self.name}' not found at {self.weights_path}; "
                 f"retrain with `python -m quantlab.zoo.train {self.name}`."
             )
+        import torch
+
         module = self._make_module()
         module.load_state_dict(torch.load(self.weights_path, map_location="cpu", weights_only=True))
         return module.eval()
@@ -136,9 +142,20 @@ def _logits(outputs: dict[str, np.ndarray], image_ids: list[int]) -> np.ndarray:
     return outputs["logits"]
 
 
+def _shapes_det_module() -> torch.nn.Module:
+    from quantlab.zoo import shapes_det_net
+
+    return shapes_det_net.ShapesDetector()
+
+
 def _digits_entry(name: str, description: str) -> ZooModel:
+    def module() -> torch.nn.Module:
+        from quantlab.zoo import digits_nets
+
+        return digits_nets.MODELS[name]()
+
     return ZooModel(name, "classification", description, digits.INPUT_SHAPE, digits.OUTPUT_NAMES,
-                    digits.MODELS[name], _digits_calibration, _digits_eval, _logits)
+                    module, _digits_calibration, _digits_eval, _logits)
 
 
 _REGISTRY: dict[str, ZooModel] = {
@@ -146,7 +163,7 @@ _REGISTRY: dict[str, ZooModel] = {
         "shapes-det", "detection",
         "MobileNet-style depthwise-separable detector (anchor-free, TTFNet-style heatmap + "
         "box distances at stride 4) for 5 classes of procedurally generated shapes, 3x128x128.",
-        shapes_det.INPUT_SHAPE, shapes_det.OUTPUT_NAMES, shapes_det.ShapesDetector,
+        shapes_det.INPUT_SHAPE, shapes_det.OUTPUT_NAMES, _shapes_det_module,
         _shapes_calibration, _shapes_eval, _shapes_postprocess,
     ),
     "digits-cnn": _digits_entry(

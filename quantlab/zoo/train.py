@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from quantlab import tasks, zoo
-from quantlab.zoo import digits, shapes, shapes_det
+from quantlab.zoo import digits, digits_nets, shapes, shapes_det, shapes_det_net
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 SEED = 0
@@ -98,7 +98,7 @@ def train_shapes_det(epochs: int) -> nn.Module:
     """TTFNet-style training on an infinite stream of generated images (epoch = 200 batches)."""
     # Small batches: at a fixed CPU budget, more updates converged faster than larger batches.
     batch_size, steps = 16, 200 * epochs
-    model = shapes_det.ShapesDetector()
+    model = shapes_det_net.ShapesDetector()
     grid = shapes.IMAGE_SIZE // shapes_det.STRIDE
 
     def next_batch(step: int) -> Batch:
@@ -113,7 +113,7 @@ def train_shapes_det(epochs: int) -> nn.Module:
                 box_target: torch.Tensor, box_weight: torch.Tensor) -> torch.Tensor:
         scores, boxes = outputs
         # TTFNet weights: heatmap 1, GIoU 5.
-        return shapes_det.focal_loss(scores, heat) + 5.0 * shapes_det.giou_loss(
+        return shapes_det_net.focal_loss(scores, heat) + 5.0 * shapes_det_net.giou_loss(
             boxes, box_target, box_weight)
 
     fit(model, next_batch, loss_fn, steps, lr=2e-3, weight_decay=1e-4, log_every=400,
@@ -124,7 +124,7 @@ def train_shapes_det(epochs: int) -> nn.Module:
 def train_digits(name: str, epochs: int) -> nn.Module:
     """Cross-entropy training on the digits train split with random 1-pixel shifts."""
     x, y = digits.split("train")
-    model = digits.MODELS[name]()
+    model = digits_nets.MODELS[name]()
     batch_size = 64
     per_epoch = math.ceil(len(x) / batch_size)
     rng = np.random.default_rng(SEED)
