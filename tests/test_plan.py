@@ -545,6 +545,28 @@ def test_solve_knapsack_and_front_with_hard_pins():
         plan.solve(units, allowed, contribution, float("nan"))
 
 
+def test_most_int8_is_the_last_plan_of_the_front():
+    """most_int8 (one MILP pair) gives the front's last plan (a hundred): over 150 units, so
+    that the front thins its budgets, with pins, FP16 contributions (one infinite) and units
+    free of noise, for both high precisions."""
+    from quantlab.planner.search import most_int8
+
+    rng = np.random.default_rng(3)
+    units = [plan.Unit(f"u{i}", [f"u{i}"], [f"u{i}"], [], [], int(m))
+             for i, m in enumerate(rng.integers(1, 10_000, 150))]
+    contribution = {u.name: float(10.0 ** rng.uniform(-9, -2)) for u in units}
+    contribution.update(u0=0.0, u1=0.0)
+    fp16 = {name: c / 300 for name, c in contribution.items()}
+    fp16["u2"] = float("inf")
+    allowed = {"u3": ("fp16", "fp32"), "u4": ("fp32",)}
+    for high in ("fp16", "fp32"):
+        last = plan.front(units, allowed, contribution, high, fp16)[-1]
+        assert most_int8(units, allowed, contribution, high, fp16) == last
+        assert last.precisions["u3"] == ("fp16" if high == "fp16" else "fp32")
+        assert last.int8_mac_share == pytest.approx(
+            sum(u.macs for u in units if u.name not in allowed) / sum(u.macs for u in units))
+
+
 def test_solve_equals_brute_force_with_contributions_over_many_decades():
     """Contributions from 1e-13 to 1 (fits with a prior leave such spreads): the MILP's
     choice is at least as good as the best subset by exhaustive search, and over the

@@ -74,7 +74,7 @@ from quantlab.planner.measure import (
     single_samples,
 )
 from quantlab.planner.rules import Reason, RuleContext, allowed_precisions, apply_rules
-from quantlab.planner.search import FrontPoint, fallback_precision, front
+from quantlab.planner.search import FrontPoint, fallback_precision, front, most_int8
 from quantlab.planner.trials import OutputSensitivity, Trials, check_fit, group_test, plan_nsr
 from quantlab.planner.units import Unit, find_units, read_back, share_scales
 
@@ -312,7 +312,7 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     with phases("all-INT8 first"):
         model_fit = _ModelFit(context, rules, local, group_test(trials, 1, local_nsr=local_nsr),
                               trials)
-        first = evaluator.first(model_fit.front()[-1], drawn)
+        first = evaluator.first(model_fit.most_int8(), drawn)
     del drawn
     if repair != "none":  # its effect where the pins' is measured: the hardest samples
         fixed_nodes = {n: rules.fixed[u.name] for u in rules.units if u.name in rules.fixed
@@ -326,8 +326,8 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
                 trials, settings.trials, progress=lambda r: context.step(r, desc="trials"),
                 local_nsr=local_nsr, all_int8=float(model_fit.sensitivity.nsr[0]))
         with phases("front checks"):
-            sensitivity = _check_front(context, rules, local, sensitivity, trials)
-        model_fit = _ModelFit(context, rules, local, sensitivity, trials)
+            sensitivity, fitted = _check_front(context, rules, local, sensitivity, trials)
+        model_fit = _ModelFit(context, rules, local, sensitivity, trials, fitted)
     with phases("evaluations"):
         done, chosen, floor = _evaluate(context, rules, model_fit, evaluator, first)
     evaluations = [e for _, e in done]
@@ -479,33 +479,41 @@ def _weigh_bias(runner: _Runner, measure: Callable, all_int8: Mapping[str, str],
             "hard_nsr_after": with_shifts, **_repair_summary(shift_report.to_dict())}
 
 
-def _fitted(rules: _Rules, local: Mapping, sensitivity: OutputSensitivity, high_precision: str):
+def _contributions(rules: _Rules, local: Mapping, sensitivity: OutputSensitivity
+                   ) -> tuple[dict[str, float], dict[str, float]]:
+    """Each unit's fitted INT8 contribution and its FP16 one."""
     contribution = dict(zip(sensitivity.units, sensitivity.contribution, strict=True))
-    fp16_contribution = fp16_contributions(contribution, local, rules.fixed)
+    return contribution, fp16_contributions(contribution, local, rules.fixed)
+
+
+def _fitted(rules: _Rules, local: Mapping, sensitivity: OutputSensitivity, high_precision: str):
+    contribution, fp16_contribution = _contributions(rules, local, sensitivity)
     return contribution, fp16_contribution, front(
         rules.units, rules.allowed, contribution, high_precision=high_precision,
         fp16_contribution=fp16_contribution)
 
 
 def _check_front(context: _Context, rules: _Rules, local: Mapping,
-                 sensitivity: OutputSensitivity, trials: Trials) -> OutputSensitivity:
+                 sensitivity: OutputSensitivity, trials: Trials) -> tuple[OutputSensitivity,
+                                                                          tuple]:
     """Up to ``verify_rounds`` rounds: FRONT_CHECKS plans of the front measured against the
     fit (:func:`quantlab.planner.trials.check_fit`) and refitted, until every one is within
     DISAGREEMENT of its prediction. Random half-and-half trials cannot tell many small
-    contributors apart, and a fit that calls them free puts them all in INT8."""
+    contributors apart, and a fit that calls them free puts them all in INT8. Returns the
+    refitted noise model and its :func:`_fitted` figures and front."""
     from quantlab.planner.trials import DISAGREEMENT
 
-    points = _fitted(rules, local, sensitivity, context.settings.high_precision)[2]
+    fitted = _fitted(rules, local, sensitivity, context.settings.high_precision)
     for _ in context.step(range(context.settings.verify_rounds), desc="front checks"):
-        masks = _front_masks(points, sensitivity)
+        masks = _front_masks(fitted[2], sensitivity)
         if not len(masks):
             break
         checked = len(sensitivity.checks)
         sensitivity = check_fit(sensitivity, trials, masks, "front check")
-        points = _fitted(rules, local, sensitivity, context.settings.high_precision)[2]
+        fitted = _fitted(rules, local, sensitivity, context.settings.high_precision)
         if all(c["factor"] <= DISAGREEMENT for c in sensitivity.checks[checked:]):
             break
-    return sensitivity
+    return sensitivity, fitted
 
 
 class _ModelFit:
@@ -513,14 +521,30 @@ class _ModelFit:
     each evaluation (:meth:`verified`)."""
 
     def __init__(self, context: _Context, rules: _Rules, local: Mapping,
-                 sensitivity: OutputSensitivity, trials: Trials):
+                 sensitivity: OutputSensitivity, trials: Trials, fitted: tuple | None = None):
         self.context, self.rules, self.local, self.trials = context, rules, local, trials
         self.sensitivity = sensitivity
-        self.fitted = _fitted(rules, local, sensitivity, context.settings.high_precision)
+        self._fitted = fitted  # (contribution, fp16_contribution, front) of `sensitivity`
         self.refits = 0
+
+    @property
+    def fitted(self) -> tuple:
+        """The fit's contributions and its front, made when first asked for (a hundred MILPs:
+        2 s on a 100-unit detector)."""
+        if self._fitted is None:
+            self._fitted = _fitted(self.rules, self.local, self.sensitivity,
+                                   self.context.settings.high_precision)
+        return self._fitted
 
     def front(self) -> list[FrontPoint]:
         return self.fitted[2]
+
+    def most_int8(self) -> FrontPoint:
+        """The front's last plan, without the rest of the front."""
+        contribution, fp16_contribution = _contributions(self.rules, self.local,
+                                                         self.sensitivity)
+        return most_int8(self.rules.units, self.rules.allowed, contribution,
+                         self.context.settings.high_precision, fp16_contribution)
 
     def mask(self, point: FrontPoint) -> np.ndarray:
         return np.array([point.precisions.get(u) == "int8" for u in self.sensitivity.units])
@@ -542,8 +566,7 @@ class _ModelFit:
                 DISAGREEMENT * self.sensitivity.checks[checked]["predicted"]:
             return True
         self.refits += 1
-        self.fitted = _fitted(self.rules, self.local, self.sensitivity,
-                              self.context.settings.high_precision)
+        self._fitted = None
         return False
 
 

@@ -127,16 +127,8 @@ def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
     where its rules allow: the plan of last resort (the FP32 model itself), even
     where units predicted free make the budget-0 plan partly INT8.
     """
-    steps = np.cumsum(sorted(c for c in contribution.values() if 0 < c < np.inf))
-    if len(steps) > 2 * FRONT_STEPS:  # the largest steps all, evenly spaced among the others
-        steps = np.concatenate([steps[np.linspace(0, len(steps) - FRONT_STEPS - 1, FRONT_STEPS,
-                                                  dtype=int)], steps[-FRONT_STEPS:]])
-    steps = np.concatenate([[0.0], steps])
-    half = sum(c for c in (fp16_contribution or {}).values() if 0 < c < np.inf)
-    # Each step also with room for every FP16 unit: per INT8 share, its plan with most FP16.
-    budgets = np.unique(np.concatenate([steps, steps + half]))
     best = {}  # INT8 share -> plan; budgets ascend, so the last plan of a share wins
-    for budget in budgets:
+    for budget in _budgets(contribution, fp16_contribution):
         point = solve(units, allowed, contribution, budget, high_precision, fp16_contribution)
         best[point.int8_mac_share] = point
     points = [best[share] for share in sorted(best)]
@@ -147,3 +139,25 @@ def front(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
                      if p == "fp16")  # units whose rules forbid FP32
         points.insert(0, FrontPoint(0.0, forced, 0.0, none))
     return points
+
+
+def most_int8(units: Sequence[Unit], allowed: Mapping[str, Sequence[str]],
+              contribution: Mapping[str, float], high_precision: str = "fp16",
+              fp16_contribution: Mapping[str, float] | None = None) -> FrontPoint:
+    """The last plan of :func:`front` (the most INT8, solved at its largest budget), without
+    the rest of the front: one MILP pair instead of a hundred."""
+    return solve(units, allowed, contribution, _budgets(contribution, fp16_contribution)[-1],
+                 high_precision, fp16_contribution)
+
+
+def _budgets(contribution: Mapping[str, float],
+             fp16_contribution: Mapping[str, float] | None) -> np.ndarray:
+    """The front's budgets, ascending (see :func:`front`)."""
+    steps = np.cumsum(sorted(c for c in contribution.values() if 0 < c < np.inf))
+    if len(steps) > 2 * FRONT_STEPS:  # the largest steps all, evenly spaced among the others
+        steps = np.concatenate([steps[np.linspace(0, len(steps) - FRONT_STEPS - 1, FRONT_STEPS,
+                                                  dtype=int)], steps[-FRONT_STEPS:]])
+    steps = np.concatenate([[0.0], steps])
+    half = sum(c for c in (fp16_contribution or {}).values() if 0 < c < np.inf)
+    # Each step also with room for every FP16 unit: per INT8 share, its plan with most FP16.
+    return np.unique(np.concatenate([steps, steps + half]))
