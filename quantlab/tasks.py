@@ -240,45 +240,65 @@ def coco_map_resampler(coco_gt: Mapping, detections: Sequence[Mapping],
     thresholds = (slice(None) if key == "map" else
                   np.flatnonzero(np.isclose(params.iouThrs, COCO_IOU[key])))
 
+    per_category = [_CategoryMatches([stored[k * stride + i] for i in range(len(sorted_ids))],
+                                     most) for k in range(len(params.catIds))]
+
     def score(positions: np.ndarray) -> float:
         picked = columns[np.asarray(positions)]
-        per_category = [_precision_at_recalls(
-            [e for e in (stored[k * stride + i] for i in picked) if e is not None], recalls, most)
-            for k in range(len(params.catIds))]
-        found = [p[thresholds] for p in per_category if p is not None]
+        found = [p[thresholds] for p in (c.precision(picked, recalls) for c in per_category)
+                 if p is not None]
         return float(np.mean(found)) if found else -1.0
 
     return score
 
 
-def _precision_at_recalls(entries: Sequence[Mapping], recalls: np.ndarray,
-                          most: int) -> np.ndarray | None:
-    """Interpolated precision (IoU thresholds x `recalls`) of one category over COCOeval's
-    per-image results `entries`, their first `most` detections: COCOeval.accumulate's
-    arithmetic, vectorized over detections (it loops over them in Python). None where
-    COCOeval leaves the category out (no image, no ground truth that is not ignored)."""
-    if not entries:
-        return None
-    scores = np.concatenate([e["dtScores"][:most] for e in entries])
-    order = np.argsort(-scores, kind="mergesort")  # COCOeval's (Matlab's) stable order
-    matched = np.concatenate([e["dtMatches"][:, :most] for e in entries], axis=1)[:, order]
-    ignored = np.concatenate([e["dtIgnore"][:, :most] for e in entries], axis=1)[:, order]
-    ground_truth = np.count_nonzero(np.concatenate([e["gtIgnore"] for e in entries]) == 0)
-    if ground_truth == 0:
-        return None
-    true = np.cumsum(np.logical_and(matched, ~ignored.astype(bool)), axis=1, dtype=float)
-    false = np.cumsum(np.logical_and(~matched.astype(bool), ~ignored.astype(bool)), axis=1,
-                      dtype=float)
-    recall = true / ground_truth
-    precision = true / (false + true + np.spacing(1))
-    # The precision envelope: the best precision at this recall or beyond.
-    precision = np.maximum.accumulate(precision[:, ::-1], axis=1)[:, ::-1]
-    result = np.zeros((len(recall), len(recalls)))
-    for t in range(len(recall)):
-        at = np.searchsorted(recall[t], recalls, side="left")
-        inside = at < recall.shape[1]
-        result[t, inside] = precision[t, at[inside]]
-    return result
+class _CategoryMatches:
+    """COCOeval's per-image results of one category (``entries[i]``: image i's, None where it
+    has neither ground truth nor detections), their first `most` detections flattened once so
+    that a resample of images is an index, not a concatenation of a dict per image."""
+
+    def __init__(self, entries: Sequence[Mapping | None], most: int):
+        self.present = np.array([e is not None for e in entries])
+        kept = [e for e in entries if e is not None]
+        self.ground_truth = np.zeros(len(entries), np.int64)
+        self.length = np.zeros(len(entries), np.int64)
+        self.ground_truth[self.present] = [np.count_nonzero(np.asarray(e["gtIgnore"]) == 0)
+                                           for e in kept]
+        self.length[self.present] = [len(e["dtScores"][:most]) for e in kept]
+        self.start = np.cumsum(self.length) - self.length
+        thresholds = len(kept[0]["dtMatches"]) if kept else 0
+        self.scores = np.concatenate([np.asarray(e["dtScores"][:most], np.float64)
+                                      for e in kept] or [np.zeros(0)])
+        self.matched, self.ignored = (np.concatenate(
+            [np.asarray(e[key])[:, :most].astype(bool) for e in kept] or
+            [np.zeros((thresholds, 0), bool)], axis=1) for key in ("dtMatches", "dtIgnore"))
+
+    def precision(self, picked: np.ndarray, recalls: np.ndarray) -> np.ndarray | None:
+        """Interpolated precision (IoU thresholds x `recalls`) over the images `picked`
+        (repeats count again): COCOeval.accumulate's arithmetic, vectorized over detections
+        (it loops over them in Python). None where COCOeval leaves the category out (no
+        image, no ground truth that is not ignored)."""
+        ground_truth = int(self.ground_truth[picked].sum())
+        if not self.present[picked].any() or ground_truth == 0:
+            return None
+        lengths = self.length[picked]
+        index = (np.arange(lengths.sum()) + np.repeat(self.start[picked] - np.cumsum(lengths)
+                                                      + lengths, lengths))
+        # COCOeval's (Matlab's) stable order: tied scores keep the images' order.
+        index = index[np.argsort(-self.scores[index], kind="mergesort")]
+        matched, counted = self.matched[:, index], ~self.ignored[:, index]
+        true = np.cumsum(matched & counted, axis=1, dtype=float)
+        false = np.cumsum(~matched & counted, axis=1, dtype=float)
+        recall = true / ground_truth
+        precision = true / (false + true + np.spacing(1))
+        # The precision envelope: the best precision at this recall or beyond.
+        precision = np.maximum.accumulate(precision[:, ::-1], axis=1)[:, ::-1]
+        result = np.zeros((len(recall), len(recalls)))
+        for t in range(len(recall)):
+            at = np.searchsorted(recall[t], recalls, side="left")
+            inside = at < recall.shape[1]
+            result[t, inside] = precision[t, at[inside]]
+        return result
 
 
 def batch_length(batch: Mapping[str, np.ndarray], batches=None) -> int:

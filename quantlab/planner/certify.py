@@ -403,8 +403,14 @@ def task_evaluator(task, outputs: Outputs,
                    references: Outputs) -> Callable[[np.ndarray], tuple[float, float]]:
     """``evaluate(indices)`` of a task's primary metric (top-1, COCO mAP) for certify_paired:
     :func:`task_scorer` of the candidate's outputs and of FP32's."""
-    scores = task_scorer(task, outputs), task_scorer(task, references)
-    return lambda pick: (scores[0](pick), scores[1](pick))
+    return paired(task_scorer(task, outputs), task_scorer(task, references))
+
+
+def paired(candidate: Callable[[np.ndarray], float], reference: Callable[[np.ndarray], float]
+           ) -> Callable[[np.ndarray], tuple[float, float]]:
+    """``evaluate(indices)`` for certify_paired from the candidate's and the reference's
+    ``score(indices)`` (one reference scorer serves every candidate of a plan search)."""
+    return lambda pick: (candidate(pick), reference(pick))
 
 
 def task_scorer(task, outputs: Outputs) -> Callable[[np.ndarray], float]:

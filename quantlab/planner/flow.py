@@ -48,8 +48,9 @@ from quantlab.planner.certify import (
     floor_record,
     metric_value,
     output_sqnr,
+    paired,
     resolve_metric,
-    task_evaluator,
+    task_scorer,
 )
 from quantlab.planner.decisions import Plan
 from quantlab.planner.evaluate import (
@@ -593,6 +594,7 @@ class _Evaluator:
         self.context, self.runner, self.checkpoint = context, runner, checkpoint
         self.fp32_outputs = [context.fp32_run(batch) for batch in
                              context.step(context.evaluation, desc="FP32 evaluation")]
+        self.fp32_scorer = None  # the task metric's scorer of fp32_outputs, once needed
 
     def __call__(self, point: FrontPoint) -> Evaluation:
         context, settings = self.context, self.context.settings
@@ -608,8 +610,10 @@ class _Evaluator:
         else:
             outputs = self.fp32_outputs
         if context.metric_fn is None:
+            if self.fp32_scorer is None:  # FP32's detections matched once, not per evaluation
+                self.fp32_scorer = task_scorer(context.task, self.fp32_outputs)
             certificate = certify_paired(
-                settings.metric, task_evaluator(context.task, outputs, self.fp32_outputs),
+                settings.metric, paired(task_scorer(context.task, outputs), self.fp32_scorer),
                 context.evaluation.num_samples, max_drop=settings.max_drop,
                 floor=settings.min_sqnr, resamples=settings.resamples)
         else:
