@@ -104,6 +104,30 @@ def test_decode_recovers_a_planted_box():
                            "score": pytest.approx(0.9)}]
 
 
+def test_classwise_nms_equals_torchvision_batched_nms():
+    """The numpy NMS of decode keeps what torchvision.ops.batched_nms keeps, in its order:
+    random boxes in clusters (many overlaps near the threshold), 3 classes, duplicates,
+    boxes inside others and empty boxes; distinct scores (tied ones may be ordered either
+    way by torch's sort)."""
+    import torchvision
+
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        count = int(rng.integers(0, 60))
+        centres = rng.uniform(0, 128, (count, 2)) if trial % 2 else \
+            rng.uniform(40, 60, (count, 2))  # crowded: most pairs overlap
+        sizes = rng.uniform(0, 30, (count, 2)) * (rng.random((count, 1)) > 0.05)
+        xyxy = np.concatenate([centres - sizes / 2, centres + sizes / 2], 1).astype(np.float32)
+        if count > 3:
+            xyxy[1] = xyxy[0]  # a duplicate
+        classes = rng.integers(0, 3, count)
+        scores = np.sort(rng.permutation(count * 7)[:count].astype(np.float32))[::-1] / (count * 7)
+        threshold = float(rng.choice([0.3, 0.5, 0.6]))
+        expected = torchvision.ops.batched_nms(torch.from_numpy(xyxy), torch.from_numpy(
+            scores.copy()), torch.from_numpy(classes), threshold).numpy()
+        assert shapes_det.classwise_nms(xyxy, classes, threshold).tolist() == expected.tolist()
+
+
 @pytest.mark.parametrize(("name", "threshold"), [("digits-cnn", 0.97), ("digits-vit", 0.93)])
 def test_digits_models_meet_their_accuracy(name, threshold):
     entry = zoo.get(name)

@@ -1,7 +1,7 @@
 """shapes-det: a MobileNet-style anchor-free detector (TTFNet/CenterNet family) and its decoding.
 
-The torch module itself is in :mod:`quantlab.zoo.shapes_det_net`; this module reads without
-torch (decoding imports it for NMS).
+The torch module itself is in :mod:`quantlab.zoo.shapes_det_net`; this module (decoding
+included) imports no torch.
 
 The module maps a normalized image to two dense maps at stride 4:
 
@@ -62,19 +62,36 @@ def decode(scores: np.ndarray, boxes: np.ndarray, image_ids: list[int], top_k: i
     left, top, right, bottom = np.moveaxis(dist, -1, 0)
     xyxy = np.stack([cx - left, cy - top, cx + right, cy + bottom], -1)
     xyxy = np.clip(xyxy, 0.0, float(max(h, w) * STRIDE))
-    import torch  # here: a zoo command that decodes nothing reads the zoo without torch
-    import torchvision
-
     detections = []
     for i, image_id in enumerate(image_ids):
         keep = top_scores[i] >= score_threshold
-        b, s, c = (torch.from_numpy(a[i][keep]) for a in (xyxy, top_scores, classes))
-        kept = torchvision.ops.batched_nms(b.float(), s.float(), c, iou_threshold).numpy()
-        for j in kept:
+        b, s, c = (a[i][keep] for a in (xyxy, top_scores, classes))
+        for j in classwise_nms(b, c, iou_threshold):
             x0, y0, x1, y1 = (float(v) for v in b[j])
             detections.append({"image_id": int(image_id), "category_id": int(c[j]) + 1,
                                "bbox": [x0, y0, x1 - x0, y1 - y0], "score": float(s[j])})
     return detections
+
+
+def classwise_nms(xyxy: np.ndarray, classes: np.ndarray, iou_threshold: float) -> np.ndarray:
+    """Greedy NMS within each class of boxes (x0, y0, x1, y1) already sorted by descending
+    score: the positions kept, in that order (``torchvision.ops.batched_nms``'s result, which
+    the tests compare it with; here in numpy, so that decoding imports no torch)."""
+    x0, y0, x1, y1 = np.asarray(xyxy, np.float32).T
+    area = (x1 - x0) * (y1 - y0)
+    width = np.clip(np.minimum(x1[:, None], x1) - np.maximum(x0[:, None], x0), 0, None)
+    height = np.clip(np.minimum(y1[:, None], y1) - np.maximum(y0[:, None], y0), 0, None)
+    inter = width * height
+    with np.errstate(invalid="ignore", divide="ignore"):  # two empty boxes: 0/0, no overlap
+        overlaps = inter / (area[:, None] + area - inter) > iou_threshold
+    overlaps &= classes[:, None] == classes
+    suppressed = np.zeros(len(area), bool)
+    kept = []
+    for i in range(len(area)):
+        if not suppressed[i]:
+            kept.append(i)
+            suppressed |= overlaps[i]
+    return np.array(kept, np.int64)
 
 
 def targets(objects_per_image: list[list[dict]], height: int, width: int,
