@@ -1819,6 +1819,34 @@ def test_plan_flags_an_amplified_unit_and_keeps_int8_where_single_units_say_it_i
     assert result.plan.int8_mac_share() >= best / sum(macs.values()) - 1e-9
 
 
+def test_the_all_int8_trial_taken_from_bias_correction_equals_running_it(planted_case,
+                                                                         monkeypatch):
+    """Bias correction measures the all-INT8 plan on the hardest samples with and without
+    its shifts; the trial of that plan takes the chosen figure instead of running it again
+    (Trials.measured). Run again instead, the noise model (every trial's NSR, bit for bit)
+    and the plan are the same."""
+    from quantlab import qdq
+
+    g, source, fp32, _, _ = planted_case
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run(
+        next(iter(source)), qdq.activation_tensors_to_calibrate(g.model)).items()}
+    settings = dict(min_sqnr=24.0, trials=16, hard_count=16, high_precision="fp32")
+    taken = planned(g.model, source, source, amax, amax, amax, **settings)
+    assert any(r["repair"] == "bias_correction" for r in taken.plan.repairs)
+    again = []
+
+    def run_it(self, nsr):
+        again.append(nsr)
+        return float(self.run(np.array([[u not in self.fixed for u in self.units]]))[0])
+
+    monkeypatch.setattr(plan.Trials, "measured", run_it)
+    ran = planned(g.model, source, source, amax, amax, amax, **settings)
+    assert len(again) == 1
+    np.testing.assert_array_equal(ran.sensitivity.nsr, taken.sensitivity.nsr)
+    assert ran.sensitivity.nsr[0] == again[0]
+    assert ran.plan == taken.plan
+
+
 def test_make_plan_weighs_bias_correction_and_applies_it_to_the_int8_units(planted_case):
     """The shifts are measured once on the all-INT8 model and follow each unit's precision.
 

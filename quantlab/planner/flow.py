@@ -311,8 +311,11 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     # All-INT8 is the search's first plan in any case: judged before the other trials, a
     # plan whose all-INT8 certifies needs none of them (their fit could not change it).
     with phases("all-INT8 first"):
-        model_fit = _ModelFit(context, rules, local, group_test(trials, 1, local_nsr=local_nsr),
-                              trials)
+        # Bias correction measured it already (the same plan, samples and references).
+        known = None if shift_record is None else trials.measured(shift_record[
+            "hard_nsr_after" if shift_record["chosen"] else "hard_nsr_before"])
+        model_fit = _ModelFit(context, rules, local,
+                              group_test(trials, 1, local_nsr=local_nsr, all_int8=known), trials)
         first = evaluator.first(model_fit.most_int8(), drawn)
     del drawn
     if repair != "none":  # its effect where the pins' is measured: the hardest samples
