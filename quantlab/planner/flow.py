@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -336,11 +337,11 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
         done, chosen, floor = _evaluate(context, rules, model_fit, evaluator, first)
     evaluations = [e for _, e in done]
     warn_undecided(evaluations, evaluations[chosen])
-    sensitivity, (contribution, fp16_contribution, points) = model_fit.sensitivity, model_fit.fitted
+    sensitivity, fit = model_fit.sensitivity, model_fit.fitted
     with phases("noise checks"):  # every evaluated plan's prediction checked on the hard samples
         noise_checks = _noise_checks(model_fit, done)
-    decided = _decide(context, rules, done[chosen][0], contribution, fp16_contribution, local,
-                      calibrators, sensitivity, len(done), floor,
+    decided = _decide(context, rules, done[chosen][0], fit.contribution, fit.fp16_contribution,
+                      local, calibrators, sensitivity, len(done), floor,
                       shifts if runner.shifts else {})
     decided.repairs = [*repair_records.values(), *([shift_record] if shift_record else [])]
     qdq_model = runner.quantized(decided.node_precisions())
@@ -349,7 +350,7 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     if differ:
         raise ModelError(f"the Q/DQ model runs units {sorted(differ)[:5]} as {differ} although "
                          "the plan says otherwise; this is a bug, please report it with the model.")
-    return PlanResult(decided, qdq_model, dict(amax), points, sensitivity, evaluations, chosen,
+    return PlanResult(decided, qdq_model, dict(amax), fit.front, sensitivity, evaluations, chosen,
                       hard_indices.tolist(), model,
                       _uncertified(context, rules, runner, done, done[chosen][0]),
                       phases.seconds, noise_checks, _trial_cost(trials, fp32_seconds),
@@ -490,16 +491,25 @@ def _contributions(rules: _Rules, local: Mapping, sensitivity: OutputSensitivity
     return contribution, fp16_contributions(contribution, local, rules.fixed)
 
 
-def _fitted(rules: _Rules, local: Mapping, sensitivity: OutputSensitivity, high_precision: str):
+class _Fit(NamedTuple):
+    """A noise model's contributions per unit (INT8 and FP16) and the front they give."""
+
+    contribution: dict[str, float]
+    fp16_contribution: dict[str, float]
+    front: list[FrontPoint]
+
+
+def _fitted(rules: _Rules, local: Mapping, sensitivity: OutputSensitivity,
+            high_precision: str) -> _Fit:
     contribution, fp16_contribution = _contributions(rules, local, sensitivity)
-    return contribution, fp16_contribution, front(
+    return _Fit(contribution, fp16_contribution, front(
         rules.units, rules.allowed, contribution, high_precision=high_precision,
-        fp16_contribution=fp16_contribution)
+        fp16_contribution=fp16_contribution))
 
 
 def _check_front(context: _Context, rules: _Rules, local: Mapping,
-                 sensitivity: OutputSensitivity, trials: Trials) -> tuple[OutputSensitivity,
-                                                                          tuple]:
+                 sensitivity: OutputSensitivity, trials: Trials
+                 ) -> tuple[OutputSensitivity, _Fit]:
     """Up to ``verify_rounds`` rounds: FRONT_CHECKS plans of the front measured against the
     fit (:func:`quantlab.planner.trials.check_fit`) and refitted, until every one is within
     DISAGREEMENT of its prediction. Random half-and-half trials cannot tell many small
@@ -509,7 +519,7 @@ def _check_front(context: _Context, rules: _Rules, local: Mapping,
 
     fitted = _fitted(rules, local, sensitivity, context.settings.high_precision)
     for _ in context.step(range(context.settings.verify_rounds), desc="front checks"):
-        masks = _front_masks(fitted[2], sensitivity)
+        masks = _front_masks(fitted.front, sensitivity)
         if not len(masks):
             break
         checked = len(sensitivity.checks)
@@ -525,14 +535,14 @@ class _ModelFit:
     each evaluation (:meth:`verified`)."""
 
     def __init__(self, context: _Context, rules: _Rules, local: Mapping,
-                 sensitivity: OutputSensitivity, trials: Trials, fitted: tuple | None = None):
+                 sensitivity: OutputSensitivity, trials: Trials, fitted: _Fit | None = None):
         self.context, self.rules, self.local, self.trials = context, rules, local, trials
         self.sensitivity = sensitivity
-        self._fitted = fitted  # (contribution, fp16_contribution, front) of `sensitivity`
+        self._fitted = fitted  # of `sensitivity`, when made already
         self.refits = 0
 
     @property
-    def fitted(self) -> tuple:
+    def fitted(self) -> _Fit:
         """The fit's contributions and its front, made when first asked for (a hundred MILPs:
         2 s on a 100-unit detector)."""
         if self._fitted is None:
@@ -541,7 +551,7 @@ class _ModelFit:
         return self._fitted
 
     def front(self) -> list[FrontPoint]:
-        return self.fitted[2]
+        return self.fitted.front
 
     def most_int8(self) -> FrontPoint:
         """The front's last plan, without the rest of the front."""
@@ -663,7 +673,7 @@ def _evaluate(context: _Context, rules: _Rules, model_fit: _ModelFit, evaluator:
     if done[chosen][1].certificate.certified:
         return done, chosen, None
     # No plan with INT8 certified: FP16 everywhere it may run, then the FP32 model.
-    all_fp16 = FrontPoint(0.0, sum(model_fit.fitted[1].values()), 0.0, {
+    all_fp16 = FrontPoint(0.0, sum(model_fit.fitted.fp16_contribution.values()), 0.0, {
         u.name: fallback_precision(rules.allowed[u.name], settings.high_precision)
         for u in rules.units})
     floor = None
