@@ -474,13 +474,17 @@ def quantlab_args(spec: dict) -> tuple[list[str], float]:
 
 
 def code_version() -> dict:
-    """quantlab's commit and a hash of the plan.py this child ran (the work tree may be ahead)."""
+    """quantlab's commit (git's HEAD: the work tree may be ahead, and a copied tree may carry
+    another repository's) and a hash of every quantlab source file this child could run, by
+    path and content: what identifies the code."""
     import hashlib
 
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
-    plan_py = hashlib.sha256((ROOT / "quantlab" / "plan.py").read_bytes()).hexdigest()[:10]
-    return {"commit": commit, "plan_py_sha256": plan_py}
+    digest = hashlib.sha256()
+    for source in sorted((ROOT / "quantlab").rglob("*.py")):
+        digest.update(str(source.relative_to(ROOT)).encode() + b"\0" + source.read_bytes())
+    return {"commit": commit, "quantlab_sha256": digest.hexdigest()[:12]}
 
 
 def child(spec: dict) -> None:
@@ -501,7 +505,7 @@ def child(spec: dict) -> None:
     progress = Progress(Path(spec["progress"]), 0)
     limit_address_space(int(spec["memory_limit"]))
     from quantlab import cli, pipeline, plan  # noqa: F401
-    version = code_version()  # of the plan.py just imported
+    version = code_version()  # of the quantlab just imported
     if spec["tool"].startswith("nncf"):
         import nncf  # noqa: F401
     start = time.perf_counter()
