@@ -13,6 +13,7 @@ the additive model misses is found and measured alone (:func:`localize`).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -95,29 +96,34 @@ class Trials:
     def measured(self, nsr: float) -> float:
         """A plan measured elsewhere on the same samples (all-INT8, while bias correction was
         weighed) taken as the next trial: its index is used and recorded, nothing runs."""
-        index, self.count = self.count, self.count + 1
-        nsr = self.known.get(index, nsr)
-        if self.on_trial and index not in self.known:
-            self.on_trial(index, nsr)
-        return nsr
+        return self._next(lambda: nsr)
 
     def run(self, masks: np.ndarray, progress: Callable | None = None) -> np.ndarray:
         """The output NSR of each plan of `masks` (rows: INT8 where True, else FP32)."""
         nsr = np.empty(len(masks))
         rows = range(len(masks))
         for t in progress(rows) if progress else rows:
-            index, self.count = self.count, self.count + 1
-            if index in self.known:
-                nsr[t] = self.known[index]
-                continue
             precisions = {u: "int8" if m else "fp32"
                           for u, m in zip(self.units, masks[t], strict=True)}
             precisions.update(self.fixed)
-            start = time.perf_counter()
-            nsr[t] = float(self.measure(precisions))
-            self.seconds.append(time.perf_counter() - start)
-            if self.on_trial:
-                self.on_trial(index, nsr[t])
+            nsr[t] = self._next(functools.partial(self._timed, precisions))
+        return nsr
+
+    def _next(self, measure: Callable[[], float]) -> float:
+        """The next trial's NSR: `known` where it has the trial's index, else ``measure()``,
+        passed to ``on_trial``."""
+        index, self.count = self.count, self.count + 1
+        if index in self.known:
+            return self.known[index]
+        nsr = float(measure())
+        if self.on_trial:
+            self.on_trial(index, nsr)
+        return nsr
+
+    def _timed(self, precisions: Mapping[str, str]) -> float:
+        start = time.perf_counter()
+        nsr = float(self.measure(precisions))
+        self.seconds.append(time.perf_counter() - start)
         return nsr
 
 
