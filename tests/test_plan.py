@@ -489,6 +489,46 @@ def test_hardest_samples_keep_every_samples_energies(planted_case):
         np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
+def test_all_samples_are_the_hardest_when_no_more_are_wanted(planted_case):
+    """With as many samples wanted as there are, the hardest samples are all of them, in
+    data order: what the planner takes without the ranking pass (measure.all_samples)."""
+    from quantlab.planner.measure import all_samples
+
+    g, source, fp32, run_plan, _ = planted_case
+    batch, indices, _, _ = plan.hardest_samples(source, fp32.run, run_plan({}), count=64)
+    assert indices.tolist() == list(range(64))
+    every = all_samples(source)
+    np.testing.assert_array_equal(every["x"], batch["x"])
+    np.testing.assert_array_equal(every["x"], np.concatenate([b["x"] for b in source]))
+
+
+@pytest.mark.parametrize("budget, value, trials, expected", [
+    # max_drop 2, FP32 100. The noise allowed is N * (2 / drop) ** 2 (power 0.5 from a
+    # single failure); the random trials measure about N / 2.
+    ((2.0, None), 89.5, 24, 6),   # drop 10.5: 0.036 N, x2 = 0.073 N < N / 2: a quarter
+    ((2.0, None), 95.0, 24, 6),   # drop 5: 0.16 N, x2 = 0.32 N < N / 2 (power 1: 0.8 N)
+    ((2.0, None), 96.5, 24, 24),  # drop 3.5: 0.327 N, x2 = 0.65 N >= N / 2 (alone: < N / 2)
+    ((2.0, None), 100.0, 24, 24),  # no drop to scale from: every trial
+    ((2.0, None), 89.5, 2, 1),    # a quarter of 2 rounds to 0: at least 1
+    # min_sqnr 20: the noise allowed is N * 10 ** ((value - 20) / 10).
+    ((None, 20.0), 15.78, 24, 24),  # 0.378 N, x2 = 0.76 N >= N / 2
+    ((None, 20.0), 10.0, 24, 6),    # 0.1 N, x2 = 0.2 N < N / 2
+])
+def test_random_trials_are_a_quarter_where_the_budget_lies_far_below_their_noise(
+        budget, value, trials, expected):
+    """flow._random_trials against the noise the budget allows, worked out by hand from
+    all-INT8's evaluation (predicted noise N = 4.86e-3, as on the layout detector)."""
+    max_drop, min_sqnr = budget
+    reference = float("inf") if min_sqnr is not None else 100.0
+    limit = min_sqnr if min_sqnr is not None else reference - max_drop
+    first = plan.Evaluation(1.0, 4.86e-3, plan.Certificate(
+        "m", reference, value, limit, (value - limit - 1, value - limit + 1), 0.95, 16,
+        False, False, None), 1.0)
+    settings = flow.PlanSettings(metric="m" if min_sqnr is None else "sqnr",
+                                 max_drop=max_drop, min_sqnr=min_sqnr, trials=trials)
+    assert flow._random_trials(settings, first) == expected
+
+
 def test_group_test_ranks_planted_units_first(planted_case):
     g, source, fp32, run_plan, units = planted_case
     batch, _, _, _ = plan.hardest_samples(source, fp32.run, run_plan({}), count=16)
@@ -744,7 +784,9 @@ def test_make_plan_names_data_shortfalls_before_any_model_run(planted_case):
                                 max_drop=0.01, trials=4, hard_count=100, progress=progress)
     assert str(caught[0].message).startswith("the calibration data hold 64 samples")
     assert str(caught[1].message).startswith("a drop of 0.01 in agreement is less than one")
-    assert seen[0] == ("hardest samples", [str(w.message)[:40] for w in caught[:2]])
+    # The first pass with a progress bar: FP32's evaluation, the hardest samples being all 64
+    # (fewer than --hard-samples), taken without the ranking pass.
+    assert seen[0] == ("FP32 evaluation", [str(w.message)[:40] for w in caught[:2]])
     # All INT8 fails whatever the set's size (its whole interval is below the limit): its
     # width says nothing about the plans nearer the budget, so no early warning.
     first = result.evaluations[0].certificate
@@ -829,10 +871,13 @@ def test_all_int8_that_certifies_first_needs_no_other_trial(planted_case):
     tight = planned(g.model, source, source, amax, amax, amax, min_sqnr=24.0, trials=8,
                     hard_count=16)
     assert "trials" in tight.phases
-    # Trials 0..7 are group_test's draws (seed 0, row 0 all-INT8), all-INT8 not repeated.
+    # The first trials are group_test's draws (seed 0, row 0 all-INT8), all-INT8 not
+    # repeated: all 8, or 2 where the floor lies far below their noise (flow._random_trials).
+    count = tight.trial_cost["random_trials"]
+    assert count in (2, 8)
     drawn = np.random.default_rng(0).random((8, len(tight.sensitivity.units))) < 0.5
     drawn[0] = True
-    np.testing.assert_array_equal(tight.sensitivity.masks[:8], drawn)
+    np.testing.assert_array_equal(tight.sensitivity.masks[:count], drawn[:count])
     assert tight.sensitivity.nsr[0] == pytest.approx(loose.sensitivity.nsr[0], rel=1e-12)
 
 
@@ -1366,15 +1411,18 @@ def test_interrupted_plan_resumes_from_its_checkpoint(planted_case, tmp_path, mo
     first = planned(g.model, source, source, amax, amax, amax,
                     checkpoint=plan.Checkpoint(path, key), **run)
     saved = plan.Checkpoint(path, key)
-    # 16 random trials, then the front checks (trials of front plans), maybe a localization.
+    # The random trials (flow._random_trials), then the front checks (trials of front plans),
+    # maybe a localization.
     total = len(first.sensitivity.nsr)
-    assert 16 < total
+    assert first.trial_cost["random_trials"] < total
     # A screened all-INT8 plan is not saved: judging it again costs one trial.
     assert first.evaluations[0].screened and not any(e.screened for e in first.evaluations[1:])
     assert len(saved.trials) == total and len(saved.evaluations) == first.model_runs
     assert plan.Checkpoint(path, "another run").trials == {}
-    # Interrupted after 9 trials and the first evaluation: the rest is measured again.
-    saved.trials = {t: v for t, v in saved.trials.items() if t < 9}
+    # Interrupted halfway through the trials, after the first evaluation: the rest is
+    # measured again.
+    cut = total // 2
+    saved.trials = {t: v for t, v in saved.trials.items() if t < cut}
     saved.evaluations = dict(list(saved.evaluations.items())[:1])
     added = []
 
@@ -1389,7 +1437,7 @@ def test_interrupted_plan_resumes_from_its_checkpoint(planted_case, tmp_path, mo
     assert resumed.plan == first.plan
     assert [e.certificate for e in resumed.evaluations] == [
         e.certificate for e in first.evaluations]
-    assert [i for m, i in added if m == "add_trial"] == list(range(9, total))
+    assert [i for m, i in added if m == "add_trial"] == list(range(cut, total))
     assert sum(m == "add_evaluation" for m, _ in added) == first.model_runs - 1
 
 

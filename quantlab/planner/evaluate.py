@@ -12,7 +12,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -242,10 +242,6 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
     Failing that, the plan just below: plans with less noise are the likeliest to
     certify, and a guess further down would give up INT8 no measurement ruled out.
     """
-    def shortfall(e: Evaluation) -> float:  # noise power for a floor (dB -> NSR), else the drop
-        c = e.certificate
-        return 10 ** (-c.value / 10) if min_sqnr is not None else c.reference - c.value
-
     above, spread = evaluated.get(high), 0.0
     if above is not None and above.certificate.value >= above.certificate.limit:
         c = above.certificate
@@ -253,17 +249,35 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
     else:
         nearest = evaluated[min(evaluated, key=lambda i: abs(i - (low + high) / 2))]
         guess = (low + high) // 2
-    measured = shortfall(nearest)
-    allowed = (10 ** (-(min_sqnr + spread) / 10) if min_sqnr is not None
-               else _certifiable_drop(max_drop, measured, spread))
-    if measured > 0 and nearest.predicted > 0:
-        power = 1.0 if min_sqnr is not None else _shortfall_power(
-            [(e.predicted, shortfall(e)) for e in evaluated.values()])
-        budget = nearest.predicted * (allowed / measured) ** (1.0 / power)
+    budget = allowed_noise(nearest, evaluated.values(), max_drop, min_sqnr, spread)
+    if budget is not None:
         fitting = [i for i, p in enumerate(points) if p.predicted <= budget]
         if fitting and low < fitting[-1] < high:
             guess = fitting[-1]
     return min(max(guess, low + 1), high - 1)
+
+
+def allowed_noise(nearest: Evaluation, evaluated: Iterable[Evaluation], max_drop: float | None,
+                  min_sqnr: float | None, spread: float = 0.0) -> float | None:
+    """The predicted noise at which a plan is expected to score the largest shortfall that
+    can still be certified, extrapolated from the evaluation `nearest` (see
+    :func:`_next_guess`: the shortfall a power of the noise, :func:`_shortfall_power`
+    fitted on `evaluated`; `spread`, the bootstrap spread measured near the budget); None
+    when `nearest` has no shortfall or no predicted noise to scale."""
+    measured = _shortfall(nearest, min_sqnr)
+    if not (measured > 0 and nearest.predicted > 0):
+        return None
+    allowed = (10 ** (-(min_sqnr + spread) / 10) if min_sqnr is not None
+               else _certifiable_drop(max_drop, measured, spread))
+    power = 1.0 if min_sqnr is not None else _shortfall_power(
+        [(e.predicted, _shortfall(e, min_sqnr)) for e in evaluated])
+    return nearest.predicted * (allowed / measured) ** (1.0 / power)
+
+
+def _shortfall(evaluation: Evaluation, min_sqnr: float | None) -> float:
+    """The noise power for an SQNR floor (dB -> NSR), else the metric's drop from FP32."""
+    c = evaluation.certificate
+    return 10 ** (-c.value / 10) if min_sqnr is not None else c.reference - c.value
 
 
 def _certifiable_drop(budget: float, drop: float, spread: float) -> float:

@@ -140,6 +140,12 @@ def hardest_samples(batches, reference: Callable, candidate: Callable, count: in
             joined_energies(energies), random)
 
 
+def all_samples(batches) -> dict[str, np.ndarray]:
+    """Every sample of `batches` (a :class:`quantlab.data.BatchSource`) as one batch, in data
+    order: the hardest samples where there are no more than wanted, without running a model."""
+    return _merge(list(batches), batches.axes)
+
+
 def _sample(batches, batch: Mapping[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
     """Sample `index` of `batch` as a batch of one, copied (the batch is not kept alive)."""
     return {k: np.array(v) for k, v in batches.slice(batch, int(index), int(index) + 1).items()}

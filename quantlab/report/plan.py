@@ -100,7 +100,9 @@ def plan_section(result: PlanResult, steps: Iterable[str] = ()) -> Section:
         summary += (f" A trial took {cost['trial_seconds_median']:.3g} s (median of "
                     f"{cost['trials_run']}: its Q/DQ model built and run once over the hardest "
                     f"samples), {cost['ratio']:.2g}x a warm FP32 pass over them "
-                    f"({cost['fp32_pass_seconds']:.3g} s).")
+                    f"({cost['fp32_pass_seconds']:.3g} s). {cost['random_trials']} of the "
+                    "trials were random plans fitting the noise model (all-INT8 included; "
+                    "docs/planner.md says how many run).")
     for e in result.evaluations:
         if e.screened:
             summary += (f" The all-INT8 plan was not evaluated: on {e.certificate.samples} "
