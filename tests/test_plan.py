@@ -507,17 +507,18 @@ def test_all_samples_are_the_hardest_when_no_more_are_wanted(planted_case):
     # single failure); the random trials measure about N / 2.
     ((2.0, None), 89.5, 24, 6),   # drop 10.5: 0.036 N, x2 = 0.073 N < N / 2: a quarter
     ((2.0, None), 95.0, 24, 6),   # drop 5: 0.16 N, x2 = 0.32 N < N / 2 (power 1: 0.8 N)
-    ((2.0, None), 96.5, 24, 24),  # drop 3.5: 0.327 N, x2 = 0.65 N >= N / 2 (alone: < N / 2)
-    ((2.0, None), 100.0, 24, 24),  # no drop to scale from: every trial
+    ((2.0, None), 96.5, 24, None),  # drop 3.5: 0.327 N, x2 = 0.65 N >= N / 2 (alone: < N / 2)
+    ((2.0, None), 100.0, 24, None),  # no drop to scale from: every trial
     ((2.0, None), 89.5, 2, 1),    # a quarter of 2 rounds to 0: at least 1
     # min_sqnr 20: the noise allowed is N * 10 ** ((value - 20) / 10).
-    ((None, 20.0), 15.78, 24, 24),  # 0.378 N, x2 = 0.76 N >= N / 2
+    ((None, 20.0), 15.78, 24, None),  # 0.378 N, x2 = 0.76 N >= N / 2
     ((None, 20.0), 10.0, 24, 6),    # 0.1 N, x2 = 0.2 N < N / 2
 ])
-def test_random_trials_are_a_quarter_where_the_budget_lies_far_below_their_noise(
+def test_random_trials_may_stop_early_where_the_budget_lies_far_below_their_noise(
         budget, value, trials, expected):
-    """flow._random_trials against the noise the budget allows, worked out by hand from
-    all-INT8's evaluation (predicted noise N = 4.86e-3, as on the layout detector)."""
+    """flow._least_random_trials against the noise the budget allows, worked out by hand from
+    all-INT8's evaluation (predicted noise N = 4.86e-3, as on the layout detector): None
+    (every trial runs) or the least number that runs."""
     max_drop, min_sqnr = budget
     reference = float("inf") if min_sqnr is not None else 100.0
     limit = min_sqnr if min_sqnr is not None else reference - max_drop
@@ -526,7 +527,35 @@ def test_random_trials_are_a_quarter_where_the_budget_lies_far_below_their_noise
         False, False, None), 1.0)
     settings = flow.PlanSettings(metric="m" if min_sqnr is None else "sqnr",
                                  max_drop=max_drop, min_sqnr=min_sqnr, trials=trials)
-    assert flow._random_trials(settings, first) == expected
+    assert flow._least_random_trials(settings, first) == expected
+
+
+def test_random_trials_stop_once_predicted_and_go_on_while_they_surprise_the_fit():
+    """group_test's `least`: noise exactly additive over 40 units (0.01 each). With local
+    errors that say so, the fit of the trials before predicts every trial, so they stop
+    after PREDICTED_IN_A_ROW in a row once `least` ran (6 of 24). With one unit's local
+    error 1000x too small (an amplifier: 100x the others' noise, alone), a draw holding it
+    is under-predicted until the fit has seen enough of them, and the trials go on. Every
+    trial run is one of the seeded draws, in order; without `least` all 24 run."""
+    from quantlab.planner import trials as trials_module
+
+    names = [f"u{i}" for i in range(40)]
+    true = np.full(40, 0.01)
+    true[7] = 1.0
+
+    def measure(precisions):
+        return float(sum(t for n, t in zip(names, true, strict=True)
+                         if precisions[n] == "int8"))
+
+    local = dict(zip(names, true, strict=True))
+    wrong = {**local, "u7": 0.001}
+    exact = plan.group_test(plan.Trials(measure, names), 24, local_nsr=local, least=6)
+    assert len(exact.nsr) == max(6, trials_module.PREDICTED_IN_A_ROW + 1)
+    amplified = plan.group_test(plan.Trials(measure, names), 24, local_nsr=wrong, least=6)
+    every = plan.group_test(plan.Trials(measure, names), 24, local_nsr=wrong)
+    assert len(exact.nsr) < len(amplified.nsr) <= len(every.nsr) == 24
+    np.testing.assert_array_equal(amplified.masks, every.masks[:len(amplified.nsr)])
+    np.testing.assert_array_equal(amplified.nsr, every.nsr[:len(amplified.nsr)])
 
 
 def test_group_test_ranks_planted_units_first(planted_case):
@@ -872,9 +901,10 @@ def test_all_int8_that_certifies_first_needs_no_other_trial(planted_case):
                     hard_count=16)
     assert "trials" in tight.phases
     # The first trials are group_test's draws (seed 0, row 0 all-INT8), all-INT8 not
-    # repeated: all 8, or 2 where the floor lies far below their noise (flow._random_trials).
+    # repeated: all 8, or from 2 where the floor lies far below their noise
+    # (flow._least_random_trials).
     count = tight.trial_cost["random_trials"]
-    assert count in (2, 8)
+    assert 2 <= count <= 8
     drawn = np.random.default_rng(0).random((8, len(tight.sensitivity.units))) < 0.5
     drawn[0] = True
     np.testing.assert_array_equal(tight.sensitivity.masks[:count], drawn[:count])
@@ -1411,7 +1441,7 @@ def test_interrupted_plan_resumes_from_its_checkpoint(planted_case, tmp_path, mo
     first = planned(g.model, source, source, amax, amax, amax,
                     checkpoint=plan.Checkpoint(path, key), **run)
     saved = plan.Checkpoint(path, key)
-    # The random trials (flow._random_trials), then the front checks (trials of front plans),
+    # The random trials (flow._least_random_trials), then the front checks (trials of front plans),
     # maybe a localization.
     total = len(first.sensitivity.nsr)
     assert first.trial_cost["random_trials"] < total

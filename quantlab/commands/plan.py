@@ -122,9 +122,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--trials", type=positive_int, default=24, metavar="K",
                         help="randomized plans run on the hardest samples to fit each unit's "
-                             "share of the output noise (default: %(default)s; a quarter of "
-                             "them where all-INT8's evaluation puts the budget far below "
-                             "their noise, docs/planner.md); up to 8 more "
+                             "share of the output noise (default: %(default)s; where all-INT8's "
+                             "evaluation puts the budget far below their noise, they stop "
+                             "after a quarter once the fit predicts them, docs/planner.md); "
+                             "up to 8 more "
                              "then check plans of the predicted front and refit, and about "
                              "2 log2(units) more localize a unit the fit under-predicts")
     parser.add_argument("--hard-samples", type=positive_int, default=64, metavar="N",

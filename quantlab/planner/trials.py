@@ -29,6 +29,8 @@ LOG_GAIN_LIMIT = 30.0
 # (either way) is a disagreement: reported, and, when the noise is under-predicted,
 # localized.
 DISAGREEMENT = 2.0
+# Random trials may stop once this many in a row were predicted (see group_test's `least`).
+PREDICTED_IN_A_ROW = 5
 # A check's record names its INT8 units when there are this many or fewer.
 NAMED_UNITS = 4
 
@@ -137,7 +139,7 @@ def plan_nsr(run: Callable[[Mapping[str, str]], BoundedRun], batch: Mapping[str,
 def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: float = 1e-3,
                seed: int = 0, progress: Callable | None = None,
                local_nsr: Mapping[str, float] | None = None,
-               all_int8: float | None = None) -> OutputSensitivity:
+               all_int8: float | None = None, least: int | None = None) -> OutputSensitivity:
     """Output-aware sensitivity from `count` random plans run as trials.
 
     Each trial runs a random plan (each unit INT8 with probability `int8_share`,
@@ -159,16 +161,35 @@ def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: 
     (a gate or a softmax amplifies one unit's error), :func:`check_fit` finds it.
     `all_int8`: the all-INT8 trial's noise when it already ran (as trial 0 of `trials`,
     ``group_test(trials, 1)``); the other trials are then run after it.
+    With `least`, the trials after the first `least` stop once PREDICTED_IN_A_ROW trials in a
+    row were each predicted within DISAGREEMENT by the fit of the trials before them: more
+    of the same draw would not change the fit (:func:`quantlab.planner.flow._random_trials`
+    says when).
     """
     units = trials.units
     rng = np.random.default_rng(seed)
     masks = rng.random((count, len(units))) < int8_share
     masks[0] = True
     masks[:, [i for i, u in enumerate(units) if u in trials.fixed]] = False
-    nsr = trials.run(masks, progress) if all_int8 is None else np.concatenate(
-        [[all_int8], trials.run(masks[1:], progress)])
+    nsr = [trials.run(masks[:1])[0] if all_int8 is None else all_int8]
     prior = _prior(units, trials.fixed, local_nsr or {}, nsr[0])
+    in_a_row = 0
+    rows = range(1, count)
+    for t in progress(rows) if progress else rows:
+        if least is not None and t >= least and in_a_row >= PREDICTED_IN_A_ROW:
+            break
+        expected = (float(masks[t] @ _fit(masks[:t], np.array(nsr), prior, ridge))
+                    if least is not None else None)
+        nsr.append(trials.run(masks[t:t + 1])[0])
+        if expected is not None:
+            in_a_row = in_a_row + 1 if _within(expected, nsr[-1]) else 0
+    masks, nsr = masks[:len(nsr)], np.array(nsr)
     return OutputSensitivity(units, masks, nsr, _fit(masks, nsr, prior, ridge), prior, ridge)
+
+
+def _within(predicted: float, measured: float) -> bool:
+    """Whether a measured noise is within DISAGREEMENT of its prediction, either way."""
+    return measured <= DISAGREEMENT * predicted and predicted <= DISAGREEMENT * measured
 
 
 def check_fit(sensitivity: OutputSensitivity, trials: Trials, masks: np.ndarray,
