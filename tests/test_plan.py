@@ -530,14 +530,16 @@ def test_random_trials_may_stop_early_where_the_budget_lies_far_below_their_nois
     assert flow._least_random_trials(settings, first) == expected
 
 
-def test_random_trials_stop_once_predicted_and_go_on_while_they_surprise_the_fit():
+def test_random_trials_stop_once_predicted_and_go_on_while_they_surprise_the_fit(capsys):
     """group_test's `least`: noise exactly additive over 40 units (0.01 each). With local
     errors that say so, the fit of the trials before predicts every trial, so they stop
     after PREDICTED_IN_A_ROW in a row once `least` ran (6 of 24). With one unit's local
     error 1000x too small (an amplifier: 100x the others' noise, alone), a draw holding it
     is under-predicted until the fit has seen enough of them, and the trials go on. Every
-    trial run is one of the seeded draws, in order; without `least` all 24 run."""
+    trial run is one of the seeded draws, in order; without `least` all 24 run. A log's
+    progress lines end where the trials stop."""
     from quantlab.planner import trials as trials_module
+    from quantlab.progress import LogLines
 
     names = [f"u{i}" for i in range(40)]
     true = np.full(40, 0.01)
@@ -549,8 +551,12 @@ def test_random_trials_stop_once_predicted_and_go_on_while_they_surprise_the_fit
 
     local = dict(zip(names, true, strict=True))
     wrong = {**local, "u7": 0.001}
-    exact = plan.group_test(plan.Trials(measure, names), 24, local_nsr=local, least=6)
+    exact = plan.group_test(plan.Trials(measure, names), 24, local_nsr=local, least=6,
+                            progress=lambda rows: LogLines(rows, desc="trials"))
     assert len(exact.nsr) == max(6, trials_module.PREDICTED_IN_A_ROW + 1)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "trials: started, 23 it" and lines[-1].startswith(
+        f"trials: done, {len(exact.nsr) - 1} it")
     amplified = plan.group_test(plan.Trials(measure, names), 24, local_nsr=wrong, least=6)
     every = plan.group_test(plan.Trials(measure, names), 24, local_nsr=wrong)
     assert len(exact.nsr) < len(amplified.nsr) <= len(every.nsr) == 24

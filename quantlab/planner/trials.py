@@ -174,9 +174,10 @@ def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: 
     nsr = [trials.run(masks[:1])[0] if all_int8 is None else all_int8]
     prior = _prior(units, trials.fixed, local_nsr or {}, nsr[0])
     in_a_row = 0
-    rows = range(1, count)
-    for t in progress(rows) if progress else rows:
+    rows = progress(range(1, count)) if progress else range(1, count)
+    for t in rows:
         if least is not None and t >= least and in_a_row >= PREDICTED_IN_A_ROW:
+            getattr(rows, "close", lambda: None)()  # a bar ends here, not at `count`
             break
         expected = (float(masks[t] @ _fit(masks[:t], np.array(nsr), prior, ridge))
                     if least is not None else None)
