@@ -79,7 +79,14 @@ from quantlab.planner.measure import (
 )
 from quantlab.planner.rules import Reason, RuleContext, allowed_precisions, apply_rules
 from quantlab.planner.search import FrontPoint, fallback_precision, front, most_int8
-from quantlab.planner.trials import OutputSensitivity, Trials, check_fit, group_test, plan_nsr
+from quantlab.planner.trials import (
+    OutputSensitivity,
+    Trials,
+    check_fit,
+    disagreement,
+    group_test,
+    plan_nsr,
+)
 from quantlab.planner.units import Unit, find_units, read_back, share_scales
 
 # Front plans measured per round of checks before any evaluation.
@@ -738,10 +745,8 @@ def _noise_checks(model_fit: _ModelFit, done: list[tuple[FrontPoint, Evaluation]
         measured = (sensitivity.nsr[index[mask.tobytes()]] if mask.tobytes() in index
                     else model_fit.trials.run(mask[None])[0])
         predicted = float(mask.astype(np.float64) @ sensitivity.contribution)
-        tiny = np.finfo(np.float64).tiny
-        factor = max(measured, tiny) / max(predicted, tiny)
         records.append({"int8_mac_share": evaluation.int8_mac_share, "predicted": predicted,
-                        "measured": float(measured), "factor": float(max(factor, 1 / factor)),
+                        "measured": float(measured), "factor": disagreement(predicted, measured),
                         "value": evaluation.certificate.value,
                         "certified": evaluation.certificate.certified})
     return records
@@ -759,7 +764,7 @@ def _least_random_trials(settings: PlanSettings, first: Evaluation) -> int | Non
     by more than DISAGREEMENT, the trials describe plans noisier than any the search will
     weigh. Where the noise is spread evenly over the units (the layout detector, 10
     agreement points down at a 2-point budget), the fit predicts them after a few and 24
-    gave 5.9 % INT8 in 118 s where 6 gave 18.0 % in 72-90 s: the front checks, which
+    gave 5.9 % INT8 in 118 s where 6 gave 18.0 % in 66-90 s: the front checks, which
     measure the front's own plans, do the fitting there. Where a few units wreck all-INT8
     (a 640 px SSDlite at 0.8 dB against a 20 dB floor), a draw that leaves them out is
     over-predicted 17-358x until the fit has seen several: 6 trials gave 70.6 % where 24

@@ -163,8 +163,8 @@ def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: 
     ``group_test(trials, 1)``); the other trials are then run after it.
     With `least`, the trials after the first `least` stop once PREDICTED_IN_A_ROW trials in a
     row were each predicted within DISAGREEMENT by the fit of the trials before them: more
-    of the same draw would not change the fit (:func:`quantlab.planner.flow._random_trials`
-    says when).
+    of the same draw would not change the fit
+    (:func:`quantlab.planner.flow._least_random_trials` says when).
     """
     units = trials.units
     rng = np.random.default_rng(seed)
@@ -183,14 +183,17 @@ def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: 
                     if least is not None else None)
         nsr.append(trials.run(masks[t:t + 1])[0])
         if expected is not None:
-            in_a_row = in_a_row + 1 if _within(expected, nsr[-1]) else 0
+            in_a_row = in_a_row + 1 if disagreement(expected, nsr[-1]) <= DISAGREEMENT else 0
     masks, nsr = masks[:len(nsr)], np.array(nsr)
     return OutputSensitivity(units, masks, nsr, _fit(masks, nsr, prior, ridge), prior, ridge)
 
 
-def _within(predicted: float, measured: float) -> bool:
-    """Whether a measured noise is within DISAGREEMENT of its prediction, either way."""
-    return measured <= DISAGREEMENT * predicted and predicted <= DISAGREEMENT * measured
+def disagreement(predicted: float, measured: float) -> float:
+    """The factor between a measured noise and its prediction, either way (1: they agree;
+    a zero against a positive figure: about 1e308)."""
+    tiny = np.finfo(np.float64).tiny
+    factor = max(measured, tiny) / max(predicted, tiny)
+    return float(max(factor, 1.0 / factor))
 
 
 def check_fit(sensitivity: OutputSensitivity, trials: Trials, masks: np.ndarray,
@@ -247,11 +250,9 @@ def localize(sensitivity: OutputSensitivity, trials: Trials,
 def _check(predicted: float, measured: float, why: str, mask: np.ndarray,
            units: Sequence[str]) -> dict:
     """A check's record; the INT8 units named when they are few (NAMED_UNITS at most)."""
-    tiny = np.finfo(np.float64).tiny
-    factor = max(measured, tiny) / max(predicted, tiny)
     int8 = [u for u, m in zip(units, mask, strict=True) if m]
     return {"why": why, "int8_units": len(int8), "predicted": float(predicted),
-            "measured": float(measured), "factor": float(max(factor, 1.0 / factor)),
+            "measured": float(measured), "factor": disagreement(predicted, measured),
             **({"units": int8} if len(int8) <= NAMED_UNITS else {})}
 
 
