@@ -8,10 +8,12 @@ folded BatchNorm, bias and fused activation) is compared with its single-unit ou
 impact: that unit alone in INT8, every other unit in FP32, output SQNR on the same
 samples (one pass of that plan's Q/DQ model per unit). Prints the Spearman correlation of
 both rankings, also for the local error taken at the linear op's own output (before the
-fused activation), and the units the local error ranks worst and the output ranks worst;
-``--out FILE`` writes every unit's three figures.
+fused activation) and for the planner's prior since round 3 (each unit's output SQNR
+alone on the first ``--alone-samples`` samples only: `quantlab plan`'s single-unit step),
+and the units the local error ranks worst and the output ranks worst; ``--out FILE``
+writes every unit's figures.
 
-    python -m benchmarks.local_rank reports/layout --samples 4
+    python -m benchmarks.local_rank reports/layout --samples 16 --alone-samples 2
 
 The layout-int8 study measured 0.12 with the error taken before the BatchNorm the Paddle
 export keeps (quantlab before the fold) and 0.60 after it.
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", help="a calibration folder (quantlab calibrate --out)")
     parser.add_argument("--samples", type=int, default=4, help="calibration samples used")
+    parser.add_argument("--alone-samples", type=int, default=2,
+                        help="samples of the single-unit prior (the first of --samples)")
     parser.add_argument("--top", type=int, default=5, help="worst units listed")
     parser.add_argument("--out", help="write every unit's figures (JSON) here")
     args = parser.parse_args(argv)
@@ -59,14 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     unfused = plan.local_sqnr(g, amax, units, batches, precisions=("int8",),
                               fuse_activations=False)
     references = [fp32.run(b) for b in batches]
-    impact = {}
+    few = min(args.alone_samples, len(batches))
+    impact, prior = {}, {}
     for unit in units:
         if unit.name not in local:
             continue
         alone = qdq.quantize_model(model, amax, {n: "int8" if u is unit else "fp32"
                                                  for u in units for n in u.nodes})
         backend = OnnxRuntimeBackend(alone, name=f"{unit.name} in INT8")
-        impact[unit.name] = plan.output_sqnr([backend.run(b) for b in batches], references)
+        outputs = [backend.run(b) for b in batches]
+        impact[unit.name] = plan.output_sqnr(outputs, references)
+        prior[unit.name] = {"int8": plan.output_sqnr(outputs[:few], references[:few])}
     names = sorted(impact)
 
     def rho(figures) -> float:
@@ -78,11 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(
             {n: {"local_fused_db": local[n]["int8"], "local_op_output_db": unfused[n]["int8"],
-                 "output_db": impact[n]} for n in names}, indent=1))
+                 "alone_few_db": prior[n]["int8"], "output_db": impact[n]} for n in names},
+            indent=1))
     print(json.dumps({
         "model": recorded.get("data"), "units": len(names), "samples": len(batches),
         "spearman_local_vs_output": rho(local),
         "spearman_local_at_op_output_vs_output": rho(unfused),
+        f"spearman_alone_on_{few}_vs_output": rho(prior),
         "worst_by_local": [(n, round(local[n]["int8"], 1), round(impact[n], 1))
                            for n in by_local],
         "worst_by_output": [(n, round(local[n]["int8"], 1), round(impact[n], 1))

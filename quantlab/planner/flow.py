@@ -100,6 +100,11 @@ HELD_REFERENCES_BYTES = 64 << 20
 # The share of `trials` that run at least when the budget lies far below their noise (see
 # _least_random_trials).
 FAR_TRIALS_SHARE = 0.25
+# The single-unit measurements (_single_units) run each free unit alone on a few of the
+# hardest samples: as many sample passes in all as this many trials, on at least
+# SINGLES_LEAST_SAMPLES samples.
+SINGLES_COST_IN_TRIALS = 4
+SINGLES_LEAST_SAMPLES = 2
 # The reason of a unit the search (not a rule) keeps out of INT8.
 SEARCH_CODE = "M-SEARCH"
 SEARCH_SOURCE = ("quantlab: trials on the hardest samples, MILP front, certified on held-out "
@@ -339,12 +344,14 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
         before = all_int8_nsr({"none": original}, hard, references, context.runs, fixed_nodes)
         repair_records[repair].update(hard_nsr_before=before["none"],
                                       hard_nsr_after=float(model_fit.sensitivity.nsr[0]))
-    random_trials = 0
+    random_trials, alone, alone_samples = 0, {}, 0
     if not first.certificate.certified:
+        with phases("single units"):
+            alone, alone_samples = _single_units(context, runner, rules, hard, references)
         with phases("trials"):
             sensitivity = group_test(
                 trials, settings.trials, progress=lambda r: context.step(r, desc="trials"),
-                local_nsr=local_nsr, all_int8=float(model_fit.sensitivity.nsr[0]),
+                local_nsr=alone, all_int8=float(model_fit.sensitivity.nsr[0]),
                 least=_least_random_trials(settings, first))
         random_trials = len(sensitivity.nsr)
         with phases("front checks"):
@@ -358,7 +365,7 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     with phases("noise checks"):  # every evaluated plan's prediction checked on the hard samples
         noise_checks = _noise_checks(model_fit, done)
     decided = _decide(context, rules, done[chosen][0], fit.contribution, fit.fp16_contribution,
-                      local, calibrators, sensitivity, len(done), floor,
+                      local, alone, calibrators, sensitivity, len(done), floor,
                       shifts if runner.shifts else {})
     decided.repairs = [*repair_records.values(), *([shift_record] if shift_record else [])]
     qdq_model = runner.quantized(decided.node_precisions())
@@ -371,7 +378,8 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
                       hard_indices.tolist(), model,
                       _uncertified(context, rules, runner, done, done[chosen][0]),
                       phases.seconds, noise_checks,
-                      _trial_cost(trials, fp32_seconds, random_trials), model_fit.refits)
+                      _trial_cost(trials, fp32_seconds, random_trials, len(alone),
+                                  alone_samples), model_fit.refits)
 
 
 def _fp32_runs(model: onnx.ModelProto, calibration
@@ -440,6 +448,32 @@ def _fp32_timed(context: _Context, batch: Mapping[str, np.ndarray]
     start = time.perf_counter()
     outputs = context.fp32_run(batch)
     return outputs, time.perf_counter() - start
+
+
+def _single_units(context: _Context, runner: _Runner, rules: _Rules,
+                  hard: Mapping[str, np.ndarray], references: Mapping[str, np.ndarray]
+                  ) -> tuple[dict[str, float], int]:
+    """Each free unit's output noise alone in INT8 (every other unit FP32, pins kept) on the
+    first few of the `hard` samples (FP32's outputs on them: `references`): the trials'
+    prior (:func:`quantlab.planner.trials.group_test`'s `local_nsr`).
+
+    How much a unit's local error is amplified on its way to the outputs differs from unit
+    to unit: on the layout detector the local error ranked the units by their noise alone
+    with a rank correlation of 0.43, and the fit of 16 random trials did no better. Alone on
+    2 of its 16 hardest pages the rank correlation with the same figure on all 16 was 0.96.
+    The samples: as many passes in all as SINGLES_COST_IN_TRIALS trials over `hard`.
+    Returns the figures and how many samples they were measured on.
+    """
+    free = [u.name for u in rules.units if u.name not in rules.fixed]
+    length = context.calibration.length(hard)
+    count = min(length, max(SINGLES_LEAST_SAMPLES,
+                            round(length * SINGLES_COST_IN_TRIALS / max(1, len(free)))))
+    batch = hard if count == length else context.calibration.slice(hard, 0, count)
+    measure = plan_nsr(runner, batch, {name: value[:count] for name, value in
+                                       references.items()})
+    others = {u.name: rules.fixed.get(u.name, "fp32") for u in rules.units}
+    return {name: measure({**others, name: "int8"})
+            for name in context.step(free, desc="single units")}, count
 
 
 def _hardest(context: _Context, all_int8: Callable[[], Callable]):
@@ -780,14 +814,17 @@ def _least_random_trials(settings: PlanSettings, first: Evaluation) -> int | Non
     return max(1, round(settings.trials * FAR_TRIALS_SHARE))
 
 
-def _trial_cost(trials: Trials, fp32_seconds: float, random_trials: int) -> dict:
+def _trial_cost(trials: Trials, fp32_seconds: float, random_trials: int, single_units: int,
+                single_unit_samples: int) -> dict:
     """Median seconds of a trial (building its Q/DQ model and session, one run over the
     hardest samples) against one warm FP32 pass over the same samples; how many of the
-    trials were random plans (all-INT8 included)."""
+    trials were random plans (all-INT8 included); how many units were measured alone
+    (:func:`_single_units`), on how many samples."""
     if not trials.seconds:
         return {}
     median = float(np.median(trials.seconds))
     return {"trials_run": len(trials.seconds), "random_trials": random_trials,
+            "single_units": single_units, "single_unit_samples": single_unit_samples,
             "trial_seconds_median": median,
             "fp32_pass_seconds": fp32_seconds,
             "ratio": median / fp32_seconds if fp32_seconds > 0 else float("inf")}
@@ -811,10 +848,11 @@ def _uncertified(context: _Context, rules: _Rules, runner: _Runner,
 
 
 def _decide(context: _Context, rules: _Rules, chosen: FrontPoint, contribution: Mapping,
-            fp16_contribution: Mapping, local: Mapping, calibrators: Mapping,
-            sensitivity: OutputSensitivity, evaluated: int, floor: Evaluation | None,
-            applied: Mapping[str, np.ndarray]) -> Plan:
-    """The plan as plain data: each unit's precision, evidence and reasons."""
+            fp16_contribution: Mapping, local: Mapping, alone: Mapping[str, float],
+            calibrators: Mapping, sensitivity: OutputSensitivity, evaluated: int,
+            floor: Evaluation | None, applied: Mapping[str, np.ndarray]) -> Plan:
+    """The plan as plain data: each unit's precision, evidence (`alone`: its output noise
+    alone in INT8, :func:`_single_units`) and reasons."""
     settings = context.settings
     decided = Plan.from_rules(rules.units, rules.reasons)
     rank = {u: i + 1 for i, u in enumerate(sensitivity.ranking())}
@@ -827,6 +865,8 @@ def _decide(context: _Context, rules: _Rules, chosen: FrontPoint, contribution: 
         decision.evidence["output_rank"] = rank[unit.name]
         for precision, figure in local.get(unit.name, {}).items():
             decision.evidence[f"local_sqnr_{precision}_db"] = figure
+        if unit.name in alone:
+            decision.evidence["output_nsr_alone"] = alone[unit.name]
         if unit.name in fp16_contribution:
             decision.evidence["fp16_nsr_contribution"] = fp16_contribution[unit.name]
         if unit.name in calibrators:

@@ -103,6 +103,11 @@ def plan_section(result: PlanResult, steps: Iterable[str] = ()) -> Section:
                     f"({cost['fp32_pass_seconds']:.3g} s). {cost['random_trials']} of the "
                     "trials were random plans fitting the noise model (all-INT8 included; "
                     "docs/planner.md says how many run).")
+        if cost.get("single_units"):
+            summary += (f" Before them, {cost['single_units']} units were each run alone in "
+                        f"INT8 on {cost['single_unit_samples']} of the hardest samples: "
+                        "the fit starts from their measured noise (a unit's evidence "
+                        "output_nsr_alone).")
     for e in result.evaluations:
         if e.screened:
             summary += (f" The all-INT8 plan was not evaluated: on {e.certificate.samples} "
