@@ -13,7 +13,7 @@ alone on the first ``--alone-samples`` samples only: `quantlab plan`'s single-un
 and the units the local error ranks worst and the output ranks worst; ``--out FILE``
 writes every unit's figures.
 
-    python -m benchmarks.local_rank reports/layout --samples 16 --alone-samples 2
+    python -m benchmarks.local_rank reports/layout --samples 16
 
 The layout-int8 study measured 0.12 with the error taken before the BatchNorm the Paddle
 export keeps (quantlab before the fold) and 0.60 after it.
@@ -36,12 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     from quantlab.calibrate import Scales
     from quantlab.data import Preprocess, open_data
     from quantlab.experiment import read_json
+    from quantlab.planner.flow import single_unit_samples
+    from quantlab.planner.measure import output_sample_axes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", help="a calibration folder (quantlab calibrate --out)")
     parser.add_argument("--samples", type=int, default=4, help="calibration samples used")
-    parser.add_argument("--alone-samples", type=int, default=2,
-                        help="samples of the single-unit prior (the first of --samples)")
+    parser.add_argument("--alone-samples", type=int,
+                        help="samples of the single-unit prior, the first of --samples "
+                             "(default: as many as `quantlab plan` takes of that many)")
     parser.add_argument("--top", type=int, default=5, help="worst units listed")
     parser.add_argument("--out", help="write every unit's figures (JSON) here")
     args = parser.parse_args(argv)
@@ -62,8 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     local = plan.local_sqnr(g, amax, units, batches, precisions=("int8",))
     unfused = plan.local_sqnr(g, amax, units, batches, precisions=("int8",),
                               fuse_activations=False)
-    references = [fp32.run(b) for b in batches]
-    few = min(args.alone_samples, len(batches))
+    probe = open_data(recorded["data"], g.inputs, 2, 2, preprocess)
+    axes = output_sample_axes(model, fp32.run, next(iter(probe)), probe)
+
+    def samples_first(outputs):  # silero-vad's state [2, N, 128]: samples on axis 1
+        return {n: np.moveaxis(v, axes[n], 0) if n in axes else v for n, v in outputs.items()}
+
+    references = [samples_first(fp32.run(b)) for b in batches]
+    few = min(args.alone_samples or single_unit_samples(len(batches), len(local)),
+              len(batches))
     impact, prior = {}, {}
     for unit in units:
         if unit.name not in local:
@@ -71,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         alone = qdq.quantize_model(model, amax, {n: "int8" if u is unit else "fp32"
                                                  for u in units for n in u.nodes})
         backend = OnnxRuntimeBackend(alone, name=f"{unit.name} in INT8")
-        outputs = [backend.run(b) for b in batches]
+        outputs = [samples_first(backend.run(b)) for b in batches]
         impact[unit.name] = plan.output_sqnr(outputs, references)
         prior[unit.name] = {"int8": plan.output_sqnr(outputs[:few], references[:few])}
     names = sorted(impact)

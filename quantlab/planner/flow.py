@@ -450,6 +450,14 @@ def _fp32_timed(context: _Context, batch: Mapping[str, np.ndarray]
     return outputs, time.perf_counter() - start
 
 
+def single_unit_samples(length: int, units: int) -> int:
+    """How many of `length` hardest samples the single-unit step runs `units` units on: as
+    many sample passes in all as SINGLES_COST_IN_TRIALS trials over all of them, at least
+    SINGLES_LEAST_SAMPLES."""
+    return min(length, max(SINGLES_LEAST_SAMPLES,
+                           round(length * SINGLES_COST_IN_TRIALS / max(1, units))))
+
+
 def _single_units(context: _Context, runner: _Runner, rules: _Rules,
                   hard: Mapping[str, np.ndarray], references: Mapping[str, np.ndarray]
                   ) -> tuple[dict[str, float], int]:
@@ -461,13 +469,12 @@ def _single_units(context: _Context, runner: _Runner, rules: _Rules,
     to unit: on the layout detector the local error ranked the units by their noise alone
     with a rank correlation of 0.43, and the fit of 16 random trials did no better. Alone on
     2 of its 16 hardest pages the rank correlation with the same figure on all 16 was 0.96.
-    The samples: as many passes in all as SINGLES_COST_IN_TRIALS trials over `hard`.
-    Returns the figures and how many samples they were measured on.
+    The samples: :func:`single_unit_samples`. Returns the figures and how many samples
+    they were measured on.
     """
     free = [u.name for u in rules.units if u.name not in rules.fixed]
     length = context.calibration.length(hard)
-    count = min(length, max(SINGLES_LEAST_SAMPLES,
-                            round(length * SINGLES_COST_IN_TRIALS / max(1, len(free)))))
+    count = single_unit_samples(length, len(free))
     batch = hard if count == length else context.calibration.slice(hard, 0, count)
     measure = plan_nsr(runner, batch, {name: value[:count] for name, value in
                                        references.items()})
