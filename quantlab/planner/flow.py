@@ -253,7 +253,7 @@ class _Runner:
         from quantlab.repairs import shift_biases
 
         nodes = {n: precisions[u.name] for u in self.units for n in u.nodes}
-        built = qdq.quantize_model(self.model, self.amax, nodes,
+        built = qdq.quantize_model(self.g, self.amax, nodes,
                                    high_precision=self.high_precision)
         return shift_biases(self.g, built, self.shifts) if self.shifts else built
 
