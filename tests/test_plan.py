@@ -551,14 +551,14 @@ def test_random_trials_stop_once_predicted_and_go_on_while_they_surprise_the_fit
 
     local = dict(zip(names, true, strict=True))
     wrong = {**local, "u7": 0.001}
-    exact = plan.group_test(plan.Trials(measure, names), 24, local_nsr=local, least=6,
+    exact = plan.group_test(plan.Trials(measure, names), 24, prior_nsr=local, least=6,
                             progress=lambda rows: LogLines(rows, desc="trials"))
     assert len(exact.nsr) == max(6, trials_module.PREDICTED_IN_A_ROW + 1)
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == "trials: started, 23 it" and lines[-1].startswith(
         f"trials: done, {len(exact.nsr) - 1} it")
-    amplified = plan.group_test(plan.Trials(measure, names), 24, local_nsr=wrong, least=6)
-    every = plan.group_test(plan.Trials(measure, names), 24, local_nsr=wrong)
+    amplified = plan.group_test(plan.Trials(measure, names), 24, prior_nsr=wrong, least=6)
+    every = plan.group_test(plan.Trials(measure, names), 24, prior_nsr=wrong)
     assert len(exact.nsr) < len(amplified.nsr) <= len(every.nsr) == 24
     np.testing.assert_array_equal(amplified.masks, every.masks[:len(amplified.nsr)])
     np.testing.assert_array_equal(amplified.nsr, every.nsr[:len(amplified.nsr)])
@@ -590,7 +590,7 @@ def test_group_test_prior_ranks_units_the_trials_cannot_tell_apart(planted_case)
     local = {u: 1e-4 * (i + 1) for i, u in enumerate(names[:-2])}  # names[-2] has none
     fixed = {names[-1]: "fp32"}
     found = plan.group_test(planted_trials(run_plan, units, batch, fp32.run(batch), fixed=fixed),
-                            1, local_nsr=local)
+                            1, prior_nsr=local)
     figures = [*local.values(), float(np.median(list(local.values())))]
     expected = np.array([*figures, 0.0]) * found.nsr[0] / sum(figures)
     np.testing.assert_allclose(found.contribution, expected, rtol=1e-6)

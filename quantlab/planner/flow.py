@@ -12,8 +12,10 @@ Each step is a function over plain data (docs/planner.md tells the design):
 5. ``hardest samples``: one pass of all-INT8 over the calibration data.
 6. ``bias correction``: kept where it lowers the hardest samples' noise.
 7. ``local errors``: every unit's local INT8 and FP16 error, one pass.
-8. ``trials``: random plans on the hardest samples, the noise model fitted
-   (:func:`quantlab.planner.trials.group_test`).
+8. ``single units``: each unit alone in INT8 on a few of the hardest samples, the
+   trials' prior (:func:`_single_units`); then ``trials``: random plans on the
+   hardest samples, the noise model fitted (:func:`quantlab.planner.trials.group_test`).
+   Both only where all-INT8 (judged first) did not certify.
 9. ``front checks``: front plans measured against the fit, refitted, disagreements
    localized (:func:`_check_front`).
 10. ``evaluations``: plans of the front on the evaluation set, certified
@@ -335,7 +337,7 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
         known = None if shift_record is None else trials.measured(shift_record[
             "hard_nsr_after" if shift_record["chosen"] else "hard_nsr_before"])
         model_fit = _ModelFit(context, rules, local,
-                              group_test(trials, 1, local_nsr=local_nsr, all_int8=known), trials)
+                              group_test(trials, 1, prior_nsr=local_nsr, all_int8=known), trials)
         first = evaluator.first(model_fit.most_int8(), drawn)
     del drawn
     if repair != "none":  # its effect where the pins' is measured: the hardest samples
@@ -351,7 +353,7 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
         with phases("trials"):
             sensitivity = group_test(
                 trials, settings.trials, progress=lambda r: context.step(r, desc="trials"),
-                local_nsr=alone, all_int8=float(model_fit.sensitivity.nsr[0]),
+                prior_nsr=alone, all_int8=float(model_fit.sensitivity.nsr[0]),
                 least=_least_random_trials(settings, first))
         random_trials = len(sensitivity.nsr)
         with phases("front checks"):
@@ -463,7 +465,7 @@ def _single_units(context: _Context, runner: _Runner, rules: _Rules,
                   ) -> tuple[dict[str, float], int]:
     """Each free unit's output noise alone in INT8 (every other unit FP32, pins kept) on the
     first few of the `hard` samples (FP32's outputs on them: `references`): the trials'
-    prior (:func:`quantlab.planner.trials.group_test`'s `local_nsr`).
+    prior (:func:`quantlab.planner.trials.group_test`'s `prior_nsr`).
 
     How much a unit's local error is amplified on its way to the outputs differs from unit
     to unit: on the layout detector the local error ranked the units by their noise alone

@@ -138,7 +138,7 @@ def plan_nsr(run: Callable[[Mapping[str, str]], BoundedRun], batch: Mapping[str,
 
 def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: float = 1e-3,
                seed: int = 0, progress: Callable | None = None,
-               local_nsr: Mapping[str, float] | None = None,
+               prior_nsr: Mapping[str, float] | None = None,
                all_int8: float | None = None, least: int | None = None) -> OutputSensitivity:
     """Output-aware sensitivity from `count` random plans run as trials.
 
@@ -149,10 +149,11 @@ def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: 
     (:func:`_fit`) in relative terms with a small ridge on the log-gains z
     (``ridge * trials``) so that a few trials still give a unique answer. The
     all-INT8 plan is always one of the trials.
-    The prior: with `local_nsr` (unit -> its local INT8 noise-to-signal ratio,
-    :func:`quantlab.planner.measure.local_sqnr`) each unit's local noise scaled by
-    one gain so that the priors add up to the all-INT8 trial's noise (every unit's
-    noise reaching the output alike), else that noise split evenly. With fewer
+    The prior: with `prior_nsr` (unit -> a noise-to-signal ratio: its output noise alone
+    in INT8 on a few samples, :func:`quantlab.planner.flow._single_units`, or its local
+    INT8 error, :func:`quantlab.planner.measure.local_sqnr`, which takes every unit's
+    noise to reach the output alike) each unit's figure scaled by one gain so that the
+    priors add up to the all-INT8 trial's noise, else that noise split evenly. With fewer
     trials than units the trials cannot tell most units apart; they then keep one
     common gain, ranked by their own error. An additive fit (nonnegative least
     squares) instead lowered them all by the same amount until the smaller ones sat
@@ -172,7 +173,7 @@ def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: 
     masks[0] = True
     masks[:, [i for i, u in enumerate(units) if u in trials.fixed]] = False
     nsr = [trials.run(masks[:1])[0] if all_int8 is None else all_int8]
-    prior = _prior(units, trials.fixed, local_nsr or {}, nsr[0])
+    prior = _prior(units, trials.fixed, prior_nsr or {}, nsr[0])
     in_a_row = 0
     rows = progress(range(1, count)) if progress else range(1, count)
     for t in rows:
@@ -315,22 +316,23 @@ def _measured_alone(masks: np.ndarray, nsr: np.ndarray, prior: np.ndarray) -> np
     return result
 
 
-def _prior(units: Sequence[str], fixed: Mapping[str, str], local_nsr: Mapping[str, float],
+def _prior(units: Sequence[str], fixed: Mapping[str, str], prior_nsr: Mapping[str, float],
            all_int8: float) -> np.ndarray:
-    """The contributions expected before any trial: local INT8 noise times one common gain.
+    """The contributions expected before any trial: each unit's `prior_nsr` times one
+    common gain.
 
     The gain makes the free units' priors add up to `all_int8` (the all-INT8 trial's
-    noise); a free unit without a finite local figure takes the median of the
-    others'. Zero for pinned units, and for all when no local figure is known
-    (:func:`_fit` then splits the noise evenly).
+    noise); a free unit without a finite figure takes the median of the others'. Zero
+    for pinned units, and for all when no figure is known (:func:`_fit` then splits the
+    noise evenly).
     """
     free = [u not in fixed for u in units]
-    known = [local_nsr[u] for u, f in zip(units, free, strict=True)
-             if f and 0 <= local_nsr.get(u, np.nan) < np.inf]
+    known = [prior_nsr[u] for u, f in zip(units, free, strict=True)
+             if f and 0 <= prior_nsr.get(u, np.nan) < np.inf]
     if not known or sum(known) <= 0 or not all_int8 > 0:
         return np.zeros(len(units))
     typical = float(np.median(known))
-    local = np.array([local_nsr.get(u, typical) if f else 0.0
-                      for u, f in zip(units, free, strict=True)], dtype=np.float64)
-    local[~(local >= 0) | ~np.isfinite(local)] = typical
-    return local * (all_int8 / local.sum())
+    figures = np.array([prior_nsr.get(u, typical) if f else 0.0
+                        for u, f in zip(units, free, strict=True)], dtype=np.float64)
+    figures[~(figures >= 0) | ~np.isfinite(figures)] = typical
+    return figures * (all_int8 / figures.sum())
