@@ -805,13 +805,15 @@ def _least_random_trials(settings: PlanSettings, first: Evaluation) -> int | Non
     all-INT8 plan's. When the noise the budget allows, extrapolated from all-INT8's
     evaluation `first` (:func:`quantlab.planner.evaluate.allowed_noise`), is below that
     by more than DISAGREEMENT, the trials describe plans noisier than any the search will
-    weigh. Where the noise is spread evenly over the units (the layout detector, 10
-    agreement points down at a 2-point budget), the fit predicts them after a few and 24
-    gave 5.9 % INT8 in 118 s where 6 gave 18.0 % in 66-90 s: the front checks, which
-    measure the front's own plans, do the fitting there. Where a few units wreck all-INT8
-    (a 640 px SSDlite at 0.8 dB against a 20 dB floor), a draw that leaves them out is
-    over-predicted 17-358x until the fit has seen several: 6 trials gave 70.6 % where 24
-    gave 73.6 %, so they go on (19 ran, 73.6 %). Near the budget (a floor all-INT8 misses
+    weigh. Measured with the local-error prior (before :func:`_single_units`): where the
+    noise is spread evenly over the units (the layout detector, 10 agreement points down
+    at a 2-point budget), the fit predicted them after a few and 24 gave 5.9 % INT8 in
+    118 s where 6 gave 18.0 % in 66-90 s: the front checks, which measure the front's own
+    plans, do the fitting there. Where a few units wreck all-INT8 (a 640 px SSDlite at
+    0.8 dB against a 20 dB floor), a draw that left them out was over-predicted 17-358x
+    until the fit had seen several: 6 trials gave 70.6 % where 24 gave 73.6 %, so they go
+    on while they surprise the fit (19 ran, 73.6 %; with the single-unit prior the fit
+    predicts them from the start, 6 run, 73.7 %). Near the budget (a floor all-INT8 misses
     by a few dB) every trial counts: 6 instead of 24 lost 2.3 % of the MACs on a
     face-landmark net.
     """
