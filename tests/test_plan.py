@@ -442,7 +442,10 @@ def planted_trials(run_plan, units, batch, references, **options) -> plan.Trials
 
 
 def measure_plan(run_plan, batch, references):
-    return lambda precisions: plan.pooled_nsr(run_plan(precisions)(batch), references)
+    """A trial's measure (``Trials.measure``); the sessions' thread count is left to ONNX
+    Runtime."""
+    return lambda precisions, threads=None: plan.pooled_nsr(run_plan(precisions)(batch),
+                                                             references)
 
 
 def test_hardest_samples_are_the_quietest(planted_case):
@@ -545,7 +548,7 @@ def test_random_trials_stop_once_predicted_and_go_on_while_they_surprise_the_fit
     true = np.full(40, 0.01)
     true[7] = 1.0
 
-    def measure(precisions):
+    def measure(precisions, threads=None):
         return float(sum(t for n, t in zip(names, true, strict=True)
                          if precisions[n] == "int8"))
 
@@ -1251,13 +1254,41 @@ def test_next_guess_below_a_plan_inside_the_budget_aims_at_a_certifiable_drop(la
     points, evaluation, evaluated = layout_front
     inside = {**evaluated, 3: evaluation(3, 99.533, (-0.162, 1.0))}
     assert evaluate._next_guess(points, inside, -1, 3, 1.0, None) == 2
-    # A spread so wide that only a drop of 0.001 could certify: the plan without noise.
+    # A spread so wide that only a drop of 0.001 could certify: only plan 0 (no INT8) is
+    # predicted to, which the fallback gives without a model run; the plan just below.
     wide = {**evaluated, 3: evaluation(3, 99.533, (-30.0, 1.0))}
     assert evaluate._certifiable_drop(1.0, 0.467, 30.533) < 0.001
-    assert evaluate._next_guess(points, wide, -1, 3, 1.0, None) == 0
+    assert evaluate._next_guess(points, wide, -1, 3, 1.0, None) == 2
     # Scored outside (drop 3): the law through it, drop ~ noise ** 0.5, aims lower.
     outside = {**evaluated, 3: evaluation(3, 97.0, (-2.6, -1.3))}
     assert evaluate._next_guess(points, outside, -1, 3, 1.0, None) == 1
+
+
+def test_next_guess_below_a_plan_aimed_at_the_budget_that_failed_leaves_room_for_its_spread():
+    """The layout detector on its second page seed, at a 2-point budget (16 pages): all-INT8
+    dropped 8.18 points (screened, spread 1.17), and the plan aimed at the budget (plan 3,
+    2.67e-4) dropped 2.95 with a spread of 1.52 below its margin. The law through both
+    (power 0.36, clamped to 0.5) puts a drop of 2 at 1.23e-4: plan 2 there scored 99.05 and
+    could not be certified, the search's last evaluation, and the plan fell back to FP32.
+    Plan 3's spread, measured near the budget, leaves a certifiable drop of 1.08
+    (_certifiable_drop): 3.6e-5 of noise, plan 1. All-INT8's spread is not used for the
+    first aim (it was measured far from the budget): that aim is the budget itself."""
+    from quantlab.planner.search import FrontPoint
+
+    predicted = [0.0, 3.0e-5, 1.2e-4, 2.67e-4, 4.69e-3]
+    points = [FrontPoint(p, p, i / 4, {}) for i, p in enumerate(predicted)]
+
+    def evaluation(index, value, interval):
+        return plan.Evaluation(index / 4, predicted[index], plan.Certificate(
+            "agreement-map", 100.0, value, 98.0, interval, 0.95, 16, interval[0] >= 0, False,
+            None), 1.0)
+
+    first = {4: evaluation(4, 91.82, (-7.35, -4.15))}
+    # 4.69e-3 * (2 / 8.18) ** 2 = 2.8e-4: the budget's own aim, plan 3.
+    assert evaluate._next_guess(points, first, -1, 4, 2.0, None) == 3
+    failed = {**first, 3: evaluation(3, 97.05, (-2.47, 0.82))}
+    assert 1.0 < evaluate._certifiable_drop(2.0, 2.95, 1.52) < 1.2
+    assert evaluate._next_guess(points, failed, -1, 3, 2.0, None) == 1
 
 
 def test_next_guess_below_a_plan_over_an_sqnr_floor_raises_the_floor_by_the_spread():
@@ -1806,7 +1837,7 @@ def test_localize_finds_the_unit_the_fit_misses_by_halving():
     names = [f"u{i}" for i in range(count)]
     truth = np.full(count, 1e-4)
     truth[hidden] = 0.1
-    trials = plan.Trials(lambda p: float(sum(t for n, t in zip(names, truth, strict=True)
+    trials = plan.Trials(lambda p, _: float(sum(t for n, t in zip(names, truth, strict=True)
                                               if p[n] == "int8")), names)
     prior = np.full(count, 1e-4)
     fit = plan.OutputSensitivity(names, np.ones((1, count), bool), np.array([truth.sum()]),
@@ -2003,3 +2034,39 @@ def test_plan_command_writes_the_uncertified_better_plan_beside_the_certified(tm
     assert written.int8_mac_share() == pytest.approx(kept["int8_mac_share"])
     assert graph.load_model(out / "uncertified" / "model.int8.onnx").graph.node
     assert "written to" in capsys.readouterr().out
+
+
+def test_concurrently_measures_in_order_on_a_share_of_the_cores(monkeypatch):
+    """Five plans on 8 cores: 4 sessions at once, 2 threads each, the figures in the plans'
+    order although the later ones finish first; one plan, or one core: one session of
+    ONNX Runtime's default threads. Stopped early (an error, an interrupt), the plans not
+    yet started are dropped."""
+    import threading
+    import time
+
+    from quantlab.planner import measure as measure_module
+
+    monkeypatch.setattr(measure_module.os, "sched_getaffinity", lambda pid: set(range(8)))
+    threads, names = [], set()
+
+    def measure(item, count):
+        threads.append(count)
+        names.add(threading.current_thread().name)
+        time.sleep(0.02 * (5 - item))
+        return item * item
+
+    assert list(measure_module.concurrently(measure, range(5))) == [0, 1, 4, 9, 16]
+    assert threads == [2] * 5 and len(names) == 4
+    threads.clear()
+    assert list(measure_module.concurrently(measure, [3])) == [9] and threads == [None]
+    monkeypatch.setattr(measure_module.os, "sched_getaffinity", lambda pid: {0})
+    threads.clear()
+    assert list(measure_module.concurrently(measure, range(3))) == [0, 1, 4]
+    assert threads == [None] * 3
+    monkeypatch.setattr(measure_module.os, "sched_getaffinity", lambda pid: set(range(8)))
+    started = []
+    figures = measure_module.concurrently(lambda item, _: started.append(item) or
+                                          time.sleep(0.05), range(100))
+    next(figures)
+    figures.close()
+    assert len(started) < 100

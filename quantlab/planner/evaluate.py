@@ -233,25 +233,38 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
     The metric's shortfall is taken to grow as a power of the predicted noise
     (:func:`_shortfall_power`; proportional for an SQNR floor), its factor fitted on
     the evaluation nearest the bracket's middle (re-fitting, not assuming, AIMET's
-    monotone curve); bisection when that guess leaves the open interval. When the
-    plan at `high` scored inside the budget but was not certified (its bootstrap
-    interval reaches below the limit), the factor is fitted on it and the aim is
-    the largest shortfall that can still be certified, the budget less the
-    interval's spread (:func:`_certifiable_drop`; for a floor, the floor raised by
-    the spread in dB): that spread was measured near the budget, where it applies.
-    Failing that, the plan just below: plans with less noise are the likeliest to
-    certify, and a guess further down would give up INT8 no measurement ruled out.
+    monotone curve); bisection when that guess leaves the open interval or no plan
+    with INT8 is predicted to certify (the plan without INT8 is the fallback's, made
+    without a model run). When the plan at `high` scored inside the budget but was not
+    certified (its bootstrap interval reaches below the limit), the factor is fitted on
+    it and the guess is at most the plan just below: plans with less noise are the
+    likeliest to certify, and a guess further down would give up INT8 no measurement
+    ruled out. The aim is the largest shortfall that can still be certified, the budget
+    less the fitted evaluation's spread (:func:`_certifiable_drop`; for a floor, the
+    floor raised by the spread in dB), where that evaluation was near the budget: inside
+    it, or a plan the search aimed at it. Only all-INT8's spread, measured wherever
+    all-INT8 falls, is not used: the first aim is the budget itself. On the layout
+    detector's second page seed, the plan aimed at a 2-point budget dropped 2.95 points
+    (spread 1.52); aimed again at the budget, the last evaluation scored a drop of 0.95
+    that its spread of 1.42 left uncertified, and the plan fell back to FP32.
     """
-    above, spread = evaluated.get(high), 0.0
-    if above is not None and above.certificate.value >= above.certificate.limit:
-        c = above.certificate
-        nearest, guess, spread = above, high - 1, max(c.value - c.limit - c.interval[0], 0.0)
+    above = evaluated.get(high)
+    inside = above is not None and above.certificate.value >= above.certificate.limit
+    if inside:
+        index, guess = high, high - 1
     else:
-        nearest = evaluated[min(evaluated, key=lambda i: abs(i - (low + high) / 2))]
+        index = min(evaluated, key=lambda i: abs(i - (low + high) / 2))
         guess = (low + high) // 2
+    nearest, spread = evaluated[index], 0.0
+    # The spread of a plan near the budget: inside it, or aimed at it (all plans but the
+    # last, all-INT8, which is evaluated first whatever the budget).
+    if inside or index < len(points) - 1:
+        c = nearest.certificate
+        spread = max(c.value - c.limit - c.interval[0], 0.0)
     budget = allowed_noise(nearest, evaluated.values(), max_drop, min_sqnr, spread)
     if budget is not None:
-        fitting = [i for i, p in enumerate(points) if p.predicted <= budget]
+        fitting = [i for i, p in enumerate(points)
+                   if p.predicted <= budget and p.int8_mac_share > 0]
         if fitting and low < fitting[-1] < high:
             guess = fitting[-1]
     return min(max(guess, low + 1), high - 1)

@@ -71,6 +71,7 @@ from quantlab.planner.measure import (
     all_int8_nsr,
     all_samples,
     choose_calibrators,
+    concurrently,
     fp16_contributions,
     hardest_samples,
     in_runs,
@@ -259,13 +260,14 @@ class _Runner:
                                    high_precision=self.high_precision)
         return shift_biases(self.g, built, self.shifts) if self.shifts else built
 
-    def __call__(self, precisions: Mapping[str, str], name: str = "trial") -> Callable:
+    def __call__(self, precisions: Mapping[str, str], name: str = "trial",
+                 threads: int | None = None) -> Callable:
         from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
         # Without ONNX Runtime's memory pattern: a session runs a few times, and its planned
         # block stayed on top of the hardest samples (a 640 px detector's trials peaked higher).
         return self.runs(OnnxRuntimeBackend(self.quantized(precisions), name=name,
-                                            memory_pattern=False).run)
+                                            memory_pattern=False, threads=threads).run)
 
 
 def make_plan(original: CalibratedModel, calibration, evaluation,
@@ -481,8 +483,8 @@ def _single_units(context: _Context, runner: _Runner, rules: _Rules,
     measure = plan_nsr(runner, batch, {name: value[:count] for name, value in
                                        references.items()})
     others = {u.name: rules.fixed.get(u.name, "fp32") for u in rules.units}
-    return {name: measure({**others, name: "int8"})
-            for name in context.step(free, desc="single units")}, count
+    figures = concurrently(measure, [{**others, name: "int8"} for name in free])
+    return {name: next(figures) for name in context.step(free, desc="single units")}, count
 
 
 def _hardest(context: _Context, all_int8: Callable[[], Callable]):
@@ -828,7 +830,8 @@ def _least_random_trials(settings: PlanSettings, first: Evaluation) -> int | Non
 def _trial_cost(trials: Trials, fp32_seconds: float, random_trials: int, single_units: int,
                 single_unit_samples: int) -> dict:
     """Median seconds of a trial (building its Q/DQ model and session, one run over the
-    hardest samples) against one warm FP32 pass over the same samples; how many of the
+    hardest samples; trials measured side by side share their run's seconds) against one
+    warm FP32 pass over the same samples; how many of the
     trials were random plans (all-INT8 included); how many units were measured alone
     (:func:`_single_units`), on how many samples."""
     if not trials.seconds:

@@ -13,7 +13,6 @@ the additive model misses is found and measured alone (:func:`localize`).
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import optimize
 
-from quantlab.planner.measure import BoundedRun
+from quantlab.planner.measure import BoundedRun, concurrently
 
 # Bound of the log-gains of the fitted contributions (exp(30) ~ 1e13 either way).
 LOG_GAIN_LIMIT = 30.0
@@ -79,61 +78,61 @@ class OutputSensitivity:
 
 @dataclass
 class Trials:
-    """Runs trials: ``measure(precisions)`` is a plan's mean output NSR on the hard samples.
+    """Runs trials: ``measure(precisions, threads)`` is a plan's mean output NSR on the hard
+    samples, measured on a session of `threads` intra-op threads (None: all the cores).
 
     Units left out of a plan run FP32; units in `fixed` (hard pins) keep their
     precision in every trial. `known` (index -> nsr, from an interrupted run) are
-    not run again; ``on_trial(index, nsr)`` is called after each trial run.
+    not run again; ``on_trial(index, nsr)`` is called after each trial run. The plans of
+    one :meth:`run` are measured side by side (:func:`quantlab.planner.measure.concurrently`).
     """
 
-    measure: Callable[[Mapping[str, str]], float]
+    measure: Callable[[Mapping[str, str], int | None], float]
     units: list[str]
     fixed: Mapping[str, str] = field(default_factory=dict)
     known: Mapping[int, float] = field(default_factory=dict)
     on_trial: Callable[[int, float], None] | None = None
     count: int = 0
-    # Wall seconds of each trial run here (not those taken from `known`).
+    # Wall seconds of each trial run here (not those taken from `known`): a run's seconds
+    # shared evenly among the trials it measured side by side.
     seconds: list[float] = field(default_factory=list)
 
     def measured(self, nsr: float) -> float:
         """A plan measured elsewhere on the same samples (all-INT8, while bias correction was
         weighed) taken as the next trial: its index is used and recorded, nothing runs."""
-        return self._next(lambda: nsr)
-
-    def run(self, masks: np.ndarray, progress: Callable | None = None) -> np.ndarray:
-        """The output NSR of each plan of `masks` (rows: INT8 where True, else FP32)."""
-        nsr = np.empty(len(masks))
-        rows = range(len(masks))
-        for t in progress(rows) if progress else rows:
-            precisions = {u: "int8" if m else "fp32"
-                          for u, m in zip(self.units, masks[t], strict=True)}
-            precisions.update(self.fixed)
-            nsr[t] = self._next(functools.partial(self._timed, precisions))
-        return nsr
-
-    def _next(self, measure: Callable[[], float]) -> float:
-        """The next trial's NSR: `known` where it has the trial's index, else ``measure()``,
-        passed to ``on_trial``."""
         index, self.count = self.count, self.count + 1
         if index in self.known:
             return self.known[index]
-        nsr = float(measure())
+        self._record(index, nsr)
+        return nsr
+
+    def run(self, masks: np.ndarray) -> np.ndarray:
+        """The output NSR of each plan of `masks` (rows: INT8 where True, else FP32)."""
+        first, self.count = self.count, self.count + len(masks)
+        nsr = np.array([self.known.get(first + t, np.nan) for t in range(len(masks))])
+        todo = [t for t in range(len(masks)) if first + t not in self.known]
+        plans = [{**{u: "int8" if m else "fp32" for u, m in zip(self.units, masks[t],
+                                                               strict=True)}, **self.fixed}
+                 for t in todo]
+        start = time.perf_counter()
+        for t, value in zip(todo, concurrently(self.measure, plans), strict=True):
+            nsr[t] = float(value)
+            self._record(first + t, nsr[t])
+        self.seconds += [(time.perf_counter() - start) / len(todo)] * len(todo) if todo else []
+        return nsr
+
+    def _record(self, index: int, nsr: float) -> None:
         if self.on_trial:
             self.on_trial(index, nsr)
-        return nsr
-
-    def _timed(self, precisions: Mapping[str, str]) -> float:
-        start = time.perf_counter()
-        nsr = float(self.measure(precisions))
-        self.seconds.append(time.perf_counter() - start)
-        return nsr
 
 
-def plan_nsr(run: Callable[[Mapping[str, str]], BoundedRun], batch: Mapping[str, np.ndarray],
-             references: Mapping[str, np.ndarray]) -> Callable[[Mapping[str, str]], float]:
+def plan_nsr(run: Callable[..., BoundedRun], batch: Mapping[str, np.ndarray],
+             references: Mapping[str, np.ndarray]) -> Callable[..., float]:
     """``measure`` for :class:`Trials`: the output NSR of the plan on `batch`, pooled over its
-    samples (docs/metrics.md); ``run(precisions)`` gives the plan's bounded runs."""
-    return lambda precisions: run(precisions).pooled_nsr(batch, references)
+    samples (docs/metrics.md); ``run(precisions, threads=threads)`` gives the plan's bounded
+    runs on a session of that many intra-op threads (None: ONNX Runtime's default)."""
+    return lambda precisions, threads=None: run(precisions, threads=threads).pooled_nsr(
+        batch, references)
 
 
 def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: float = 1e-3,
