@@ -14,8 +14,12 @@ plan its own Q/DQ model), checks that noise model on plans of the front
 (a unit whose error a gate or softmax amplifies is found by halving and measured
 alone), solves the INT8-share-vs-noise front (FP16 where the budget left holds it,
 else FP32), and certifies the chosen plan on --eval with the real INT8 model
-(integer kernels) and a paired bootstrap interval. When no plan with INT8
-certifies, all-FP16 is evaluated (with --high-precision fp16), then the FP32 model.
+(integer kernels) and a paired bootstrap interval: a first plan aimed at the
+budget, then one aimed where the spread measured near the budget still lets a plan
+certify. When no plan with INT8 certifies, all-FP16 is evaluated (with
+--high-precision fp16), then the FP32 model. Plans that do not depend on each
+other (each unit alone, the plans of a check) run side by side, up to 4 ONNX
+Runtime sessions at once on equal shares of the machine's cores.
 
 Writes into --out: plan.json (every unit: precision, reason codes, evidence,
 predicted contribution; the repairs weighed), model.onnx (FP32, normalized, repaired
