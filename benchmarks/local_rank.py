@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from quantlab.data import Preprocess, open_data
     from quantlab.experiment import read_json
     from quantlab.planner.flow import single_unit_samples
-    from quantlab.planner.measure import output_sample_axes
+    from quantlab.planner.measure import in_runs, output_sample_axes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", help="a calibration folder (quantlab calibrate --out)")
@@ -66,12 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     unfused = plan.local_sqnr(g, amax, units, batches, precisions=("int8",),
                               fuse_activations=False)
     probe = open_data(recorded["data"], g.inputs, 2, 2, preprocess)
+    # Outputs samples first, as the planner reads them (silero-vad's state [2, N, 128]).
     axes = output_sample_axes(model, fp32.run, next(iter(probe)), probe)
-
-    def samples_first(outputs):  # silero-vad's state [2, N, 128]: samples on axis 1
-        return {n: np.moveaxis(v, axes[n], 0) if n in axes else v for n, v in outputs.items()}
-
-    references = [samples_first(fp32.run(b)) for b in batches]
+    references = [in_runs(fp32.run, source, 1, axes)(b) for b in batches]
     few = min(args.alone_samples or single_unit_samples(len(batches), len(local)),
               len(batches))
     impact, prior = {}, {}
@@ -81,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         alone = qdq.quantize_model(model, amax, {n: "int8" if u is unit else "fp32"
                                                  for u in units for n in u.nodes})
         backend = OnnxRuntimeBackend(alone, name=f"{unit.name} in INT8")
-        outputs = [samples_first(backend.run(b)) for b in batches]
+        run = in_runs(backend.run, source, 1, axes)
+        outputs = [run(b) for b in batches]
         impact[unit.name] = plan.output_sqnr(outputs, references)
         prior[unit.name] = {"int8": plan.output_sqnr(outputs[:few], references[:few])}
     names = sorted(impact)
