@@ -183,6 +183,60 @@ class TensorStats:
         return np.diff(np.interp(edges, knots, cumulative)), amax
 
 
+@dataclass
+class ChannelStats:
+    """:class:`TensorStats` of every channel (axis 1) of one tensor at once: each channel's
+    ``update`` done for all of them by one compiled scan per run (the per-channel ranges
+    of depthwise inputs: a hundred channels of 94 tensors were 79 000 Python updates per
+    pass, half of that pass on the layout detector). `max_sample` is not kept."""
+
+    min: np.ndarray  # [channels]
+    max: np.ndarray
+    count: int  # elements per channel
+    exponent: np.ndarray  # [channels], int
+    hist: np.ndarray  # [channels, fine bins], int64
+
+    @classmethod
+    def empty(cls, channels: int, fine_bins: int) -> ChannelStats:
+        return cls(np.full(channels, np.inf), np.full(channels, -np.inf), 0,
+                   np.full(channels, MIN_EXPONENT), np.zeros((channels, fine_bins), np.int64))
+
+    def update(self, values: np.ndarray) -> bool:
+        """Fold a run's values ([samples, channels, ...]) in; False, changing nothing, when
+        they hold NaN or Inf."""
+        rows = np.ascontiguousarray(np.moveaxis(values, 1, 0).reshape(len(self.min), -1))
+        if rows.shape[1] == 0:
+            return True
+        low, high, finite, counts = _scan_rows(rows, self._grid_scales(rows.dtype),
+                                               self.hist.shape[1])
+        if not finite.all():
+            return False
+        self.min, self.max = np.minimum(self.min, low), np.maximum(self.max, high)
+        self.count += rows.shape[1]
+        amax = np.maximum(-self.min, self.max)  # each channel's range_exponent
+        exponent = np.where(amax == 0, MIN_EXPONENT,
+                            np.maximum(np.frexp(amax)[1], MIN_EXPONENT))
+        grown = np.flatnonzero(exponent > self.exponent)
+        if len(grown):
+            for row in grown:  # a few times per channel: the grid doubles at each step
+                self.hist[row] = self.channel(row).regrid(int(exponent[row]))
+            self.exponent[grown] = exponent[grown]
+            counts[grown] = _scan_rows(rows[grown], self._grid_scales(rows.dtype)[grown],
+                                       self.hist.shape[1])[3]
+        self.hist += counts
+        return True
+
+    def _grid_scales(self, dtype: np.dtype) -> np.ndarray:
+        """:meth:`TensorStats._grid_scale` of each channel."""
+        bits = self.hist.shape[1].bit_length() - 1
+        return np.ldexp(1.0, bits - self.exponent).astype(dtype)
+
+    def channel(self, row: int) -> TensorStats:
+        """The statistics of channel `row`, as its own TensorStats would hold them."""
+        return TensorStats(float(self.min[row]), float(self.max[row]), self.count,
+                           int(self.exponent[row]), self.hist[row])
+
+
 def _sample_of_peak(values: np.ndarray, low: float, high: float, axis: int | None) -> int:
     """Index along `axis` of the first element of `values` whose |x| is max(|low|, |high|)."""
     if axis is None or axis >= values.ndim or values.shape[axis] == 1:
@@ -250,6 +304,43 @@ def _scan_abs(values: np.ndarray, scale: float, bins: int
     for lane in range(1, LANES):
         counts += partial[lane]
     return low, high, finite, counts
+
+
+@numba.njit(nogil=True, cache=True)
+def _scan_rows(rows: np.ndarray, scales: np.ndarray, bins: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_scan_abs` of each row of the 2-D `rows` at its own scale: per row, min, max,
+    all finite? and counts ([rows, bins])."""
+    count = rows.shape[0]
+    low, high = np.empty(count), np.empty(count)
+    finite = np.empty(count, np.bool_)
+    counts = np.empty((count, bins), np.int64)
+    for row in range(count):
+        low[row], high[row], finite[row], counts[row] = _scan_abs(rows[row], scales[row], bins)
+    return low, high, finite, counts
+
+
+@numba.njit(nogil=True, cache=True)
+def mse_errors(counts: np.ndarray, start_bin: int) -> np.ndarray:
+    """For each k in [start_bin, len(counts)]: ``sum_j counts[j] * (q_j - c_j)^2``, the int8
+    error of a histogram whose amax is k bins (c_j = j + 0.5, q_j = min(round(c_j / s), 127)
+    * s, s = k / 127), summed in bin order (:func:`quantlab.calibrate.mse_threshold_bin`).
+
+    Empty bins are skipped, which adds nothing: on a calibration histogram (a few hundred
+    of 2048 bins hold mass) 4-5x faster than NumPy over every (k, bin) pair.
+    """
+    bins = counts.shape[0]
+    errors = np.empty(bins + 1 - start_bin)
+    for i in range(bins + 1 - start_bin):
+        scale = (start_bin + i) / 127.0
+        total = 0.0
+        for j in range(bins):
+            if counts[j] == 0.0:
+                continue
+            centre = j + 0.5
+            total += counts[j] * (min(np.rint(centre / scale), 127.0) * scale - centre) ** 2
+        errors[i] = total
+    return errors
 
 
 @dataclass

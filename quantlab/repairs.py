@@ -973,30 +973,27 @@ def channel_ranges(model: onnx.ModelProto, batches: Iterable[Mapping[str, np.nda
     """
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.calibrate import percentile_threshold_bin
-    from quantlab.collect import TensorStats
+    from quantlab.collect import ChannelStats
 
     index = Graph(model)
     names = list(dict.fromkeys(tensors))
     backend = OnnxRuntimeBackend(model, name="fp32")
-    stats: dict[str, list] = {}
+    stats: dict[str, ChannelStats] = {}
     for run in _runs(batches, index, names, run_bytes):
         values = backend.run(run, names)
         for name in names:
             value = np.asarray(values[name], np.float32)
-            channels = np.ascontiguousarray(np.moveaxis(value, 1, 0).reshape(value.shape[1], -1))
-            kept = stats.setdefault(name, [TensorStats.empty(_CHANNEL_BINS)
-                                           for _ in range(len(channels))])
-            for channel, row in zip(kept, channels, strict=True):
-                if not channel.update(row):
-                    raise DataError(
-                        f"tensor '{name}' holds NaN or Inf on the calibration data; fix the "
-                        "data or the layer producing it before equalizing.")
+            kept = stats.setdefault(name, ChannelStats.empty(value.shape[1], _CHANNEL_BINS))
+            if not kept.update(value):
+                raise DataError(
+                    f"tensor '{name}' holds NaN or Inf on the calibration data; fix the "
+                    "data or the layer producing it before equalizing.")
         del values
     result = {}
     for name, channels in stats.items():
         ranges = []
-        for channel in channels:
-            hist, top = channel.histogram(_CHANNEL_BINS)
+        for row in range(len(channels.min)):
+            hist, top = channels.channel(row).histogram(_CHANNEL_BINS)
             ranges.append(0.0 if top == 0.0 else
                           percentile_threshold_bin(hist, percentile) * top / _CHANNEL_BINS)
         result[name] = np.asarray(ranges)

@@ -144,6 +144,49 @@ def plan_segments(index: Graph, groups: Sequence[Sequence[str]],
     return segments
 
 
+def boundary(index: Graph, position: int) -> list[str]:
+    """What a run starting at node `position` of `index`'s model (its node list, in
+    topological order) is fed: the graph inputs and the tensors of earlier nodes that a
+    later node reads, or that are graph outputs (topological order)."""
+    nodes = index.model.graph.node
+    before = {o for n in nodes[:position] for o in n.output if o} | set(index.input_names)
+    wanted = {i for n in nodes[position:] for i in node_inputs(n)} | set(index.outputs)
+    return [name for name in [*index.input_names, *index.order]
+            if name in before and name in wanted and name not in index.initializers]
+
+
+def tail_model(model: onnx.ModelProto, index: Graph, fed: Sequence[str]
+               ) -> tuple[onnx.ModelProto, list[str]]:
+    """The nodes of `model` (`index`'s model with nodes added or changed after the cut, e.g.
+    a plan's Q/DQ copy) that compute its graph outputs from the tensors `fed`
+    (:func:`boundary`): the sub-model and the outputs it computes (the others are fed)."""
+    known = set(fed)
+    producer = {o: n for n in model.graph.node for o in n.output if o}
+    initializers = {i.name for i in model.graph.initializer}
+    computed = [o.name for o in model.graph.output if o.name not in known]
+    kept: set[int] = set()
+    pending = list(computed)
+    while pending:
+        name = pending.pop()
+        node = None if name in known or name in initializers else producer[name]
+        if node is not None and id(node) not in kept:
+            kept.add(id(node))
+            pending.extend(node_inputs(node))
+    nodes = [n for n in model.graph.node if id(n) in kept]
+    reads = {i for n in nodes for i in node_inputs(n)}
+    inputs = [name for name in fed if name in reads]
+    free = sample_free(index)
+    graph = helper.make_graph(
+        nodes, f"{model.graph.name}_tail", [_loose_input(index, i, exact=i in free)
+                                             for i in inputs],
+        [_typed_output(index, o) for o in computed],
+        [init for init in model.graph.initializer if init.name in reads])
+    tail = helper.make_model(graph, opset_imports=model.opset_import)
+    tail.ir_version = model.ir_version
+    tail.functions.extend(model.functions)
+    return tail, computed
+
+
 def _with_recomputed(nodes: Sequence[onnx.NodeProto], need: Sequence[int | None], count: int,
                      free: set[str]) -> list[list[onnx.NodeProto]]:
     """Per segment, its nodes (`need`) plus the producers of the sample-free values they read,

@@ -113,6 +113,30 @@ def test_update_counts_exactly_while_the_grid_grows(dtype):
         assert (stats.min, stats.max) == (-values.max(), np.concatenate(batches).max())
 
 
+def test_channel_stats_equal_each_channel_updated_as_its_own_tensor():
+    # Channels from 1e-3 to 1e4 and one all zero, the third growing run by run: every
+    # channel's histogram, grid, min, max and count equal those of a TensorStats fed that
+    # channel alone (the slow reference), and a run holding NaN is refused unchanged.
+    rng = np.random.default_rng(3)
+    channels = collect_module.ChannelStats.empty(5, 1024)
+    alone = [TensorStats.empty(1024) for _ in range(5)]
+    for step in range(6):
+        widths = np.array([1e-3, 1.0, 10.0 * (step + 1), 0.0, 1e4])
+        values = (rng.standard_normal((2, 5, 7, 3)) * widths[None, :, None, None]
+                  ).astype(np.float32)
+        assert channels.update(values)
+        for c, stats in enumerate(alone):
+            assert stats.update(np.ascontiguousarray(values[:, c]))
+    for c, stats in enumerate(alone):
+        own = channels.channel(c)
+        assert np.array_equal(own.hist, stats.hist)
+        assert (own.exponent, own.min, own.max, own.count) == \
+            (stats.exponent, stats.min, stats.max, stats.count)
+    before = channels.hist.copy()
+    assert not channels.update(np.full((1, 5, 2), np.nan, np.float32))
+    assert np.array_equal(channels.hist, before)
+
+
 def test_two_halves_merged_equal_one_pass_exactly():
     model = small_model()
     # The second half has larger values, so the grid must grow between the halves.

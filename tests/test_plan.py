@@ -1885,6 +1885,19 @@ def amplifier_model(channels: int = 16, offset: float = 600.0) -> graph.Graph:
     return make_graph(nodes, [("x", ["N", channels, 8, 8])], inits)
 
 
+def max_calibrated(g, x, batch_size):
+    """`x` as a BatchSource of `batch_size`, the FP32 backend, every calibrated tensor's max
+    |x| on it, and the units (MACs of one batch)."""
+    from quantlab import data, qdq
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    fp32 = OnnxRuntimeBackend(g.model)
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run(
+        {"x": x}, qdq.activation_tensors_to_calibrate(g.model)).items()}
+    return (data.open_data(x, g.inputs, batch_size=batch_size), fp32, amax,
+            plan.find_units(g, {"x": [batch_size, *x.shape[1:]]}))
+
+
 def test_single_units_measure_the_amplified_unit_the_local_error_misses():
     """Issue 25, and the layout detector (issue 19): on the amplifier the local-error prior
     under-predicts the head by more than 40 dB. Before the trials the planner runs each
@@ -1897,16 +1910,12 @@ def test_single_units_measure_the_amplified_unit_the_local_error_misses():
     measurements allow (brute force; additive here, all-INT8 within 0.2 dB of their sum)."""
     import itertools
 
-    from quantlab import data, qdq
+    from quantlab import qdq
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
     g = amplifier_model()
     x = np.random.default_rng(1).standard_normal((64, 16, 8, 8)).astype(np.float32)
-    source = data.open_data(x, g.inputs, batch_size=16)
-    fp32 = OnnxRuntimeBackend(g.model)
-    amax = {n: float(np.abs(v).max()) for n, v in fp32.run(
-        {"x": x}, qdq.activation_tensors_to_calibrate(g.model)).items()}
-    units = plan.find_units(g, {"x": [16, 16, 8, 8]})
+    source, fp32, amax, units = max_calibrated(g, x, 16)
 
     def nsr(int8, samples):
         nodes = {n: "int8" if u.name in int8 else "fp32" for u in units for n in u.nodes}
@@ -1936,6 +1945,52 @@ def test_single_units_measure_the_amplified_unit_the_local_error_misses():
     assert result.sensitivity.ranking().index("head") < len(units) - 1
     assert result.certificate.certified and result.certificate.value >= floor
     assert result.plan.int8_mac_share() >= best / sum(macs.values()) - 1e-9
+
+
+def test_a_plan_run_from_a_cut_equals_its_whole_q_dq_model():
+    """Issue 21: each unit alone in INT8 runs only the nodes after the last cut before it
+    (measure.FromCuts), fed the base plan's tensors there. Its output NSR equals that of
+    the plan's whole Q/DQ model, built and run apart (the same float32 arithmetic in ONNX
+    Runtime, the sums in float64: rel 1e-6), an output made before the cut (y2) included,
+    and the nodes before the cut are not run."""
+    from quantlab import qdq, segments
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.planner import measure
+
+    block = residual_block().model.graph
+    order = ["conv0", "relu0", "side", "mean2", "conv1", "relu1", "conv2", "add", "pool",
+             "conv3", "mean"]
+    nodes = {n.name: n for n in block.node}
+    for name, read, output in (("mean", "d", "y"), ("mean2", "e", "y2")):  # per sample
+        nodes[name] = helper.make_node("ReduceMean", [read], [output], name=name,
+                                       axes=[2, 3], keepdims=0)
+    g = make_graph([nodes[n] for n in order], [("x", ["N", 3, 8, 8])],
+                   {i.name: numpy_helper.to_array(i) for i in block.initializer},
+                   outputs=("y", "y2"))
+    x = np.random.default_rng(5).standard_normal((6, 3, 8, 8)).astype(np.float32)
+    source, fp32, amax, units = max_calibrated(g, x, 6)
+
+    def quantized(precisions):
+        return qdq.quantize_model(g, amax, {n: precisions[u.name] for u in units
+                                            for n in u.nodes}, high_precision="fp32")
+
+    starts = measure.unit_starts(g, units)
+    cuts = measure.choose_cuts(g, starts, {u.name: u.macs for u in units},
+                               g.sample_bytes({"x": (1, 3, 8, 8)}), len(x))
+    assert sorted(cuts) == [2, 6, 8] and "y2" in cuts[6]
+    base = {u.name: "fp32" for u in units}
+    tails = measure.FromCuts(g, quantized, lambda run: measure.in_runs(run, source, 4),
+                             base, cuts, {"x": x})
+    references = fp32.run({"x": x})
+    for u in units[1:]:
+        precisions = {**base, u.name: "int8"}
+        position = max(p for p in cuts if p <= starts[u.name])
+        whole = plan.pooled_nsr(OnnxRuntimeBackend(quantized(precisions)).run({"x": x}),
+                                references)
+        assert whole > 0
+        assert tails.nsr(precisions, position, references) == pytest.approx(whole, rel=1e-6)
+    tail, computed = segments.tail_model(quantized({**base, "conv3": "int8"}), g, cuts[8])
+    assert computed == ["y"] and {n.name for n in tail.graph.node}.isdisjoint(order[:8])
 
 
 def test_the_all_int8_trial_taken_from_bias_correction_equals_running_it(planted_case,

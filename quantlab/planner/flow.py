@@ -68,9 +68,11 @@ from quantlab.planner.evaluate import (
 from quantlab.planner.measure import (
     CalibratedModel,
     Draw,
+    FromCuts,
     all_int8_nsr,
     all_samples,
     choose_calibrators,
+    choose_cuts,
     concurrently,
     fp16_contributions,
     hardest_samples,
@@ -79,6 +81,7 @@ from quantlab.planner.measure import (
     output_sample_axes,
     samples_per_run,
     single_samples,
+    unit_starts,
 )
 from quantlab.planner.rules import Reason, RuleContext, allowed_precisions, apply_rules
 from quantlab.planner.search import FrontPoint, fallback_precision, front, most_int8
@@ -480,10 +483,24 @@ def _single_units(context: _Context, runner: _Runner, rules: _Rules,
     length = context.calibration.length(hard)
     count = single_unit_samples(length, len(free))
     batch = hard if count == length else context.calibration.slice(hard, 0, count)
-    measure = plan_nsr(runner, batch, {name: value[:count] for name, value in
-                                       references.items()})
+    references = {name: value[:count] for name, value in references.items()}
+    measure = plan_nsr(runner, batch, references)
     others = {u.name: rules.fixed.get(u.name, "fp32") for u in rules.units}
-    figures = concurrently(measure, [{**others, name: "int8"} for name in free])
+    starts = unit_starts(runner.g, rules.units)
+    cuts = choose_cuts(runner.g, starts, {u.name: u.macs for u in rules.units},
+                       runner.g.sample_bytes({name: np.shape(value) for name, value in
+                                              context.calibration.slice(batch, 0, 1).items()}),
+                       count)
+    tails = FromCuts(runner.g, runner.quantized, context.runs, others, cuts, batch) if cuts \
+        else None
+
+    def alone(name: str, threads: int | None) -> float:
+        position = max((p for p in cuts if p <= starts[name]), default=None)
+        precisions = {**others, name: "int8"}
+        return measure(precisions, threads) if position is None else \
+            tails.nsr(precisions, position, references, threads)
+
+    figures = concurrently(alone, free)
     return {name: next(figures) for name in context.step(free, desc="single units")}, count
 
 
