@@ -9,8 +9,9 @@ the --repairs asked for (the least noisy all-INT8 model is planned) and bias
 correction of the INT8 ops (unless --no-bias-correction), measures
 every unit's share of the output noise: its local INT8 and FP16 error in one
 pass, then (when all-INT8 misses the budget) each unit alone in INT8 on a few of
-the hardest calibration samples and a few randomized trials on all of them (each
-plan its own Q/DQ model), checks that noise model on plans of the front
+the hardest calibration samples (run from a cut of the graph before the unit, fed
+the tensors there) and a few randomized trials on all of them (each plan its own
+Q/DQ model), checks that noise model on plans of the front
 (a unit whose error a gate or softmax amplifies is found by halving and measured
 alone), solves the INT8-share-vs-noise front (FP16 where the budget left holds it,
 else FP32), and certifies the chosen plan on --eval with the real INT8 model
