@@ -151,7 +151,7 @@ def boundary(index: Graph, position: int) -> list[str]:
     nodes = index.model.graph.node
     before = {o for n in nodes[:position] for o in n.output if o} | set(index.input_names)
     wanted = {i for n in nodes[position:] for i in node_inputs(n)} | set(index.outputs)
-    return [name for name in [*index.input_names, *index.order]
+    return [name for name in dict.fromkeys([*index.input_names, *index.order])
             if name in before and name in wanted and name not in index.initializers]
 
 

@@ -1951,8 +1951,9 @@ def test_a_plan_run_from_a_cut_equals_its_whole_q_dq_model():
     """Issue 21: each unit alone in INT8 runs only the nodes after the last cut before it
     (measure.FromCuts), fed the base plan's tensors there. Its output NSR equals that of
     the plan's whole Q/DQ model, built and run apart (the same float32 arithmetic in ONNX
-    Runtime, the sums in float64: rel 1e-6), an output made before the cut (y2) included,
-    and the nodes before the cut are not run."""
+    Runtime, the sums in float64: rel 1e-6), an output made before the cut (y2) and a graph
+    input read after every cut (x, by the last Add) included, and the nodes before the cut
+    are not run."""
     from quantlab import qdq, segments
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.planner import measure
@@ -1961,9 +1962,13 @@ def test_a_plan_run_from_a_cut_equals_its_whole_q_dq_model():
     order = ["conv0", "relu0", "side", "mean2", "conv1", "relu1", "conv2", "add", "pool",
              "conv3", "mean"]
     nodes = {n.name: n for n in block.node}
-    for name, read, output in (("mean", "d", "y"), ("mean2", "e", "y2")):  # per sample
+    for name, read, output in (("mean", "shifted", "y"), ("mean2", "e", "y2")):  # per sample
         nodes[name] = helper.make_node("ReduceMean", [read], [output], name=name,
                                        axes=[2, 3], keepdims=0)
+    nodes["xmean"] = helper.make_node("ReduceMean", ["x"], ["xm"], name="xmean",
+                                      axes=[1, 2, 3], keepdims=1)
+    nodes["shift"] = helper.make_node("Add", ["d", "xm"], ["shifted"], name="shift")
+    order[-1:] = ["xmean", "shift", "mean"]
     g = make_graph([nodes[n] for n in order], [("x", ["N", 3, 8, 8])],
                    {i.name: numpy_helper.to_array(i) for i in block.initializer},
                    outputs=("y", "y2"))
@@ -1978,6 +1983,7 @@ def test_a_plan_run_from_a_cut_equals_its_whole_q_dq_model():
     cuts = measure.choose_cuts(g, starts, {u.name: u.macs for u in units},
                                g.sample_bytes({"x": (1, 3, 8, 8)}), len(x))
     assert sorted(cuts) == [2, 6, 8] and "y2" in cuts[6]
+    assert all(b.count("x") == 1 for b in cuts.values())
     base = {u.name: "fp32" for u in units}
     tails = measure.FromCuts(g, quantized, lambda run: measure.in_runs(run, source, 4),
                              base, cuts, {"x": x})
