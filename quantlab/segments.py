@@ -157,9 +157,10 @@ def boundary(index: Graph, position: int) -> list[str]:
 
 def tail_model(model: onnx.ModelProto, index: Graph, fed: Sequence[str]
                ) -> tuple[onnx.ModelProto, list[str]]:
-    """The nodes of `model` (`index`'s model with nodes added or changed after the cut, e.g.
-    a plan's Q/DQ copy) that compute its graph outputs from the tensors `fed`
-    (:func:`boundary`): the sub-model and the outputs it computes (the others are fed)."""
+    """The nodes of `model` (`index`'s model, or a copy with nodes added or changed after the
+    cut) that compute its graph outputs from the tensors `fed` (:func:`boundary`): the
+    sub-model, its tensors typed and shaped as `index` knows them, and the outputs it
+    computes (the others are fed)."""
     known = set(fed)
     producer = {o: n for n in model.graph.node for o in n.output if o}
     initializers = {i.name for i in model.graph.initializer}
@@ -176,11 +177,14 @@ def tail_model(model: onnx.ModelProto, index: Graph, fed: Sequence[str]
     reads = {i for n in nodes for i in node_inputs(n)}
     inputs = [name for name in fed if name in reads]
     free = sample_free(index)
+    made = {o for n in nodes for o in n.output if o} - set(computed)
     graph = helper.make_graph(
         nodes, f"{model.graph.name}_tail", [_loose_input(index, i, exact=i in free)
                                              for i in inputs],
         [_typed_output(index, o) for o in computed],
-        [init for init in model.graph.initializer if init.name in reads])
+        [init for init in model.graph.initializer if init.name in reads],
+        value_info=[index.values[name] for name in index.order
+                    if name in made and name in index.values])
     tail = helper.make_model(graph, opset_imports=model.opset_import)
     tail.ir_version = model.ir_version
     tail.functions.extend(model.functions)

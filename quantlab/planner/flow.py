@@ -255,13 +255,17 @@ class _Runner:
         self.high_precision, self.runs = high_precision, runs
         self.shifts: dict[str, np.ndarray] = {}
 
-    def quantized(self, precisions: Mapping[str, str]) -> onnx.ModelProto:
+    def quantized(self, precisions: Mapping[str, str], g: Graph | None = None
+                  ) -> onnx.ModelProto:
+        """The plan's Q/DQ model of the model, or of `g`, a part of it cut from it
+        (:func:`quantlab.segments.tail_model`)."""
         from quantlab.repairs import shift_biases
 
-        nodes = {n: precisions[u.name] for u in self.units for n in u.nodes}
-        built = qdq.quantize_model(self.g, self.amax, nodes,
-                                   high_precision=self.high_precision)
-        return shift_biases(self.g, built, self.shifts) if self.shifts else built
+        g = g or self.g
+        present = {node.name for node in g.model.graph.node}
+        nodes = {n: precisions[u.name] for u in self.units for n in u.nodes if n in present}
+        built = qdq.quantize_model(g, self.amax, nodes, high_precision=self.high_precision)
+        return shift_biases(g, built, self.shifts) if self.shifts else built
 
     def __call__(self, precisions: Mapping[str, str], name: str = "trial",
                  threads: int | None = None) -> Callable:

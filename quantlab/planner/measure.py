@@ -346,23 +346,30 @@ class FromCuts:
     last of `cuts` (:func:`choose_cuts`) before the unit (:func:`unit_starts`).
 
     The base plan runs once over `batch`, in the runs `bounded` (a backend run -> its
-    :class:`BoundedRun`) makes, keeping its outputs and every cut's boundary tensors. A
-    plan's model (``quantized(precisions)``) then runs only what follows its cut
-    (:func:`quantlab.segments.tail_model`), fed them: the same outputs as the whole
-    model's run, without computing again what the plan does not change. On the layout
-    detector the 95 units' runs skip 60 % of the network's MACs on average.
+    :class:`BoundedRun`) makes, keeping its outputs and every cut's boundary tensors.
+    What follows each cut is cut from the FP32 model once
+    (:func:`quantlab.segments.tail_model`); a plan's Q/DQ model of that tail
+    (``quantized(precisions, tail)``) then runs fed them: the same outputs as the whole
+    model's run, without building or computing again what the plan does not change. On
+    the layout detector the 95 units' runs skip 60 % of the network's MACs on average.
     """
 
-    def __init__(self, g: Graph, quantized: Callable[[Mapping[str, str]], onnx.ModelProto],
+    def __init__(self, g: Graph,
+                 quantized: Callable[[Mapping[str, str], Graph], onnx.ModelProto],
                  bounded: Callable[[Callable], BoundedRun], base: Mapping[str, str],
                  cuts: Mapping[int, list[str]], batch: Mapping[str, np.ndarray]):
         from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+        from quantlab.segments import tail_model
 
-        self.g, self.quantized, self.cuts = g, quantized, cuts
+        self.quantized = quantized
+        self.tails: dict[int, tuple[Graph, list[str]]] = {}
+        for position, fed in cuts.items():
+            tail, computed = tail_model(g.model, g, fed)
+            self.tails[position] = (Graph(tail), computed)
         kept = [t for t in dict.fromkeys(t for b in cuts.values() for t in b)
                 if t not in g.input_names]
         names = list(dict.fromkeys([*g.outputs, *kept]))
-        backend = OnnxRuntimeBackend(quantized(base), name="trial", memory_pattern=False)
+        backend = OnnxRuntimeBackend(quantized(base, g), name="trial", memory_pattern=False)
         self.runs = bounded(backend.run)
         self.parts = []  # (first sample, outputs samples first, what each cut is fed)
         for start, part in self.runs.slices(batch):
@@ -376,11 +383,10 @@ class FromCuts:
         """The output NSR of the plan `precisions` run from the cut at `position`, against
         `references` (samples first), on a session of `threads` intra-op threads."""
         from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-        from quantlab.segments import tail_model
 
-        tail, computed = tail_model(self.quantized(precisions), self.g, self.cuts[position])
-        backend = OnnxRuntimeBackend(tail, name="trial", memory_pattern=False, threads=threads,
-                                     check_inputs=False)
+        tail, computed = self.tails[position]
+        backend = OnnxRuntimeBackend(self.quantized(precisions, tail), name="trial",
+                                     memory_pattern=False, threads=threads, check_inputs=False)
         return parts_nsr(((start, {**outputs, **self.runs.samples_first(
             backend.run(fed, computed))}) for start, outputs, fed in self.parts), references)
 
