@@ -155,21 +155,18 @@ def boundary(index: Graph, position: int) -> list[str]:
             if name in before and name in wanted and name not in index.initializers]
 
 
-def tail_model(model: onnx.ModelProto, index: Graph, fed: Sequence[str]
-               ) -> tuple[onnx.ModelProto, list[str]]:
-    """The nodes of `model` (`index`'s model, or a copy with nodes added or changed after the
-    cut) that compute its graph outputs from the tensors `fed` (:func:`boundary`): the
-    sub-model, its tensors typed and shaped as `index` knows them, and the outputs it
-    computes (the others are fed)."""
+def tail_model(index: Graph, fed: Sequence[str]) -> tuple[onnx.ModelProto, list[str]]:
+    """The nodes of `index`'s model that compute its graph outputs from the tensors `fed`
+    (:func:`boundary`): the sub-model, its tensors typed and shaped as `index` knows them,
+    and the outputs it computes (the others are fed)."""
+    model = index.model
     known = set(fed)
-    producer = {o: n for n in model.graph.node for o in n.output if o}
-    initializers = {i.name for i in model.graph.initializer}
-    computed = [o.name for o in model.graph.output if o.name not in known]
+    computed = [o for o in index.outputs if o not in known]
     kept: set[int] = set()
     pending = list(computed)
     while pending:
         name = pending.pop()
-        node = None if name in known or name in initializers else producer[name]
+        node = None if name in known or name in index.initializers else index.producers[name]
         if node is not None and id(node) not in kept:
             kept.add(id(node))
             pending.extend(node_inputs(node))

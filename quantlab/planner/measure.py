@@ -364,7 +364,7 @@ class FromCuts:
         self.quantized = quantized
         self.tails: dict[int, tuple[Graph, list[str]]] = {}
         for position, fed in cuts.items():
-            tail, computed = tail_model(g.model, g, fed)
+            tail, computed = tail_model(g, fed)
             self.tails[position] = (Graph(tail), computed)
         kept = [t for t in dict.fromkeys(t for b in cuts.values() for t in b)
                 if t not in g.input_names]
