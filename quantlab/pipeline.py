@@ -330,7 +330,7 @@ def equalized(model: onnx.ModelProto, source: BatchSource) -> tuple[onnx.ModelPr
     and ``{repair name: report}`` for ``calibration.json`` (empty without depthwise convs)."""
     from quantlab import repairs
 
-    model, report = repairs.depthwise_equalization(model, source)
+    model, report = repairs.depthwise_equalization(model, source, pointwise=True)
     if report.applied:
         model = graph.normalize(model)  # shapes of the renamed tensors
     return model, ({report.repair: report.to_dict()} if report.applied or report.skipped

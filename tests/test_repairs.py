@@ -423,13 +423,19 @@ def test_smooth_quant_on_digits_vit_keeps_the_function():
 CHANNEL_GAINS = np.array([2.0, 0.05, 0.1, 1.0, 0.08, 0.5])
 
 
-def hardswish_dw_model(extra_reader: bool = False, activation: str = "hardswish"):
+def hardswish_dw_model(extra_reader: bool = False, activation: str = "hardswish",
+                       reader: str = "depthwise"):
     """Pointwise Conv -> HardSwish (decomposed, Paddle's form) or ReLU -> depthwise Conv ->
     BatchNorm (folded at import): per-channel input ranges set by CHANNEL_GAINS, and the
-    BN scaling the small channels back up."""
+    BN scaling the small channels back up. With ``reader="pointwise"`` a 1x1 Conv to 8
+    channels reads the HardSwish instead, its weights scaling each channel back up."""
     c = CHANNEL_GAINS.size
     w1 = RNG.standard_normal((c, 3, 1, 1)) * CHANNEL_GAINS[:, None, None, None]
     w2 = RNG.standard_normal((c, 1, 3, 3))
+    second = helper.make_node("Conv", ["h", "w2"], ["d"], name="dw", group=c, pads=[1] * 4)
+    if reader == "pointwise":
+        w2 = RNG.standard_normal((8, c, 1, 1)) / CHANNEL_GAINS[None, :, None, None]
+        second = helper.make_node("Conv", ["h", "w2"], ["d"], name="pw2")
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["a"], name="pw")]
     if activation == "hardswish":
         nodes += [helper.make_node("Add", ["a", "three"], ["t"], name="add"),
@@ -438,13 +444,13 @@ def hardswish_dw_model(extra_reader: bool = False, activation: str = "hardswish"
                   helper.make_node("Div", ["m", "six"], ["h"], name="div")]
     else:
         nodes.append(helper.make_node("Relu", ["a"], ["h"], name="relu"))
-    nodes += [helper.make_node("Conv", ["h", "w2"], ["d"], name="dw", group=c, pads=[1] * 4),
-              helper.make_node("BatchNormalization", ["d", "g", "beta", "mean", "var"], ["y"],
-                               name="bn")]
+    nodes += [second, helper.make_node("BatchNormalization", ["d", "g", "beta", "mean", "var"],
+                                       ["y"], name="bn")]
+    out = w2.shape[0]
     initializers = {"w1": w1, "b1": RNG.standard_normal(c) * CHANNEL_GAINS, "w2": w2,
                     "three": np.float32(3), "zero": np.float32(0), "six": np.float32(6),
-                    "g": 1.0 / CHANNEL_GAINS, "beta": RNG.standard_normal(c),
-                    "mean": np.zeros(c), "var": np.ones(c)}
+                    "g": 1.0 / CHANNEL_GAINS if reader == "depthwise" else np.ones(out),
+                    "beta": RNG.standard_normal(out), "mean": np.zeros(out), "var": np.ones(out)}
     outputs = ["y", "h"] if extra_reader else ["y"]
     return make_model(nodes, [("x", [None, 3, 8, 8])], outputs, initializers)
 
@@ -471,10 +477,21 @@ def sqnr_db(reference, value):
     return 10 * np.log10(np.sum(reference ** 2) / np.sum((value - reference) ** 2))
 
 
-@pytest.mark.parametrize("activation", ["hardswish", "relu"])
-def test_depthwise_equalization_keeps_fp32_and_raises_int8_sqnr(activation):
+def int8_sqnr(fp32_model, x, reference):
+    """Output 'y' of `fp32_model` all-INT8 (percentile activations calibrated on `x`, weights
+    per channel), in dB against `reference`."""
     from quantlab import calibrate, collect
     from quantlab.data import open_data
+
+    source = open_data(x, graph.input_specs(fp32_model), 16)
+    tensors = qdq.activation_tensors_to_calibrate(fp32_model)
+    stats = collect.collect(fp32_model, source, tensors, progress=False)
+    quantized = qdq.quantize_model(fp32_model, calibrate.calibrate(stats, "percentile").amax)
+    return sqnr_db(reference, OnnxRuntimeBackend(quantized).run({"x": x})["y"])
+
+
+@pytest.mark.parametrize("activation", ["hardswish", "relu"])
+def test_depthwise_equalization_keeps_fp32_and_raises_int8_sqnr(activation):
 
     model = hardswish_dw_model(activation=activation)
     x = RNG.standard_normal((16, 3, 8, 8)).astype(np.float32)
@@ -498,15 +515,39 @@ def test_depthwise_equalization_keeps_fp32_and_raises_int8_sqnr(activation):
     for name in shared:
         np.testing.assert_allclose(theirs[name], ours[name], rtol=0,
                                    atol=1e-6 * np.abs(ours[name]).max(), err_msg=name)
+    assert int8_sqnr(graph.normalize(equalized), x, before) > int8_sqnr(model, x, before) + 6.0
 
-    def int8_sqnr(fp32_model):
-        source = open_data(x, graph.input_specs(fp32_model), 16)
-        tensors = qdq.activation_tensors_to_calibrate(fp32_model)
-        stats = collect.collect(fp32_model, source, tensors, progress=False)
-        quantized = qdq.quantize_model(fp32_model, calibrate.calibrate(stats, "percentile").amax)
-        return sqnr_db(before, OnnxRuntimeBackend(quantized).run({"x": x})["y"])
 
-    assert int8_sqnr(graph.normalize(equalized)) > int8_sqnr(model) + 6.0
+def test_pointwise_equalization_keeps_fp32_picks_its_share_and_raises_int8_sqnr(monkeypatch):
+    model = hardswish_dw_model(reader="pointwise")
+    x = RNG.standard_normal((16, 3, 8, 8)).astype(np.float32)
+    assert not repairs.depthwise_equalization(model, [{"x": x}])[1].applied  # depthwise only
+    equalized, report = repairs.depthwise_equalization(model, [{"x": x}], pointwise=True)
+    (entry,) = report.applied  # 'x' (3 channels of equal range) is skipped for its gain
+    assert entry["readers"] == ["pw2"] and entry["folded_into"] == "Div 'div'"
+    assert report.summary == {"depthwise_inputs": 0, "pointwise_inputs": 2, "equalized": 1}
+    # FP32 unchanged in float64, to the float32 storage of the rescaled weights.
+    before, after = float64_run(model, {"x": x})["y"], float64_run(equalized, {"x": x})["y"]
+    np.testing.assert_allclose(after, before, rtol=0, atol=1e-6 * np.abs(before).max())
+    # The share of the division the noise model picks (alpha), each alpha applied alone: the
+    # model takes each channel's range for its scale (an upper bound of its RMS), so it
+    # overstates the weight noise the division adds and never picks more than the best
+    # measured; what it picks is far above the model as it is.
+    measured = {}
+    for alpha in repairs.MIGRATION_ALPHAS:
+        monkeypatch.setattr(repairs, "MIGRATION_ALPHAS", (alpha,))
+        alone, _ = repairs.depthwise_equalization(model, [{"x": x}], min_gain_db=-np.inf,
+                                                  pointwise=True)
+        measured[alpha] = int8_sqnr(graph.normalize(alone), x, before)
+    assert entry["alpha"] <= max(measured, key=measured.get)
+    assert measured[entry["alpha"]] > int8_sqnr(model, x, before) + 10.0
+    # Read by 1x1 convs only and by the graph output: no producer takes the division, and
+    # no Mul is inserted for 1x1 readers (only depthwise readers are worth one).
+    shared = hardswish_dw_model(extra_reader=True, reader="pointwise")
+    unchanged, report = repairs.depthwise_equalization(shared, [{"x": x}], pointwise=True)
+    assert not report.applied
+    skipped = {s["tensor"]: s["reason"] for s in report.skipped}
+    assert skipped["h"].startswith("read by 1x1 convs only and no producer takes the division")
 
 
 def test_depthwise_equalization_inserts_a_mul_and_reports_what_it_skips():

@@ -13,7 +13,8 @@ runs int8 kernels in ONNX Runtime) and calibration.json (what was run, including
 preprocessing, which `quantlab validate --from DIR` reuses).
 
 By default (the layers measured where TensorRT computes them: BatchNorm folded, the
-activation fused) depthwise-conv inputs are equalized per channel, activations take the
+activation fused) depthwise- and 1x1-conv inputs are equalized per channel (the 1x1 ones
+only where their producer takes the division), activations take the
 mse calibrator's amax, each weight channel max |w| or its MSE amax, whichever gives the
 layer the least error (--weight-amax local), and each INT8 layer's mean error is
 subtracted from its bias where that holds on half of the data it was not measured on;
@@ -94,10 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "where, measured on either half of the data, it lowers the output "
                         "noise on the other)")
     parser.add_argument("--no-equalize", action="store_true",
-                        help="do not equalize depthwise-conv inputs (by default each depthwise "
+                        help="do not equalize conv inputs (by default each depthwise-conv "
                         "input whose channels differ in range gets per-channel scales folded "
-                        "into its producer and the depthwise weights, where the statistics "
-                        "predict >= 1 dB less noise; one more FP32 pass)")
+                        "into its producer and the depthwise weights, and each 1x1-conv input "
+                        "a share of them (SmoothQuant's trade, where its producer takes the "
+                        "division), where the statistics predict >= 1 dB less noise; one more "
+                        "FP32 pass)")
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_data_arguments(parser)
@@ -154,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     equalized = result.repairs.get("depthwise_equalization")
     if equalized:
         print(f"equalized {len(equalized['applied'])} of "
-              f"{len(equalized['applied']) + len(equalized['skipped'])} depthwise-conv inputs "
+              f"{len(equalized['applied']) + len(equalized['skipped'])} depthwise/1x1-conv inputs "
               "(calibration.json lists each, with the reason for those left alone)")
     print(
         f"calibrated {len(result.scales.amax)} tensors on {result.stats.num_samples} samples "

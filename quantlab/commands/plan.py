@@ -70,7 +70,7 @@ GENERATOR = "quantlab plan"
 PROGRESS_FILE = ".plan-progress.json"
 # quantlab.repairs applied to the FP32 model and weighed by the planner (bias correction, which
 # changes the INT8 ops alone, is weighed on its own: --no-bias-correction).
-REPAIRS = ("dw-equalize", "cle", "smoothquant")
+REPAIRS = ("dw-equalize", "pw-equalize", "cle", "smoothquant")
 DEFAULT_REPAIRS = ["dw-equalize"]
 # Where a plan that scored inside the budget but could not be certified is written, beside
 # the certified one (its plan.json and model.int8.onnx; model.onnx is the folder's).
@@ -111,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repairs", nargs="*", default=DEFAULT_REPAIRS, choices=REPAIRS,
                         metavar="REPAIR",
                         help="repairs weighed before pins: dw-equalize (per-channel "
-                             "equalization of depthwise-conv inputs, as calibrate does), cle "
+                             "equalization of depthwise-conv inputs), pw-equalize (that and "
+                             "1x1-conv inputs, as calibrate does), cle "
                              "(cross-layer equalization, data-free), smoothquant (activation "
                              "outliers into weights); each costs one calibration pass and one "
                              "pass on a batch; the one whose all-INT8 model is least noisy is "
@@ -458,8 +459,10 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     started = time.perf_counter()
     repaired = {}
     for name in args.repairs:
-        if name == "dw-equalize":
-            changed, report = repairs.depthwise_equalization(model, source)
+        renames = name in ("dw-equalize", "pw-equalize")
+        if renames:
+            changed, report = repairs.depthwise_equalization(model, source,
+                                                             pointwise=name == "pw-equalize")
             changed = graph.normalize(changed) if report.applied else changed
         else:
             changed, report = (repairs.cross_layer_equalization(model) if name == "cle"
@@ -468,9 +471,8 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             print(f"repair {name}: nothing to change in this model ({len(report.skipped)} "
                   "candidates skipped); not weighed.")
             continue
-        # dw-equalize renames every tensor whose values it changes: the others keep their
+        # Equalization renames every tensor whose values it changes: the others keep their
         # statistics and calibration (cle rescales tensors in place: all collected again).
-        renames = name == "dw-equalize"
         changed_stats = _statistics(changed, source, stats if renames else None, args,
                                     repaired=renames)
         changed_scales, changed_ranges, changed_p9999, changed_candidates = _calibrated(
