@@ -12,6 +12,7 @@ import math
 import os
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,40 +95,17 @@ def calibrate(stats: Statistics, method: str = "entropy", **params: Any) -> Scal
     ``percentile`` (99.99); mse ``start_bin`` (128).
     """
     params = check_method(method, params, stats.num_bins)
-    amax: dict[str, float] = {}
-    empty, outliers = [], []
-    for name, tensor in stats.tensors.items():
-        if tensor.count == 0:
-            empty.append(name)
-            amax[name] = SAFE_AMAX
-            continue
-        if not (math.isfinite(tensor.min) and math.isfinite(tensor.max)):
-            raise DataError(
-                f"the statistics of tensor '{name}' have a non-finite range (min {tensor.min}, "
-                f"max {tensor.max}); quantlab.collect never records NaN or Inf, so they are "
-                "damaged or were not made by it. Collect the statistics again."
-            )
-        if tensor.amax == 0.0:
-            # All zeros: collect.collect has warned; any positive amax represents 0 exactly.
-            amax[name] = SAFE_AMAX
-            continue
-        hist, top = tensor.histogram(stats.num_bins)
-        width = top / stats.num_bins
-        if method == "max":
-            amax[name] = tensor.amax
-        elif method == "entropy":
-            # TensorRT puts the threshold in the middle of the bin after the kept
-            # ones: (i + 0.5) * width (GTC 2017; TensorRT-written caches show
-            # amax = 2048.5/2048 * max for unclipped tensors, e.g. 3c010a14 for max 1).
-            kept = entropy_threshold_bin(hist, params["start_bin"], params["num_levels"])
-            amax[name] = (kept + 0.5) * width
-        elif method == "percentile":
-            amax[name] = percentile_threshold_bin(hist, params["percentile"]) * width
-        else:
-            amax[name] = mse_threshold_bin(hist, params["start_bin"]) * width
-        note = _outlier_note(name, tensor, hist, width, amax[name])
-        if note:
-            outliers.append(note)
+
+    def one(name: str) -> tuple[float, tuple[str, bool] | None]:
+        return _tensor_amax(name, stats.tensors[name], method, params, stats.num_bins)
+
+    # The searches are numpy over whole histograms and numba without the GIL: one per core.
+    names = list(stats.tensors)
+    with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        found = list(pool.map(one, names))
+    amax = {name: value for name, (value, _) in zip(names, found, strict=True)}
+    empty = [name for name in names if stats.tensors[name].count == 0]
+    outliers = [note for _, note in found if note]
     if empty:
         warnings.warn(
             f"{len(empty)} tensor(s) held no values in calibration ({empty[:5]}); they get amax "
@@ -137,6 +115,36 @@ def calibrate(stats: Statistics, method: str = "entropy", **params: Any) -> Scal
     if outliers:
         warnings.warn(_outlier_message(outliers, method), stacklevel=2)
     return Scales(amax, method, params, stats.num_samples)
+
+
+def _tensor_amax(name: str, tensor: TensorStats, method: str, params: Mapping[str, Any],
+                 num_bins: int) -> tuple[float, tuple[str, bool] | None]:
+    """`tensor`'s amax by `method` and its outlier note, if any (:func:`calibrate`)."""
+    if tensor.count == 0 or tensor.amax == 0.0:
+        # No values (calibrate warns) or all zeros (collect.collect has warned): any
+        # positive amax represents them.
+        return SAFE_AMAX, None
+    if not (math.isfinite(tensor.min) and math.isfinite(tensor.max)):
+        raise DataError(
+            f"the statistics of tensor '{name}' have a non-finite range (min {tensor.min}, "
+            f"max {tensor.max}); quantlab.collect never records NaN or Inf, so they are "
+            "damaged or were not made by it. Collect the statistics again."
+        )
+    hist, top = tensor.histogram(num_bins)
+    width = top / num_bins
+    if method == "max":
+        amax = tensor.amax
+    elif method == "entropy":
+        # TensorRT puts the threshold in the middle of the bin after the kept
+        # ones: (i + 0.5) * width (GTC 2017; TensorRT-written caches show
+        # amax = 2048.5/2048 * max for unclipped tensors, e.g. 3c010a14 for max 1).
+        amax = (entropy_threshold_bin(hist, params["start_bin"], params["num_levels"]) + 0.5) \
+            * width
+    elif method == "percentile":
+        amax = percentile_threshold_bin(hist, params["percentile"]) * width
+    else:
+        amax = mse_threshold_bin(hist, params["start_bin"]) * width
+    return amax, _outlier_note(name, tensor, hist, width, amax)
 
 
 def _outlier_note(name: str, tensor: TensorStats, hist: np.ndarray, width: float,
