@@ -101,7 +101,7 @@ def calibrate(stats: Statistics, method: str = "entropy", **params: Any) -> Scal
 
     # The searches are numpy over whole histograms and numba without the GIL: one per core.
     names = list(stats.tensors)
-    with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(max(1, min(len(names), len(os.sched_getaffinity(0))))) as pool:
         found = list(pool.map(one, names))
     amax = {name: value for name, (value, _) in zip(names, found, strict=True)}
     empty = [name for name in names if stats.tensors[name].count == 0]
