@@ -212,13 +212,15 @@ class ChannelStats:
         if not finite.all():
             return False
         self.min, self.max = np.minimum(self.min, low), np.maximum(self.max, high)
-        self.count += rows.shape[1]
+        counted, self.count = self.count, self.count + rows.shape[1]
         amax = np.maximum(-self.min, self.max)  # each channel's range_exponent
         exponent = np.where(amax == 0, MIN_EXPONENT,
                             np.maximum(np.frexp(amax)[1], MIN_EXPONENT))
         grown = np.flatnonzero(exponent > self.exponent)
         if len(grown):
-            for row in grown:  # a few times per channel: the grid doubles at each step
+            # A few times per channel (the grid doubles at each step); the first run grows
+            # every channel, whose histograms are still empty: nothing to regrid.
+            for row in grown if counted else ():
                 self.hist[row] = self.channel(row).regrid(int(exponent[row]))
             self.exponent[grown] = exponent[grown]
             counts[grown] = _scan_rows(rows[grown], self._grid_scales(rows.dtype)[grown],
@@ -235,6 +237,16 @@ class ChannelStats:
         """The statistics of channel `row`, as its own TensorStats would hold them."""
         return TensorStats(float(self.min[row]), float(self.max[row]), self.count,
                            int(self.exponent[row]), self.hist[row])
+
+    def percentiles(self, percentile: float, num_bins: int) -> np.ndarray:
+        """Each channel's `percentile` of |x|: the smallest k whose first k of `num_bins` bins
+        over [0, amax] hold `percentile` % of the mass (:meth:`TensorStats.histogram`, then
+        :func:`quantlab.calibrate.percentile_threshold_bin`), times amax / num_bins; 0 for a
+        channel that is all zeros. The same arithmetic per channel, compiled (a Python loop
+        of NumPy calls took 2 s over the layout detector's 14 000 channels)."""
+        amax = np.maximum(-self.min, self.max).astype(np.float64)
+        widths = np.ldexp(1.0, self.exponent) / self.hist.shape[1]
+        return _channel_percentiles(self.hist, amax, widths, float(percentile), num_bins)
 
 
 def _sample_of_peak(values: np.ndarray, low: float, high: float, axis: int | None) -> int:
@@ -318,6 +330,31 @@ def _scan_rows(rows: np.ndarray, scales: np.ndarray, bins: int
     for row in range(count):
         low[row], high[row], finite[row], counts[row] = _scan_abs(rows[row], scales[row], bins)
     return low, high, finite, counts
+
+
+@numba.njit(nogil=True, cache=True)
+def _channel_percentiles(hist: np.ndarray, amax: np.ndarray, widths: np.ndarray,
+                         percentile: float, num_bins: int) -> np.ndarray:
+    """:meth:`ChannelStats.percentiles` of each row of `hist` (fine counts, bin widths
+    `widths`, ranges `amax`)."""
+    result = np.zeros(hist.shape[0])
+    for row in range(hist.shape[0]):
+        top = amax[row]
+        if top == 0.0:
+            continue
+        last = min(int(top / widths[row]), hist.shape[1] - 1)
+        knots = np.empty(last + 2)
+        knots[:last + 1] = np.arange(last + 1) * widths[row]
+        knots[last + 1] = top
+        cumulative = np.zeros(last + 2)
+        cumulative[1:] = np.cumsum(hist[row, :last + 1].astype(np.float64))
+        edges = np.arange(num_bins + 1) * (top / num_bins)
+        edges[num_bins] = top
+        counts = np.cumsum(np.diff(np.interp(edges, knots, cumulative)))
+        target = counts[-1] * percentile / 100.0
+        bin_ = min(np.searchsorted(counts, target, side="left") + 1, num_bins)
+        result[row] = bin_ * top / num_bins
+    return result
 
 
 @numba.njit(nogil=True, cache=True)

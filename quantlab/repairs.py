@@ -25,7 +25,9 @@ each run is folded into per-channel sums or maxima and dropped.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -987,32 +989,30 @@ def channel_ranges(model: onnx.ModelProto, batches: Iterable[Mapping[str, np.nda
     range growth), so memory is channels x 1024 counts per tensor, whatever the data.
     """
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-    from quantlab.calibrate import percentile_threshold_bin
     from quantlab.collect import ChannelStats
 
     index = Graph(model)
     names = list(dict.fromkeys(tensors))
     backend = OnnxRuntimeBackend(model, name="fp32")
     stats: dict[str, ChannelStats] = {}
-    for run in _runs(batches, index, names, run_bytes):
-        values = backend.run(run, names)
-        for name in names:
-            value = np.asarray(values[name], np.float32)
-            kept = stats.setdefault(name, ChannelStats.empty(value.shape[1], _CHANNEL_BINS))
-            if not kept.update(value):
-                raise DataError(
-                    f"tensor '{name}' holds NaN or Inf on the calibration data; fix the "
-                    "data or the layer producing it before equalizing.")
-        del values
-    result = {}
-    for name, channels in stats.items():
-        ranges = []
-        for row in range(len(channels.min)):
-            hist, top = channels.channel(row).histogram(_CHANNEL_BINS)
-            ranges.append(0.0 if top == 0.0 else
-                          percentile_threshold_bin(hist, percentile) * top / _CHANNEL_BINS)
-        result[name] = np.asarray(ranges)
-    return result
+    # Tensors are scanned in parallel (the compiled scan releases the GIL), one thread each.
+    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+        for run in _runs(batches, index, names, run_bytes):
+            values = {name: np.asarray(value, np.float32)
+                      for name, value in backend.run(run, names).items()}
+            for name in names:
+                stats.setdefault(name, ChannelStats.empty(values[name].shape[1],
+                                                          _CHANNEL_BINS))
+            folded = pool.map(lambda name, value: stats[name].update(value), names,
+                              [values[name] for name in names])
+            for name, finite in zip(names, folded, strict=True):
+                if not finite:
+                    raise DataError(
+                        f"tensor '{name}' holds NaN or Inf on the calibration data; fix the "
+                        "data or the layer producing it before equalizing.")
+            del values
+    return {name: channels.percentiles(percentile, _CHANNEL_BINS)
+            for name, channels in stats.items()}
 
 
 def depthwise_equalization(model: onnx.ModelProto,

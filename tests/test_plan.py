@@ -567,6 +567,45 @@ def test_random_trials_stop_once_predicted_and_go_on_while_they_surprise_the_fit
     np.testing.assert_array_equal(amplified.nsr, every.nsr[:len(amplified.nsr)])
 
 
+def test_random_trials_run_side_by_side_are_the_trials_run_one_by_one(monkeypatch):
+    """group_test runs at once the trials that run whatever they measure (the stop rule cannot
+    fire before them). Reference: the same group_test one trial at a time: the same trials,
+    noise and fit, where the trials stop early, where they go on while they surprise the
+    fit, and without `least`; no trial is run past the stop, and with 4 sessions side by
+    side some runs hold several trials."""
+    from quantlab.planner import trials as trials_module
+
+    names = [f"u{i}" for i in range(40)]
+    true = np.full(40, 0.01)
+    true[7] = 1.0
+    local = dict(zip(names, true, strict=True))
+    wrong = {**local, "u7": 0.001}
+    results = {}
+    for at_once in (1, 4):
+        monkeypatch.setattr(trials_module, "side_by_side", lambda at_once=at_once: at_once)
+        for case, (prior, least) in enumerate(((local, 6), (wrong, 6), (wrong, None))):
+            measured = []
+
+            def measure(precisions, threads=None, measured=measured):
+                measured.append(1)
+                return float(sum(t for n, t in zip(names, true, strict=True)
+                                 if precisions[n] == "int8"))
+
+            trials = plan.Trials(measure, names)
+            runs, run = [], trials.run
+            trials.run = lambda masks, runs=runs, run=run: runs.append(len(masks)) or run(masks)
+            sensitivity = plan.group_test(trials, 24, prior_nsr=prior, least=least)
+            assert len(measured) == len(sensitivity.nsr)  # none run past the stop
+            results[at_once, case] = sensitivity, runs
+    for case in range(3):
+        (one, one_runs), (four, four_runs) = results[1, case], results[4, case]
+        np.testing.assert_array_equal(four.masks, one.masks)
+        np.testing.assert_array_equal(four.nsr, one.nsr)
+        np.testing.assert_array_equal(four.contribution, one.contribution)
+        assert set(one_runs) == {1} and max(four_runs) > 1
+        assert sum(four_runs) == sum(one_runs) and len(four_runs) < len(one_runs)
+
+
 def test_group_test_ranks_planted_units_first(planted_case):
     g, source, fp32, run_plan, units = planted_case
     batch, _, _, _ = plan.hardest_samples(source, fp32.run, run_plan({}), count=16)
@@ -995,6 +1034,54 @@ def test_certify_resamples_agreement_as_per_sample_numbers_exactly():
     slow = plan.certify(lambda o, r: plan.argmax_agreement(o, r), "m", outputs, references,
                         max_drop=0.1, resamples=300)
     assert fast == slow and 0 < fast.value < fast.reference
+
+
+def test_fp32_scores_kept_across_plans_give_the_same_certificates_scoring_fp32_once():
+    """The planner certifies every plan against the same FP32 outputs with the same seed, so
+    the same resamples: FP32's score on each is kept (``fp32_scores``) and computed once.
+    Reference: each candidate certified on its own, without the kept scores; equal to the
+    last bit, for a metric called on every resample and for one with a resampler. FP32
+    against itself is scored once on all samples and once per resample, whatever the
+    number of candidates."""
+    outputs, references = noisy_outputs()
+    rng = np.random.default_rng(5)
+    candidates = [outputs, [{k: v + 0.2 * rng.standard_normal(v.shape) for k, v in r.items()}
+                            for r in references]]
+    draws = np.random.default_rng(0)  # certify's seed: its resamples
+    resamples = {draws.integers(0, 18, 18).tobytes() for _ in range(120)}
+    fp32_calls = []
+
+    def per_sample(o, r):
+        return np.concatenate([-np.abs(a["y"] - b["y"]).reshape(len(b["y"]), -1).mean(axis=1)
+                               for a, b in zip(o, r, strict=True)])
+
+    def closeness(o, r):
+        if o is r:
+            fp32_calls.append("metric")
+        return float(per_sample(o, r).mean())
+
+    def resampler(o, r):
+        if o is r:
+            fp32_calls.append("resampler")
+        figures = per_sample(o, r)
+        return lambda pick: float(figures[pick].mean())
+
+    for with_resampler in (False, True):
+        if with_resampler:
+            closeness.resampler = resampler
+        kept: dict[bytes, float] = {}
+        fp32_calls.clear()
+        shared = [plan.certify(closeness, "m", c, references, max_drop=0.05, resamples=120,
+                               fp32_scores=kept) for c in candidates]
+        calls = list(fp32_calls)
+        alone = [plan.certify(closeness, "m", c, references, max_drop=0.05, resamples=120)
+                 for c in candidates]
+        assert shared == alone and shared[0] != shared[1]
+        assert len(kept) == 1 + len(resamples)  # all samples, and each resample
+        # Without a resampler the metric scores FP32 on all samples and on each resample;
+        # with one, on all samples, and FP32's resampler is made once.
+        assert calls == (["metric", "resampler"] if with_resampler
+                         else ["metric"] * len(kept))
 
 
 def test_a_metric_resampler_gives_the_certificate_of_calling_the_metric_on_every_resample():

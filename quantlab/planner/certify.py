@@ -199,32 +199,67 @@ class Certificate:
 def certify(metric: Callable, name: str, outputs: Outputs, references: Outputs, *,
             max_drop: float | None = None, floor: float | None = None,
             resamples: int = 200, confidence: float = 0.95, seed: int = 0,
-            what: str = "evaluation samples") -> Certificate:
+            what: str = "evaluation samples",
+            fp32_scores: dict[bytes, float] | None = None) -> Certificate:
     """Check a candidate's outputs against FP32's with a metric function (see certify_paired).
 
     Resamples hand the metric one entry per sample, FP32 scored on the same ones (or
     the metric's resampler scores them, :func:`_resampled`); `what` names the samples
-    in a metric's error.
+    in a metric's error. `fp32_scores` (a dict the caller keeps across calls with the
+    same `metric`, `references` and `seed`) holds FP32's score on all samples and on each
+    resample: every plan certified against the same references is resampled the same
+    way, so FP32 against itself is scored once per resample, not once per plan (half a
+    custom metric's bootstrap).
     """
     samples, refs = split_samples(outputs), split_samples(references)
     resample = f"a bootstrap resample of the {len(samples)} {what}"
     whole = f"{what} 0..{len(samples) - 1}"
-    reference = metric_value(metric, name, references, references, f"FP32 on {whole}")
+    known = {} if fp32_scores is None else fp32_scores
+    if b"" not in known:  # the key of all samples (no resample is empty)
+        known[b""] = metric_value(metric, name, references, references, f"FP32 on {whole}")
+    reference = known[b""]
     value = metric_value(metric, name, outputs, references, whole)
     resampled = _resampled(metric, name, outputs, references, value, whole)
     if resampled is not None:
-        fp32 = _resampled(metric, name, references, references, reference, f"FP32 on {whole}")
+        made = []  # FP32's resampler, made when a resample is first not known
+
+        def fp32_score(pick: np.ndarray) -> float:
+            if not made:
+                made.append(_resampled(metric, name, references, references, reference,
+                                       f"FP32 on {whole}"))
+            return made[0](pick)
+
+        fp32 = remembered(fp32_score, known)
 
         def evaluate(pick: np.ndarray) -> tuple[float, float]:
             return resampled(pick), fp32(pick)
     else:
+        def fp32_score(pick: np.ndarray) -> float:
+            chosen = [refs[i] for i in pick]
+            return metric_value(metric, name, chosen, chosen, f"FP32 on {resample}")
+
+        fp32 = remembered(fp32_score, known)
+
         def evaluate(pick: np.ndarray) -> tuple[float, float]:
-            chosen, fp32 = [samples[i] for i in pick], [refs[i] for i in pick]
-            return (metric_value(metric, name, chosen, fp32, resample),
-                    metric_value(metric, name, fp32, fp32, f"FP32 on {resample}"))
+            return (metric_value(metric, name, [samples[i] for i in pick],
+                                 [refs[i] for i in pick], resample), fp32(pick))
 
     return certify_paired(name, evaluate, len(samples), (value, reference), max_drop=max_drop,
                           floor=floor, resamples=resamples, confidence=confidence, seed=seed)
+
+
+def remembered(score: Callable[[np.ndarray], float], known: dict[bytes, float]
+               ) -> Callable[[np.ndarray], float]:
+    """`score` with its value per set of picked samples kept in `known`: FP32's score on a
+    bootstrap resample is the same for every plan certified against it (same references,
+    same seed, so the same resamples)."""
+    def score_once(pick: np.ndarray) -> float:
+        key = np.asarray(pick).tobytes()
+        if key not in known:
+            known[key] = score(pick)
+        return known[key]
+
+    return score_once
 
 
 def _resampled(metric: Callable, name: str, outputs: Outputs, references: Outputs,

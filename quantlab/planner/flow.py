@@ -52,6 +52,7 @@ from quantlab.planner.certify import (
     metric_value,
     output_sqnr,
     paired,
+    remembered,
     resolve_metric,
     task_scorer,
 )
@@ -77,8 +78,10 @@ from quantlab.planner.measure import (
     fp16_contributions,
     hardest_samples,
     in_runs,
+    joined,
     local_sqnr,
     output_sample_axes,
+    parts_nsr,
     samples_per_run,
     single_samples,
     unit_starts,
@@ -255,26 +258,29 @@ class _Runner:
         self.high_precision, self.runs = high_precision, runs
         self.shifts: dict[str, np.ndarray] = {}
 
-    def quantized(self, precisions: Mapping[str, str], g: Graph | None = None
-                  ) -> onnx.ModelProto:
+    def quantized(self, precisions: Mapping[str, str], g: Graph | None = None,
+                  shifts: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
         """The plan's Q/DQ model of the model, or of `g`, a part of it cut from it
-        (:func:`quantlab.segments.tail_model`)."""
+        (:func:`quantlab.segments.tail_model`), with `shifts` (default: the runner's)."""
         from quantlab.repairs import shift_biases
 
         g = g or self.g
+        shifts = self.shifts if shifts is None else shifts
         present = {node.name for node in g.model.graph.node}
         nodes = {n: precisions[u.name] for u in self.units for n in u.nodes if n in present}
         built = qdq.quantize_model(g, self.amax, nodes, high_precision=self.high_precision)
-        return shift_biases(g, built, self.shifts) if self.shifts else built
+        return shift_biases(g, built, shifts) if shifts else built
 
     def __call__(self, precisions: Mapping[str, str], name: str = "trial",
-                 threads: int | None = None) -> Callable:
+                 threads: int | None = None,
+                 shifts: Mapping[str, np.ndarray] | None = None) -> Callable:
         from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
         # Without ONNX Runtime's memory pattern: a session runs a few times, and its planned
         # block stayed on top of the hardest samples (a 640 px detector's trials peaked higher).
-        return self.runs(OnnxRuntimeBackend(self.quantized(precisions), name=name,
-                                            memory_pattern=False, threads=threads).run)
+        return self.runs(OnnxRuntimeBackend(self.quantized(precisions, shifts=shifts),
+                                            name=name, memory_pattern=False,
+                                            threads=threads).run)
 
 
 def make_plan(original: CalibratedModel, calibration, evaluation,
@@ -317,13 +323,14 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     with phases("hardest samples"):
         runner.shifts = shifts
         hard, hard_indices, energies, drawn = _hardest(context, lambda: runner(all_int8))
-    references, shift_record = None, None
+    references, shift_record, all_int8_outputs = None, None, None
     if shifts:
         with phases("bias correction"):
             references, fp32_seconds = _fp32_timed(context, hard)
-            shift_record = _weigh_bias(runner, plan_nsr(runner, hard, references), all_int8,
-                                       shifts, shift_report)
-        if sum(v.nbytes for v in references.values()) > HELD_REFERENCES_BYTES:
+            held = sum(v.nbytes for v in references.values()) <= HELD_REFERENCES_BYTES
+            shift_record, all_int8_outputs = _weigh_bias(runner, hard, references, all_int8,
+                                                         shifts, shift_report, held)
+        if not held:
             references = None  # let go under the local errors' peak (640 px detector: 0.3 GB)
     with phases("local errors"):
         local = local_sqnr(g, amax, rules.units,
@@ -332,7 +339,9 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
         with phases("hardest samples"):
             references, fp32_seconds = _fp32_timed(context, hard)
     measure = plan_nsr(runner, hard, references)
-    drawn = _screen_samples(context, drawn, energies, Draw(inputs=hard, references=references),
+    drawn = _screen_samples(context, drawn, energies,
+                            Draw(inputs=hard, references=references, outputs=all_int8_outputs,
+                                 outputs_of=plan_key(all_int8)),
                             shifts_kept=bool(runner.shifts) == bool(shifts))
     trials = Trials(measure, [u.name for u in rules.units], rules.fixed,
                     checkpoint.trials if checkpoint else {},
@@ -575,17 +584,24 @@ def _bias_shifts(context: _Context, runner: _Runner, all_int8: Mapping[str, str]
     return bias_shifts(runner.model, runner.quantized(all_int8), context.calibration)
 
 
-def _weigh_bias(runner: _Runner, measure: Callable, all_int8: Mapping[str, str],
-                shifts: Mapping[str, np.ndarray], shift_report) -> dict:
-    """Bias correction kept (``runner.shifts``) only where it lowers the hardest samples'
-    all-INT8 noise (`measure`); its record for plan.json."""
-    with_shifts = measure(all_int8)
-    runner.shifts = {}
-    without = measure(all_int8)
+def _weigh_bias(runner: _Runner, hard: Mapping[str, np.ndarray],
+                references: Mapping[str, np.ndarray], all_int8: Mapping[str, str],
+                shifts: Mapping[str, np.ndarray], shift_report, keep: bool
+                ) -> tuple[dict, dict[str, np.ndarray] | None]:
+    """Bias correction kept (``runner.shifts``) only where it lowers all-INT8's noise on the
+    `hard` samples (FP32's outputs on them: `references`), both measured side by side; its
+    record for plan.json, and with `keep` the kept variant's outputs on `hard` (the same
+    plan on the same samples as the screen of all-INT8, :func:`_screen_samples`)."""
+    def parts(kept: Mapping[str, np.ndarray], threads: int | None) -> list:
+        return list(runner(all_int8, threads=threads, shifts=kept).parts(hard))
+
+    with_parts, without_parts = concurrently(parts, [shifts, {}])
+    with_shifts, without = (parts_nsr(iter(p), references) for p in (with_parts, without_parts))
     chosen = with_shifts < without
     runner.shifts = dict(shifts) if chosen else {}
+    outputs = joined(with_parts if chosen else without_parts) if keep else None
     return {"repair": "bias_correction", "chosen": bool(chosen), "hard_nsr_before": without,
-            "hard_nsr_after": with_shifts, **_repair_summary(shift_report.to_dict())}
+            "hard_nsr_after": with_shifts, **_repair_summary(shift_report.to_dict())}, outputs
 
 
 def _contributions(rules: _Rules, local: Mapping, sensitivity: OutputSensitivity
@@ -712,6 +728,7 @@ class _Evaluator:
         self.fp32_outputs = [context.fp32_run(batch) for batch in
                              context.step(context.evaluation, desc="FP32 evaluation")]
         self.fp32_scorer = None  # the task metric's scorer of fp32_outputs, once needed
+        self.fp32_scores: dict[bytes, float] = {}  # FP32's score per resample (remembered)
 
     def __call__(self, point: FrontPoint) -> Evaluation:
         context, settings = self.context, self.context.settings
@@ -728,7 +745,8 @@ class _Evaluator:
             outputs = self.fp32_outputs
         if context.metric_fn is None:
             if self.fp32_scorer is None:  # FP32's detections matched once, not per evaluation
-                self.fp32_scorer = task_scorer(context.task, self.fp32_outputs)
+                self.fp32_scorer = remembered(task_scorer(context.task, self.fp32_outputs),
+                                              self.fp32_scores)
             certificate = certify_paired(
                 settings.metric, paired(task_scorer(context.task, outputs), self.fp32_scorer),
                 context.evaluation.num_samples, max_drop=settings.max_drop,
@@ -736,7 +754,8 @@ class _Evaluator:
         else:
             certificate = certify(context.metric_fn, settings.metric, outputs,
                                   self.fp32_outputs, max_drop=settings.max_drop,
-                                  floor=settings.min_sqnr, resamples=settings.resamples)
+                                  floor=settings.min_sqnr, resamples=settings.resamples,
+                                  fp32_scores=self.fp32_scores)
         result = Evaluation(point.int8_mac_share, point.predicted, certificate,
                             time.perf_counter() - start, model_run)
         if self.checkpoint:

@@ -90,11 +90,15 @@ class Draw:
     """Calibration samples that are not only the hardest, to judge all-INT8 on
     (:func:`quantlab.planner.evaluate.screen`): `energies`, every sample's noise and signal
     energies of the all-INT8 plan ([samples, outputs] each: enough for output SQNR), or
-    `inputs` and FP32's `references` of a seeded uniform draw (any metric of outputs)."""
+    `inputs` and FP32's `references` of a seeded uniform draw (any metric of outputs), and
+    where a pass made them already, the `outputs` on them of the plan `outputs_of` (its
+    :func:`quantlab.planner.evaluate.plan_key`)."""
 
     energies: tuple[np.ndarray, np.ndarray] | None = None
     inputs: dict[str, np.ndarray] | None = None
     references: dict[str, np.ndarray] | None = None
+    outputs: dict[str, np.ndarray] | None = None
+    outputs_of: str | None = None
 
 
 def hardest_samples(batches, reference: Callable, candidate: Callable, count: int,
@@ -177,6 +181,12 @@ PASS_BYTES = 512 << 20
 CONCURRENT_SESSIONS = 4
 
 
+def side_by_side() -> int:
+    """How many sessions :func:`concurrently` runs at once here: CONCURRENT_SESSIONS, or one
+    per core where there are fewer."""
+    return max(1, min(len(os.sched_getaffinity(0)), CONCURRENT_SESSIONS))
+
+
 def concurrently(measure: Callable[[object, int | None], float], items: Sequence
                  ) -> Iterator[float]:
     """``measure(item, threads)`` of each of `items`, in order, on up to CONCURRENT_SESSIONS
@@ -190,7 +200,7 @@ def concurrently(measure: Callable[[object, int | None], float], items: Sequence
     not yet started are dropped when the caller stops early (an error, an interrupt).
     """
     cores = len(os.sched_getaffinity(0))
-    workers = max(1, min(len(items), cores, CONCURRENT_SESSIONS))
+    workers = max(1, min(len(items), side_by_side()))
     if workers == 1:
         yield from (measure(item, None) for item in items)
         return
@@ -272,9 +282,7 @@ class BoundedRun:
                 for name, value in outputs.items()}
 
     def __call__(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        parts = [outputs for _, outputs in self.parts(batch)]
-        return parts[0] if len(parts) == 1 else {
-            name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+        return joined(list(self.parts(batch)))
 
     def pooled_nsr(self, batch: Mapping[str, np.ndarray],
                    references: Mapping[str, np.ndarray]) -> float:
@@ -282,6 +290,13 @@ class BoundedRun:
         outputs of the whole batch are never held (a 640 px detector's, on 64 samples, are
         0.3 GB, and joining them doubled that)."""
         return parts_nsr(self.parts(batch), references)
+
+
+def joined(parts: Sequence[tuple[int, Mapping[str, np.ndarray]]]) -> dict[str, np.ndarray]:
+    """The outputs of runs ((first sample, outputs samples first) each) as one batch."""
+    outputs = [value for _, value in parts]
+    return dict(outputs[0]) if len(outputs) == 1 else {
+        name: np.concatenate([o[name] for o in outputs]) for name in outputs[0]}
 
 
 def parts_nsr(parts: Iterable[tuple[int, Mapping[str, np.ndarray]]],
@@ -529,18 +544,20 @@ def all_int8_nsr(options: Mapping[str, CalibratedModel], batch: Mapping[str, np.
                  plan: Mapping[str, str] | None = None) -> dict[str, float]:
     """Output NSR of each option's Q/DQ model (all INT8 but `plan`'s nodes) on `batch`.
 
-    One pass per option, against `references` (the FP32 outputs on `batch`), its
-    backend's run wrapped by `runs` (:func:`in_runs`: bounded runs, samples first).
-    Nodes of `plan` an option lacks are skipped.
+    One pass per option, the options side by side (:func:`concurrently`), against
+    `references` (the FP32 outputs on `batch`), its backend's run wrapped by `runs`
+    (:func:`in_runs`: bounded runs, samples first). Nodes of `plan` an option lacks are
+    skipped.
     """
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
-    result = {}
-    for name, option in options.items():
+    def nsr(name: str, threads: int | None) -> float:
+        option = options[name]
         nodes = {n.name for n in option.model.graph.node}
         model = qdq.quantize_model(option.model, option.amax,
                                    {n: p for n, p in (plan or {}).items() if n in nodes})
-        result[name] = runs(OnnxRuntimeBackend(model, name=f"int8 {name}").run).pooled_nsr(
-            batch, references)
-    return result
+        return runs(OnnxRuntimeBackend(model, name=f"int8 {name}", threads=threads).run
+                    ).pooled_nsr(batch, references)
+
+    return dict(zip(options, concurrently(nsr, list(options)), strict=True))
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import optimize
 
-from quantlab.planner.measure import BoundedRun, concurrently
+from quantlab.planner.measure import BoundedRun, concurrently, side_by_side
 
 # Bound of the log-gains of the fitted contributions (exp(30) ~ 1e13 either way).
 LOG_GAIN_LIMIT = 30.0
@@ -176,16 +176,32 @@ def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: 
     in_a_row = 0
     rows = progress(range(1, count)) if progress else range(1, count)
     for t in rows:
+        if t < len(nsr):  # measured side by side with an earlier trial
+            continue
         if least is not None and t >= least and in_a_row >= PREDICTED_IN_A_ROW:
             getattr(rows, "close", lambda: None)()  # a bar ends here, not at `count`
             break
-        expected = (float(masks[t] @ _fit(masks[:t], np.array(nsr), prior, ridge))
-                    if least is not None else None)
-        nsr.append(trials.run(masks[t:t + 1])[0])
-        if expected is not None:
-            in_a_row = in_a_row + 1 if disagreement(expected, nsr[-1]) <= DISAGREEMENT else 0
+        for value in trials.run(masks[t:t + _sure_trials(t, count, least, in_a_row)]):
+            if least is not None:  # predicted by the fit of the trials before it
+                expected = float(masks[len(nsr)] @ _fit(masks[:len(nsr)], np.array(nsr),
+                                                        prior, ridge))
+                in_a_row = in_a_row + 1 if disagreement(expected, value) <= DISAGREEMENT else 0
+            nsr.append(float(value))
     masks, nsr = masks[:len(nsr)], np.array(nsr)
     return OutputSensitivity(units, masks, nsr, _fit(masks, nsr, prior, ridge), prior, ridge)
+
+
+def _sure_trials(t: int, count: int, least: int | None, in_a_row: int) -> int:
+    """How many trials from the `t`-th on run whatever they measure, up to as many as run side
+    by side (:func:`quantlab.planner.measure.side_by_side`): group_test may stop before trial
+    t + i only once i >= `least` and PREDICTED_IN_A_ROW trials in a row were predicted, which
+    the `in_a_row` so far cannot reach in fewer than PREDICTED_IN_A_ROW - in_a_row trials.
+    They are then run at once, the same trials as one by one."""
+    size = 1
+    while size < min(side_by_side(), count - t) and (
+            least is None or t + size < least or in_a_row + size < PREDICTED_IN_A_ROW):
+        size += 1
+    return size
 
 
 def disagreement(predicted: float, measured: float) -> float:
