@@ -113,7 +113,7 @@ def test_update_counts_exactly_while_the_grid_grows(dtype):
         assert (stats.min, stats.max) == (-values.max(), np.concatenate(batches).max())
 
 
-def test_channel_stats_equal_each_channel_updated_as_its_own_tensor():
+def test_channel_stats_equal_each_channel_updated_as_its_own_tensor_with_its_percentiles():
     # Channels from 1e-3 to 1e4 and one all zero, the third growing run by run: every
     # channel's histogram, grid, min, max and count equal those of a TensorStats fed that
     # channel alone (the slow reference), and a run holding NaN is refused unchanged.
@@ -132,6 +132,18 @@ def test_channel_stats_equal_each_channel_updated_as_its_own_tensor():
         assert np.array_equal(own.hist, stats.hist)
         assert (own.exponent, own.min, own.max, own.count) == \
             (stats.exponent, stats.min, stats.max, stats.count)
+    # Each channel's percentile of |x|: the per-channel NumPy reference (TensorRT's
+    # histogram of the channel's own statistics, then its percentile bin), to the last bit.
+    from quantlab.calibrate import percentile_threshold_bin
+
+    for percentile in (99.99, 50.0, 100.0):
+        reference = []
+        for stats in alone:
+            hist, top = stats.histogram(1024)
+            reference.append(0.0 if top == 0.0 else
+                             percentile_threshold_bin(hist, percentile) * top / 1024)
+        assert channels.percentiles(percentile, 1024).tolist() == reference
+        assert reference[3] == 0.0 and min(reference[:3] + reference[4:]) > 0
     before = channels.hist.copy()
     assert not channels.update(np.full((1, 5, 2), np.nan, np.float32))
     assert np.array_equal(channels.hist, before)
