@@ -24,7 +24,7 @@ import warnings
 import zipfile
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numba
@@ -269,6 +269,9 @@ def range_exponent(amax: float) -> int:
 
 # Partial histograms the counting loop interleaves (see _scan_abs).
 LANES = 4
+# Fine bins of a channel's histogram (ChannelStats): a hundred channels of a tensor each
+# keep their own.
+CHANNEL_BINS = 1024
 
 
 @numba.njit(inline="always")
@@ -382,11 +385,14 @@ def mse_errors(counts: np.ndarray, start_bin: int) -> np.ndarray:
 
 @dataclass
 class Statistics:
-    """Per-tensor statistics of a calibration run, keyed by ONNX tensor name."""
+    """Per-tensor statistics of a calibration run, keyed by ONNX tensor name; and of each
+    channel of the tensors :func:`collect` was asked `channels` of (neither merged nor
+    saved: what one pass gives a repair that reads them, :mod:`quantlab.repairs`)."""
 
     tensors: dict[str, TensorStats]
     num_samples: int
     num_bins: int = 2048
+    channels: dict[str, ChannelStats] = field(default_factory=dict)
 
     def merge(self, other: Statistics) -> Statistics:
         """Statistics of both runs' samples together (exact; same tensors and bins required)."""
@@ -518,8 +524,13 @@ def collect(
     num_bins: int = 2048,
     progress: bool = True,
     memory_budget: int | str | None = None,
+    channels: Sequence[str] = (),
 ) -> Statistics:
     """Run the FP32 graph once over every sample of `batches`; stream statistics of `tensors`.
+
+    `channels`, tensors among `tensors` laid out [samples, channels, ...], also get
+    statistics per channel (:class:`ChannelStats` of CHANNEL_BINS bins, in
+    ``Statistics.channels``).
 
     `model` is a normalized model or its :class:`graph.Graph` index.
 
@@ -546,6 +557,11 @@ def collect(
     fixed = graph.fixed_batch_size(model)
     tensor_axes = tensor_sample_axes(model, names, fixed)
     stats = {name: TensorStats.empty(num_bins * OVERSAMPLE) for name in names}
+    unknown = sorted(set(channels) - set(names))
+    if unknown:
+        raise ConfigError(f"channels {unknown[:5]} are not among the tensors to collect; "
+                          "per-channel statistics are kept of collected tensors only.")
+    by_channel = _ChannelFold(channels)
     runs: list[Run] = []
     groups: list[list[str]] = []
     sizes: dict[str, int] = {}
@@ -575,7 +591,8 @@ def collect(
                 part = batch if fixed else slice_batch(batch, axes, start, stop)
                 try:
                     measured = _run_segments(runs, part, pool, stats, tensor_axes,
-                                             (num_samples + start, stop - start), batch_index)
+                                             (num_samples + start, stop - start), batch_index,
+                                             by_channel)
                 except _SegmentFailed as failed:
                     uncut = math.ceil(2 * sum(sizes.values()) / (1 << 20))
                     raise segments.run_failure(
@@ -603,7 +620,7 @@ def collect(
             "get a safe placeholder amax at calibration. Check the data or the model.",
             stacklevel=2,
         )
-    return Statistics(stats, num_samples, num_bins)
+    return Statistics(stats, num_samples, num_bins, by_channel.stats)
 
 
 def _plan(index: graph.Graph, names: Sequence[str], sizes: Mapping[str, int], cap: int,
@@ -649,7 +666,7 @@ class _SegmentFailed(Exception):
 def _run_segments(runs: Sequence[Run], feeds: Mapping[str, np.ndarray],
                   pool: ThreadPoolExecutor, stats: dict[str, TensorStats],
                   tensor_axes: Mapping[str, int | None], samples: tuple[int, int],
-                  batch_index: int) -> dict[str, int]:
+                  batch_index: int, by_channel: _ChannelFold) -> dict[str, int]:
     """Run one slice through every segment in order; return the exposed tensors' bytes.
 
     `samples` is the slice's first sample index and its number of samples.
@@ -675,7 +692,7 @@ def _run_segments(runs: Sequence[Run], feeds: Mapping[str, np.ndarray],
                 carry[name], last_use[name] = values[name], segment.last_use[name]
         del values
         measured.update({name: array.nbytes for name, array in exposed.items()})
-        _fold_run(pool, stats, exposed, batch_index, samples, tensor_axes)
+        _fold_run(pool, stats, exposed, batch_index, samples, tensor_axes, by_channel)
         del exposed
         for name in [name for name, last in last_use.items() if last <= number]:
             del carry[name], last_use[name]
@@ -684,14 +701,18 @@ def _run_segments(runs: Sequence[Run], feeds: Mapping[str, np.ndarray],
 
 def _fold_run(pool: ThreadPoolExecutor, stats: dict[str, TensorStats],
               values: dict[str, np.ndarray], batch_index: int, samples: tuple[int, int],
-              tensor_axes: Mapping[str, int | None]) -> None:
-    """Fold one run's exposed tensors into their statistics; raise on the first NaN/Inf."""
+              tensor_axes: Mapping[str, int | None], by_channel: _ChannelFold) -> None:
+    """Fold one run's exposed tensors into their statistics (and per channel, those of
+    `by_channel`); raise on the first NaN/Inf."""
     names = list(values)
     first, count = samples
     axes = [_run_axis(values[name].shape, tensor_axes.get(name), count) for name in names]
+    per_channel = [name for name in names if name in by_channel.names]
+    channel_folds = pool.map(by_channel.update, per_channel, [values[n] for n in per_channel])
     folded = list(pool.map(
         _fold, [stats[name] for name in names], values.values(), names,
         [first] * len(names), axes))
+    list(channel_folds)  # NaN/Inf in them is refused below, with the tensor's whole values
     for name, finite in zip(names, folded, strict=True):
         if not finite:
             raise DataError(
@@ -699,6 +720,22 @@ def _fold_run(pool: ThreadPoolExecutor, stats: dict[str, TensorStats],
                 "tensor in topological order). No statistics were written; fix the input data "
                 "of this batch or the layer producing the tensor."
             )
+
+
+class _ChannelFold:
+    """The per-channel statistics :func:`collect` keeps of the tensors `names`, each made at
+    its first run (the channel count read from it) and updated by one thread at a time."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = set(names)
+        self.stats: dict[str, ChannelStats] = {}
+
+    def update(self, name: str, values: np.ndarray) -> bool:
+        if values.dtype not in (np.float32, np.float64):
+            values = values.astype(np.float32)
+        if name not in self.stats:
+            self.stats[name] = ChannelStats.empty(values.shape[1], CHANNEL_BINS)
+        return self.stats[name].update(values)
 
 
 def _run_axis(shape: tuple[int, ...], axis: int | None, count: int) -> int | None:

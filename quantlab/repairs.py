@@ -36,7 +36,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from quantlab import graph
-from quantlab.collect import RUN_BYTES
+from quantlab.collect import CHANNEL_BINS, RUN_BYTES, ChannelStats
 from quantlab.data import batch_length, sample_axes, slice_batch
 from quantlab.errors import ConfigError, DataError, ModelError
 from quantlab.graph import Graph
@@ -942,7 +942,6 @@ def _fold_into_producer(index: Graph, weights: _Weights, tensor: str,
 # Per-channel range of a depthwise input: the percentile of |x| that the default
 # calibrator takes per tensor, here per channel, from a histogram of this many bins.
 DW_PERCENTILE = 99.99
-_CHANNEL_BINS = 1024
 # A depthwise input is equalized when the predicted noise at the depthwise output drops
 # by at least this much (a smaller gain is within the calibrator's own run-to-run spread).
 DEFAULT_MIN_GAIN_DB = 1.0
@@ -989,7 +988,6 @@ def channel_ranges(model: onnx.ModelProto, batches: Iterable[Mapping[str, np.nda
     range growth), so memory is channels x 1024 counts per tensor, whatever the data.
     """
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-    from quantlab.collect import ChannelStats
 
     index = Graph(model)
     names = list(dict.fromkeys(tensors))
@@ -1002,7 +1000,7 @@ def channel_ranges(model: onnx.ModelProto, batches: Iterable[Mapping[str, np.nda
                       for name, value in backend.run(run, names).items()}
             for name in names:
                 stats.setdefault(name, ChannelStats.empty(values[name].shape[1],
-                                                          _CHANNEL_BINS))
+                                                          CHANNEL_BINS))
             folded = pool.map(lambda name, value: stats[name].update(value), names,
                               [values[name] for name in names])
             for name, finite in zip(names, folded, strict=True):
@@ -1011,8 +1009,23 @@ def channel_ranges(model: onnx.ModelProto, batches: Iterable[Mapping[str, np.nda
                         f"tensor '{name}' holds NaN or Inf on the calibration data; fix the "
                         "data or the layer producing it before equalizing.")
             del values
-    return {name: channels.percentiles(percentile, _CHANNEL_BINS)
+    return channel_percentiles(stats, percentile)
+
+
+def channel_percentiles(stats: Mapping[str, ChannelStats], percentile: float = DW_PERCENTILE
+                        ) -> dict[str, np.ndarray]:
+    """{tensor: the `percentile` of |x| per channel} of per-channel statistics (one pass of
+    :func:`channel_ranges`, or ``quantlab.collect.Statistics.channels``)."""
+    return {name: channels.percentiles(percentile, CHANNEL_BINS)
             for name, channels in stats.items()}
+
+
+def equalization_inputs(model: onnx.ModelProto, pointwise: bool = False) -> list[str]:
+    """The tensors :func:`depthwise_equalization` reads the per-channel ranges of: the inputs
+    of depthwise convs and, with `pointwise`, of 1x1 convs."""
+    index, weights = Graph(model), _Weights(model)
+    return list({**depthwise_convs(index, weights),
+                 **(pointwise_convs(index, weights) if pointwise else {})})
 
 
 def depthwise_equalization(model: onnx.ModelProto,

@@ -518,6 +518,36 @@ def test_depthwise_equalization_keeps_fp32_and_raises_int8_sqnr(activation):
     assert int8_sqnr(graph.normalize(equalized), x, before) > int8_sqnr(model, x, before) + 6.0
 
 
+def test_channel_ranges_kept_by_the_statistics_pass_equal_a_pass_of_their_own():
+    """`quantlab plan` keeps the equalization's per-channel ranges in its statistics pass
+    (collect's `channels`) instead of a pass of its own. Reference: repairs.channel_ranges
+    over the same data cut in other runs (batches of 5 against one of 16): the same ranges
+    to the last bit (the power-of-two grid is exact under any split), so the same
+    equalized model. A channel tensor collect is not asked for is refused with its name."""
+    from quantlab import collect
+    from quantlab.data import open_data
+    from quantlab.errors import ConfigError
+
+    model = hardswish_dw_model(reader="pointwise")
+    x = RNG.standard_normal((16, 3, 8, 8)).astype(np.float32) * 3
+    inputs = repairs.equalization_inputs(model, pointwise=True)
+    assert inputs == ["x", "h"] and repairs.equalization_inputs(model) == []
+    tensors = qdq.activation_tensors_to_calibrate(model)
+    stats = collect.collect(model, open_data(x, graph.input_specs(model), 5), tensors,
+                            progress=False, channels=inputs)
+    kept = repairs.channel_percentiles(stats.channels)
+    own = repairs.channel_ranges(model, [{"x": x}], inputs)
+    assert {n: r.tolist() for n, r in kept.items()} == {n: r.tolist() for n, r in own.items()}
+    assert len(set(own["h"].tolist())) == CHANNEL_GAINS.size  # every channel its own range
+    from_stats, report = repairs.depthwise_equalization(model, kept, pointwise=True)
+    from_pass, _ = repairs.depthwise_equalization(model, [{"x": x}], pointwise=True)
+    assert report.passes == 0 and report.applied
+    assert from_stats.SerializeToString() == from_pass.SerializeToString()
+    with pytest.raises(ConfigError, match=r"channels \['nowhere'\] are not among"):
+        collect.collect(model, open_data(x, graph.input_specs(model), 5), tensors,
+                        progress=False, channels=["nowhere"])
+
+
 def test_pointwise_equalization_keeps_fp32_picks_its_share_and_raises_int8_sqnr(monkeypatch):
     model = hardswish_dw_model(reader="pointwise")
     x = RNG.standard_normal((16, 3, 8, 8)).astype(np.float32)

@@ -307,12 +307,13 @@ def _needed_tensors(model, implicit: bool) -> list[str]:
     return [name for name in index.order if name in wanted]
 
 
-def _statistics(model, source, stats, args, repaired: bool = False):
+def _statistics(model, source, stats, args, repaired: bool = False, channels=()):
     """Statistics of every tensor :func:`_needed_tensors` lists: `stats` (reused from a
-    calibration folder, or None) completed by one collection pass over the ones it lacks.
-    For a `repaired` copy, `stats` are the model's own: a repair renames every tensor
-    whose values it changes, so the tensors of the same name keep their statistics and
-    only the renamed ones are collected."""
+    calibration folder, or None) completed by one collection pass over the ones it lacks,
+    which also keeps per-channel statistics of the `channels` it collects (an
+    equalization's inputs). For a `repaired` copy, `stats` are the model's own: a repair
+    renames every tensor whose values it changes, so the tensors of the same name keep
+    their statistics and only the renamed ones are collected."""
     from quantlab import collect
 
     needed = _needed_tensors(model, args.trt_version is not None)
@@ -328,6 +329,7 @@ def _statistics(model, source, stats, args, repaired: bool = False):
               "(linear-op outputs for the FP16 range rule, or the cache's ranges); collecting "
               "them in one pass over its data.")
     extra = collect.collect(model, source, missing, progress=not args.no_progress,
+                            channels=[name for name in channels if name in missing],
                             **({"num_bins": stats.num_bins} if stats is not None else {}))
     if stats is None:
         return extra
@@ -336,7 +338,7 @@ def _statistics(model, source, stats, args, repaired: bool = False):
                                           stats.tensors[name]) for name in needed},
                                   stats.num_samples, stats.num_bins)
     return collect.Statistics({**stats.tensors, **extra.tensors}, stats.num_samples,
-                              stats.num_bins)
+                              stats.num_bins, extra.channels)
 
 
 class _Calibration(NamedTuple):
@@ -452,17 +454,23 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     if ":" in args.metric:  # the user's metric fails now, not after the statistics pass
         plan.check_metric_on_model(model, source, args.metric)
     started = time.perf_counter()
-    stats = _statistics(model, source, stats, args)
+    equalizations = [name for name in args.repairs if name in ("dw-equalize", "pw-equalize")]
+    stats = _statistics(model, source, stats, args, channels=repairs.equalization_inputs(
+        model, pointwise="pw-equalize" in equalizations) if equalizations else ())
     calibration = _calibrated(stats, args)
     scales, ranges, p9999, candidates = calibration
     phases = {"statistics": time.perf_counter() - started}
     started = time.perf_counter()
     repaired = {}
     for name in args.repairs:
-        renames = name in ("dw-equalize", "pw-equalize")
+        renames = name in equalizations
         if renames:
-            changed, report = repairs.depthwise_equalization(model, source,
-                                                             pointwise=name == "pw-equalize")
+            # The statistics pass kept its inputs' channel ranges (else: a pass of its own).
+            inputs = repairs.equalization_inputs(model, pointwise=name == "pw-equalize")
+            known = stats.channels
+            changed, report = repairs.depthwise_equalization(
+                model, repairs.channel_percentiles({n: known[n] for n in inputs})
+                if all(n in known for n in inputs) else source, pointwise=name == "pw-equalize")
             changed = graph.normalize(changed) if report.applied else changed
         else:
             changed, report = (repairs.cross_layer_equalization(model) if name == "cle"
