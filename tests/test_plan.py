@@ -861,9 +861,11 @@ def test_make_plan_names_data_shortfalls_before_any_model_run(planted_case):
                                 max_drop=0.01, trials=4, hard_count=100, progress=progress)
     assert str(caught[0].message).startswith("the calibration data hold 64 samples")
     assert str(caught[1].message).startswith("a drop of 0.01 in agreement is less than one")
-    # The first pass with a progress bar: FP32's evaluation, the hardest samples being all 64
-    # (fewer than --hard-samples), taken without the ranking pass.
-    assert seen[0] == ("FP32 evaluation", [str(w.message)[:40] for w in caught[:2]])
+    # The first pass with a progress bar comes after both: the single units here (the
+    # hardest samples are all 64, fewer than --hard-samples, taken without the ranking
+    # pass; all-INT8 is screened out on them; FP32's evaluation runs with the first plan
+    # evaluated).
+    assert seen[0] == ("single units", [str(w.message)[:40] for w in caught[:2]])
     # All INT8 fails whatever the set's size (its whole interval is below the limit): its
     # width says nothing about the plans nearer the budget, so no early warning.
     first = result.evaluations[0].certificate

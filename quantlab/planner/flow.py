@@ -231,6 +231,7 @@ class _Context:
     task: object | None
     metric_fn: Callable | None  # None for a task metric (labels)
     runs: Callable[[Callable], Callable]  # a backend's run -> bounded runs, samples first
+    model: onnx.ModelProto  # the FP32 model as given, which fp32_run runs
     fp32_run: Callable
     # The first calibration batch; None after the calibrators, the last step to read it.
     first: Mapping[str, np.ndarray] | None
@@ -449,7 +450,8 @@ def _context(model: onnx.ModelProto, calibration, evaluation, settings: PlanSett
     runs, fp32_run, first = _fp32_runs(model, calibration)
     if metric_fn is not None:
         _try_metric(metric_fn, settings.metric, fp32_run, first)
-    return _Context(settings, calibration, evaluation, task, metric_fn, runs, fp32_run, first,
+    return _Context(settings, calibration, evaluation, task, metric_fn, runs, model, fp32_run,
+                    first,
                     progress or (lambda items, **_: items))
 
 
@@ -720,15 +722,34 @@ def _front_masks(points: list[FrontPoint], sensitivity: OutputSensitivity,
 
 
 class _Evaluator:
-    """Whole evaluation-set passes of plans, against FP32's outputs (run once, here), each
-    kept in the checkpoint."""
+    """Whole evaluation-set passes of plans, against FP32's outputs (made once, side by side
+    with the first plan's), each kept in the checkpoint."""
 
     def __init__(self, context: _Context, runner: _Runner, checkpoint: Checkpoint | None):
         self.context, self.runner, self.checkpoint = context, runner, checkpoint
-        self.fp32_outputs = [context.fp32_run(batch) for batch in
-                             context.step(context.evaluation, desc="FP32 evaluation")]
+        self.fp32_outputs: list[dict[str, np.ndarray]] | None = None
         self.fp32_scorer = None  # the task metric's scorer of fp32_outputs, once needed
         self.fp32_scores: dict[bytes, float] = {}  # FP32's score per resample (remembered)
+
+    def _outputs(self, precisions: Mapping[str, str] | None) -> list[dict[str, np.ndarray]]:
+        """The plan's outputs on the evaluation set (None: FP32's), FP32's made with them
+        when not made yet: the two independent passes side by side."""
+        from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+        context = self.context
+
+        def outputs(which: str, threads: int | None) -> list[dict[str, np.ndarray]]:
+            run = (context.runs(OnnxRuntimeBackend(context.model, name="fp32",
+                                                   threads=threads).run)
+                   if which == "FP32" else self.runner(precisions, "int8", threads=threads))
+            return [run(batch) for batch in context.step(context.evaluation,
+                                                          desc=f"{which} evaluation")]
+
+        jobs = ([] if precisions is None else ["INT8"]) + \
+            (["FP32"] if self.fp32_outputs is None else [])
+        made = dict(zip(jobs, concurrently(outputs, jobs), strict=True))
+        self.fp32_outputs = made.get("FP32", self.fp32_outputs)
+        return self.fp32_outputs if precisions is None else made["INT8"]
 
     def __call__(self, point: FrontPoint) -> Evaluation:
         context, settings = self.context, self.context.settings
@@ -737,12 +758,7 @@ class _Evaluator:
             return self.checkpoint.evaluations[key]
         start = time.perf_counter()
         model_run = any(p != "fp32" for p in point.precisions.values())
-        if model_run:
-            run = self.runner(point.precisions, "int8")
-            outputs = [run(batch) for batch in context.step(context.evaluation,
-                                                              desc="INT8 evaluation")]
-        else:
-            outputs = self.fp32_outputs
+        outputs = self._outputs(point.precisions if model_run else None)
         if context.metric_fn is None:
             if self.fp32_scorer is None:  # FP32's detections matched once, not per evaluation
                 self.fp32_scorer = remembered(task_scorer(context.task, self.fp32_outputs),
