@@ -202,8 +202,12 @@ class ChannelStats:
                    np.full(channels, MIN_EXPONENT), np.zeros((channels, fine_bins), np.int64))
 
     def update(self, values: np.ndarray) -> bool:
-        """Fold a run's values ([samples, channels, ...]) in; False, changing nothing, when
-        they hold NaN or Inf."""
+        """Fold a run's values ([samples, channels, ...]) in, a sample at a time (each one's
+        channels are rows of a view; a run's would be a transposed copy: 150 MB more under a
+        collection pass's peak); False, changing nothing of that sample and the ones after,
+        when they hold NaN or Inf."""
+        if len(values) > 1:
+            return all(self.update(values[i:i + 1]) for i in range(len(values)))
         rows = np.ascontiguousarray(np.moveaxis(values, 1, 0).reshape(len(self.min), -1))
         if rows.shape[1] == 0:
             return True

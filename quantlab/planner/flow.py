@@ -231,7 +231,6 @@ class _Context:
     task: object | None
     metric_fn: Callable | None  # None for a task metric (labels)
     runs: Callable[[Callable], Callable]  # a backend's run -> bounded runs, samples first
-    model: onnx.ModelProto  # the FP32 model as given, which fp32_run runs
     fp32_run: Callable
     # The first calibration batch; None after the calibrators, the last step to read it.
     first: Mapping[str, np.ndarray] | None
@@ -329,8 +328,11 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
         with phases("bias correction"):
             references, fp32_seconds = _fp32_timed(context, hard)
             held = sum(v.nbytes for v in references.values()) <= HELD_REFERENCES_BYTES
+            # The kept variant's outputs, where the all-INT8 screen reads them (below).
+            screened_on_hard = drawn is None and context.metric_fn not in (None, output_sqnr)
             shift_record, all_int8_outputs = _weigh_bias(runner, hard, references, all_int8,
-                                                         shifts, shift_report, held)
+                                                         shifts, shift_report,
+                                                         held and screened_on_hard)
         if not held:
             references = None  # let go under the local errors' peak (640 px detector: 0.3 GB)
     with phases("local errors"):
@@ -450,8 +452,7 @@ def _context(model: onnx.ModelProto, calibration, evaluation, settings: PlanSett
     runs, fp32_run, first = _fp32_runs(model, calibration)
     if metric_fn is not None:
         _try_metric(metric_fn, settings.metric, fp32_run, first)
-    return _Context(settings, calibration, evaluation, task, metric_fn, runs, model, fp32_run,
-                    first,
+    return _Context(settings, calibration, evaluation, task, metric_fn, runs, fp32_run, first,
                     progress or (lambda items, **_: items))
 
 
@@ -591,14 +592,19 @@ def _weigh_bias(runner: _Runner, hard: Mapping[str, np.ndarray],
                 shifts: Mapping[str, np.ndarray], shift_report, keep: bool
                 ) -> tuple[dict, dict[str, np.ndarray] | None]:
     """Bias correction kept (``runner.shifts``) only where it lowers all-INT8's noise on the
-    `hard` samples (FP32's outputs on them: `references`), both measured side by side; its
-    record for plan.json, and with `keep` the kept variant's outputs on `hard` (the same
-    plan on the same samples as the screen of all-INT8, :func:`_screen_samples`)."""
-    def parts(kept: Mapping[str, np.ndarray], threads: int | None) -> list:
-        return list(runner(all_int8, threads=threads, shifts=kept).parts(hard))
+    `hard` samples (FP32's outputs on them: `references`); its record for plan.json, and
+    with `keep` the kept variant's outputs on `hard` (the same plan on the same samples as
+    the screen of all-INT8, :func:`_screen_samples`)."""
+    def measured(kept: Mapping[str, np.ndarray]) -> tuple[float, list]:
+        run = runner(all_int8, shifts=kept)
+        if not keep:  # summed run by run, the outputs never held (:meth:`BoundedRun.pooled_nsr`)
+            return run.pooled_nsr(hard, references), []
+        parts = list(run.parts(hard))
+        return parts_nsr(iter(parts), references), parts
 
-    with_parts, without_parts = concurrently(parts, [shifts, {}])
-    with_shifts, without = (parts_nsr(iter(p), references) for p in (with_parts, without_parts))
+    # One after the other: side by side, the second session's memory came on top (the
+    # orientation model's plan peaked 0.25 GB higher), for 0.3 s on the layout detector.
+    (with_shifts, with_parts), (without, without_parts) = measured(shifts), measured({})
     chosen = with_shifts < without
     runner.shifts = dict(shifts) if chosen else {}
     outputs = joined(with_parts if chosen else without_parts) if keep else None
@@ -722,8 +728,8 @@ def _front_masks(points: list[FrontPoint], sensitivity: OutputSensitivity,
 
 
 class _Evaluator:
-    """Whole evaluation-set passes of plans, against FP32's outputs (made once, side by side
-    with the first plan's), each kept in the checkpoint."""
+    """Whole evaluation-set passes of plans, against FP32's outputs (made once, with the
+    first plan evaluated), each kept in the checkpoint."""
 
     def __init__(self, context: _Context, runner: _Runner, checkpoint: Checkpoint | None):
         self.context, self.runner, self.checkpoint = context, runner, checkpoint
@@ -732,24 +738,18 @@ class _Evaluator:
         self.fp32_scores: dict[bytes, float] = {}  # FP32's score per resample (remembered)
 
     def _outputs(self, precisions: Mapping[str, str] | None) -> list[dict[str, np.ndarray]]:
-        """The plan's outputs on the evaluation set (None: FP32's), FP32's made with them
-        when not made yet: the two independent passes side by side."""
-        from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-
+        """The plan's outputs on the evaluation set (None: FP32's), FP32's made first when
+        not made yet (they are not, where every evaluation is in the checkpoint). Not side
+        by side: held with the plan's, the second session's memory came on top (the
+        orientation model's plan peaked 250 MB higher)."""
         context = self.context
-
-        def outputs(which: str, threads: int | None) -> list[dict[str, np.ndarray]]:
-            run = (context.runs(OnnxRuntimeBackend(context.model, name="fp32",
-                                                   threads=threads).run)
-                   if which == "FP32" else self.runner(precisions, "int8", threads=threads))
-            return [run(batch) for batch in context.step(context.evaluation,
-                                                          desc=f"{which} evaluation")]
-
-        jobs = ([] if precisions is None else ["INT8"]) + \
-            (["FP32"] if self.fp32_outputs is None else [])
-        made = dict(zip(jobs, concurrently(outputs, jobs), strict=True))
-        self.fp32_outputs = made.get("FP32", self.fp32_outputs)
-        return self.fp32_outputs if precisions is None else made["INT8"]
+        if self.fp32_outputs is None:
+            self.fp32_outputs = [context.fp32_run(batch) for batch in
+                                 context.step(context.evaluation, desc="FP32 evaluation")]
+        if precisions is None:
+            return self.fp32_outputs
+        run = self.runner(precisions, "int8")
+        return [run(batch) for batch in context.step(context.evaluation, desc="INT8 evaluation")]
 
     def __call__(self, point: FrontPoint) -> Evaluation:
         context, settings = self.context, self.context.settings

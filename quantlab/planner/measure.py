@@ -544,20 +544,18 @@ def all_int8_nsr(options: Mapping[str, CalibratedModel], batch: Mapping[str, np.
                  plan: Mapping[str, str] | None = None) -> dict[str, float]:
     """Output NSR of each option's Q/DQ model (all INT8 but `plan`'s nodes) on `batch`.
 
-    One pass per option, the options side by side (:func:`concurrently`), against
-    `references` (the FP32 outputs on `batch`), its backend's run wrapped by `runs`
-    (:func:`in_runs`: bounded runs, samples first). Nodes of `plan` an option lacks are
-    skipped.
+    One pass per option, against `references` (the FP32 outputs on `batch`), its
+    backend's run wrapped by `runs` (:func:`in_runs`: bounded runs, samples first).
+    Nodes of `plan` an option lacks are skipped.
     """
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
-    def nsr(name: str, threads: int | None) -> float:
-        option = options[name]
+    result = {}
+    for name, option in options.items():
         nodes = {n.name for n in option.model.graph.node}
         model = qdq.quantize_model(option.model, option.amax,
                                    {n: p for n, p in (plan or {}).items() if n in nodes})
-        return runs(OnnxRuntimeBackend(model, name=f"int8 {name}", threads=threads).run
-                    ).pooled_nsr(batch, references)
-
-    return dict(zip(options, concurrently(nsr, list(options)), strict=True))
+        result[name] = runs(OnnxRuntimeBackend(model, name=f"int8 {name}").run).pooled_nsr(
+            batch, references)
+    return result
 
