@@ -991,6 +991,36 @@ def test_make_plan_screens_out_all_int8_failing_beyond_doubt_on_calibration_data
     assert result.certificate.certified and not result.evaluations[result.chosen].screened
 
 
+def test_all_int8_screen_reads_the_outputs_bias_correction_made_of_the_same_plan(planted_case):
+    """A metric of outputs (agreement) with all the calibration samples hard: the all-INT8
+    screen reads the outputs that bias correction's weighing made of the kept variant (the
+    same plan on the same samples), not a run of its own. Reference: the agreement of the
+    separately built all-INT8 Q/DQ model, with the bias shifts that repairs.bias_shifts
+    measures applied where the plan kept them, on those samples: equal to float rounding
+    (1e-12: the same outputs, one sample at a time or all at once)."""
+    from quantlab import qdq, repairs
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    g, source, fp32, *_ = planted_case
+    names = qdq.activation_tensors_to_calibrate(g.model)
+    samples = np.concatenate([b["x"] for b in source])
+    amax = {n: float(np.abs(v).max()) for n, v in fp32.run({"x": samples}, names).items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the data shortfalls, tested above
+        result = planned(g.model, source, source, amax, amax, amax, metric="agreement",
+                         max_drop=0.01, trials=4, hard_count=100)
+    first = result.evaluations[0]
+    assert first.screened and first.certificate.samples == len(samples)
+    record = next(r for r in result.plan.repairs if r["repair"] == "bias_correction")
+    built = qdq.quantize_model(g.model, result.amax)
+    if record["chosen"]:
+        shifts, _ = repairs.bias_shifts(g.model, built, source)
+        built = repairs.shift_biases(g.model, built, shifts)
+    want = plan.argmax_agreement([OnnxRuntimeBackend(built).run({"x": samples})],
+                                 [fp32.run({"x": samples})])
+    assert first.certificate.value == pytest.approx(want, rel=1e-12)
+
+
 def noisy_outputs(seed: int = 4):
     rng = np.random.default_rng(seed)
     references = [{"y": rng.standard_normal((6, 5, 2)), "z": rng.standard_normal((6, 3))}
