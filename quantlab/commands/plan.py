@@ -457,6 +457,10 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     equalizations = [name for name in args.repairs if name in ("dw-equalize", "pw-equalize")]
     stats = _statistics(model, source, stats, args, channels=repairs.equalization_inputs(
         model, pointwise="pw-equalize" in equalizations) if equalizations else ())
+    # The equalizations' per-channel ranges; their statistics (8 KB a channel) let go of
+    # before the planner's peak.
+    kept_ranges = repairs.channel_percentiles(stats.channels)
+    stats.channels.clear()
     calibration = _calibrated(stats, args)
     scales, ranges, p9999, candidates = calibration
     phases = {"statistics": time.perf_counter() - started}
@@ -467,10 +471,10 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
         if renames:
             # The statistics pass kept its inputs' channel ranges (else: a pass of its own).
             inputs = repairs.equalization_inputs(model, pointwise=name == "pw-equalize")
-            known = stats.channels
             changed, report = repairs.depthwise_equalization(
-                model, repairs.channel_percentiles({n: known[n] for n in inputs})
-                if all(n in known for n in inputs) else source, pointwise=name == "pw-equalize")
+                model, {n: kept_ranges[n] for n in inputs}
+                if all(n in kept_ranges for n in inputs) else source,
+                pointwise=name == "pw-equalize")
             changed = graph.normalize(changed) if report.applied else changed
         else:
             changed, report = (repairs.cross_layer_equalization(model) if name == "cle"
