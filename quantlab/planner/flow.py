@@ -603,7 +603,8 @@ def _weigh_bias(runner: _Runner, hard: Mapping[str, np.ndarray],
         return parts_nsr(iter(parts), references), parts
 
     # One after the other: side by side, the second session's memory came on top (the
-    # orientation model's plan peaked 0.25 GB higher), for 0.3 s on the layout detector.
+    # orientation model's plan peaked 0.25 GB higher), for a few tenths of a second (two
+    # all-INT8 passes over 8 layout pages: 2.0 s side by side, 2.3-2.5 s one by one).
     (with_shifts, with_parts), (without, without_parts) = measured(shifts), measured({})
     chosen = with_shifts < without
     runner.shifts = dict(shifts) if chosen else {}
