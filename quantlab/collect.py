@@ -565,7 +565,7 @@ def collect(
     if unknown:
         raise ConfigError(f"channels {unknown[:5]} are not among the tensors to collect; "
                           "per-channel statistics are kept of collected tensors only.")
-    by_channel = _ChannelFold(channels)
+    by_channel = ChannelFold(channels)
     runs: list[Run] = []
     groups: list[list[str]] = []
     sizes: dict[str, int] = {}
@@ -670,7 +670,7 @@ class _SegmentFailed(Exception):
 def _run_segments(runs: Sequence[Run], feeds: Mapping[str, np.ndarray],
                   pool: ThreadPoolExecutor, stats: dict[str, TensorStats],
                   tensor_axes: Mapping[str, int | None], samples: tuple[int, int],
-                  batch_index: int, by_channel: _ChannelFold) -> dict[str, int]:
+                  batch_index: int, by_channel: ChannelFold) -> dict[str, int]:
     """Run one slice through every segment in order; return the exposed tensors' bytes.
 
     `samples` is the slice's first sample index and its number of samples.
@@ -705,7 +705,7 @@ def _run_segments(runs: Sequence[Run], feeds: Mapping[str, np.ndarray],
 
 def _fold_run(pool: ThreadPoolExecutor, stats: dict[str, TensorStats],
               values: dict[str, np.ndarray], batch_index: int, samples: tuple[int, int],
-              tensor_axes: Mapping[str, int | None], by_channel: _ChannelFold) -> None:
+              tensor_axes: Mapping[str, int | None], by_channel: ChannelFold) -> None:
     """Fold one run's exposed tensors into their statistics (and per channel, those of
     `by_channel`); raise on the first NaN/Inf."""
     names = list(values)
@@ -726,9 +726,10 @@ def _fold_run(pool: ThreadPoolExecutor, stats: dict[str, TensorStats],
             )
 
 
-class _ChannelFold:
-    """The per-channel statistics :func:`collect` keeps of the tensors `names`, each made at
-    its first run (the channel count read from it) and updated by one thread at a time."""
+class ChannelFold:
+    """Per-channel statistics of the tensors `names` (:func:`collect`'s `channels`,
+    :func:`quantlab.repairs.channel_ranges`), each made at its first run (the channel count
+    read from it) and updated by one thread at a time."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self.names = set(names)

@@ -36,7 +36,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from quantlab import graph
-from quantlab.collect import CHANNEL_BINS, RUN_BYTES, ChannelStats
+from quantlab.collect import CHANNEL_BINS, RUN_BYTES, ChannelFold, ChannelStats
 from quantlab.data import batch_length, sample_axes, slice_batch
 from quantlab.errors import ConfigError, DataError, ModelError
 from quantlab.graph import Graph
@@ -992,24 +992,19 @@ def channel_ranges(model: onnx.ModelProto, batches: Iterable[Mapping[str, np.nda
     index = Graph(model)
     names = list(dict.fromkeys(tensors))
     backend = OnnxRuntimeBackend(model, name="fp32")
-    stats: dict[str, ChannelStats] = {}
+    fold = ChannelFold(names)
     # Tensors are scanned in parallel (the compiled scan releases the GIL), one thread each.
     with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
         for run in _runs(batches, index, names, run_bytes):
-            values = {name: np.asarray(value, np.float32)
-                      for name, value in backend.run(run, names).items()}
-            for name in names:
-                stats.setdefault(name, ChannelStats.empty(values[name].shape[1],
-                                                          CHANNEL_BINS))
-            folded = pool.map(lambda name, value: stats[name].update(value), names,
-                              [values[name] for name in names])
+            values = backend.run(run, names)
+            folded = pool.map(fold.update, names, [values[name] for name in names])
             for name, finite in zip(names, folded, strict=True):
                 if not finite:
                     raise DataError(
                         f"tensor '{name}' holds NaN or Inf on the calibration data; fix the "
                         "data or the layer producing it before equalizing.")
             del values
-    return channel_percentiles(stats, percentile)
+    return channel_percentiles(fold.stats, percentile)
 
 
 def channel_percentiles(stats: Mapping[str, ChannelStats], percentile: float = DW_PERCENTILE
