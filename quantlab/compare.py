@@ -159,6 +159,49 @@ def output_sqnr_db(noise: Sequence[float] | np.ndarray,
     return -10.0 * math.log10(nsr) if nsr > 0 else math.inf
 
 
+_FLOAT64_ROWS_BYTES = 32 << 20  # sample_energies' float64 working copies
+
+
+def sample_energies(outputs: Mapping[str, np.ndarray],
+                    references: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample noise and signal energy of every float output, in float64: (noise, power),
+    each [samples, outputs], ``sum (y - r)^2`` and ``sum r^2`` over one sample's elements.
+
+    Samples are on axis 0 of every output. Summed over samples they give the output NSR
+    (:func:`output_nsr`); per sample, how hard a sample is
+    (:func:`quantlab.planner.measure.sample_nsr`).
+    """
+    noises, powers = [], []
+    for name, reference in references.items():
+        reference = np.asarray(reference)
+        if not np.issubdtype(reference.dtype, np.floating):
+            continue
+        count = len(reference)
+        ref = reference.reshape(count, -1)
+        out = np.asarray(outputs[name]).reshape(count, -1)
+        noise, power = np.empty(count), np.empty(count)
+        # In float64, a few samples at a time: a whole batch of a detector's outputs in
+        # float64 (4 copies of 48 x 12828 x 91 values) held 1.2 GB.
+        rows = max(1, _FLOAT64_ROWS_BYTES // max(1, 8 * ref.shape[1]))
+        for start in range(0, count, rows):
+            part = ref[start:start + rows].astype(np.float64)
+            diff = out[start:start + rows].astype(np.float64) - part
+            noise[start:start + rows] = np.einsum("ij,ij->i", diff, diff)
+            power[start:start + rows] = np.einsum("ij,ij->i", part, part)
+        noises.append(noise)
+        powers.append(power)
+    if not noises:
+        raise ModelError(f"the model has no float outputs to compare ({sorted(references)}); "
+                         "pass a metric that reads its outputs (--metric module:function).")
+    return np.stack(noises, axis=1), np.stack(powers, axis=1)
+
+
+def joined_energies(parts: Sequence[tuple[np.ndarray, np.ndarray]],
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sample_energies` of several batches as one (noise, power), samples in order."""
+    return np.concatenate([n for n, _ in parts]), np.concatenate([p for _, p in parts])
+
+
 class ChannelError:
     """Per-channel signal and noise power and largest |reference| of one tensor pair, along
     axis 1 and along the last axis (samples on axis 0), folded batch by batch: whether the

@@ -24,7 +24,6 @@ from quantlab.planner.certify import (  # noqa: F401 (public API)
     output_sqnr,
     resolve_metric,
     split_samples,
-    task_evaluator,
 )
 from quantlab.planner.decisions import (  # noqa: F401 (public API)
     PLAN_FORMAT,

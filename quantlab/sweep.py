@@ -29,15 +29,8 @@ from quantlab import calibrate, collect, graph, qdq
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.data import BatchSource
 from quantlab.errors import ConfigError
-from quantlab.planner.certify import (
-    Certificate,
-    Outputs,
-    against_reference,
-    certify_paired,
-    metric_scorer,
-    resolve_metric,
-)
 from quantlab.planner.measure import in_runs, output_sample_axes, samples_per_run
+from quantlab.scoring import Certificate, Outputs, PairedScore, Reference, metric_for, versus
 
 # `quantlab sweep --help` states DEFAULT_PERCENTILES and TOLERANCE (its parser imports no NumPy).
 DEFAULT_PERCENTILES = (99.9, 99.99, 99.999)
@@ -206,30 +199,31 @@ def amax_movement(half: Mapping[str, float], full: Mapping[str, float]) -> dict[
 
 
 class Evaluator:
-    """Scores INT8 models on evaluation data against the FP32 model, with paired bootstrap.
+    """Scores INT8 models on evaluation data against the FP32 model, with paired bootstrap
+    (:class:`quantlab.scoring.PairedScore`).
 
     Every model runs over `evaluation` in runs of a bounded size, outputs samples first
-    (as the planner reads them); the FP32 outputs are computed once. `metric` is a
-    label-free metric or ``module:function`` (:func:`resolve_metric`), or the primary
+    (as the planner reads them); FP32's outputs are computed once, and its records
+    (:class:`quantlab.scoring.Reference`) scored once per resample for every
+    configuration. `metric` is a label-free metric or ``module:name``, or the primary
     metric of `task` (``top1``, ``map``).
     """
 
     def __init__(self, model: onnx.ModelProto, evaluation: BatchSource, metric: str,
                  task=None, resamples: int = 200, progress: Callable | None = None):
         self.evaluation = evaluation
-        self.metric = metric
-        self.task = task if task is not None and metric == task.primary_metric else None
-        self.function = None if self.task is not None else resolve_metric(metric)
+        self.metric = metric_for(metric, task)
         self.resamples = resamples
         self.progress = progress or (lambda items, **_: items)
-        self._fp32_scorer: Callable[[np.ndarray], float] | None = None
-        self._fp32_scores: dict[bytes, float] = {}
         started = time.perf_counter()
         self.fp32 = OnnxRuntimeBackend(model, name="fp32")
         first = next(iter(evaluation))
         self.size = samples_per_run(graph.Graph(model), first, evaluation)
         self.axes = output_sample_axes(model, self.fp32.run, first, evaluation)
         self.references = self.outputs(model, "FP32 evaluation", self.fp32)
+        self.reference = Reference(self.metric)
+        for batch in self.references:
+            self.reference.update(batch)
         self.fp32_seconds = time.perf_counter() - started
 
     def outputs(self, model: onnx.ModelProto, desc: str,
@@ -239,33 +233,19 @@ class Evaluator:
                       self.size, self.axes)
         return [run(batch) for batch in self.progress(self.evaluation, desc=desc)]
 
-    def _scorer(self, outputs: Outputs) -> Callable[[np.ndarray], float]:
-        """``score(picked samples)``: the metric of `outputs` (label-free metrics: against
-        FP32's outputs) on the samples picked."""
-        return metric_scorer(self.metric, self.function, self.task, outputs, self.references)
-
-    def _fp32(self, pick: np.ndarray) -> float:
-        """FP32's score on the samples picked, remembered: every configuration's bootstrap
-        draws the same resamples (certify_paired's fixed seed), so FP32 is scored once."""
-        key = pick.tobytes()
-        if key not in self._fp32_scores:
-            if self._fp32_scorer is None:
-                self._fp32_scorer = self._scorer(self.references)
-            self._fp32_scores[key] = self._fp32_scorer(pick)
-        return self._fp32_scores[key]
-
-    def _scores(self, outputs: Outputs, others: Outputs | None
-                ) -> Callable[[np.ndarray], tuple[float, float]]:
-        """``evaluate(picked samples) -> (metric of outputs, metric of others)`` (others: FP32)."""
-        first = self._scorer(outputs)
-        second = self._fp32 if others is None else self._scorer(others)
-        return lambda pick: (first(pick), second(pick))
+    def scored(self, outputs: Outputs) -> PairedScore:
+        """`outputs` (one entry per evaluation batch) recorded against FP32's."""
+        paired = PairedScore(self.metric, resamples=self.resamples, reference=self.reference)
+        for batch, reference in zip(outputs, self.references, strict=True):
+            paired.update(batch, reference)
+        return paired
 
     def scoring_seconds(self) -> float:
-        """Seconds scoring one configuration takes here: a scorer made, run on every sample
-        and on each bootstrap resample (timed on FP32's outputs, scored as a candidate)."""
+        """Seconds scoring one configuration takes here: its records made, scored on every
+        sample and on each bootstrap resample (timed on FP32's outputs, scored as a
+        candidate)."""
         started = time.perf_counter()
-        score = self._scorer(self.references)
+        score = self.scored(self.references).score()
         made = time.perf_counter() - started
         started = time.perf_counter()
         score(np.arange(self.evaluation.num_samples))
@@ -275,15 +255,12 @@ class Evaluator:
         """The metric of `outputs` and its paired interval: of the difference to FP32 (margin
         over ``limit`` = FP32's value), or of the value itself where FP32's is infinite (output
         SQNR: ``limit`` 0)."""
-        return against_reference(self.metric, self._scores(outputs, None),
-                                 self.evaluation.num_samples, self.resamples)
+        return self.scored(outputs).certificate()
 
     def versus(self, outputs: Outputs, others: Outputs) -> Certificate:
         """The paired interval of metric(outputs) - metric(others) (``interval``, margin over
         ``limit`` = metric(others))."""
-        return certify_paired(self.metric, self._scores(outputs, others),
-                              self.evaluation.num_samples, max_drop=0.0,
-                              resamples=self.resamples)
+        return versus(self.scored(outputs), self.scored(others), self.resamples)
 
 
 def estimate_seconds(model: onnx.ModelProto, evaluation: BatchSource, metric: str, task,

@@ -785,7 +785,7 @@ def test_custom_metric_round_trip(tmp_path, monkeypatch):
     outputs = [{"y": r["y"] + 0.01} for r in references]
     result = plan.certify(metric, "my_metric:closeness", outputs, references, max_drop=0.02,
                           resamples=20)
-    assert my_metric.calls[0] == (3, ["y"], ["y"])  # one entry per batch, dicts by output
+    assert my_metric.calls[0] == (12, ["y"], ["y"])  # one entry per sample, dicts by output
     assert my_metric.calls[-1][0] == 12  # resampled: one entry per sample
     assert result.reference == 0.0 and result.value == pytest.approx(-0.01)
     assert result.certified and not result.too_small
@@ -1205,15 +1205,23 @@ def test_make_plan_falls_back_to_fp32_when_no_int8_plan_certifies(planted_case, 
                for d in result.plan.units.values())
 
 
-def certify_by_noise(metric, name, outputs, references, *, max_drop, floor, resamples, **_):
-    """A stand-in for plan.certify deciding by output noise: FP32 certifies, noisy plans
-    (under 15 dB) fail outright, the others score inside the budget but are inconclusive
-    (their interval reaches below the limit; 400 samples needed)."""
-    noise = plan.output_sqnr(outputs, references)
-    low, high = ((max_drop, max_drop) if noise == np.inf else
-                 (-0.5, -0.1) if noise < 15 else (-0.2, 0.9))
-    return plan.Certificate(name, 1.0, 1.0 - max_drop + (low + high) / 2, 1.0 - max_drop,
-                            (low, high), 0.95, 64, low >= 0, high - low > max_drop, 400)
+class CertifiedByNoise(flow.PairedScore):
+    """A stand-in for the planner's scorer deciding by output noise: FP32 certifies, noisy
+    plans (under 15 dB) fail outright, the others score inside the budget but are
+    inconclusive (their interval reaches below the limit; 400 samples needed)."""
+
+    def update(self, outputs, references):
+        super().update(outputs, references)
+        self.__dict__.setdefault("noisy", []).append((outputs, references))
+
+    def certificate(self, max_drop=None, floor=None, **_):
+        kept = self.__dict__.get("noisy", [])
+        noise = (plan.output_sqnr(*map(list, zip(*kept, strict=True))) if kept else np.inf)
+        low, high = ((max_drop, max_drop) if noise == np.inf else
+                     (-0.5, -0.1) if noise < 15 else (-0.2, 0.9))
+        return plan.Certificate(self.metric.name, 1.0, 1.0 - max_drop + (low + high) / 2,
+                                1.0 - max_drop, (low, high), 0.95, 64, low >= 0,
+                                high - low > max_drop, 400)
 
 
 def test_make_plan_warns_when_a_better_plan_was_only_inconclusive(planted_case, monkeypatch):
@@ -1227,7 +1235,7 @@ def test_make_plan_warns_when_a_better_plan_was_only_inconclusive(planted_case, 
     amax = {n: float(np.abs(v).max()) for n, v in fp32.run(
         next(iter(source)), qdq.activation_tensors_to_calibrate(g.model)).items()}
 
-    monkeypatch.setattr(flow, "certify", certify_by_noise)
+    monkeypatch.setattr(flow, "PairedScore", CertifiedByNoise)
     with pytest.warns(UserWarning, match=r"scored .* but could not be certified: the "
                       r"evaluation set is too small.* The plan written keeps 0.0% in INT8 "
                       r"\([0-9.]+ points of the MACs fewer\)"):
@@ -2196,7 +2204,7 @@ def test_plan_command_writes_the_uncertified_better_plan_beside_the_certified(tm
     and summary.json says which is which."""
     from quantlab.cli import main
 
-    monkeypatch.setattr(flow, "certify", certify_by_noise)
+    monkeypatch.setattr(flow, "PairedScore", CertifiedByNoise)
     g = planted_model()
     graph.save_model(g.model, tmp_path / "planted.onnx")
     rng = np.random.default_rng(1)

@@ -21,9 +21,10 @@ import onnx
 
 from quantlab.errors import DataError
 from quantlab.experiment import read_record, write_json
-from quantlab.planner.certify import Certificate, certify, certify_paired, pooled_sqnr
+from quantlab.planner.certify import Certificate, certify_paired, pooled_sqnr
 from quantlab.planner.measure import Draw
 from quantlab.planner.search import FrontPoint
+from quantlab.scoring import Metric, PairedScore
 
 # The least INT8 (share of MACs) an evaluation must be able to add over the certified plan.
 MIN_GAIN = 1e-4
@@ -195,7 +196,7 @@ def warn_undecided(evaluations: list[Evaluation], chosen: Evaluation) -> None:
                       stacklevel=4)
 
 
-def screen(point: FrontPoint, run: Callable, draw: Draw, metric_fn: Callable, metric: str,
+def screen(point: FrontPoint, run: Callable, draw: Draw, metric: Metric,
            max_drop: float | None, min_sqnr: float | None,
            resamples: int) -> Evaluation | None:
     """The all-INT8 `point` judged on calibration samples, if it fails there beyond doubt.
@@ -213,15 +214,15 @@ def screen(point: FrontPoint, run: Callable, draw: Draw, metric_fn: Callable, me
     start = time.perf_counter()
     if draw.energies is not None:
         score = pooled_sqnr(*draw.energies)
-        certificate = certify_paired(metric, lambda pick: (score(pick), np.inf),
+        certificate = certify_paired(metric.name, lambda pick: (score(pick), np.inf),
                                      len(draw.energies[0]), floor=min_sqnr,
                                      resamples=resamples)
     else:
         known = draw.outputs is not None and draw.outputs_of == plan_key(point.precisions)
         outputs = draw.outputs if known else run(draw.inputs)
-        certificate = certify(metric_fn, metric, [outputs], [draw.references],
-                              max_drop=max_drop, floor=min_sqnr, resamples=resamples,
-                              what="random calibration samples")
+        scored = PairedScore(metric, resamples=resamples, what="random calibration samples")
+        scored.update(outputs, draw.references)
+        certificate = scored.certificate(max_drop, min_sqnr)
     if certificate.interval[1] >= 0:
         return None
     return Evaluation(point.int8_mac_share, point.predicted, certificate,

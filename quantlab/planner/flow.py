@@ -43,18 +43,10 @@ from quantlab.errors import ConfigError, ModelError
 from quantlab.graph import Graph
 from quantlab.planner.certify import (
     Certificate,
-    certify,
-    certify_paired,
     check_budget,
     data_shortfalls,
     floor_message,
     floor_record,
-    metric_value,
-    output_sqnr,
-    paired,
-    remembered,
-    resolve_metric,
-    task_scorer,
 )
 from quantlab.planner.decisions import Plan
 from quantlab.planner.evaluate import (
@@ -97,6 +89,7 @@ from quantlab.planner.trials import (
     plan_nsr,
 )
 from quantlab.planner.units import Unit, find_units, read_back, share_scales
+from quantlab.scoring import Metric, PairedScore, Reference, metric_for
 
 # Front plans measured per round of checks before any evaluation.
 FRONT_CHECKS = 4
@@ -229,7 +222,7 @@ class _Context:
     calibration: object  # a quantlab.data.BatchSource
     evaluation: object
     task: object | None
-    metric_fn: Callable | None  # None for a task metric (labels)
+    metric: Metric
     runs: Callable[[Callable], Callable]  # a backend's run -> bounded runs, samples first
     fp32_run: Callable
     # The first calibration batch; None after the calibrators, the last step to read it.
@@ -329,7 +322,7 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
             references, fp32_seconds = _fp32_timed(context, hard)
             held = sum(v.nbytes for v in references.values()) <= HELD_REFERENCES_BYTES
             # The kept variant's outputs, where the all-INT8 screen reads them (below).
-            screened_on_hard = drawn is None and context.metric_fn not in (None, output_sqnr)
+            screened_on_hard = drawn is None and context.metric.reads_outputs
             shift_record, all_int8_outputs = _weigh_bias(runner, hard, references, all_int8,
                                                          shifts, shift_report,
                                                          held and screened_on_hard)
@@ -425,34 +418,34 @@ def _fp32_runs(model: onnx.ModelProto, calibration
 
 
 def check_metric_on_model(model: onnx.ModelProto, calibration, metric: str) -> None:
-    """Call a ``module:function`` or built-in `metric` once, FP32 against itself on the first
+    """Call a ``module:name`` or built-in `metric` once, FP32 against itself on the first
     calibration batch, so that a metric that fails fails before any long pass."""
-    _try_metric(resolve_metric(metric), metric, *_fp32_runs(model, calibration)[1:])
+    _try_metric(metric_for(metric), *_fp32_runs(model, calibration)[1:])
 
 
-def _try_metric(metric_fn: Callable, metric: str, fp32_run: Callable,
-                first: Mapping[str, np.ndarray]) -> None:
-    first_outputs = [fp32_run(first)]
-    metric_value(metric_fn, metric, first_outputs, first_outputs,
-                 "FP32 against itself on the first calibration batch")
+def _try_metric(metric: Metric, fp32_run: Callable, first: Mapping[str, np.ndarray]) -> None:
+    """`metric` of FP32 against itself on the `first` batch, checked."""
+    outputs = fp32_run(first)
+    records = metric.records(outputs, outputs, 0)
+    metric.scorer(records, "FP32 against itself on the first calibration batch")(
+        np.arange(len(records)))
 
 
 def _context(model: onnx.ModelProto, calibration, evaluation, settings: PlanSettings, task,
              progress: Callable | None) -> _Context:
     """Checks of the settings against the data, the FP32 model's bounded runs, the metric
     tried once on the first batch (a metric that fails fails now, not late)."""
-    task_metric = task is not None and settings.metric == task.primary_metric
     if task is not None:
         task.check_samples(evaluation.num_samples)
-    metric_fn = None if task_metric else resolve_metric(settings.metric)
+    metric = metric_for(settings.metric, task)
     for message in data_shortfalls(calibration.num_samples, evaluation.num_samples,
                                    settings.hard_count, settings.metric, settings.max_drop,
                                    task):
         warnings.warn(message, stacklevel=3)
     runs, fp32_run, first = _fp32_runs(model, calibration)
-    if metric_fn is not None:
-        _try_metric(metric_fn, settings.metric, fp32_run, first)
-    return _Context(settings, calibration, evaluation, task, metric_fn, runs, fp32_run, first,
+    if not metric.labels:
+        _try_metric(metric, fp32_run, first)
+    return _Context(settings, calibration, evaluation, task, metric, runs, fp32_run, first,
                     progress or (lambda items, **_: items))
 
 
@@ -460,7 +453,7 @@ def _draw(context: _Context) -> bool:
     """Whether the hardest-samples pass draws random samples (and keeps FP32's outputs on
     them) for :func:`_screen_samples`: for a metric of outputs other than output SQNR,
     unless the hardest samples are all the samples."""
-    return (context.metric_fn not in (None, output_sqnr) and
+    return (context.metric.reads_outputs and
             context.calibration.num_samples > context.settings.hard_count)
 
 
@@ -526,7 +519,7 @@ def _hardest(context: _Context, all_int8: Callable[[], Callable]):
     reads their energies (a metric other than output SQNR), all of them without the pass,
     which would rank samples that are all kept."""
     calibration, count = context.calibration, context.settings.hard_count
-    if calibration.num_samples <= count and context.metric_fn is not output_sqnr:
+    if calibration.num_samples <= count and not context.metric.is_output_sqnr:
         return all_samples(calibration), np.arange(calibration.num_samples), None, None
     return hardest_samples(calibration, context.fp32_run, all_int8(), count,
                            lambda b: context.step(b, desc="hardest samples"), draw=_draw(context))
@@ -540,9 +533,9 @@ def _screen_samples(context: _Context, drawn: Draw | None,
     valid while the bias-correction step keeps the shifts that pass ran with; for another
     metric of outputs the pass's random draw, or the `hardest` when they are all the
     samples; none for a task metric (labels)."""
-    if context.metric_fn is output_sqnr:
+    if context.metric.is_output_sqnr:
         return Draw(energies=energies) if shifts_kept else None
-    if context.metric_fn is None:
+    if context.metric.labels:
         return None
     return drawn if drawn is not None else hardest
 
@@ -729,50 +722,61 @@ def _front_masks(points: list[FrontPoint], sensitivity: OutputSensitivity,
 
 
 class _Evaluator:
-    """Whole evaluation-set passes of plans, against FP32's outputs (made once, with the
-    first plan evaluated), each kept in the checkpoint."""
+    """Whole evaluation-set passes of plans against FP32's outputs, each kept in the checkpoint.
+
+    FP32's pass runs once, with the first plan evaluated: its records (:class:`Reference`)
+    and, for a metric that reads them, its outputs. A plan's outputs stream through its
+    :class:`PairedScore` batch by batch and are dropped once recorded: a user's two-part
+    metric decodes each sample once per evaluation, and the bootstrap reduces records.
+    """
 
     def __init__(self, context: _Context, runner: _Runner, checkpoint: Checkpoint | None):
         self.context, self.runner, self.checkpoint = context, runner, checkpoint
-        self.fp32_outputs: list[dict[str, np.ndarray]] | None = None
-        self.fp32_scorer = None  # the task metric's scorer of fp32_outputs, once needed
-        self.fp32_scores: dict[bytes, float] = {}  # FP32's score per resample (remembered)
+        self.reference: Reference | None = None
+        self.fp32_outputs: list[dict[str, np.ndarray]] = []
 
-    def _outputs(self, precisions: Mapping[str, str] | None) -> list[dict[str, np.ndarray]]:
-        """The plan's outputs on the evaluation set (None: FP32's), FP32's made first when
-        not made yet (they are not, where every evaluation is in the checkpoint). Not side
-        by side: held with the plan's, the second session's memory came on top (the
-        orientation model's plan peaked 250 MB higher)."""
+    def _fp32(self) -> Reference:
+        """FP32's records on the evaluation set (and its outputs where the metric reads
+        them), made when first needed: not where every evaluation is in the checkpoint."""
         context = self.context
-        if self.fp32_outputs is None:
-            self.fp32_outputs = [context.fp32_run(batch) for batch in
-                                 context.step(context.evaluation, desc="FP32 evaluation")]
-        if precisions is None:
-            return self.fp32_outputs
+        if self.reference is None:
+            self.reference = Reference(context.metric)
+            for batch in context.step(context.evaluation, desc="FP32 evaluation"):
+                outputs = context.fp32_run(batch)
+                self.reference.update(outputs)
+                if not context.metric.labels:
+                    self.fp32_outputs.append(outputs)
+        return self.reference
+
+    def _scored(self, precisions: Mapping[str, str], model_run: bool) -> PairedScore:
+        """The plan's records on the evaluation set (FP32's own when it runs no model). Not
+        side by side with FP32's pass: held with the plan's, the second session's memory came
+        on top (the orientation model's plan peaked 250 MB higher)."""
+        context = self.context
+        reference = self._fp32()
+        if not model_run:
+            return PairedScore.of_reference(reference, context.settings.resamples)
+        scored = PairedScore(context.metric, resamples=context.settings.resamples,
+                             reference=reference)
         run = self.runner(precisions, "int8")
-        return [run(batch) for batch in context.step(context.evaluation, desc="INT8 evaluation")]
+        batches = context.step(context.evaluation, desc="INT8 evaluation")
+        if context.metric.labels:
+            for batch in batches:
+                scored.update(run(batch), {})
+        else:
+            for batch, fp32 in zip(batches, self.fp32_outputs, strict=True):
+                scored.update(run(batch), fp32)
+        return scored
 
     def __call__(self, point: FrontPoint) -> Evaluation:
-        context, settings = self.context, self.context.settings
+        settings = self.context.settings
         key = plan_key(point.precisions)
         if self.checkpoint and key in self.checkpoint.evaluations:
             return self.checkpoint.evaluations[key]
         start = time.perf_counter()
         model_run = any(p != "fp32" for p in point.precisions.values())
-        outputs = self._outputs(point.precisions if model_run else None)
-        if context.metric_fn is None:
-            if self.fp32_scorer is None:  # FP32's detections matched once, not per evaluation
-                self.fp32_scorer = remembered(task_scorer(context.task, self.fp32_outputs),
-                                              self.fp32_scores)
-            certificate = certify_paired(
-                settings.metric, paired(task_scorer(context.task, outputs), self.fp32_scorer),
-                context.evaluation.num_samples, max_drop=settings.max_drop,
-                floor=settings.min_sqnr, resamples=settings.resamples)
-        else:
-            certificate = certify(context.metric_fn, settings.metric, outputs,
-                                  self.fp32_outputs, max_drop=settings.max_drop,
-                                  floor=settings.min_sqnr, resamples=settings.resamples,
-                                  fp32_scores=self.fp32_scores)
+        certificate = self._scored(point.precisions, model_run).certificate(
+            settings.max_drop, settings.min_sqnr)
         result = Evaluation(point.int8_mac_share, point.predicted, certificate,
                             time.perf_counter() - start, model_run)
         if self.checkpoint:
@@ -786,8 +790,8 @@ class _Evaluator:
         settings = self.context.settings
         if drawn is not None:
             screened = screen(point, self.runner(point.precisions), drawn,
-                              self.context.metric_fn, settings.metric, settings.max_drop,
-                              settings.min_sqnr, settings.resamples)
+                              self.context.metric, settings.max_drop, settings.min_sqnr,
+                              settings.resamples)
             if screened is not None:
                 return screened
         return self(point)

@@ -18,52 +18,10 @@ import numpy as np
 import onnx
 
 from quantlab import graph, qdq
-from quantlab.compare import output_nsr
-from quantlab.errors import ModelError
+from quantlab.compare import joined_energies, output_nsr, sample_energies
 from quantlab.graph import Graph
 from quantlab.planner.units import Unit
 from quantlab.sensitivity import error_sums
-
-_FLOAT64_ROWS_BYTES = 32 << 20  # sample_energies' float64 working copies
-
-
-def sample_energies(outputs: Mapping[str, np.ndarray],
-                    references: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-sample noise and signal energy of every float output, in float64: (noise, power),
-    each [samples, outputs], ``sum (y - r)^2`` and ``sum r^2`` over one sample's elements.
-
-    Samples are on axis 0 of every output. Summed over samples they give the output NSR
-    (:func:`quantlab.compare.output_nsr`); per sample, how hard a sample is (:func:`sample_nsr`).
-    """
-    noises, powers = [], []
-    for name, reference in references.items():
-        reference = np.asarray(reference)
-        if not np.issubdtype(reference.dtype, np.floating):
-            continue
-        count = len(reference)
-        ref = reference.reshape(count, -1)
-        out = np.asarray(outputs[name]).reshape(count, -1)
-        noise, power = np.empty(count), np.empty(count)
-        # In float64, a few samples at a time: a whole batch of a detector's outputs in
-        # float64 (4 copies of 48 x 12828 x 91 values) held 1.2 GB.
-        rows = max(1, _FLOAT64_ROWS_BYTES // max(1, 8 * ref.shape[1]))
-        for start in range(0, count, rows):
-            part = ref[start:start + rows].astype(np.float64)
-            diff = out[start:start + rows].astype(np.float64) - part
-            noise[start:start + rows] = np.einsum("ij,ij->i", diff, diff)
-            power[start:start + rows] = np.einsum("ij,ij->i", part, part)
-        noises.append(noise)
-        powers.append(power)
-    if not noises:
-        raise ModelError(f"the model has no float outputs to compare ({sorted(references)}); "
-                         "pass a metric that reads its outputs (--metric module:function).")
-    return np.stack(noises, axis=1), np.stack(powers, axis=1)
-
-
-def joined_energies(parts: Sequence[tuple[np.ndarray, np.ndarray]],
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`sample_energies` of several batches as one (noise, power), samples in order."""
-    return np.concatenate([n for n, _ in parts]), np.concatenate([p for _, p in parts])
 
 
 def sample_nsr(outputs: Mapping[str, np.ndarray],
