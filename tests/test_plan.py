@@ -393,14 +393,14 @@ def test_output_sqnr_is_pooled_as_validate_reports_it_not_a_mean_of_sample_ratio
 
 
 def test_sample_nsr_in_pieces_equals_the_whole_batch_in_float64(monkeypatch):
-    from quantlab.planner import measure
+    from quantlab import compare
 
     rng = np.random.default_rng(3)
     reference = {"y": rng.standard_normal((7, 5, 3)).astype(np.float32)}
     outputs = {"y": reference["y"] + rng.standard_normal((7, 5, 3)).astype(np.float32) * 0.1}
     ref, out = (a["y"].reshape(7, -1).astype(np.float64) for a in (reference, outputs))
     expected = ((out - ref) ** 2).sum(axis=1) / (ref ** 2).sum(axis=1)
-    monkeypatch.setattr(measure, "_FLOAT64_ROWS_BYTES", 2 * 15 * 8)  # 2 samples a piece
+    monkeypatch.setattr(compare, "_FLOAT64_ROWS_BYTES", 2 * 15 * 8)  # 2 samples a piece
     np.testing.assert_allclose(plan.sample_nsr(outputs, reference), expected, rtol=1e-13)
 
 

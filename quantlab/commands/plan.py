@@ -537,7 +537,8 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
                            "limit": kept_eval.certificate.limit,
                            "margin_interval": list(kept_eval.certificate.interval),
                            "samples": kept_eval.certificate.samples,
-                           "needed_samples": kept_eval.certificate.needed_samples}
+                           "needed_samples": (kept_eval.certificate.needed_samples or
+                                              kept_eval.certificate.samples_to_certify())}
         cache_name = header = None
         if args.trt_version is not None:
             kept = {name: amax / 127.0 for name, amax in result.amax.items()
@@ -565,10 +566,15 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             "budget": {"max_drop": args.max_drop, "min_sqnr": args.min_sqnr},
             "int8_mac_share": result.plan.int8_mac_share(),
             "certificate": certificate.__dict__,
+            # "all-FP16" or "FP32" when no plan with INT8 certified and this is the fallback.
+            "fallback": result.fallback,
+            # Tensors quantized with every unit out of INT8 (none: every drop is the units').
+            "quantized_outside_units": result.outside_units,
             "evaluations": [{"int8_mac_share": e.int8_mac_share, "predicted": e.predicted,
                              "value": e.certificate.value, "certified": e.certificate.certified,
                              "interval": e.certificate.interval, "seconds": e.seconds,
-                             "model_run": e.model_run, "screened": e.screened}
+                             "model_run": e.model_run, "screened": e.screened,
+                             "note": e.note}
                             for e in result.evaluations],
             "front": [{"int8_mac_share": p.int8_mac_share, "predicted": p.predicted}
                       for p in result.front],
@@ -600,7 +606,12 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             "next_steps": steps,
         })
     (out / PROGRESS_FILE).unlink(missing_ok=True)
+    for number, evaluation in enumerate(result.evaluations, 1):
+        if evaluation.note:
+            print(f"plan: evaluation {number}: {evaluation.note}")
     verdict = "certified" if certificate.certified else "NOT certified"
+    if result.fallback is not None:
+        verdict += f" (the fallback, {result.fallback}: no plan with INT8 certified)"
     runs = result.model_runs
     print(f"plan: {result.plan.int8_mac_share():.1%} of linear-op MACs in INT8; {args.metric} "
           f"{certificate.value:.4g} (FP32 {certificate.reference:.4g}, limit "

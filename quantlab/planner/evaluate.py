@@ -28,6 +28,11 @@ from quantlab.scoring import Metric, PairedScore
 
 # The least INT8 (share of MACs) an evaluation must be able to add over the certified plan.
 MIN_GAIN = 1e-4
+# Evaluations the search may spend, past `max_evaluations`, while they are cheap (see
+# search) and no plan with INT8 is certified or a plan with more INT8 scored inside the
+# budget: on a 416 px YOLOX at a 0.03 F1 drop, 2 evaluations ended on all-FP16 after a
+# 86 % plan scored inside the budget uncertified; 6 certified 76 %.
+MOST_EVALUATIONS = 8
 
 
 class Checkpoint:
@@ -108,11 +113,15 @@ class Evaluation:
     # True when judged on a random draw of calibration samples, not on the evaluation
     # set: an all-INT8 plan that fails there beyond doubt (see screen).
     screened: bool = False
+    # What the search learnt from it: the law of the metric's shortfall against the
+    # predicted noise refitted, and where it aims next (:func:`search`).
+    note: str = ""
 
 
 def search(front: Callable[[], list[FrontPoint]],
            evaluate: Callable[[FrontPoint], Evaluation | None], max_evaluations: int,
-           max_drop: float | None, min_sqnr: float | None
+           max_drop: float | None, min_sqnr: float | None,
+           cheap: Callable[[float], bool] = lambda seconds: False,
            ) -> tuple[list[tuple[FrontPoint, Evaluation]], int]:
     """Evaluate plans of the front; the (plan, evaluation) pairs in order, and the chosen's
     position among them.
@@ -124,10 +133,13 @@ def search(front: Callable[[], list[FrontPoint]],
     counting a plan `evaluate` screened out on the calibration samples), each chosen by
     :func:`_next_guess` between the most-INT8 certified plan and the least-INT8 failed
     one, among the plans that add at least MIN_GAIN of the MACs to the certified one (a
-    layout front holds plans 5e-6 apart: a whole evaluation is wasted on them). The
-    chosen plan is the certified one with the most INT8, else the most conservative
-    evaluated (the caller then falls back to a plan without INT8). Warns when the
-    evaluation set is too small to decide (:func:`warn_undecided` says more once the
+    layout front holds plans 5e-6 apart: a whole evaluation is wasted on them). Past
+    `max_evaluations`, up to MOST_EVALUATIONS while ``cheap(seconds the evaluations took)``
+    and the search is not settled: no plan with INT8 certified, or one with more INT8
+    than the certified scored inside the budget. Each evaluation's ``note`` says what it
+    taught. The chosen plan is the certified one with the most INT8, else the most
+    conservative evaluated (the caller then falls back to a plan without INT8). Warns when
+    the evaluation set is too small to decide (:func:`warn_undecided` says more once the
     plan is chosen).
     """
     points = front()
@@ -138,9 +150,10 @@ def search(front: Callable[[], list[FrontPoint]],
             points = front()
             continue
         done.append((points[-1], result))
+        _learn(done, max_drop, min_sqnr)
         if result.certificate.inconclusive:  # said now, not after the other evaluations
             warnings.warn(result.certificate.too_small_message(), stacklevel=3)
-    while sum(not e.screened for _, e in done) < max_evaluations:
+    while _more(done, max_evaluations, cheap):
         points, evaluated = _merged(front(), done)
         certified = [i for i, e in evaluated.items() if e.certificate.certified]
         low = max(certified, default=-1)
@@ -155,10 +168,74 @@ def search(front: Callable[[], list[FrontPoint]],
         result = evaluate(points[guess])
         if result is not None:
             done.append((points[guess], result))
+            _learn(done, max_drop, min_sqnr)
     certified = [k for k, (_, e) in enumerate(done) if e.certificate.certified]
     chosen = (max(certified, key=lambda k: done[k][1].int8_mac_share) if certified else
               min(range(len(done)), key=lambda k: done[k][1].int8_mac_share))
     return done, chosen
+
+
+def _more(done: list[tuple[FrontPoint, Evaluation]], max_evaluations: int,
+          cheap: Callable[[float], bool]) -> bool:
+    """Whether the search evaluates another plan (see :func:`search`)."""
+    evaluations = [e for _, e in done if not e.screened]
+    if len(evaluations) < max_evaluations:
+        return True
+    if len(evaluations) >= MOST_EVALUATIONS or not cheap(sum(e.seconds for e in evaluations)):
+        return False
+    best = max((e.int8_mac_share for _, e in done if e.certificate.certified), default=0.0)
+    return best == 0.0 or any(e.certificate.near_miss and e.int8_mac_share > best
+                              for _, e in done)
+
+
+def _learn(done: list[tuple[FrontPoint, Evaluation]], max_drop: float | None,
+           min_sqnr: float | None) -> None:
+    """The last evaluation's ``note`` (:func:`_lesson`), on the evaluations made so far."""
+    evaluation = done[-1][1]
+    if not evaluation.note:
+        evaluation.note = _lesson(evaluation, [e for _, e in done], max_drop, min_sqnr)
+
+
+def _lesson(evaluation: Evaluation, evaluated: list[Evaluation], max_drop: float | None,
+            min_sqnr: float | None) -> str:
+    """What one evaluation says: its score against the limit, the verdict, and the law of
+    the shortfall against the predicted noise fitted on the evaluations made so far."""
+    c = evaluation.certificate
+    verdict = ("certified" if c.certified else
+               "inside the budget, not certified" if c.near_miss else "outside the budget")
+    where = "screened on calibration samples" if evaluation.screened else \
+        f"{c.samples} samples"
+    head = (f"{evaluation.int8_mac_share:.1%} INT8 (predicted noise {evaluation.predicted:.3g}) "
+            f"scored {c.value:.4g} against the limit {c.limit:.4g} on {where}, margin interval "
+            f"[{c.interval[0]:+.3g}, {c.interval[1]:+.3g}]: {verdict}")
+    if min_sqnr is not None:
+        return head
+    power = _shortfall_power([(e.predicted, _shortfall(e, None)) for e in evaluated])
+    aim = allowed_noise(evaluation, evaluated, max_drop, None)
+    law = f"; drop ~ noise^{power:.2f} fitted on {len(evaluated)} evaluation(s)"
+    return head + law + ("" if aim is None else
+                         f", the budget's drop expected at predicted noise {aim:.3g}")
+
+
+def unreachable(first: Evaluation, max_drop: float | None) -> str:
+    """A message when the evaluation set is too small to certify any plan with INT8, known
+    from all-INT8's evaluation `first`: the largest drop it could certify
+    (:func:`_certifiable_drop`) is under a tenth of the budget. Says how many samples would
+    certify a plan at half the budget. '' otherwise."""
+    c = first.certificate
+    drop = c.reference - c.value
+    spread = max(c.value - c.limit - c.interval[0], 0.0)
+    if max_drop is None or first.screened or c.certified or drop <= 0 or spread <= 0:
+        return ""
+    if _certifiable_drop(max_drop, drop, spread) >= max_drop / 10:
+        return ""
+    half = max_drop / 2
+    needed = int(np.ceil(c.samples * (spread * np.sqrt(half / drop) / half) ** 2))
+    return (f"the evaluation set is too small to certify a plan with INT8: all-INT8's margin "
+            f"interval on its {c.samples} samples is {spread:.3g} below its score, so a plan "
+            f"could be certified only with a drop under {max_drop / 10:.3g}, a tenth of the "
+            f"budget {max_drop:g}. About {needed} samples would certify a plan at half the "
+            "budget: pass them with --eval, or allow a larger --max-drop.")
 
 
 def _merged(points: list[FrontPoint], done: list[tuple[FrontPoint, Evaluation]]
@@ -258,7 +335,7 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
         index, guess = high, high - 1
     else:
         index = min(evaluated, key=lambda i: abs(i - (low + high) / 2))
-        guess = (low + high) // 2
+        guess = _middle_share(points, low, high)
     nearest, spread = evaluated[index], 0.0
     # The spread of a plan near the budget: inside it, or aimed at it (all plans but the
     # last, all-INT8, which is evaluated first whatever the budget).
@@ -272,6 +349,16 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
         if fitting and low < fitting[-1] < high:
             guess = fitting[-1]
     return min(max(guess, low + 1), high - 1)
+
+
+def _middle_share(points: list[FrontPoint], low: int, high: int) -> int:
+    """The front index strictly between `low` and `high` whose INT8 share is nearest the
+    middle of theirs (-1: no INT8; len(points): the most INT8): a bisection by share, not by
+    position (a front is dense where many small units differ)."""
+    shares = [p.int8_mac_share for p in points]
+    middle = ((shares[low] if low >= 0 else 0.0) + shares[min(high, len(points) - 1)]) / 2
+    inside = range(low + 1, high)
+    return min(inside, key=lambda i: abs(shares[i] - middle)) if len(inside) else low + 1
 
 
 def allowed_noise(nearest: Evaluation, evaluated: Iterable[Evaluation], max_drop: float | None,

@@ -56,6 +56,7 @@ from quantlab.planner.evaluate import (
     plan_key,
     screen,
     search,
+    unreachable,
     warn_undecided,
 )
 from quantlab.planner.measure import (
@@ -180,6 +181,10 @@ class PlanResult:
     trial_cost: dict = field(default_factory=dict)
     # Times the search refitted the noise model instead of evaluating the plan it chose.
     refits: int = 0
+    # The tensors still quantized with every unit out of INT8 (Q/DQ pairs outside the units
+    # the plan decides); empty: the plan without INT8 units is the FP32 (or all-FP16) model
+    # exactly, so every drop of a plan comes from its units (docs/planner.md).
+    outside_units: list[str] = field(default_factory=list)
 
     @property
     def certificate(self) -> Certificate:
@@ -191,6 +196,15 @@ class PlanResult:
         the front checks, the localization and the evaluated plans (1: none)."""
         return max([self.sensitivity.largest_disagreement()] +
                    [c["factor"] for c in self.noise_checks])
+
+    @property
+    def fallback(self) -> str | None:
+        """"all-FP16" or "FP32" when no plan with INT8 was certified and the plan is the
+        fallback without INT8; None when the plan keeps INT8 (or no fallback was needed)."""
+        if self.plan.int8_mac_share() > 0 or len(self.evaluations) < 2:
+            return None
+        return "all-FP16" if any(d.precision == "fp16" for d in self.plan.units.values()) \
+            else "FP32"
 
     @property
     def model_runs(self) -> int:
@@ -354,6 +368,9 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
                               group_test(trials, 1, prior_nsr=local_nsr, all_int8=known), trials)
         first = evaluator.first(model_fit.most_int8(), drawn)
     del drawn
+    message = unreachable(first, settings.max_drop)
+    if message:  # before the trials, which could not change it
+        warnings.warn(message, stacklevel=2)
     if repair != "none":  # its effect where the pins' is measured: the hardest samples
         fixed_nodes = {n: rules.fixed[u.name] for u in rules.units if u.name in rules.fixed
                        for n in u.nodes}
@@ -373,8 +390,12 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
         with phases("front checks"):
             sensitivity, fitted = _check_front(context, rules, local, sensitivity, trials)
         model_fit = _ModelFit(context, rules, local, sensitivity, trials, fitted)
+    before = sum(phases.seconds.values())
     with phases("evaluations"):
-        done, chosen, floor = _evaluate(context, rules, model_fit, evaluator, first)
+        # Past max_evaluations, evaluations are cheap while they take no longer in all than
+        # the plan's steps before them: the search at most doubles the plan's time.
+        done, chosen, floor = _evaluate(context, rules, model_fit, evaluator, first,
+                                        lambda seconds: seconds <= before)
     evaluations = [e for _, e in done]
     warn_undecided(evaluations, evaluations[chosen])
     sensitivity, fit = model_fit.sensitivity, model_fit.fitted
@@ -395,7 +416,8 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
                       _uncertified(context, rules, runner, done, done[chosen][0]),
                       phases.seconds, noise_checks,
                       _trial_cost(trials, fp32_seconds, random_trials, len(alone),
-                                  alone_samples), model_fit.refits)
+                                  alone_samples), model_fit.refits,
+                      _outside_units(runner, rules))
 
 
 def _fp32_runs(model: onnx.ModelProto, calibration
@@ -798,7 +820,7 @@ class _Evaluator:
 
 
 def _evaluate(context: _Context, rules: _Rules, model_fit: _ModelFit, evaluator: _Evaluator,
-              first: Evaluation):
+              first: Evaluation, cheap: Callable[[float], bool]):
     """The search over the front on the evaluation set, all-INT8 judged already (`first`;
     each other plan checked against the noise model first, :meth:`_ModelFit.verified`),
     then the fallback when no plan with INT8 certifies: all-FP16 (where units may run
@@ -813,7 +835,7 @@ def _evaluate(context: _Context, rules: _Rules, model_fit: _ModelFit, evaluator:
         return evaluator(point) if model_fit.verified(point) else None
 
     done, chosen = search(model_fit.front, checked, settings.max_evaluations,
-                          settings.max_drop, settings.min_sqnr)
+                          settings.max_drop, settings.min_sqnr, cheap)
     if done[chosen][1].certificate.certified:
         return done, chosen, None
     # No plan with INT8 certified: FP16 everywhere it may run, then the FP32 model.
@@ -905,12 +927,27 @@ def _trial_cost(trials: Trials, fp32_seconds: float, random_trials: int, single_
             "ratio": median / fp32_seconds if fp32_seconds > 0 else float("inf")}
 
 
+def _outside_units(runner: _Runner, rules: _Rules) -> list[str]:
+    """The tensors the Q/DQ model of the plan with every unit in FP32 still quantizes: what
+    TensorRT would run in INT8 outside the units the plan decides. A warning names them;
+    none is the rule (Q/DQ pairs are placed for the units' linear ops and their shared
+    scales, docs/qdq.md)."""
+    built = runner.quantized({u.name: "fp32" for u in rules.units}, shifts={})
+    quantized = sorted({n.input[0] for n in built.graph.node if n.op_type == "QuantizeLinear"})
+    if quantized:
+        warnings.warn(f"with every unit out of INT8, {len(quantized)} tensor(s) stay quantized "
+                      f"({', '.join(quantized[:5])}): their INT8 error is in every plan, the "
+                      "FP32 fallback's too; this is a bug of the placement, please report it "
+                      "with the model.", stacklevel=3)
+    return quantized
+
+
 def _uncertified(context: _Context, rules: _Rules, runner: _Runner,
                  done: list[tuple[FrontPoint, Evaluation]], chosen: FrontPoint):
     """The plan with the most INT8 (more than the chosen) that scored inside the budget but
-    could not be certified, with its Q/DQ model and evaluation; None when there is none."""
-    promising = [(p, e) for p, e in done if not e.screened and e.certificate.inconclusive and
-                 e.certificate.value >= e.certificate.limit and
+    could not be certified (too few samples for a drop, or a score too near an SQNR floor),
+    with its Q/DQ model and evaluation; None when there is none."""
+    promising = [(p, e) for p, e in done if not e.screened and e.certificate.near_miss and
                  p.int8_mac_share > chosen.int8_mac_share]
     if not promising:
         return None

@@ -167,7 +167,12 @@ def next_steps(result: PlanResult, folder: str, uncertified: str = "uncertified"
     plan = result.plan
     out = {p: [n for n, d in plan.units.items() if d.precision == p] for p in ("fp16", "fp32")}
     steps = []
-    if certificate.certified:
+    if certificate.certified and result.fallback is not None:
+        steps.append(f"No plan with INT8 was certified: this is the fallback, {result.fallback} "
+                     f"everywhere the rules allow ({len(result.evaluations)} plans evaluated). "
+                     "Allow a larger budget, pass more --eval samples, or use a metric less "
+                     "sensitive to rounding.")
+    elif certificate.certified:
         kept = "; ".join(f"{p.upper()}: {', '.join(names[:STRIP_NAMED])}"
                          + (f" and {len(names) - STRIP_NAMED} more" if len(names) > STRIP_NAMED
                             else "") for p, names in out.items() if names)
@@ -180,7 +185,8 @@ def next_steps(result: PlanResult, folder: str, uncertified: str = "uncertified"
                      "keep FP16 outside INT8 (--high-precision fp16) where the rules allow it.")
     if result.uncertified is not None:
         kept_plan, _, evaluation = result.uncertified
-        needed = evaluation.certificate.needed_samples
+        needed = (evaluation.certificate.needed_samples or
+                  evaluation.certificate.samples_to_certify())
         steps.append(
             f"A plan with {kept_plan.int8_mac_share():.1%} of MACs in INT8 scored "
             f"{evaluation.certificate.value:.4g} against the limit "
