@@ -1205,6 +1205,50 @@ def test_make_plan_falls_back_to_fp32_when_no_int8_plan_certifies(planted_case, 
                for d in result.plan.units.values())
 
 
+class FlatDrop:
+    """A two-part metric whose drop grows as the output NSR to the power 1/4: flatter than
+    any law the search assumes (power 1/2 to 1), so from all-INT8's shortfall it predicts
+    plans nearer FP32 to hold the budget that do not."""
+
+    def record(self, outputs, references):
+        return plan.sample_energies(outputs, references)
+
+    def score(self, records):
+        from quantlab.compare import output_nsr
+
+        return -output_nsr(sum(n.sum(axis=0) for n, _ in records),
+                           sum(p.sum(axis=0) for _, p in records)) ** 0.25
+
+
+def test_a_search_the_noise_law_mispredicts_still_certifies_int8(planted_case, monkeypatch):
+    """The planted model under FlatDrop at a 0.13 drop: plans the fitted law aims at miss
+    the budget one after the other. With evaluations cheap (a two-part metric: a forward
+    pass and sums) the search goes on past max_evaluations, each evaluation noted with what
+    it taught, and certifies a plan with INT8; held to max_evaluations it falls back to
+    all-FP16, the answer it gave before."""
+    from quantlab import calibrate, collect, qdq
+    from quantlab.planner import certify
+
+    g, source, _, _, _ = planted_case
+    stats = collect.collect(g.model, source, qdq.activation_tensors_to_calibrate(g.model),
+                            progress=False)
+    amax = calibrate.calibrate(stats, "max").amax
+    monkeypatch.setitem(certify.METRICS, "flat", FlatDrop())
+    result = planned(g.model, source, source, amax, amax, amax, metric="flat", max_drop=0.13,
+                     trials=8, hard_count=16)
+    assert result.certificate.certified and result.fallback is None
+    assert result.plan.int8_mac_share() > 0
+    ran = [e for e in result.evaluations if not e.screened]
+    assert len(ran) > 2 and not any(e.certificate.certified for e in ran[:-1])
+    assert all("drop ~ noise^" in e.note and "against the limit" in e.note
+               for e in result.evaluations)
+    monkeypatch.setattr(flow, "CHEAP_PASSES", 0)
+    monkeypatch.setattr(flow, "CHEAP_SECONDS", 0.0)
+    held = planned(g.model, source, source, amax, amax, amax, metric="flat", max_drop=0.13,
+                   trials=8, hard_count=16)
+    assert held.plan.int8_mac_share() == 0 and held.fallback == "all-FP16"
+
+
 class CertifiedByNoise(flow.PairedScore):
     """A stand-in for the planner's scorer deciding by output noise: FP32 certifies, noisy
     plans (under 15 dB) fail outright, the others score inside the budget but are

@@ -99,15 +99,17 @@ def add_metric_argument(parser: argparse.ArgumentParser, default: str | None,
     parser.add_argument(
         "--metric", default=default, metavar="NAME",
         help=f"{role}sqnr (output SQNR, dB), agreement (share of samples whose argmax agrees "
-             f"with FP32's), top1 or map (a zoo model's task metric, {ground_truth}) or "
-             "module:function from the current directory or PYTHONPATH, called "
-             "function(outputs, references) -> float (higher is better) with two lists, one "
-             "entry per batch, of {output name: array}, samples on axis 0 (an output holding "
-             "them on another axis, a state [layers, N, hidden], comes with that axis moved "
-             "first); the bootstrap calls it on every resample, unless it carries "
-             "function.resampler(outputs, references) -> score(positions) -> float, the "
-             "metric of the samples at those positions, computed from per-sample figures "
-             f"made once (fast; checked against the metric on all samples) ({shown})")
+             f"with FP32's), top1 or map (a zoo model's task metric, {ground_truth}) or your "
+             "own from the current directory or PYTHONPATH. Best, module:NAME of a two-part "
+             "metric (an object, or a class made with no arguments): NAME.record(outputs, "
+             "references) turns one sample's {output name: array} (samples on axis 0) and "
+             "FP32's into a small record (decoded boxes, match counts), called once per "
+             "sample; NAME.score(records) -> float (higher is better) scores any list of "
+             "them, so the bootstrap never decodes again. Or module:function, "
+             "function(outputs, references) -> float with two lists of {output name: array}, "
+             "one entry per sample, called on all samples and on every bootstrap resample. "
+             "An output holding samples on another axis (a state [layers, N, hidden]) comes "
+             f"with that axis moved first; docs/metrics.md ({shown})")
 
 
 def check_metric(metric: str, ground_truth: bool, how: str, model: str | None = None) -> None:

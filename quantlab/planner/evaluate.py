@@ -134,7 +134,7 @@ def search(front: Callable[[], list[FrontPoint]],
     :func:`_next_guess` between the most-INT8 certified plan and the least-INT8 failed
     one, among the plans that add at least MIN_GAIN of the MACs to the certified one (a
     layout front holds plans 5e-6 apart: a whole evaluation is wasted on them). Past
-    `max_evaluations`, up to MOST_EVALUATIONS while ``cheap(seconds the evaluations took)``
+    `max_evaluations`, up to MOST_EVALUATIONS while ``cheap(an evaluation's mean seconds)``
     and the search is not settled: no plan with INT8 certified, or one with more INT8
     than the certified scored inside the budget. Each evaluation's ``note`` says what it
     taught. The chosen plan is the certified one with the most INT8, else the most
@@ -181,7 +181,8 @@ def _more(done: list[tuple[FrontPoint, Evaluation]], max_evaluations: int,
     evaluations = [e for _, e in done if not e.screened]
     if len(evaluations) < max_evaluations:
         return True
-    if len(evaluations) >= MOST_EVALUATIONS or not cheap(sum(e.seconds for e in evaluations)):
+    if len(evaluations) >= MOST_EVALUATIONS or not cheap(
+            sum(e.seconds for e in evaluations) / len(evaluations)):
         return False
     best = max((e.int8_mac_share for _, e in done if e.certificate.certified), default=0.0)
     return best == 0.0 or any(e.certificate.near_miss and e.int8_mac_share > best
@@ -203,7 +204,7 @@ def _lesson(evaluation: Evaluation, evaluated: list[Evaluation], max_drop: float
     c = evaluation.certificate
     verdict = ("certified" if c.certified else
                "inside the budget, not certified" if c.near_miss else "outside the budget")
-    where = "screened on calibration samples" if evaluation.screened else \
+    where = f"{c.samples} calibration samples (screened)" if evaluation.screened else \
         f"{c.samples} samples"
     head = (f"{evaluation.int8_mac_share:.1%} INT8 (predicted noise {evaluation.predicted:.3g}) "
             f"scored {c.value:.4g} against the limit {c.limit:.4g} on {where}, margin interval "

@@ -108,6 +108,10 @@ FAR_TRIALS_SHARE = 0.25
 # SINGLES_LEAST_SAMPLES samples.
 SINGLES_COST_IN_TRIALS = 4
 SINGLES_LEAST_SAMPLES = 2
+# An evaluation is cheap (the search may spend more, evaluate.MOST_EVALUATIONS) when it takes
+# at most this many FP32 passes over the evaluation set plus this many seconds.
+CHEAP_PASSES = 4
+CHEAP_SECONDS = 1.0
 # The reason of a unit the search (not a rule) keeps out of INT8.
 SEARCH_CODE = "M-SEARCH"
 SEARCH_SOURCE = ("quantlab: trials on the hardest samples, MILP front, certified on held-out "
@@ -390,12 +394,9 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
         with phases("front checks"):
             sensitivity, fitted = _check_front(context, rules, local, sensitivity, trials)
         model_fit = _ModelFit(context, rules, local, sensitivity, trials, fitted)
-    before = sum(phases.seconds.values())
     with phases("evaluations"):
-        # Past max_evaluations, evaluations are cheap while they take no longer in all than
-        # the plan's steps before them: the search at most doubles the plan's time.
         done, chosen, floor = _evaluate(context, rules, model_fit, evaluator, first,
-                                        lambda seconds: seconds <= before)
+                                        evaluator.cheap)
     evaluations = [e for _, e in done]
     warn_undecided(evaluations, evaluations[chosen])
     sensitivity, fit = model_fit.sensitivity, model_fit.fitted
@@ -756,6 +757,14 @@ class _Evaluator:
         self.context, self.runner, self.checkpoint = context, runner, checkpoint
         self.reference: Reference | None = None
         self.fp32_outputs: list[dict[str, np.ndarray]] = []
+        self.fp32_seconds = 0.0  # FP32's pass over the evaluation set
+
+    def cheap(self, seconds: float) -> bool:
+        """Whether an evaluation taking `seconds` is cheap: at most CHEAP_PASSES FP32 passes
+        over the evaluation set, plus CHEAP_SECONDS to build the plan's model and session.
+        A metric decoded once per sample keeps it so (a YOLOX's F1 called on every
+        bootstrap resample took 20-40 forward passes' time)."""
+        return seconds <= CHEAP_PASSES * self.fp32_seconds + CHEAP_SECONDS
 
     def _fp32(self) -> Reference:
         """FP32's records on the evaluation set (and its outputs where the metric reads
@@ -763,11 +772,13 @@ class _Evaluator:
         context = self.context
         if self.reference is None:
             self.reference = Reference(context.metric)
+            start = time.perf_counter()
             for batch in context.step(context.evaluation, desc="FP32 evaluation"):
                 outputs = context.fp32_run(batch)
                 self.reference.update(outputs)
                 if not context.metric.labels:
                     self.fp32_outputs.append(outputs)
+            self.fp32_seconds = time.perf_counter() - start
         return self.reference
 
     def _scored(self, precisions: Mapping[str, str], model_run: bool) -> PairedScore:
