@@ -906,6 +906,7 @@ def test_make_plan_on_the_planted_model(planted_case):
                             trials=16, hard_count=16)
     assert result.certificate.certified and result.certificate.value >= 24.0
     assert result.model_runs <= 4
+    assert result.outside_units == []  # with every unit out of INT8, nothing is quantized
     assert not result.evaluations[0].certificate.certified  # all-INT8 misses 24 dB
     predicted = [p.predicted for p in result.front]
     assert predicted == sorted(predicted)
