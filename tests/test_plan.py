@@ -1427,10 +1427,11 @@ def test_next_guess_below_a_plan_inside_the_budget_aims_at_a_certifiable_drop(la
     inside = {**evaluated, 3: evaluation(3, 99.533, (-0.162, 1.0))}
     assert evaluate._next_guess(points, inside, -1, 3, 1.0, None) == 2
     # A spread so wide that only a drop of 0.001 could certify: only plan 0 (no INT8) is
-    # predicted to, which the fallback gives without a model run; the plan just below.
+    # predicted to, which the fallback gives without a model run; the bracket is bisected
+    # by share (0 to 3/7: plan 1 of the two as near), not stepped down one plan at a time.
     wide = {**evaluated, 3: evaluation(3, 99.533, (-30.0, 1.0))}
     assert evaluate._certifiable_drop(1.0, 0.467, 30.533) < 0.001
-    assert evaluate._next_guess(points, wide, -1, 3, 1.0, None) == 2
+    assert evaluate._next_guess(points, wide, -1, 3, 1.0, None) == 1
     # Scored outside (drop 3): the law through it, drop ~ noise ** 0.5, aims lower.
     outside = {**evaluated, 3: evaluation(3, 97.0, (-2.6, -1.3))}
     assert evaluate._next_guess(points, outside, -1, 3, 1.0, None) == 1
