@@ -307,30 +307,100 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     metric may be its primary metric (``top1``, ``map``). `repairs` (name -> a
     repaired copy and its calibration) are weighed first; ``plan.repairs`` records
     every option's noise. `checkpoint` (an interrupted run of the same plan) skips
-    the trials and evaluations it holds. The steps are the module's; their
-    seconds are ``result.phases``.
+    the trials and evaluations it holds. The steps are the module's, grouped in stages
+    that each hand one record to the next (Prepared -> Calibrated -> HardSamples ->
+    NoiseModel -> Searched -> PlanResult); their seconds are ``result.phases``.
     """
     settings.check()
     phases = _Phases()
+    prepared = _prepare(original, calibration, evaluation, settings, task, repairs or {},
+                        progress, phases)
+    calibrated = _calibrate(prepared, phases)
+    hard = _hard_samples(prepared, calibrated, phases)
+    noise = _noise_model(prepared, calibrated, hard, checkpoint, phases)
+    searched = _search(prepared, noise, phases)
+    return _result(prepared, calibrated, hard, noise, searched, phases)
+
+
+@dataclass
+class _Prepared:
+    """Stage 1: the context, the repair weighed and chosen, and the rules of its units."""
+
+    context: _Context
+    original: CalibratedModel
+    chosen: CalibratedModel
+    repair: str
+    repair_records: dict[str, dict]
+    g: Graph
+    rules: _Rules
+
+
+def _prepare(original: CalibratedModel, calibration, evaluation, settings: PlanSettings, task,
+             repairs: Mapping[str, CalibratedModel], progress: Callable | None,
+             phases: _Phases) -> _Prepared:
+    """Setup, the repairs weighed, the rules (steps 1-2)."""
     with phases("setup"):
         context = _context(original.model, calibration, evaluation, settings, task, progress)
     with phases("weigh repairs"):
-        chosen, repair, repair_records = _weigh_repairs(context, original, repairs or {})
-    model, g = chosen.model, Graph(chosen.model)
+        chosen, repair, repair_records = _weigh_repairs(context, original, repairs)
+    g = Graph(chosen.model)
     with phases("rules"):
         rules = _rules(context, chosen, g)
+    return _Prepared(context, original, chosen, repair, repair_records, g, rules)
+
+
+@dataclass
+class _Calibrated:
+    """Stage 2: the scales (a calibrator per unit, shared where units must share), the
+    plan runner on them, and each INT8 op's bias shift (not yet weighed)."""
+
+    amax: dict[str, float]
+    calibrators: dict[str, str]
+    runner: _Runner
+    all_int8: dict[str, str]
+    shifts: dict[str, np.ndarray]
+    shift_report: object
+
+
+def _calibrate(prepared: _Prepared, phases: _Phases) -> _Calibrated:
+    """The calibrators chosen and the bias shifts measured (steps 3-4)."""
+    context, chosen, g, rules = prepared.context, prepared.chosen, prepared.g, prepared.rules
     amax, calibrators = chosen.amax, {}
     with phases("calibrators"):
         if chosen.candidates:
             amax, calibrators = choose_calibrators(
                 g, chosen.candidates, rules.units,
-                single_samples(calibration, context.first), amax)
+                single_samples(context.calibration, context.first), amax)
         amax = share_scales(g, amax)
     context.first = None  # under every later step's peak (a 640 px detector's batch: 157 MB)
-    runner = _Runner(model, g, rules.units, amax, settings.high_precision, context.runs)
+    runner = _Runner(chosen.model, g, rules.units, amax, context.settings.high_precision,
+                     context.runs)
     all_int8 = {u.name: rules.fixed.get(u.name, "int8") for u in rules.units}
     with phases("bias shifts"):
         shifts, shift_report = _bias_shifts(context, runner, all_int8)
+    return _Calibrated(amax, calibrators, runner, all_int8, shifts, shift_report)
+
+
+@dataclass
+class _HardSamples:
+    """Stage 3: the hardest calibration samples, FP32's outputs on them, the samples
+    all-INT8 is screened on, bias correction weighed on them, every unit's local error."""
+
+    hard: dict[str, np.ndarray]
+    indices: np.ndarray
+    references: dict[str, np.ndarray]
+    fp32_seconds: float
+    drawn: Draw | None
+    shift_record: dict | None
+    local: dict
+
+
+def _hard_samples(prepared: _Prepared, calibrated: _Calibrated, phases: _Phases
+                  ) -> _HardSamples:
+    """The hardest samples, bias correction kept or dropped, the local errors (steps 5-7)."""
+    context, rules = prepared.context, prepared.rules
+    runner, all_int8, shifts = calibrated.runner, calibrated.all_int8, calibrated.shifts
+    calibration = context.calibration
     with phases("hardest samples"):
         runner.shifts = shifts
         hard, hard_indices, energies, drawn = _hardest(context, lambda: runner(all_int8))
@@ -342,22 +412,45 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
             # The kept variant's outputs, where the all-INT8 screen reads them (below).
             screened_on_hard = drawn is None and context.metric.reads_outputs
             shift_record, all_int8_outputs = _weigh_bias(runner, hard, references, all_int8,
-                                                         shifts, shift_report,
+                                                         shifts, calibrated.shift_report,
                                                          held and screened_on_hard)
         if not held:
             references = None  # let go under the local errors' peak (640 px detector: 0.3 GB)
     with phases("local errors"):
-        local = local_sqnr(g, amax, rules.units,
+        local = local_sqnr(prepared.g, calibrated.amax, rules.units,
                            single_samples(calibration, hard, calibration.batch_size))
     if references is None:
         with phases("hardest samples"):
             references, fp32_seconds = _fp32_timed(context, hard)
-    measure = plan_nsr(runner, hard, references)
     drawn = _screen_samples(context, drawn, energies,
                             Draw(inputs=hard, references=references, outputs=all_int8_outputs,
                                  outputs_of=plan_key(all_int8)),
                             shifts_kept=bool(runner.shifts) == bool(shifts))
-    trials = Trials(measure, [u.name for u in rules.units], rules.fixed,
+    return _HardSamples(hard, hard_indices, references, fp32_seconds, drawn, shift_record,
+                        local)
+
+
+@dataclass
+class _NoiseModel:
+    """Stage 4: all-INT8 judged first and, where it did not certify, the noise model of the
+    trials (single units, random trials, front checks), with the evaluator that goes on."""
+
+    model_fit: _ModelFit
+    first: Evaluation
+    evaluator: _Evaluator
+    trials: Trials
+    alone: dict[str, float]
+    alone_samples: int
+    random_trials: int
+
+
+def _noise_model(prepared: _Prepared, calibrated: _Calibrated, hard: _HardSamples,
+                 checkpoint: Checkpoint | None, phases: _Phases) -> _NoiseModel:
+    """All-INT8 first, then the single units, the trials and the front checks (step 8-9)."""
+    context, rules, settings = prepared.context, prepared.rules, prepared.context.settings
+    runner, local = calibrated.runner, hard.local
+    trials = Trials(plan_nsr(runner, hard.hard, hard.references),
+                    [u.name for u in rules.units], rules.fixed,
                     checkpoint.trials if checkpoint else {},
                     checkpoint.add_trial if checkpoint else None)
     local_nsr = {u: 10.0 ** (-f["int8"] / 10.0) for u, f in local.items() if "int8" in f}
@@ -366,59 +459,98 @@ def make_plan(original: CalibratedModel, calibration, evaluation,
     # plan whose all-INT8 certifies needs none of them (their fit could not change it).
     with phases("all-INT8 first"):
         # Bias correction measured it already (the same plan, samples and references).
-        known = None if shift_record is None else trials.measured(shift_record[
-            "hard_nsr_after" if shift_record["chosen"] else "hard_nsr_before"])
+        record = hard.shift_record
+        known = None if record is None else trials.measured(record[
+            "hard_nsr_after" if record["chosen"] else "hard_nsr_before"])
         model_fit = _ModelFit(context, rules, local,
                               group_test(trials, 1, prior_nsr=local_nsr, all_int8=known), trials)
-        first = evaluator.first(model_fit.most_int8(), drawn)
-    del drawn
+        first = evaluator.first(model_fit.most_int8(), hard.drawn)
+    hard.drawn = None  # the screen's samples, read by all-INT8 alone
     message = unreachable(first, settings.max_drop)
     if message:  # before the trials, which could not change it
-        warnings.warn(message, stacklevel=2)
-    if repair != "none":  # its effect where the pins' is measured: the hardest samples
-        fixed_nodes = {n: rules.fixed[u.name] for u in rules.units if u.name in rules.fixed
-                       for n in u.nodes}
-        before = all_int8_nsr({"none": original}, hard, references, context.runs, fixed_nodes)
-        repair_records[repair].update(hard_nsr_before=before["none"],
-                                      hard_nsr_after=float(model_fit.sensitivity.nsr[0]))
-    random_trials, alone, alone_samples = 0, {}, 0
+        warnings.warn(message, stacklevel=3)
+    _weigh_repair_on_hard(prepared, hard, float(model_fit.sensitivity.nsr[0]))
+    noise = _NoiseModel(model_fit, first, evaluator, trials, {}, 0, 0)
     if not first.certificate.certified:
         with phases("single units"):
-            alone, alone_samples = _single_units(context, runner, rules, hard, references)
+            noise.alone, noise.alone_samples = _single_units(context, runner, rules, hard.hard,
+                                                             hard.references)
         with phases("trials"):
             sensitivity = group_test(
                 trials, settings.trials, progress=lambda r: context.step(r, desc="trials"),
-                prior_nsr=alone, all_int8=float(model_fit.sensitivity.nsr[0]),
+                prior_nsr=noise.alone, all_int8=float(model_fit.sensitivity.nsr[0]),
                 least=_least_random_trials(settings, first))
-        random_trials = len(sensitivity.nsr)
+        noise.random_trials = len(sensitivity.nsr)
         with phases("front checks"):
             sensitivity, fitted = _check_front(context, rules, local, sensitivity, trials)
-        model_fit = _ModelFit(context, rules, local, sensitivity, trials, fitted)
+        noise.model_fit = _ModelFit(context, rules, local, sensitivity, trials, fitted)
+    return noise
+
+
+def _weigh_repair_on_hard(prepared: _Prepared, hard: _HardSamples, after: float) -> None:
+    """The chosen repair's effect where the pins' is measured, on the hardest samples: the
+    unrepaired model's all-INT8 noise (`after`: the repaired one's) in its record."""
+    if prepared.repair == "none":
+        return
+    context, rules = prepared.context, prepared.rules
+    fixed_nodes = {n: rules.fixed[u.name] for u in rules.units if u.name in rules.fixed
+                   for n in u.nodes}
+    before = all_int8_nsr({"none": prepared.original}, hard.hard, hard.references,
+                          context.runs, fixed_nodes)
+    prepared.repair_records[prepared.repair].update(hard_nsr_before=before["none"],
+                                                    hard_nsr_after=after)
+
+
+@dataclass
+class _Searched:
+    """Stage 5: the evaluated plans, the chosen one's position, the all-FP16 evaluation
+    (or None) and every evaluated plan's noise checked against the fit."""
+
+    done: list[tuple[FrontPoint, Evaluation]]
+    chosen: int
+    floor: Evaluation | None
+    noise_checks: list[dict]
+
+
+def _search(prepared: _Prepared, noise: _NoiseModel, phases: _Phases) -> _Searched:
+    """The evaluations and the noise checks (steps 10)."""
     with phases("evaluations"):
-        done, chosen, floor = _evaluate(context, rules, model_fit, evaluator, first,
-                                        evaluator.cheap)
+        done, chosen, floor = _evaluate(prepared.context, prepared.rules, noise.model_fit,
+                                        noise.evaluator, noise.first, noise.evaluator.cheap)
     evaluations = [e for _, e in done]
     warn_undecided(evaluations, evaluations[chosen])
-    sensitivity, fit = model_fit.sensitivity, model_fit.fitted
     with phases("noise checks"):  # every evaluated plan's prediction checked on the hard samples
-        noise_checks = _noise_checks(model_fit, done)
-    decided = _decide(context, rules, done[chosen][0], fit.contribution, fit.fp16_contribution,
-                      local, alone, calibrators, sensitivity, len(done), floor,
-                      shifts if runner.shifts else {})
-    decided.repairs = [*repair_records.values(), *([shift_record] if shift_record else [])]
+        noise_checks = _noise_checks(noise.model_fit, done)
+    return _Searched(done, chosen, floor, noise_checks)
+
+
+def _result(prepared: _Prepared, calibrated: _Calibrated, hard: _HardSamples,
+            noise: _NoiseModel, searched: _Searched, phases: _Phases) -> PlanResult:
+    """The plan as plain data with its evidence, its Q/DQ model checked against it, and
+    everything the stages measured (step 11)."""
+    context, rules, runner = prepared.context, prepared.rules, calibrated.runner
+    sensitivity, fit = noise.model_fit.sensitivity, noise.model_fit.fitted
+    chosen_point = searched.done[searched.chosen][0]
+    decided = _decide(context, rules, chosen_point, fit.contribution, fit.fp16_contribution,
+                      hard.local, noise.alone, calibrated.calibrators, sensitivity,
+                      len(searched.done), searched.floor,
+                      calibrated.shifts if runner.shifts else {})
+    decided.repairs = [*prepared.repair_records.values(),
+                       *([hard.shift_record] if hard.shift_record else [])]
     qdq_model = runner.quantized(decided.node_precisions())
     differ = {u: p for u, p in read_back(qdq_model, rules.units).items()
               if p != decided.units[u].precision}
     if differ:
         raise ModelError(f"the Q/DQ model runs units {sorted(differ)[:5]} as {differ} although "
                          "the plan says otherwise; this is a bug, please report it with the model.")
-    return PlanResult(decided, qdq_model, dict(amax), fit.front, sensitivity, evaluations, chosen,
-                      hard_indices.tolist(), model,
-                      _uncertified(context, rules, runner, done, done[chosen][0]),
-                      phases.seconds, noise_checks,
-                      _trial_cost(trials, fp32_seconds, random_trials, len(alone),
-                                  alone_samples), model_fit.refits,
-                      _outside_units(runner, rules))
+    return PlanResult(decided, qdq_model, dict(calibrated.amax), fit.front, sensitivity,
+                      [e for _, e in searched.done], searched.chosen, hard.indices.tolist(),
+                      prepared.chosen.model,
+                      _uncertified(context, rules, runner, searched.done, chosen_point),
+                      phases.seconds, searched.noise_checks,
+                      _trial_cost(noise.trials, hard.fp32_seconds, noise.random_trials,
+                                  len(noise.alone), noise.alone_samples),
+                      noise.model_fit.refits, _outside_units(runner, rules))
 
 
 def _fp32_runs(model: onnx.ModelProto, calibration
