@@ -167,7 +167,8 @@ def quantize_model(
     "fp16" or "fp32"; nodes missing from it run in INT8 where quantizable. An
     "fp16" node reads its float inputs through Cast(float16) (weights stored as
     float16) and its outputs are cast back to float32, so a strongly typed
-    TensorRT network runs it in FP16; `high_precision="fp32"` runs those nodes in
+    TensorRT network runs it in FP16 (ONNX Runtime runs it as :mod:`quantlab.fp16`
+    emulates that); `high_precision="fp32"` runs those nodes in
     FP32 instead (no casts). Weights are per-channel unless `per_channel` is False, their
     amax chosen by `weight_criterion` (:func:`weight_amax`) except where `weight_amax`
     (weight initializer -> per-channel amax, :func:`quantlab.weights.choose_weight_amax`)

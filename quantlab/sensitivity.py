@@ -82,9 +82,9 @@ def local_error_model(qdq: Graph | Sequence[Graph], reference: Graph,
     A node is quantized when one of its inputs comes from a DequantizeLinear,
     directly or through ops that commute with quantization (MaxPool, Reshape, ...),
     or reads float16 (a Cast to float16 or another FP16 node's output): such a
-    node runs in float32 on its float16-rounded inputs and its output is rounded
-    to float16, the arithmetic of TensorRT's FP16 kernels (float32 accumulation)
-    and of ONNX Runtime running a Cast-wrapped float16 node on CPU. Its other
+    node is copied with its float16 inputs and weights, and ONNX Runtime runs it as
+    TensorRT's FP16 kernels do (:mod:`quantlab.fp16`: float16 inputs and outputs,
+    float32 accumulation). Its other
     non-constant inputs, the inputs of its Quantize nodes and Casts and the
     computed side inputs of the pass-through ops (a Reshape's shape made by Shape
     -> Gather -> Concat) are fed from the FP32 run of `reference` under the same
@@ -158,10 +158,7 @@ def local_error_model(qdq: Graph | Sequence[Graph], reference: Graph,
                                                                    renamed.get(name, name))
                 combined.append(_renamed_copy(sub, suffix, renamed))
             if precision == "fp16":
-                half = {renamed.get(i, i) for i, p in zip(inputs, parts, strict=True)
-                        if p.precision == "fp16" or
-                        (i in stored and stored[i].data_type == _FLOAT16)}
-                combined += _in_float32(combined.pop(), half)
+                combined += _widened(combined.pop(), {renamed[out] for out in compared})
             if activation:
                 # The fused activation in FP32 on the op's output, constants from `reference`.
                 renamed[twin.output[0]] = renamed[node.output[0]]
@@ -310,24 +307,17 @@ def _named(init: onnx.TensorProto, name: str) -> onnx.TensorProto:
     return copy
 
 
-def _in_float32(node: onnx.NodeProto, half: set[str]) -> list[onnx.NodeProto]:
-    """An FP16 node computing in float32: its float16 inputs `half` widened, its outputs
-    rounded to float16 and widened back (float32 accumulation, as TensorRT's FP16 kernels)."""
-    nodes = []
-    for index, name in enumerate(node.input):
-        if name in half:
-            wide = f"{name}::fp32::{node.name}"
-            nodes.append(helper.make_node("Cast", [name], [wide], name=wide, to=_FLOAT))
-            node.input[index] = wide
-    outputs = list(node.output)
-    node.output[:] = [f"{o}::accumulated" for o in outputs]
-    nodes.append(node)
-    for out in outputs:
-        nodes += [helper.make_node("Cast", [f"{out}::accumulated"], [f"{out}::fp16"],
-                                   name=f"{out}::fp16", to=_FLOAT16),
-                  helper.make_node("Cast", [f"{out}::fp16"], [out], name=f"{out}::rounded",
-                                   to=_FLOAT)]
-    return nodes
+def _widened(node: onnx.NodeProto, outputs: Iterable[str]) -> list[onnx.NodeProto]:
+    """An FP16 node with its float16 `outputs` cast to float32 under their own names, for the
+    comparison. ONNX Runtime runs the node itself as TensorRT's FP16 kernels do
+    (:func:`quantlab.fp16.emulated`, applied by the backend to every model it runs)."""
+    casts = []
+    for index, name in enumerate(node.output):
+        if name in outputs:
+            node.output[index] = f"{name}::fp16"
+            casts.append(helper.make_node("Cast", [node.output[index]], [name],
+                                          name=f"{name}::fp32", to=_FLOAT))
+    return [node, *casts]
 
 
 def _feed_value(reference: Graph, name: str) -> onnx.ValueInfoProto:

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from quantlab import graph
+from quantlab import fp16, graph
 from quantlab.data import check_batch
 from quantlab.errors import DataError, InternalRunError, ModelError
 
@@ -57,6 +57,10 @@ class OnnxRuntimeBackend:
         release_arena: bool = False,
     ):
         self.model = model if isinstance(model, onnx.ModelProto) else graph.load_model(model)
+        # What ONNX Runtime runs: float16 nodes (a plan's FP16 units) compute in float32
+        # between explicit roundings, as TensorRT's FP16 kernels do; ORT's own handling
+        # runs them in float32 without rounding anything (quantlab.fp16).
+        self.runnable = fp16.emulated(self.model)
         self.name = name
         self.providers = list(providers or ["CPUExecutionProvider"])
         self.threads = threads
@@ -109,7 +113,8 @@ class OnnxRuntimeBackend:
     def _session(self, tensors: tuple[str, ...]) -> ort.InferenceSession:
         if tensors in self._sessions:
             return self._sessions[tensors]
-        model = with_outputs(self.model, tensors) if tensors != tuple(self.outputs) else self.model
+        model = (with_outputs(self.runnable, tensors) if tensors != tuple(self.outputs)
+                 else self.runnable)
         try:
             session = _create_session(model, self.session_options(), self.providers)
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NotImplemented types
@@ -234,7 +239,7 @@ def optimized_op_types(model: onnx.ModelProto) -> Counter:
     with tempfile.TemporaryDirectory() as folder:
         path = str(Path(folder) / "optimized.onnx")
         ort.InferenceSession(
-            model.SerializeToString(),
+            backend.runnable.SerializeToString(),
             backend.session_options(optimized_model_path=path),
             providers=["CPUExecutionProvider"],
         )
