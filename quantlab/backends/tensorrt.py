@@ -355,6 +355,25 @@ def _pin_layers(network: object, pins: LayerPins, trt: ModuleType) -> None:
                     layer.set_output_type(index, dtypes[precision])
 
 
+def sample_axes(model: onnx.ModelProto | None, inputs: Sequence[str]) -> dict[str, int]:
+    """Input -> its sample axis: the one `model` names, axis 0 of every input without a model."""
+    if model is None:
+        return dict.fromkeys(inputs, 0)
+    return {spec.name: spec.batch_axis for spec in graph.input_specs(model)
+            if spec.batch_axis is not None}
+
+
+def profile_max_batch(shapes: Mapping[str, tuple[Sequence[int], Sequence[int]]],
+                      axes: Mapping[str, int]) -> int | None:
+    """The most samples an engine takes per run (trt-review-r2 N2): ``shapes`` maps each input
+    to its engine shape and, where that has a dynamic (-1) dimension, its profile's MAX shape;
+    `axes` gives the sample axes (:func:`sample_axes`). None where no input has one."""
+    sizes = [int(high[axes[name]]) if shape[axes[name]] == -1 else int(shape[axes[name]])
+             for name, (shape, high) in shapes.items()
+             if name in axes and axes[name] < len(shape)]
+    return min(sizes) if sizes else None
+
+
 def input_profile(model: onnx.ModelProto, max_batch: int,
                   shapes: Mapping[str, Sequence[Sequence[int]]] | None = None,
                   dynamic_only: bool = False):
@@ -613,6 +632,12 @@ class TensorRTBackend:
         self.outputs = [o for o in outputs if model_outputs is None or o in model_outputs]
         for output in self.outputs:
             self.exposed.add(output, "graph_output")
+        self.sample_axes = sample_axes(self.model, list(self.inputs))
+        self.max_batch = profile_max_batch(
+            {name: (tuple(engine_obj.get_tensor_shape(name)),
+                    tuple(engine_obj.get_tensor_profile_shape(name, 0)[2])
+                    if -1 in tuple(engine_obj.get_tensor_shape(name)) else ())
+             for name in self.inputs}, self.sample_axes)
         if self.model is not None and hasattr(engine_obj, "is_debug_tensor"):
             for tensor in graph.topological_tensors(self.model):
                 if engine_obj.is_debug_tensor(tensor):
@@ -673,6 +698,13 @@ class TensorRTBackend:
         missing = [name for name in self.inputs if name not in batch]
         if missing:
             raise DataError(f"batch has no array for engine input(s) {missing}.")
+        size = max((np.shape(batch[name])[axis] for name, axis in self.sample_axes.items()
+                    if name in self.inputs and np.ndim(batch[name]) > axis), default=0)
+        if self.max_batch is not None and size > self.max_batch:
+            raise DataError(
+                f"a batch of {size} samples is more than the engine '{self.name}' takes: its "
+                f"optimization profile allows at most {self.max_batch}. Pass --batch-size "
+                f"{self.max_batch} or rebuild it with a larger --max-batch (quantlab build).")
         # order="C" keeps a 0-d input 0-d (np.ascontiguousarray makes it 1-d).
         feed = {name: np.asarray(batch[name], dtype=dtype, order="C")
                 for name, dtype in self.inputs.items()}
