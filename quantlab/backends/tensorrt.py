@@ -545,7 +545,7 @@ def exposed_tensors(layer_info: str | Mapping | Sequence, model: onnx.ModelProto
     engine still holds. Graph outputs are always there; the rest of the float tensors is
     what the engine does not expose (:meth:`TensorRTBackend.not_exposed`).
     """
-    from quantlab.trt_layers import engine_layers, engine_tensor_names
+    from quantlab.trt_layers import engine_layers, engine_tensor_names, held_as_float
 
     index = graph.Graph.of(model)
     result = ExposedTensors()
@@ -559,7 +559,7 @@ def exposed_tensors(layer_info: str | Mapping | Sequence, model: onnx.ModelProto
             if onnx_name in index.floats and onnx_name not in inputs:
                 result.add(onnx_name, source, engine_name)
     else:
-        held = {name for layer in layers for name in (*layer.inputs, *layer.outputs)}
+        held = held_as_float(layers, index)
         for name in marked:
             if name in held or source == "network_output":
                 result.add(name, source)
