@@ -28,7 +28,7 @@ from quantlab.backends.tensorrt import (
     default_mode,
     implicit_pins,
     input_profile,
-    layer_pin,
+    layer_node,
     make_engine_backend,
     parse_version,
     require_tensorrt,
@@ -265,14 +265,20 @@ def test_implicit_pins_keep_fp16_on_the_plan_and_never_pin_int8():
         implicit_pins(model, {"head": "double"})
 
 
-def test_layer_pin_follows_onnx_metadata_onto_unnamed_layers():
-    # trt-review F9: onnx-tensorrt names only the Gemm's MatMul layer "fc"; its bias add stays
-    # "(Unnamed Layer* 7) [ElementWise]" but carries the node in its Metadata (8.6+).
+def test_layer_node_follows_the_unnamed_matmul_output_onto_the_bias_add():
+    # trt-review F9 (r2): onnx-tensorrt names only the Gemm's MatMul layer "fc"; its bias add
+    # stays "(Unnamed Layer* 7) [ElementWise]" with no Metadata (written only on registered
+    # layers), reading the MatMul's unnamed output.
     pins = {"fc": "fp32"}
-    assert layer_pin("fc", "[ONNX Layer: fc]", pins) == "fp32"
-    assert layer_pin("(Unnamed Layer* 7) [ElementWise]", "[ONNX Layer: fc]", pins) == "fp32"
-    assert layer_pin("(Unnamed Layer* 8) [Shuffle]", "[ONNX Layer: other]", pins) is None
-    assert layer_pin("(Unnamed Layer* 9) [Constant]", "", pins) is None
+    matmul_out = "(Unnamed Layer* 6) [Matrix Multiply]_output"
+    origin = {matmul_out: "fc"}
+    assert layer_node("fc", "[ONNX Layer: fc]", ["view"], {}, pins) == "fc"
+    assert layer_node("(Unnamed Layer* 7) [ElementWise]", "", [matmul_out, "(Unnamed Layer* 5) "
+                      "[Constant]_output"], origin, pins) == "fc"
+    assert layer_node("(Unnamed Layer* 8) [Shuffle]", "[ONNX Layer: other]", [matmul_out],
+                      origin, pins) is None  # Metadata says it is another node's
+    assert layer_node("(Unnamed Layer* 9) [Constant]", "", [], origin, pins) is None
+    assert layer_node("n_7", "[ONNX Layer: fc | /m.py(3): forward]", [], {}, pins) == "fc"
 
 
 def test_layer_precisions_checked():

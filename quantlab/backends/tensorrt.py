@@ -57,6 +57,7 @@ PRECISIONS = ("fp32", "fp16", "int8")
 # BuilderFlag.INT8 and a calibrator.
 MODES = ("strongly_typed", "explicit", "implicit")
 UNFUSED = "unfused"  # debug_tensors: mark_unfused_tensors_as_debug_tensors (TensorRT >= 10.12)
+UNNAMED = "(Unnamed Layer*"  # how TensorRT names a layer (and its outputs) nobody named
 LAYERS = "layers"  # debug_tensors: every ONNX tensor the engine keeps, the version's way
 ENGINE_SUFFIXES = (".plan", ".engine", ".trt")  # a prebuilt, serialized engine
 # How a tensor the engine stage compares was obtained (validate's "obtained" column).
@@ -227,16 +228,21 @@ def implicit_pins(model: onnx.ModelProto, plan: Mapping[str, str]) -> LayerPins:
     return LayerPins(precisions, {n: p for n, p in precisions.items() if n in float_out})
 
 
-def layer_pin(name: str, metadata: str, precisions: Mapping[str, str]) -> str | None:
-    """The pinned precision of a network layer: its name's, else that of the ONNX node its
-    ``Metadata`` names (onnx-tensorrt names one layer per node and leaves the others, e.g. a
-    Gemm's bias add, "(Unnamed Layer* N)"; Metadata names the node on every one, 8.6+)."""
-    if name in precisions:
-        return precisions[name]
+def layer_node(name: str, metadata: str, inputs: Sequence[str], origin: Mapping[str, str],
+               nodes: Mapping[str, str]) -> str | None:
+    """The node of `nodes` (a plan's) a network layer computes, for pinning: its name's, the
+    one its ``Metadata`` names, or, for a layer onnx-tensorrt left "(Unnamed Layer* N)" with
+    no Metadata (a Gemm's bias add: the importer registers only the MatMul, and Metadata is
+    written only on registered layers, 8.6-GA ImporterContext.cpp L112-137; trt-review F9),
+    the node of the layer whose unnamed output it reads (`origin`: tensor -> node)."""
+    if name in nodes:
+        return name
     from quantlab.trt_layers import metadata_nodes
 
-    return next((precisions[node] for node in metadata_nodes(metadata) if node in precisions),
-                None)
+    found = next((node for node in metadata_nodes(metadata) if node in nodes), None)
+    if found is None and not metadata and name.startswith(UNNAMED):
+        found = next((origin[t] for t in inputs if t in origin), None)
+    return found
 
 
 @dataclass(frozen=True)
@@ -344,15 +350,25 @@ def _pin_layers(network: object, pins: LayerPins, trt: ModuleType) -> None:
     # outputs, the way trtexec's --layerOutputTypes skips shape and index tensors.
     dtypes = {"fp32": trt.float32, "fp16": trt.float16}
     floats = (trt.float32, trt.float16)
-    for layer in network:
-        precision = layer_pin(layer.name, getattr(layer, "metadata", ""), pins.precisions)
-        if precision is None:
-            continue
-        layer.precision = dtypes[precision]
-        if layer_pin(layer.name, getattr(layer, "metadata", ""), pins.output_types):
-            for index in range(layer.num_outputs):
-                if layer.get_output(index).dtype in floats:
-                    layer.set_output_type(index, dtypes[precision])
+    origin: dict[str, str] = {}  # unnamed tensor -> the pinned node whose layer wrote it
+    with warnings.catch_warnings():
+        # Deprecated from 10.12 (pyGraph.cpp 10.16 L409/415) and still what implicit INT8
+        # obeys until it goes in 11.0: the warning would only repeat per layer (r2 N19).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for layer in network:
+            inputs = [layer.get_input(i).name for i in range(layer.num_inputs)
+                      if layer.get_input(i) is not None]
+            node = layer_node(layer.name, getattr(layer, "metadata", ""), inputs, origin,
+                              pins.precisions)
+            if node is None:
+                continue
+            outputs = [layer.get_output(i) for i in range(layer.num_outputs)]
+            origin.update((o.name, node) for o in outputs if o.name.startswith(UNNAMED))
+            layer.precision = dtypes[pins.precisions[node]]
+            if node in pins.output_types:
+                for index, output in enumerate(outputs):
+                    if output.dtype in floats:
+                        layer.set_output_type(index, dtypes[pins.precisions[node]])
 
 
 def sample_axes(model: onnx.ModelProto | None, inputs: Sequence[str]) -> dict[str, int]:
