@@ -8,8 +8,10 @@ deprecated no-op in 11.x, where every network is strongly typed), ``--int8``,
 older; removed in 11.0),
 ``--minShapes/--optShapes/--maxShapes=name:AxBxC,...``,
 ``--profilingVerbosity=detailed --exportLayerInfo=FILE`` (all). A Q/DQ model
-given ``--int8`` is built with explicit quantization: trtexec attaches no
-calibrator to a network with Q/DQ layers (``hasQDQLayers``, sampleEngines.cpp).
+given ``--int8`` is built with explicit quantization: trtexec attaches its
+random calibrator whenever ``--int8`` is set (sampleEngines.cpp 8.6 L1009-1081,
+10.16 L1102-1181) and TensorRT ignores it on a network with Q/DQ layers
+("Calibrator won't be used in explicit precision mode", TensorRT#1837).
 """
 
 from __future__ import annotations

@@ -356,6 +356,35 @@ def test_feeder_allocates_in_the_order_of_names(tmp_path):
     assert calls == [("ids", np.dtype(np.int64), True), ("a", np.dtype(np.float32), True)]
 
 
+def test_feeder_hands_float_data_of_an_integer_input_in_the_network_type(tmp_path):
+    # trt-review-r2 N17: the network's type wins over the data's, as in Polygraphy's calibrator.
+    specs = [TensorSpec("ids", (None, 2), np.dtype(np.int64))]
+    source = open_data({"ids": np.arange(6.0).reshape(3, 2)}, specs, batch_size=3)
+    feeder = CalibrationFeeder(source, tmp_path / "c.cache", specs, batch=3, trt_version="10.3.0")
+    feeder.set_input_metadata({"ids": (np.int32, (3, 2))})
+    handed = feeder._arrays(next(iter(source)))["ids"]
+    assert handed.dtype == np.int32 and handed.tolist() == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_tensorrt_10_cache_header_is_not_doubted():
+    # trt-review-r2 N14: TensorRT 10.3 wrote TRT-100300 itself (Q4 settled); no warning.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.implicit_int8_version("10.3.0") == "100300"
+
+
+def test_docs_say_trtexec_attaches_a_calibrator_tensorrt_ignores():
+    # trt-review-r2 N13: sampleEngines.cpp attaches RndInt8Calibrator whenever --int8 is set.
+    from quantlab import trtexec
+
+    docs = (Path(__file__).parents[1] / "docs" / "tensorrt.md").read_text(encoding="utf-8")
+    for text in (trtexec.__doc__, docs):
+        assert "attaches no calibrator" not in text
+    assert "TensorRT ignores it" in trtexec.__doc__
+
+
 def test_feeder_hands_integer_inputs_in_the_network_type(tmp_path):
     # trt-review F11: TensorRT 8.x's ONNX parser makes INT64 inputs INT32; an int64 buffer
     # read as int32 is garbage. The network's own types (set_input_metadata) win.

@@ -495,6 +495,12 @@ def build_engine(
     except Exception as exc:  # Polygraphy raises PolygraphyException after TensorRT's log
         if feeder is not None:
             feeder.raise_error()  # the calibrator's own error explains the failure better
+            if feeder.skipped_samples and not feeder.used_batches:  # r2 N17
+                raise DataError(
+                    f"TensorRT could not build an engine from {path}: every calibration batch "
+                    f"({feeder.skipped_samples} samples) was skipped, its shape off the "
+                    "calibration profile's OPT shape, so TensorRT had no data to calibrate "
+                    f"on ({exc}). Give the feeder batches of the OPT shape.") from None
         raise ModelError(f"TensorRT could not build an engine from {path}: {exc}") from None
     if feeder is not None:
         # TensorRT's trampoline prints and swallows a callback's exception (pyInt8.cpp): a
