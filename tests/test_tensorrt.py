@@ -193,10 +193,22 @@ def test_engine_stage_settings_exist_on_every_version(version):
 
 def test_explicit_build_of_an_fp16_qdq_model_sets_fp16():
     # Weakly typed, the Cast(float16) parts run FP16 only with BuilderFlag.FP16 (trt-review F3).
-    with pytest.warns(UserWarning, match="TensorRT 8.6.1: .*BuilderFlag.FP16"):
-        settings = build_settings(fp16_qdq_model(), (8, 6, 1))
+    settings = build_settings(fp16_qdq_model(), (8, 6, 1))
     assert (settings.mode, settings.int8, settings.fp16) == ("explicit", True, True)
     assert build_settings(fp16_qdq_model(), (10, 3, 0)).fp16 is False  # strongly typed: types
+
+
+def test_explicit_build_with_fp16_parts_pins_every_layer_to_its_model_type():
+    # trt-review-r2 N10: BuilderFlag.FP16 frees every unconstrained layer of a weakly typed
+    # build; each layer is pinned to the type the Q/DQ model gives it, and obeyed.
+    model = fp16_qdq_model()
+    model.graph.node.append(helper.make_node("Sigmoid", ["y"], ["z"], name="head"))
+    model.graph.output[0].name = "z"
+    settings = build_settings(model, (8, 6, 1))
+    assert settings.pins.precisions == {"relu": "fp16", "head": "fp32"}  # Casts left alone
+    assert settings.pins.output_types == settings.pins.precisions
+    assert settings.precision_constraints == "obey"
+    assert build_settings(small_model(), (8, 6, 1)).pins.precisions == {}  # no FP16 flag
 
 
 def test_named_debug_tensors_per_version():
@@ -794,8 +806,13 @@ def test_trtexec_command_lines():
         "--profilingVerbosity=detailed --exportLayerInfo=layers.json")
     assert strongly_typed_command("m.onnx", "m.plan", trt_major=11) == (
         "trtexec --onnx=m.onnx --saveEngine=m.plan")
-    assert explicit_command("m.int8.onnx", "m.plan", fp16=True) == (
-        "trtexec --onnx=m.int8.onnx --int8 --fp16 --saveEngine=m.plan")
+    assert explicit_command("m.int8.onnx", "m.plan") == (
+        "trtexec --onnx=m.int8.onnx --int8 --saveEngine=m.plan")
+    # trt-review-r2 N10: with float16 parts, --fp16 and every layer pinned to its model type.
+    assert explicit_command("m.int8.onnx", "m.plan", LayerPins({"relu": "fp16", "head": "fp32"},
+                                                               {"relu": "fp16"})) == (
+        "trtexec --onnx=m.int8.onnx --int8 --fp16 --precisionConstraints=obey "
+        "--layerPrecisions=relu:fp16,head:fp32 --layerOutputTypes=relu:fp16 --saveEngine=m.plan")
     pins = LayerPins({"/conv1/Conv": "fp32", "/head/Concat": "fp16", "/nms/TopK": "fp32"},
                      {"/conv1/Conv": "fp32", "/head/Concat": "fp16"})
     assert implicit_command("model.onnx", "calibration.cache", "model.implicit.plan", pins) == (

@@ -309,16 +309,34 @@ def build_settings(
                                            and debug_strategy(version) == "debug_unfused")
     fp16 = pins.fp16 if mode == "implicit" else mode == "explicit" and has_float16(model)
     if fp16 and mode == "explicit":
-        warnings.warn(
-            f"TensorRT {_text(version)}: a weakly typed build runs the Q/DQ model's float16 "
-            "parts in FP16 only with BuilderFlag.FP16, which also lets TensorRT pick FP16 for "
-            "any other float layer; the engine may differ from the validated model there. "
-            "Strongly typed builds (TensorRT >= 9) keep the model's types exactly.", stacklevel=2)
+        pins = explicit_pins(model)
     return BuildSettings(
         mode=mode, strongly_typed=mode == "strongly_typed", int8=mode != "strongly_typed",
         fp16=fp16, tf32=True, precision_constraints="obey" if pins.precisions else None,
         pins=pins, mark_unfused=unfused, mark_debug=marked, mark_outputs=outputs,
         profile=profile)
+
+
+def explicit_pins(model: onnx.ModelProto) -> LayerPins:
+    """The :class:`LayerPins` of a weakly typed (explicit) build of a Q/DQ `model` with float16
+    parts: BuilderFlag.FP16 lets TensorRT pick FP16 for any unconstrained layer, so every node
+    is pinned to the type its outputs have in the model (fp32 or fp16), as a strongly typed
+    build would keep it (trt-review-r2 N10). Q/DQ and Cast nodes, and the layers reading a
+    DequantizeLinear (INT8, TensorRT's to choose), are left alone."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in (
+        *inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output)}
+    dequantized = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    names = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16"}
+    precisions = {}
+    for node in model.graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear", "Cast") \
+                or dequantized & set(node.input):
+            continue
+        kinds = {names.get(types.get(o)) for o in node.output if o}
+        if len(kinds) == 1 and None not in kinds:
+            precisions[node.name] = kinds.pop()
+    return LayerPins(precisions, dict(precisions))
 
 
 def has_float16(model: onnx.ModelProto) -> bool:
@@ -703,7 +721,18 @@ class TensorRTBackend:
                                              self.model) if t not in outputs]
         if strategy == "network_output":
             kept = [t for t in kept if not set("*?[") & set(t)]  # Polygraphy reads fnmatch
-        engine = build_engine(model, debug_tensors=kept or None, **build)
+        try:
+            engine = build_engine(model, debug_tensors=kept or None, **build)
+        except ModelError as exc:
+            if not kept:
+                raise
+            # Marks have broken Q/DQ builds ("Could not find any implementation", TensorRT#3813,
+            # #1961): compare the engine built without them, end to end (trt-review-r2 N11).
+            exposed = exposed_tensors(layer_information(plain), self.model, strategy)
+            exposed.notes.append(f"the build marking {len(kept)} intermediate tensor(s) failed "
+                                 f"({exc}); only the outputs of the engine built without marks "
+                                 "are compared")
+            return plain, exposed
         exposed = exposed_tensors(layer_information(engine), self.model, strategy, kept)
         if strategy == "network_output":
             exposed.notes.append(
