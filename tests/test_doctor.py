@@ -166,6 +166,13 @@ def test_implicit_rows_say_what_they_are_judged_against():
     assert row["status"] == "ok" and "not model.int8.onnx" in row["detail"]
 
 
+def test_the_pins_row_says_its_fp16_node_is_compared_in_fp32():
+    # trt-review-r2 N3: ONNX Runtime's CPU provider runs the reference's fp16 units in FP32.
+    assert "drops the FP16 rounding" in doctor.reference_of("implicit_pins")
+    assert doctor.reference_of("implicit_calibrator") == doctor.IMPLICIT_REFERENCE
+    assert doctor.reference_of("strongly_typed") is None
+
+
 def test_tensorrt_warnings_are_sorted_by_kind():
     # Lines in Polygraphy's "[W] ..." form with TensorRT's messages as quoted in the issues
     # trt-review-r2 section 3 cites (written here, not copied from a log).
