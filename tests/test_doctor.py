@@ -5,6 +5,7 @@ Runtime, the report); the self-check itself needs TensorRT and says so."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -247,3 +248,42 @@ def test_implicit_reference_quantizes_with_the_cache_scales(tmp_path):
     cached = np.array(sorted(scales.values()), np.float64)
     for node in activation_qs:
         assert np.isclose(cached, float(inits[node.input[1]]), rtol=1e-6).any(), node.input[0]
+
+
+def test_readme_doctor_against_stand_in_engines_exits_0_with_every_row(tmp_path, monkeypatch,
+                                                                        capsys):
+    # The README's `quantlab doctor`, TensorRT 10.3 without trtexec, each engine a stand-in
+    # (tests/trt_standin.py: ONNX Runtime, exposing only the outputs and the pooled features);
+    # the builds doctor makes itself (TensorRT's own cache, ConvTranspose) fail honestly here
+    # and are reported as failed checks, not faked.
+    from types import SimpleNamespace
+
+    from trt_standin import StandInTensorRT
+
+    from quantlab import graph
+    from quantlab.backends import tensorrt as trt_backend
+    from quantlab.cli import main
+
+    def engine(path, folder, version):
+        model = (doctor._implicit_reference(folder) if path.startswith("implicit")
+                 else graph.load_model(folder / "model.int8.onnx"))
+        extra = {"plan": {}, "precision_mismatches": []} if path == "implicit_pins" else {}
+        return StandInTensorRT(model, {"mean": "debug_unfused"}, name=path), extra
+
+    monkeypatch.setattr(trt_backend, "require_tensorrt",
+                        lambda: SimpleNamespace(__version__="10.3.0"))
+    monkeypatch.setattr(doctor, "_engine", engine)
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: None)
+    out = tmp_path / "doctor"
+    assert main(["doctor", "--out", str(out), "--zoo", "digits-cnn", "--max-samples", "16"]) == 0
+    report = json.loads((out / "doctor.json").read_text())
+    assert [(r["path"], r["status"]) for r in report["paths"]] == [
+        ("strongly_typed", "ok"), ("explicit", "ok"), ("implicit_calibrator", "ok"),
+        ("implicit_pins", "ok")]
+    for row in report["paths"]:
+        assert row["obtained"] == {"debug_unfused": 1, "graph_output": 1}
+        assert set(row["latency_ms"]) == {row["path"], "onnxruntime_int8"}
+        assert row["layers_below"] == [] and "tensorrt_warnings" in row
+    assert "what an implicit INT8 engine can reproduce" in report["paths"][2]["detail"]
+    assert report["questions"]["gemm_ranges"]["digits-cnn"]["answer"].startswith("check failed")
+    assert "| digits-cnn | implicit_pins | ok |" in capsys.readouterr().out
