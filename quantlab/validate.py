@@ -546,14 +546,15 @@ class _Layout:
         if engine_whole:
             held = engine_index.sample_bytes(shapes)
             engine_held = sum(held.get(t, 0) for t in engine_whole)
-        engine_set = set() if engine_whole else set(engine_tensors)
-        torch_set = set(torch_tensors)
+        engine_set, torch_set = set(engine_tensors), set(torch_tensors)
         compared = engine_set | torch_set
+        # The engine's values are counted in engine_held already when it runs whole.
+        per_segment = set() if engine_whole else engine_set
         extra = [t for t in (local.feeds if local else []) if t not in compared]
         exposed_names = [t for t in index.order if t in compared or t in extra
                          or t in index.outputs]
         # Bytes held per tensor: the FP32 value plus each stage's value compared with it.
-        cost = {t: sizes.get(t, 0) * (1 + (t in engine_set) + (t in torch_set))
+        cost = {t: sizes.get(t, 0) * (1 + (t in per_segment) + (t in torch_set))
                 for t in exposed_names}
         per_unit = sum(cost.values())
         exposed = int(budget * EXPOSED_SHARE)
