@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import struct
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -76,14 +75,8 @@ def implicit_int8_version(version: str | int) -> str:
     """
     number = trt_version_number(version)
     major = trt_major(number)
-    if major == 10:
-        # NV_TENSORRT_VERSION is major*10000 + minor*100 + patch from 10.0 (NvInferRuntimeBase.h),
-        # but no cache written by a real TensorRT 10 has been seen (trt-review, question 4).
-        warnings.warn(
-            f"the calibration cache header TRT-{number} for TensorRT {version} follows "
-            "NV_TENSORRT_VERSION of TensorRT 10's headers; no cache TensorRT 10 wrote itself "
-            "has confirmed it. If TensorRT recalibrates or refuses the cache, run `quantlab "
-            "doctor` on that machine: it compares the header TensorRT writes.", stacklevel=2)
+    # 10.x: major*10000 + minor*100 + patch (NV_TENSORRT_VERSION, NvInferRuntimeBase.h 10.0),
+    # confirmed by a cache TensorRT 10.3 wrote (NVIDIA TrafficCamNet's TRT-100300-...; r2 N14).
     if major >= 11:
         raise ConfigError(
             f"TensorRT {version} has no implicit INT8, so it reads no calibration cache: it "
@@ -114,7 +107,7 @@ def write_calibration_cache(
     """Atomically write a TensorRT calibration cache of `scales` (tensor -> amax / 127).
 
     `trt_version` must be the version of the TensorRT that will read the cache
-    (TensorRT recalibrates when the header does not match it).
+    (TensorRT rejects a cache whose header does not match, and the build fails: trt-review F5).
     """
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"algorithm '{algorithm}' is not one of {', '.join(ALGORITHMS)}.")

@@ -60,22 +60,31 @@ def supported_paths(version: Sequence[int], has_trtexec: bool) -> list[str]:
 
 
 def gemm_ranges_answer(trt_scales: Mapping[str, float], needed: Sequence[str],
-                       gemm_precisions: Mapping[str, Sequence[str | None]]) -> dict:
+                       gemm_precisions: Mapping[str, Sequence[str | None]],
+                       own_precisions: Mapping[str, Sequence[str | None]] | None = None
+                       ) -> dict:
     """Question 1 from TensorRT's own cache (`trt_scales`), quantlab's list of ranges
-    (`needed`) and the precisions of the Gemm nodes' layers in the engine built from
-    quantlab's cache (``{node: [precision of each layer]}``)."""
+    (`needed`) and the precisions of the Gemm nodes' layers (``{node: [precision of each
+    layer]}``) in the engine built from quantlab's cache and in the one built from TensorRT's
+    own (`own_precisions`)."""
     only_trt = sorted(set(trt_scales) - set(needed))
+    # A Myelin region (precision None) says nothing of its Gemm, and a Gemm TensorRT keeps out
+    # of INT8 from its own cache too (a last FC) is TensorRT's choice, not a missing range:
+    # only a layer INT8 from TensorRT's cache and not from quantlab's is blamed (r2 N8).
+    own = own_precisions or {}
     left = {node: list(p) for node, p in gemm_precisions.items()
-            if any(value != "int8" for value in p)}
+            if any(value not in ("int8", None) for value in p)
+            and all(value in ("int8", None) for value in own.get(node, ["int8"]))}
     if not gemm_precisions:
         answer = "no Gemm in this model"
     elif left:
-        answer = (f"{len(left)} Gemm node(s) leave INT8 with quantlab's cache: TensorRT wants "
-                  "ranges quantlab cannot name")
+        answer = (f"{len(left)} Gemm node(s) run INT8 from TensorRT's own cache but not from "
+                  "quantlab's: TensorRT wants ranges quantlab cannot name")
     else:
-        answer = "every Gemm runs INT8 from quantlab's cache"
+        answer = ("every Gemm TensorRT runs INT8 from its own cache runs INT8 from quantlab's "
+                  "cache")
     return {"tensorrt_only_ranges": only_trt, "gemm_layer_precisions": dict(gemm_precisions),
-            "gemm_out_of_int8": left, "answer": answer}
+            "gemm_precisions_own_cache": dict(own), "gemm_out_of_int8": left, "answer": answer}
 
 
 def cache_rewrite_answer(reads: int, writes: int) -> dict:
@@ -180,8 +189,8 @@ def run_doctor(out: str | os.PathLike, models: Sequence[str] = DEFAULT_MODELS,
             if "answer" in own:  # the check itself failed
                 questions.setdefault("gemm_ranges", {})[name] = own
                 continue
-            header, scales = own["result"]
-            gemm = _attempt(_gemm_ranges, folder, version, scales)
+            header, scales, own_gemms = own["result"]
+            gemm = _attempt(_gemm_ranges, folder, version, scales, own_gemms)
             questions.setdefault("gemm_ranges", {})[name] = gemm.get("result", gemm)
             questions.setdefault("cache_header", cache_header_answer(header, version))
     rewrite = [p["cache"] for p in report["paths"] if "cache" in p]
@@ -202,13 +211,21 @@ def format_report(report: Mapping) -> str:
     lines = [f"# quantlab doctor: TensorRT {report['tensorrt']}", "",
              f"quantlab {report['quantlab']}, Polygraphy {report['polygraphy']}, GPU "
              f"{report['gpu']}, trtexec {report['trtexec'] or 'not on PATH'}", "",
-             "| model | path | status | worst-output SQNR dB | tensors compared (how) | "
-             "not exposed | detail |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| model | path | status | worst-output SQNR dB | layers below "
+             f"{AGREEMENT_DB:.0f} dB | INT8 share of MACs | latency ms (engine / ONNX Runtime) | "
+             "TensorRT warnings | tensors compared (how) | not exposed | detail |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in report["paths"]:
         how = ", ".join(f"{k} {v}" for k, v in sorted(row.get("obtained", {}).items()))
         sqnr = row.get("worst_output_sqnr_db")
+        share = row.get("int8_coverage", {}).get("share")
+        latency = " / ".join(f"{v:.2f}" for v in row.get("latency_ms", {}).values())
+        warned = ", ".join(f"{k} {len(v)}" for k, v in sorted(
+            row.get("tensorrt_warnings", {}).items()))
         lines.append(f"| {row['model']} | {row['path']} | {row['status']} | "
-                     f"{'' if sqnr is None else f'{sqnr:.1f}'} | {how} | "
+                     f"{'' if sqnr is None else f'{sqnr:.1f}'} | "
+                     f"{len(row.get('layers_below', []))} | "
+                     f"{'' if share is None else f'{share:.1%}'} | {latency} | {warned} | {how} | "
                      f"{len(row.get('not_exposed', []))} | {row.get('detail', '')} |")
     lines += ["", "## Questions the sources could not settle", ""]
     for question, answer in report["questions"].items():
@@ -246,43 +263,143 @@ def _calibrate(name: str, folder: Path, version: tuple[int, ...]) -> Path:
 
 def _check_path(path: str, name: str, folder: Path, version: tuple[int, ...],
                 max_samples: int) -> dict:
-    """Build the engine of `path`, compare it with ONNX Runtime's INT8 model; a row."""
+    """Build the engine of `path`, compare it with what it can reproduce; a row."""
+    from polygraphy.logger import G_LOGGER
+
     row = {"model": name, "path": path}
+    log = folder / f"doctor-{path}.tensorrt.log"
+    log.unlink(missing_ok=True)
+    G_LOGGER.log_file = str(log)  # TensorRT's own log, through Polygraphy's logger
     try:
         engine, extra = _engine(path, folder, version)
         row.update(extra)
-        row.update(_compare(name, folder, engine, path, max_samples))
-        row["status"] = "ok" if row["worst_output_sqnr_db"] >= AGREEMENT_DB else "disagrees"
+        reference = _implicit_reference(folder) if path.startswith("implicit") else None
+        row["reference"] = reference_of(path)
+        row.update(_compare(name, folder, engine, path, max_samples, reference))
         engine.close()
     except Exception as exc:  # a path that fails is what the report is for; go on
         row.update(status="failed", detail=f"{type(exc).__name__}: {exc}")
-    return row
+    finally:
+        G_LOGGER.log_file = None
+    row["tensorrt_warnings"] = tensorrt_warnings(
+        log.read_text(encoding="utf-8", errors="replace") if log.is_file() else "")
+    return judge_row(row) if "status" not in row else row
+
+
+# What implicit INT8 can reproduce: it quantizes with the cache's activation scales and its own
+# max-abs weight scales, and knows nothing of bias correction, --weight-amax or the Q/DQ
+# placement (developer guide, implicit quantization; trt-review-r2 N6).
+IMPLICIT_REFERENCE = ("model.onnx quantized in ONNX Runtime with calibration.cache's scales, "
+                      "max-abs per-channel weights and no bias correction: what an implicit "
+                      "INT8 engine can reproduce (not model.int8.onnx)")
+FP16_IN_FP32 = ("the plan's fp16 node runs in FP32 there: ONNX Runtime's CPU provider drops "
+                "the FP16 rounding of Cast pairs (trt-review-r2 N3), so this row cannot show "
+                "FP16 rounding or overflow")
+
+
+def reference_of(path: str) -> str | None:
+    """What the engine of `path` is judged against, where it is not model.int8.onnx run as is."""
+    if not path.startswith("implicit"):
+        return None
+    return f"{IMPLICIT_REFERENCE}; {FP16_IN_FP32}" if path == "implicit_pins" \
+        else IMPLICIT_REFERENCE
+
+
+# TensorRT log lines a user needs to see (trt-review-r2 section 3, item 3, with the issues).
+WARNINGS = {
+    "missing_scale": "Missing scale and zero-point",  # falls back to FP (#2462)
+    "pins_ignored": "No conforming implementation",  # precision pins ignored (#2407, #3941)
+    "calibrator_unused": "Calibrator won't be used",  # explicit precision mode (#1837)
+    "fp16_weights": "converted to FP16",  # weights overflow / subnormal in FP16 (#3101)
+    "no_implementation": "Could not find any implementation",  # (#3385, #3579, #3813)
+}
+
+
+def tensorrt_warnings(log: str) -> dict[str, list[str]]:
+    """The TensorRT warning and error lines of a log (Polygraphy's ``[W]``/``[E]`` prefixes,
+    TensorRT's ``[TRT] [W]``), by the kind of :data:`WARNINGS` they are ('other' for the rest)."""
+    found: dict[str, list[str]] = {}
+    for line in log.splitlines():
+        if not any(tag in line for tag in ("[W]", "[E]", "WARNING", "ERROR")):
+            continue
+        text = line.strip()
+        kind = next((k for k, pattern in WARNINGS.items() if pattern in text), "other")
+        found.setdefault(kind, []).append(text)
+    return found
+
+
+def judge_row(row: dict) -> dict:
+    """A measured row's status: 'pins ignored' where a plan node's engine layers run another
+    precision (the pins were not obeyed), 'disagrees' where the worst output or a mapped
+    intermediate is below :data:`AGREEMENT_DB` (naming the layers), else 'ok'."""
+    problems = []
+    if row.get("precision_mismatches"):
+        nodes = sorted({m["node"] for m in row["precision_mismatches"]})
+        problems.append(f"pins not obeyed on {', '.join(nodes)}")
+    if row.get("worst_output_sqnr_db", np.inf) < AGREEMENT_DB:
+        problems.append(f"worst output {row['worst_output_sqnr_db']:.1f} dB")
+    for layer in row.get("layers_below", []):
+        problems.append(f"{layer['tensor']} ({layer['node']}) {layer['sqnr_db']:.1f} dB")
+    status = ("pins ignored" if row.get("precision_mismatches") else
+              "disagrees" if problems else "ok")
+    detail = "; ".join(problems)
+    if row.get("reference"):
+        detail = f"{detail}; " if detail else ""
+        detail += "judged against " + row["reference"]
+    return {**row, "status": status, "detail": detail}
+
+
+def inspect_engine(layer_info: str | Mapping, model: onnx.ModelProto,
+                   plan: Mapping[str, str] | None = None) -> dict:
+    """What the inspector tells of an engine built from `model`: its INT8 coverage
+    (:func:`quantlab.trt_layers.int8_coverage`), its reformat layers, and for a `plan` the
+    nodes whose layers run another precision."""
+    from quantlab.trt_layers import engine_layers, int8_coverage, precision_mismatches
+
+    layers = engine_layers(layer_info, model)
+    result = {"int8_coverage": int8_coverage(layers),
+              "reformats": sum(layer.is_reformat for layer in layers)}
+    if plan:
+        result["plan"] = dict(plan)
+        result["precision_mismatches"] = [m.__dict__ for m in precision_mismatches(layers, plan)]
+    return result
 
 
 def _engine(path: str, folder: Path, version: tuple[int, ...]) -> tuple[object, dict]:
     from quantlab.backends.tensorrt import LAYERS, TensorRTBackend, layer_information
-    from quantlab.trt_layers import engine_layers, precision_mismatches
 
     if path in ("strongly_typed", "explicit"):
-        return TensorRTBackend(folder / "model.int8.onnx", name=path, debug_tensors=LAYERS,
-                               mode=path, max_batch=BATCH), {}
-    if path == "implicit_trtexec":
+        engine = TensorRTBackend(folder / "model.int8.onnx", name=path, debug_tensors=LAYERS,
+                                 mode=path, max_batch=BATCH)
+        model = engine.model
+        extra = {}
+    elif path == "implicit_trtexec":
         _run_trtexec(folder)
-        return TensorRTBackend(folder / "model.onnx", name=path,
-                               engine=folder / "model.implicit.plan"), {}
-    model = graph.load_model(folder / "model.onnx")
-    plan = _pin_plan(model) if path == "implicit_pins" else None
-    with tempfile.TemporaryDirectory(prefix="quantlab-doctor-") as scratch:
-        feeder = _feeder(folder, model, version, Path(scratch), batches=None)
-        engine = TensorRTBackend(folder / "model.onnx", name=path, debug_tensors=LAYERS,
-                                 mode="implicit", calibrator=_calibrator(feeder),
-                                 layer_precisions=plan, max_batch=BATCH)
-    extra = {"cache": cache_rewrite_answer(feeder.cache_reads, feeder.cache_writes)}
-    if plan:
-        layers = engine_layers(layer_information(engine.engine_bytes), model)
-        extra["plan"] = plan
-        extra["precision_mismatches"] = [m.__dict__ for m in precision_mismatches(layers, plan)]
+        engine = TensorRTBackend(folder / "model.onnx", name=path,
+                                 engine=folder / "model.implicit.plan")
+        model, extra = engine.model, {}
+    else:
+        model = graph.load_model(folder / "model.onnx")
+        plan = _pin_plan(model) if path == "implicit_pins" else None
+        with tempfile.TemporaryDirectory(prefix="quantlab-doctor-") as scratch:
+            feeder = _feeder(folder, model, version, Path(scratch), batches=None)
+            engine = TensorRTBackend(folder / "model.onnx", name=path, debug_tensors=LAYERS,
+                                     mode="implicit", calibrator=_calibrator(feeder),
+                                     layer_precisions=plan, max_batch=BATCH)
+        extra = {"cache": cache_rewrite_answer(feeder.cache_reads, feeder.cache_writes)}
+        extra.update(inspect_engine(layer_information(engine.engine_bytes), model, plan))
+        return engine, extra
+    extra.update(inspect_engine(layer_information(engine.engine_bytes), model))
     return engine, extra
+
+
+def _implicit_reference(folder: Path) -> onnx.ModelProto:
+    """:data:`IMPLICIT_REFERENCE`: the FP32 model quantized with the cache's scales."""
+    _, scales = cache.read_calibration_cache(folder / "calibration.cache")
+    model = graph.load_model(folder / "model.onnx")
+    wanted = qdq.activation_tensors_to_calibrate(model)
+    return qdq.quantize_model(model, {t: scales[t] * 127.0 for t in wanted if t in scales},
+                              per_channel=True, weight_criterion="max")
 
 
 def _pin_plan(model: onnx.ModelProto) -> dict[str, str]:
@@ -326,8 +443,10 @@ def _run_trtexec(folder: Path) -> None:
         raise QuantlabError(f"trtexec exited with {run.returncode}: {' / '.join(tail)}")
 
 
-def _compare(name: str, folder: Path, engine, path: str, max_samples: int) -> dict:
-    """Validate `engine` against ONNX Runtime's INT8 model: layer table and end-to-end."""
+def _compare(name: str, folder: Path, engine, path: str, max_samples: int,
+             reference_model: onnx.ModelProto | None = None) -> dict:
+    """Validate `engine` against ONNX Runtime's INT8 model (or `reference_model`): layer table,
+    the mapped layers below :data:`AGREEMENT_DB`, end to end, and both latencies."""
     from quantlab import zoo
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.data import open_data
@@ -335,7 +454,8 @@ def _compare(name: str, folder: Path, engine, path: str, max_samples: int) -> di
     from quantlab.validate import validate
 
     entry = zoo.get(name)
-    reference = OnnxRuntimeBackend(graph.load_model(folder / "model.int8.onnx"),
+    reference = OnnxRuntimeBackend(reference_model or
+                                   graph.load_model(folder / "model.int8.onnx"),
                                    name="onnxruntime_int8")
     eval_set = entry.eval_set(max_samples)
     data = open_data({entry.input_name: eval_set.inputs}, graph.input_specs(reference.model),
@@ -347,11 +467,31 @@ def _compare(name: str, folder: Path, engine, path: str, max_samples: int) -> di
     counts: dict[str, int] = {}
     for value in obtained:
         counts[value] = counts.get(value, 0) + 1
+    table = pair.table
+    below = table[table["sqnr_db"] < AGREEMENT_DB]
+    batch = data.slice(next(iter(data)), 0, min(BATCH, data.num_samples))
     return {"worst_output_sqnr_db": min(m["sqnr_db"] for m in pair.outputs.values()),
+            "layers_below": [{"tensor": r.tensor, "node": r.node, "sqnr_db": float(r.sqnr_db)}
+                             for r in below.itertuples(index=False)],
+            "latency_ms": {engine.name: _latency_ms(engine, batch),
+                           reference.name: _latency_ms(reference, batch)},
             "metrics": result.metrics, "obtained": counts,
             "not_exposed": list(pair.not_compared), "notes": list(pair.warnings),
             "first_divergence": pair.divergence.to_dict() if pair.divergence else None,
             "report": str(result.report)}
+
+
+def _latency_ms(backend, batch: Mapping[str, np.ndarray], runs: int = 20) -> float:
+    """Median wall time of `runs` runs of `batch` (outputs only), after one warm-up run."""
+    import time
+
+    backend.run(batch)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        backend.run(batch)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times) * 1e3)
 
 
 def _tensorrt_cache(folder: Path, version: tuple[int, ...]) -> tuple[str, dict]:
@@ -366,28 +506,36 @@ def _tensorrt_cache(folder: Path, version: tuple[int, ...]) -> tuple[str, dict]:
                         max_samples=8 * BATCH)
     with tempfile.TemporaryDirectory(prefix="quantlab-doctor-") as scratch:
         feeder = _feeder(folder, model, version, Path(scratch), batches)
-        build_engine(folder / "model.onnx", "implicit", calibrator=_calibrator(feeder),
-                     max_batch=BATCH)
+        engine = build_engine(folder / "model.onnx", "implicit", calibrator=_calibrator(feeder),
+                              max_batch=BATCH)
         header, scales = cache.read_calibration_cache(feeder.cache_path)
-    return str(header), scales
+    return str(header), scales, _gemm_precisions(engine, model)
 
 
-def _gemm_ranges(folder: Path, version: tuple[int, ...], scales: Mapping[str, float]) -> dict:
-    """Question 1: TensorRT's own ranges (`scales`) against quantlab's, and the precision of the
-    Gemm layers of the engine built from quantlab's cache."""
-    from quantlab import trt_ranges
-    from quantlab.backends.tensorrt import build_engine, layer_information
+def _gemm_precisions(engine: bytes, model: onnx.ModelProto) -> dict[str, list[str | None]]:
+    """Gemm node -> the precision of each engine layer holding it."""
+    from quantlab.backends.tensorrt import layer_information
     from quantlab.trt_layers import engine_layers, node_layers
+
+    where = node_layers(engine_layers(layer_information(engine), model))
+    return {node.name: [layer.precision for layer in where.get(node.name, [])]
+            for node in model.graph.node if node.op_type == "Gemm"}
+
+
+def _gemm_ranges(folder: Path, version: tuple[int, ...], scales: Mapping[str, float],
+                 own: Mapping[str, list[str | None]]) -> dict:
+    """Question 1: TensorRT's own ranges (`scales`) against quantlab's, and the precision of the
+    Gemm layers of the engine built from quantlab's cache against those from TensorRT's (`own`)."""
+    from quantlab import trt_ranges
+    from quantlab.backends.tensorrt import build_engine
 
     model = graph.load_model(folder / "model.onnx")
     with tempfile.TemporaryDirectory(prefix="quantlab-doctor-") as scratch:
         feeder = _feeder(folder, model, version, Path(scratch), batches=None)
         engine = build_engine(folder / "model.onnx", "implicit", calibrator=_calibrator(feeder),
                               max_batch=BATCH)
-    where = node_layers(engine_layers(layer_information(engine), model))
-    gemms = {node.name: [layer.precision for layer in where.get(node.name, [])]
-             for node in model.graph.node if node.op_type == "Gemm"}
-    return gemm_ranges_answer(scales, trt_ranges.tensors_needing_ranges(model), gemms)
+    return gemm_ranges_answer(scales, trt_ranges.tensors_needing_ranges(model),
+                              _gemm_precisions(engine, model), own)
 
 
 def _conv_transpose(folder: Path) -> dict:

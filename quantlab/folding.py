@@ -1,8 +1,12 @@
-"""BatchNormalization folded into the Conv, ConvTranspose or Gemm before it, as TensorRT does.
+"""BatchNormalization folded into the Conv, ConvTranspose or Gemm before it.
 
-TensorRT fuses an inference BatchNormalization into the linear layer that feeds it
-(the BN becomes a per-output-channel scale and shift of the weights and bias), and so
-does ONNX Runtime's graph optimizer; exporters such as Paddle's keep the BN as a node.
+TensorRT fuses an inference BatchNormalization into the Convolution that feeds it
+(its fusion catalog's Convolution+Scale; for Gemm+BN this is assumed, and it does not
+matter: TensorRT is given the folded graph), and so does ONNX Runtime's graph
+optimizer; exporters such as Paddle's keep the BN as a node. With per-channel weight
+scales the fold is exact: round(W*g/(s*g)) = round(W/s). A ConvTranspose's weights are
+per-tensor (trt-review F6), so folding the BN gain first costs precision on channels of
+small gain: an accuracy note, not a difference from the engine (trt-review-r2 N18).
 quantlab folds at import (:func:`quantlab.graph.normalize`) so that statistics, local
 errors, Q/DQ weights and comparisons all see the layer TensorRT computes: a depthwise
 conv's quantization noise is measured after the BN that scales it, not before.

@@ -8,8 +8,10 @@ deprecated no-op in 11.x, where every network is strongly typed), ``--int8``,
 older; removed in 11.0),
 ``--minShapes/--optShapes/--maxShapes=name:AxBxC,...``,
 ``--profilingVerbosity=detailed --exportLayerInfo=FILE`` (all). A Q/DQ model
-given ``--int8`` is built with explicit quantization: trtexec attaches no
-calibrator to a network with Q/DQ layers (``hasQDQLayers``, sampleEngines.cpp).
+given ``--int8`` is built with explicit quantization: trtexec attaches its
+random calibrator whenever ``--int8`` is set (sampleEngines.cpp 8.6 L1009-1081,
+10.16 L1102-1181) and TensorRT ignores it on a network with Q/DQ layers
+("Calibrator won't be used in explicit precision mode", TensorRT#1837).
 """
 
 from __future__ import annotations
@@ -90,13 +92,15 @@ def strongly_typed_command(qdq_model: str | Path, engine: str | Path,
     return _line(arguments + _tail(profile, engine, layer_info))
 
 
-def explicit_command(qdq_model: str | Path, engine: str | Path, fp16: bool = False,
+def explicit_command(qdq_model: str | Path, engine: str | Path, pins: LayerPins | None = None,
                      profile: Mapping[str, Sequence[Sequence[int]]] | None = None,
                      layer_info: str | Path | None = None) -> str:
     """trtexec building the Q/DQ model weakly typed with INT8 on (TensorRT 8.6 - 10.x): explicit
-    quantization, no calibration; `fp16` where the model has float16 (Cast) parts."""
-    arguments = ["trtexec", f"--onnx={qdq_model}", "--int8"] + (["--fp16"] if fp16 else [])
-    return _line(arguments + _tail(profile, engine, layer_info))
+    quantization, no calibration; with `pins` (:func:`quantlab.backends.tensorrt.explicit_pins`,
+    a model with float16 parts) ``--fp16`` and every layer pinned to its model type (r2 N10)."""
+    pins = pins or LayerPins()
+    arguments = ["trtexec", f"--onnx={qdq_model}", "--int8"] + (["--fp16"] if pins.fp16 else [])
+    return _line(arguments + _pin_arguments(pins) + _tail(profile, engine, layer_info))
 
 
 def implicit_command(fp32_model: str | Path, calibration_cache: str | Path, engine: str | Path,
@@ -111,6 +115,11 @@ def implicit_command(fp32_model: str | Path, calibration_cache: str | Path, engi
     if pins.fp16:
         arguments.append("--fp16")
     arguments.append(f"--calib={calibration_cache}")
+    return _line(arguments + _pin_arguments(pins) + _tail(profile, engine, layer_info))
+
+
+def _pin_arguments(pins: LayerPins) -> list[str]:
+    arguments = []
     if pins.precisions:
         # Output types too: otherwise a pinned layer may still write INT8 for an INT8 reader,
         # and its output is quantized after all (one type applies to every output of a layer).
@@ -118,7 +127,7 @@ def implicit_command(fp32_model: str | Path, calibration_cache: str | Path, engi
                       f"--layerPrecisions={layer_precisions(pins.precisions)}"]
     if pins.output_types:
         arguments.append(f"--layerOutputTypes={layer_precisions(pins.output_types)}")
-    return _line(arguments + _tail(profile, engine, layer_info))
+    return arguments
 
 
 def _tail(profile, engine, layer_info) -> list[str]:
@@ -132,17 +141,18 @@ def trtexec_text(pins: LayerPins | None = None,
                  profile: Mapping[str, Sequence[Sequence[int]]] | None = None,
                  cache_name: str | None = "calibration.cache",
                  cache_header: str | None = None,
-                 qdq_fp16: bool = False) -> str:
+                 qdq_pins: LayerPins | None = None) -> str:
     """The content of ``trtexec.txt``: the commands for TensorRT 8.6 - 10.x (explicit Q/DQ),
     10.x / 11.x (strongly typed) and <= 10.x (implicit INT8 from `cache_name` with `pins`;
     None: the folder has no cache, and a comment says how to get one), with paths relative
-    to the calibration folder they are run in. `qdq_fp16`: model.int8.onnx has float16 parts."""
+    to the calibration folder they are run in. `qdq_pins`: the explicit build's pins where
+    model.int8.onnx has float16 parts (:func:`quantlab.backends.tensorrt.explicit_pins`)."""
     pins = pins or LayerPins()
     lines = [
         "# trtexec commands that build this folder's engine; run them inside this folder.",
         "# TensorRT 8.6 - 10.x: the Q/DQ model with INT8 on, weakly typed (explicit "
         "quantization: trtexec does not calibrate a network with Q/DQ layers)",
-        explicit_command("model.int8.onnx", "model.plan", qdq_fp16, profile, "layers.json"),
+        explicit_command("model.int8.onnx", "model.plan", qdq_pins, profile, "layers.json"),
         "# TensorRT 10.x: strongly typed from the Q/DQ model (precisions from Q/DQ and types)",
         strongly_typed_command("model.int8.onnx", "model.plan", profile, "layers.json", 10),
         "# TensorRT 11.x: every network is strongly typed (--stronglyTyped is a no-op there)",

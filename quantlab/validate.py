@@ -92,6 +92,13 @@ NOTES = {
         "fused layer ends: after the folded BatchNorm, the bias and the activation TensorRT "
         "fuses into a Conv/Gemm/MatMul (column fused_activation); the end-to-end outputs and "
         "the task metrics come from an unexposed run of the INT8 model (integer kernels)."),
+    # An engine stage that exposes only some tensors (TensorRT): N19 of trt-review-r2.
+    "exposing": (
+        "The engine stage runs once per slice and returns its outputs and the intermediate "
+        "tensors it exposes (column obtained); the tensors it does not expose are listed as not "
+        "compared. The slice is at most the engine's profile batch, and every tensor the engine "
+        "exposes counts against the memory budget: TensorRT's debug listener copies all of them "
+        "on every run, whichever are asked for."),
 }
 
 
@@ -202,6 +209,7 @@ def validate(
                           atol=atol, rtol=rtol, progress=progress, memory_budget=memory_budget,
                           paired=paired)
     index = streamed.index
+    notes = [NOTES["exposing" if hasattr(engine, "available") else mode]]
     info = index.tensor_info()
     pairs = [_pair_result(p, info, index.order, threshold_db, min_drop_db, index.floats)
              for p in streamed.pairs]
@@ -220,7 +228,7 @@ def validate(
         "divergence_rule": {"threshold_db": threshold_db, "min_drop_db": min_drop_db},
         "tolerance": {"atol": atol, "rtol": rtol},
         "memory": streamed.memory,
-        "notes": [NOTES[mode]],
+        "notes": notes,
         "pairs": [{
             "reference": p.reference,
             "test": p.test,
@@ -241,7 +249,7 @@ def validate(
     steps = next_steps(pairs, end_to_end, threshold_db, mode, model_file,
                        recorded_path(data.description), calibration)
     summary["next_steps"] = steps
-    section = validation_section(pairs, metrics, index.order, threshold_db, notes=[NOTES[mode]],
+    section = validation_section(pairs, metrics, index.order, threshold_db, notes=notes,
                                  metric=end_to_end, steps=steps)
     source = f"{model_file}; " if model_file else ""
     with output_folder(out, force=force, produces=produces) as staging:
@@ -393,8 +401,15 @@ def run_stages(
     index = graph.Graph(fp32.model)
     engine_index = graph.Graph(engine.model)
     shared = index.common_tensors(engine_index)
-    if hasattr(engine, "available"):  # TensorRT returns only its outputs and debug tensors
+    exposing = hasattr(engine, "available")  # TensorRT returns only its outputs and debug tensors
+    if exposing:
         shared = engine.available(shared)
+        if mode == "local":
+            raise ConfigError(
+                f"--mode local measures each node on cut-outs of the Q/DQ model run in ONNX "
+                f"Runtime, so its layer rows would not come from the engine '{engine.name}' "
+                "(trt-review-r2 N5); validate a TensorRT engine with --mode global, or the Q/DQ "
+                "model with --engine-backend onnxruntime for local rows.")
     local = local_error_model(engine_index, index) if mode == "local" else None
     pairs: list[_Pair] = []
     if torch_stage is not None:
@@ -430,7 +445,18 @@ def run_stages(
         if task is not None else {}
     torch_tensors = pairs[0].comparison.tensors if torch_stage is not None else []
     layout = _Layout.plan(index, data, next(iter(data)), engine_tensors, torch_tensors, local,
-                          memory_budget, segmentable=isinstance(fp32, OnnxRuntimeBackend))
+                          memory_budget, segmentable=isinstance(fp32, OnnxRuntimeBackend),
+                          engine_whole=list(engine.tensor_sources) if exposing else (),
+                          engine_index=engine_index)
+    # A TensorRT engine takes at most its optimization profile's batch (trt-review-r2 N2).
+    engine_batch = getattr(engine, "max_batch", None)
+    if engine_batch is not None and layout.fixed and layout.slice_size > engine_batch:
+        raise ConfigError(
+            f"the model has a fixed batch of {layout.slice_size} samples but the engine "
+            f"'{engine.name}' takes at most {engine_batch}; build the engine from this model "
+            "(quantlab build) so that its profile matches.")
+    if engine_batch is not None:
+        layout.slice_size = min(layout.slice_size, engine_batch)
     stream = _Stream(index, engine_index, fp32, engine, torch_stage, local, layout, pairs, scores)
     if paired is not None:  # outputs samples first, as the planner's metrics read them
         stream.paired = paired
@@ -503,26 +529,47 @@ class _Layout:
     @classmethod
     def plan(cls, index: graph.Graph, data: BatchSource, first: Mapping[str, np.ndarray],
              engine_tensors: Sequence[str], torch_tensors: Sequence[str],
-             local: LocalErrorModel | None, budget: int, segmentable: bool) -> _Layout:
-        """Slices shrink to one sample (or the model's fixed batch) before the graph is cut."""
+             local: LocalErrorModel | None, budget: int, segmentable: bool,
+             engine_whole: Sequence[str] = (), engine_index: graph.Graph | None = None
+             ) -> _Layout:
+        """Slices shrink to one sample (or the model's fixed batch) before the graph is cut.
+
+        `engine_whole`: the tensors of `engine_index` one engine run holds whatever is asked
+        of it (TensorRT's debug listener copies every exposed tensor); their bytes come off
+        the budget first, and the engine's values are not counted again per segment.
+        """
         fixed = graph.fixed_batch_size(index.model) is not None
         unit = first if fixed else data.slice(first, 0, 1)
-        sizes = index.sample_bytes({name: np.shape(value) for name, value in unit.items()})
+        shapes = {name: np.shape(value) for name, value in unit.items()}
+        sizes = index.sample_bytes(shapes)
+        engine_held = 0
+        if engine_whole:
+            held = engine_index.sample_bytes(shapes)
+            engine_held = sum(held.get(t, 0) for t in engine_whole)
         engine_set, torch_set = set(engine_tensors), set(torch_tensors)
         compared = engine_set | torch_set
+        # The engine's values are counted in engine_held already when it runs whole.
+        per_segment = set() if engine_whole else engine_set
         extra = [t for t in (local.feeds if local else []) if t not in compared]
         exposed_names = [t for t in index.order if t in compared or t in extra
                          or t in index.outputs]
         # Bytes held per tensor: the FP32 value plus each stage's value compared with it.
-        cost = {t: sizes.get(t, 0) * (1 + (t in engine_set) + (t in torch_set))
+        cost = {t: sizes.get(t, 0) * (1 + (t in per_segment) + (t in torch_set))
                 for t in exposed_names}
         per_unit = sum(cost.values())
         exposed = int(budget * EXPOSED_SHARE)
-        if per_unit <= exposed or not segmentable:
+        if engine_held >= exposed:
+            need = math.ceil((engine_held + per_unit) / EXPOSED_SHARE / (1 << 20))
+            raise ConfigError(
+                f"the engine stage holds {engine_held / (1 << 20):.0f} MiB of exposed tensors per "
+                f"sample (TensorRT's debug listener copies every tensor the engine exposes on "
+                f"each run), more than the memory budget leaves for them; pass --memory {need}M "
+                "or more, or validate an engine built without debug tensors (quantlab build).")
+        if per_unit + engine_held <= exposed or not segmentable:
             cut = [exposed_names]
-            slice_size = max(1, exposed // max(1, per_unit))
+            slice_size = max(1, exposed // max(1, per_unit + engine_held))
         else:
-            cut = segments.group_by_bytes(exposed_names, cost, exposed)
+            cut = segments.group_by_bytes(exposed_names, cost, exposed - engine_held)
             slice_size = 1
         # Local feeds are exposed where they are produced, not asked for as a group's tensors.
         skipped = set(extra)
@@ -536,7 +583,7 @@ class _Layout:
             by_tensor = {v: k for k, v in local.outputs.items()}
             for tensor in engine_tensors:
                 local_groups[group_of[tensor]].append(by_tensor[tensor])
-        return cls(slice_size, fixed, groups, local_groups, extra, per_unit)
+        return cls(slice_size, fixed, groups, local_groups, extra, per_unit + engine_held)
 
     def hint(self) -> str:
         """How to run with fewer cuts: the memory budget that exposes one sample uncut."""
@@ -563,7 +610,13 @@ class _Stream:
         self.fp32_run = _Segmented(fp32, segments.plan_segments(index, layout.groups,
                                                                 extra=layout.fp32_extra),
                                    hint=hint)
-        if local is None:
+        # An engine that exposes only some tensors (TensorRT) runs whole, once per slice, asked
+        # only for what it exposes (trt-review-r2 N1, N9); None: the engine runs segment by segment.
+        self.exposed = (list(self.engine_pair.comparison.tensors)
+                        if hasattr(engine, "available") else None)
+        if self.exposed is not None:
+            self.test_run = None
+        elif local is None:
             self.test_run = _Segmented(engine, segments.plan_segments(engine_index,
                                                                       layout.groups), hint=hint)
         else:
@@ -576,7 +629,7 @@ class _Stream:
         steps = len(layout.groups)
         self.fp32_last = _last_use(self.fp32_run.plan, self.test_run.plan if local else [])
         self.fp32_last.update(dict.fromkeys(self.outputs, steps))  # read after the last step
-        self.test_last = _last_use(self.test_run.plan) if local is None else {}
+        self.test_last = _last_use(self.test_run.plan) if local is None and self.test_run else {}
         self.inputs = set(index.input_names)
         self.paired: PairedScore | None = None
         self.output_axes: dict[str, int] = {}
@@ -587,14 +640,21 @@ class _Stream:
         torch_values = None
         if self.torch is not None:
             torch_values = self.torch.run(part, [*self.torch_pair.comparison.tensors, *outputs])
-        # The engine's end-to-end outputs come from its own unexposed run (integer kernels).
-        engine_outputs = self.engine.run(part)
+        engine_values: dict[str, np.ndarray] = {}
+        if self.exposed is not None:
+            engine_values = self.engine.run(part, list(dict.fromkeys([*self.exposed, *outputs])))
+            engine_outputs = {o: engine_values[o] for o in outputs}
+        else:
+            # The engine's end-to-end outputs come from its own unexposed run (integer kernels).
+            engine_outputs = self.engine.run(part)
         fp32_live = {name: part[name] for name in self.index.input_names}
         test_live = dict(fp32_live)
         samples = f"samples {start}..{stop - 1}"
         for number, group in enumerate(self.layout.groups):
             fp32_live.update(self.fp32_run.run(number, fp32_live, part, samples))
-            if self.local is None:
+            if self.exposed is not None:
+                test_values = {t: engine_values[t] for t in group if t in engine_values}
+            elif self.local is None:
                 test_live.update(self.test_run.run(number, test_live, part, samples))
                 test_values = test_live
             else:
@@ -613,6 +673,8 @@ class _Stream:
             if flagged:
                 self._blame(fp32_live, torch_values or {}, test_values, group,
                             f" ({self.engine_pair.mode} mode)")
+            for name in [t for t in engine_values if t in group and t not in outputs]:
+                del engine_values[name]
             del test_values
             _drop(fp32_live, self.fp32_last, number, self.inputs)
             _drop(test_live, self.test_last, number, self.inputs)

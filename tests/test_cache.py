@@ -135,11 +135,11 @@ def test_unpadded_hex_and_zero_scales(tmp_path):
     assert read_calibration_cache(path)[1] == {"mask": 0.0, "x": np.float32(1 / 127)}
 
 
-def test_tensorrt_10_header_warns_that_it_is_inferred():
-    # trt-review question 4: no real TensorRT 10 cache header has been seen.
+def test_tensorrt_10_header_and_11_refused():
+    # trt-review question 4, settled (r2 N14): TensorRT 10.3 itself wrote TRT-100300; the
+    # no-warning side is tests/test_tensorrt.py::test_tensorrt_10_cache_header_is_not_doubted.
     from quantlab.cache import implicit_int8_version
 
-    with pytest.warns(UserWarning, match="TRT-100300 for TensorRT 10.3.0.*quantlab doctor"):
-        assert implicit_int8_version("10.3.0") == "100300"
+    assert implicit_int8_version("10.3.0") == "100300"
     with pytest.raises(ConfigError, match="no implicit INT8"):
         implicit_int8_version("11.0.0")

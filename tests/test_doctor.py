@@ -5,6 +5,7 @@ Runtime, the report); the self-check itself needs TensorRT and says so."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -53,9 +54,20 @@ def test_gemm_ranges_answer():
     answer = doctor.gemm_ranges_answer(trt, needed, {"/fc/Gemm": ["int8", "fp32"]})
     assert answer["tensorrt_only_ranges"] == ["(Unnamed Layer* 8) [Constant]_output"]
     assert answer["gemm_out_of_int8"] == {"/fc/Gemm": ["int8", "fp32"]}
-    assert answer["answer"].startswith("1 Gemm node(s) leave INT8")
+    assert answer["answer"].startswith("1 Gemm node(s) run INT8 from TensorRT's own cache")
     assert doctor.gemm_ranges_answer(trt, needed, {"/fc/Gemm": ["int8"]})["answer"] == (
-        "every Gemm runs INT8 from quantlab's cache")
+        "every Gemm TensorRT runs INT8 from its own cache runs INT8 from quantlab's cache")
+
+
+def test_gemm_ranges_answer_blames_only_what_tensorrt_own_cache_runs_int8():
+    # trt-review-r2 N8: a Myelin region (precision None) and a Gemm TensorRT keeps in FP32 from
+    # its own cache too are not missing ranges.
+    myelin = doctor.gemm_ranges_answer({}, [], {"/fc/Gemm": [None]})
+    assert myelin["gemm_out_of_int8"] == {}
+    kept = doctor.gemm_ranges_answer({}, [], {"/fc/Gemm": ["fp32"]}, {"/fc/Gemm": ["fp32"]})
+    assert kept["gemm_out_of_int8"] == {}
+    blamed = doctor.gemm_ranges_answer({}, [], {"/fc/Gemm": ["fp32"]}, {"/fc/Gemm": ["int8"]})
+    assert blamed["gemm_out_of_int8"] == {"/fc/Gemm": ["fp32"]}
 
 
 def test_cache_answers():
@@ -105,9 +117,9 @@ def test_report_markdown():
               "questions": {"gemm_ranges": {"digits-cnn": {"answer": "no Gemm in this model"}},
                             "cache_header": {"answer": "same header"}}}
     text = doctor.format_report(report)
-    assert "| digits-cnn | strongly_typed | ok | 41.5 | debug_marked 7, graph_output 1 | 2 |" \
-        in text
-    assert "| digits-cnn | explicit | failed |  |  | 0 | ModelError: no |" in text
+    assert ("| digits-cnn | strongly_typed | ok | 41.5 | 0 |  |  |  | debug_marked 7, "
+            "graph_output 1 | 2 |") in text
+    assert "| digits-cnn | explicit | failed |  | 0 |  |  |  |  | 0 | ModelError: no |" in text
     assert "- **gemm_ranges** (digits-cnn): no Gemm in this model" in text
     assert "- **cache_header**: same header" in text
     assert "trtexec not on PATH" in text
@@ -121,9 +133,157 @@ def test_comparison_against_onnxruntime_int8_runs_through_validate(tmp_path):
 
     folder = tmp_path / "digits-cnn"
     pipeline.run_calibration("digits-cnn", zoo.get("digits-cnn").calibration_set()[:64], folder,
-                             progress=False)
+                             progress=False, trt_version="10.3.0")
     same = OnnxRuntimeBackend(graph.load_model(folder / "model.int8.onnx"), name="onnxruntime")
     row = doctor._compare("digits-cnn", folder, same, "onnxruntime", 16)
     assert row["worst_output_sqnr_db"] == np.inf and row["first_divergence"] is None
+    assert row["layers_below"] == [] and set(row["latency_ms"]) == {"onnxruntime",
+                                                                   "onnxruntime_int8"}
     assert row["metrics"]["onnxruntime_int8"] == row["metrics"]["onnxruntime"]
     assert (folder / "doctor-onnxruntime" / "report.html").is_file()
+
+
+# --- item 2 of issue 42: doctor's rows, from recorded layer information and measurements -----
+
+def test_pins_not_obeyed_fail_the_row():
+    # trt-review-r2 N7: the pin row passed whatever the engine did with the pins.
+    measured = {"model": "m", "path": "implicit_pins", "worst_output_sqnr_db": 45.0,
+                "precision_mismatches": [{"node": "fc", "planned": "fp32", "engine": "fp16",
+                                          "layer": "(Unnamed Layer* 12) [ElementWise]"}]}
+    row = doctor.judge_row(measured)
+    assert row["status"] == "pins ignored" and "pins not obeyed on fc" in row["detail"]
+    assert doctor.judge_row({**measured, "precision_mismatches": []})["status"] == "ok"
+
+
+def test_a_mapped_layer_below_the_bar_fails_the_row_and_is_named():
+    row = doctor.judge_row({"worst_output_sqnr_db": 40.0, "layers_below": [
+        {"tensor": "relu_2", "node": "node_relu_2", "sqnr_db": 21.5}]})
+    assert row["status"] == "disagrees" and row["detail"] == "relu_2 (node_relu_2) 21.5 dB"
+
+
+def test_implicit_rows_say_what_they_are_judged_against():
+    # trt-review-r2 N6.
+    row = doctor.judge_row({"worst_output_sqnr_db": 35.0, "reference": doctor.IMPLICIT_REFERENCE})
+    assert row["status"] == "ok" and "not model.int8.onnx" in row["detail"]
+
+
+def test_the_pins_row_says_its_fp16_node_is_compared_in_fp32():
+    # trt-review-r2 N3: ONNX Runtime's CPU provider runs the reference's fp16 units in FP32.
+    assert "drops the FP16 rounding" in doctor.reference_of("implicit_pins")
+    assert doctor.reference_of("implicit_calibrator") == doctor.IMPLICIT_REFERENCE
+    assert doctor.reference_of("strongly_typed") is None
+
+
+def test_tensorrt_warnings_are_sorted_by_kind():
+    # Lines in Polygraphy's "[W] ..." form with TensorRT's messages as quoted in the issues
+    # trt-review-r2 section 3 cites (written here, not copied from a log).
+    log = "\n".join([
+        "[I] Building engine with configuration:",
+        "[W] Missing scale and zero-point for tensor (Unnamed Layer* 8) [Constant]_output, "
+        "expect fall back to non-int8 implementation for any layer consuming or producing "
+        "given tensor",
+        "[W] Layer node_linear: No conforming implementation was found, precision "
+        "constraints ignored",
+        "[W] Calibrator won't be used in explicit precision mode. Use quantization aware "
+        "training to generate network with Quantize/Dequantize nodes.",
+        "[W] Weights [name=node_Conv_68.weight] had the following issues when converted to "
+        "FP16: Subnormal FP16 values detected.",
+        "[E] Error Code 10: Internal Error (Could not find any implementation for node fc.)",
+        "[W] The getMaxBatchSize() function should not be used with an engine built from a "
+        "network created with NetworkDefinitionCreationFlag::kEXPLICIT_BATCH flag.",
+    ])
+    found = doctor.tensorrt_warnings(log)
+    assert {k: len(v) for k, v in found.items()} == {
+        "missing_scale": 1, "pins_ignored": 1, "calibrator_unused": 1, "fp16_weights": 1,
+        "no_implementation": 1, "other": 1}
+
+
+def test_doctor_rows_on_real_shaped_layer_information():
+    # The constructs of trt-engine-explorer's recorded MobileNetV2 QAT engine (see
+    # tests/test_trt_layers.py, LAYERS_REAL_SHAPED): INT8 coverage, reformats, pins, and the
+    # report carrying every row of issue 42's item 2.
+    from test_trt_layers import LAYERS_8_6, LAYERS_REAL_SHAPED, qdq_cnn
+
+    model = qdq_cnn()
+    inspected = doctor.inspect_engine(LAYERS_REAL_SHAPED, model)
+    assert inspected["int8_coverage"]["share"] == pytest.approx(1728 / (1728 + 32))
+    assert inspected["reformats"] == 2  # the pool's input reformat, the squeeze NoOp
+    pinned = doctor.inspect_engine(LAYERS_8_6, model, {"fc": "fp32"})
+    assert [m["layer"] for m in pinned["precision_mismatches"]] == [
+        "(Unnamed Layer* 12) [ElementWise]"]  # the bias add onnx-tensorrt left unnamed
+    row = doctor.judge_row({
+        "model": "qdq-cnn", "path": "implicit_pins", **pinned,
+        "int8_coverage": inspected["int8_coverage"], "worst_output_sqnr_db": 38.0,
+        "layers_below": [{"tensor": "r", "node": "relu", "sqnr_db": 24.0}],
+        "latency_ms": {"implicit_pins": 0.5, "onnxruntime_int8": 2.0},
+        "tensorrt_warnings": {"pins_ignored": ["[W] ..."]}, "reference":
+        doctor.IMPLICIT_REFERENCE})
+    text = doctor.format_report({"quantlab": "0", "tensorrt": "10.3.0", "polygraphy": "0.53.6",
+                                 "gpu": "L4", "trtexec": None, "paths": [row], "questions": {}})
+    line = next(t for t in text.splitlines() if t.startswith("| qdq-cnn"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:8] == ["qdq-cnn", "implicit_pins", "pins ignored", "38.0", "1", "98.2%",
+                         "0.50 / 2.00", "pins_ignored 1"]
+    assert "pins not obeyed on fc" in cells[-1] and "r (relu) 24.0 dB" in cells[-1]
+    assert "what an implicit INT8 engine can reproduce" in cells[-1]
+
+
+def test_implicit_reference_quantizes_with_the_cache_scales(tmp_path):
+    # trt-review-r2 N6: an implicit engine is judged against model.onnx quantized with the
+    # cache's scales (no bias correction), what TensorRT can reproduce from the cache.
+    from onnx import numpy_helper
+
+    from quantlab import cache, pipeline, zoo
+
+    folder = tmp_path / "digits-cnn"
+    pipeline.run_calibration("digits-cnn", zoo.get("digits-cnn").calibration_set()[:64], folder,
+                             progress=False, trt_version="10.3.0")
+    _, scales = cache.read_calibration_cache(folder / "calibration.cache")
+    model = doctor._implicit_reference(folder)
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    activation_qs = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
+    assert activation_qs
+    # quantlab's placement gives a conv output its fused activation's range, and the inputs
+    # of a residual Add one shared range: every scale is one of the cache's, none other.
+    cached = np.array(sorted(scales.values()), np.float64)
+    for node in activation_qs:
+        assert np.isclose(cached, float(inits[node.input[1]]), rtol=1e-6).any(), node.input[0]
+
+
+def test_readme_doctor_against_stand_in_engines_exits_0_with_every_row(tmp_path, monkeypatch,
+                                                                        capsys):
+    # The README's `quantlab doctor`, TensorRT 10.3 without trtexec, each engine a stand-in
+    # (tests/trt_standin.py: ONNX Runtime, exposing only the outputs and the pooled features);
+    # the builds doctor makes itself (TensorRT's own cache, ConvTranspose) fail honestly here
+    # and are reported as failed checks, not faked.
+    from types import SimpleNamespace
+
+    from trt_standin import StandInTensorRT
+
+    from quantlab import graph
+    from quantlab.backends import tensorrt as trt_backend
+    from quantlab.cli import main
+
+    def engine(path, folder, version):
+        model = (doctor._implicit_reference(folder) if path.startswith("implicit")
+                 else graph.load_model(folder / "model.int8.onnx"))
+        extra = {"plan": {}, "precision_mismatches": []} if path == "implicit_pins" else {}
+        return StandInTensorRT(model, {"mean": "debug_unfused"}, name=path), extra
+
+    monkeypatch.setattr(trt_backend, "require_tensorrt",
+                        lambda: SimpleNamespace(__version__="10.3.0"))
+    monkeypatch.setattr(doctor, "_engine", engine)
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: None)
+    out = tmp_path / "doctor"
+    assert main(["doctor", "--out", str(out), "--zoo", "digits-cnn", "--max-samples", "16"]) == 0
+    report = json.loads((out / "doctor.json").read_text())
+    assert [(r["path"], r["status"]) for r in report["paths"]] == [
+        ("strongly_typed", "ok"), ("explicit", "ok"), ("implicit_calibrator", "ok"),
+        ("implicit_pins", "ok")]
+    for row in report["paths"]:
+        assert row["obtained"] == {"debug_unfused": 1, "graph_output": 1}
+        assert set(row["latency_ms"]) == {row["path"], "onnxruntime_int8"}
+        assert row["layers_below"] == [] and "tensorrt_warnings" in row
+    assert "what an implicit INT8 engine can reproduce" in report["paths"][2]["detail"]
+    assert report["questions"]["gemm_ranges"]["digits-cnn"]["answer"].startswith("check failed")
+    assert "| digits-cnn | implicit_pins | ok |" in capsys.readouterr().out

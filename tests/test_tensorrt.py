@@ -7,9 +7,11 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
+import pandas as pd
 import pytest
 from onnx import TensorProto, helper
 
@@ -26,7 +28,7 @@ from quantlab.backends.tensorrt import (
     default_mode,
     implicit_pins,
     input_profile,
-    layer_pin,
+    layer_node,
     make_engine_backend,
     parse_version,
     require_tensorrt,
@@ -191,10 +193,22 @@ def test_engine_stage_settings_exist_on_every_version(version):
 
 def test_explicit_build_of_an_fp16_qdq_model_sets_fp16():
     # Weakly typed, the Cast(float16) parts run FP16 only with BuilderFlag.FP16 (trt-review F3).
-    with pytest.warns(UserWarning, match="TensorRT 8.6.1: .*BuilderFlag.FP16"):
-        settings = build_settings(fp16_qdq_model(), (8, 6, 1))
+    settings = build_settings(fp16_qdq_model(), (8, 6, 1))
     assert (settings.mode, settings.int8, settings.fp16) == ("explicit", True, True)
     assert build_settings(fp16_qdq_model(), (10, 3, 0)).fp16 is False  # strongly typed: types
+
+
+def test_explicit_build_with_fp16_parts_pins_every_layer_to_its_model_type():
+    # trt-review-r2 N10: BuilderFlag.FP16 frees every unconstrained layer of a weakly typed
+    # build; each layer is pinned to the type the Q/DQ model gives it, and obeyed.
+    model = fp16_qdq_model()
+    model.graph.node.append(helper.make_node("Sigmoid", ["y"], ["z"], name="head"))
+    model.graph.output[0].name = "z"
+    settings = build_settings(model, (8, 6, 1))
+    assert settings.pins.precisions == {"relu": "fp16", "head": "fp32"}  # Casts left alone
+    assert settings.pins.output_types == settings.pins.precisions
+    assert settings.precision_constraints == "obey"
+    assert build_settings(small_model(), (8, 6, 1)).pins.precisions == {}  # no FP16 flag
 
 
 def test_named_debug_tensors_per_version():
@@ -263,14 +277,20 @@ def test_implicit_pins_keep_fp16_on_the_plan_and_never_pin_int8():
         implicit_pins(model, {"head": "double"})
 
 
-def test_layer_pin_follows_onnx_metadata_onto_unnamed_layers():
-    # trt-review F9: onnx-tensorrt names only the Gemm's MatMul layer "fc"; its bias add stays
-    # "(Unnamed Layer* 7) [ElementWise]" but carries the node in its Metadata (8.6+).
+def test_layer_node_follows_the_unnamed_matmul_output_onto_the_bias_add():
+    # trt-review F9 (r2): onnx-tensorrt names only the Gemm's MatMul layer "fc"; its bias add
+    # stays "(Unnamed Layer* 7) [ElementWise]" with no Metadata (written only on registered
+    # layers), reading the MatMul's unnamed output.
     pins = {"fc": "fp32"}
-    assert layer_pin("fc", "[ONNX Layer: fc]", pins) == "fp32"
-    assert layer_pin("(Unnamed Layer* 7) [ElementWise]", "[ONNX Layer: fc]", pins) == "fp32"
-    assert layer_pin("(Unnamed Layer* 8) [Shuffle]", "[ONNX Layer: other]", pins) is None
-    assert layer_pin("(Unnamed Layer* 9) [Constant]", "", pins) is None
+    matmul_out = "(Unnamed Layer* 6) [Matrix Multiply]_output"
+    origin = {matmul_out: "fc"}
+    assert layer_node("fc", "[ONNX Layer: fc]", ["view"], {}, pins) == "fc"
+    assert layer_node("(Unnamed Layer* 7) [ElementWise]", "", [matmul_out, "(Unnamed Layer* 5) "
+                      "[Constant]_output"], origin, pins) == "fc"
+    assert layer_node("(Unnamed Layer* 8) [Shuffle]", "[ONNX Layer: other]", [matmul_out],
+                      origin, pins) is None  # Metadata says it is another node's
+    assert layer_node("(Unnamed Layer* 9) [Constant]", "", [], origin, pins) is None
+    assert layer_node("n_7", "[ONNX Layer: fc | /m.py(3): forward]", [], {}, pins) == "fc"
 
 
 def test_layer_precisions_checked():
@@ -346,6 +366,36 @@ def test_feeder_allocates_in_the_order_of_names(tmp_path):
     assert feeder.get_batch(["ids", "a"]) == [1001, 1002]
     # TensorRT calibrates from float32 inputs; integer inputs keep the model's type.
     assert calls == [("ids", np.dtype(np.int64), True), ("a", np.dtype(np.float32), True)]
+
+
+def test_feeder_hands_float_data_of_an_integer_input_in_the_network_type(tmp_path):
+    # trt-review-r2 N17: the network's type wins over the data's, as in Polygraphy's calibrator.
+    # (quantlab's data layer refuses float data for an integer input; a Python batch source
+    # reaches the feeder unchecked.)
+    specs = [TensorSpec("ids", (None, 2), np.dtype(np.int64))]
+    feeder = CalibrationFeeder(None, tmp_path / "c.cache", specs, batch=3, trt_version="10.3.0")
+    feeder.set_input_metadata({"ids": (np.int32, (3, 2))})
+    handed = feeder._arrays({"ids": np.arange(6.0).reshape(3, 2)})["ids"]
+    assert handed.dtype == np.int32 and handed.tolist() == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_tensorrt_10_cache_header_is_not_doubted():
+    # trt-review-r2 N14: TensorRT 10.3 wrote TRT-100300 itself (Q4 settled); no warning.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.implicit_int8_version("10.3.0") == "100300"
+
+
+def test_docs_say_trtexec_attaches_a_calibrator_tensorrt_ignores():
+    # trt-review-r2 N13: sampleEngines.cpp attaches RndInt8Calibrator whenever --int8 is set.
+    from quantlab import trtexec
+
+    docs = (Path(__file__).parents[1] / "docs" / "tensorrt.md").read_text(encoding="utf-8")
+    for text in (trtexec.__doc__, docs):
+        assert "attaches no calibrator" not in text
+    assert "TensorRT ignores it" in trtexec.__doc__
 
 
 def test_feeder_hands_integer_inputs_in_the_network_type(tmp_path):
@@ -756,8 +806,13 @@ def test_trtexec_command_lines():
         "--profilingVerbosity=detailed --exportLayerInfo=layers.json")
     assert strongly_typed_command("m.onnx", "m.plan", trt_major=11) == (
         "trtexec --onnx=m.onnx --saveEngine=m.plan")
-    assert explicit_command("m.int8.onnx", "m.plan", fp16=True) == (
-        "trtexec --onnx=m.int8.onnx --int8 --fp16 --saveEngine=m.plan")
+    assert explicit_command("m.int8.onnx", "m.plan") == (
+        "trtexec --onnx=m.int8.onnx --int8 --saveEngine=m.plan")
+    # trt-review-r2 N10: with float16 parts, --fp16 and every layer pinned to its model type.
+    assert explicit_command("m.int8.onnx", "m.plan", LayerPins({"relu": "fp16", "head": "fp32"},
+                                                               {"relu": "fp16"})) == (
+        "trtexec --onnx=m.int8.onnx --int8 --fp16 --precisionConstraints=obey "
+        "--layerPrecisions=relu:fp16,head:fp32 --layerOutputTypes=relu:fp16 --saveEngine=m.plan")
     pins = LayerPins({"/conv1/Conv": "fp32", "/head/Concat": "fp16", "/nms/TopK": "fp32"},
                      {"/conv1/Conv": "fp32", "/head/Concat": "fp16"})
     assert implicit_command("model.onnx", "calibration.cache", "model.implicit.plan", pins) == (
@@ -1028,3 +1083,167 @@ def test_build_keeps_other_trtexec_lines_unless_forced(calibrated_folder, capsys
     assert main(["build", str(calibrated_folder), "--max-batch", "3"]) == 1
     assert "pass --force to replace it" in capsys.readouterr().err
     assert (calibrated_folder / "trtexec.txt").read_text() == before
+
+
+# --- validate's engine stage against a stand-in engine (tests/trt_standin.py: ONNX Runtime
+# behind TensorRTBackend's own run/available, exposing only what an engine exposes) ---------
+
+# What a Conv+ReLU-fused digits-cnn engine exposes besides its output 'logits': the residual
+# block's end and the pooled features (the conv outputs the torch stage maps are fused away).
+DIGITS_EXPOSED = {"relu_2": "debug_unfused", "mean": "debug_unfused"}
+DIGITS_ENGINE_NAMES = {"relu_2": "node_Conv_72 + node_add_50 + node_relu_2",
+                       "mean": "node_mean_output"}
+
+
+def _stand_in_factory(made: list, max_batch: int | None = None):
+    """make_engine_backend's replacement: a StandInTensorRT of the ONNX file validate names."""
+    from trt_standin import StandInTensorRT
+
+    def make(kind, path, name=None, max_batch_arg=None, debug_tensors=None, model=None,
+             **_options):
+        onnx_file = model if str(path).endswith(trt_backend.ENGINE_SUFFIXES) else path
+        qdq = Path(onnx_file).with_name("model.int8.onnx")
+        made.append(StandInTensorRT(qdq, DIGITS_EXPOSED, DIGITS_ENGINE_NAMES,
+                                    max_batch=max_batch))
+        return made[-1]
+    return make
+
+
+@pytest.fixture
+def stand_in_tensorrt(monkeypatch):
+    """validate's TensorRT stage served by stand-ins; the list holds every one made."""
+    made: list = []
+    monkeypatch.setattr(trt_backend, "require_tensorrt", lambda: None)
+    monkeypatch.setattr(trt_backend, "make_engine_backend", _stand_in_factory(made))
+    return made
+
+
+def test_readme_validate_with_tensorrt_compares_only_what_the_engine_exposes(
+        stand_in_tensorrt, tmp_path, capsys):
+    # trt-review-r2 N1: the README's command crashed on every version because the torch stage's
+    # tensors (conv outputs TensorRT fuses away) were requested from the engine.
+    from quantlab.cli import main
+    from quantlab.experiment import read_json
+
+    out = tmp_path / "digits-trt"
+    assert main(["validate", "--zoo", "digits-cnn", "--engine-backend", "tensorrt", "--out",
+                 str(out), "--no-progress", "--max-samples", "64"]) == 0
+    summary = read_json(out / "summary.json")
+    torch_pair, engine_pair = summary["pairs"]
+    assert torch_pair["test"] == "onnx_fp32" and "getitem" not in torch_pair["tensors_not_compared"]
+    assert engine_pair["test"] == "tensorrt"
+    table = pd.read_csv(out / "layers_onnx_fp32_vs_tensorrt.csv")
+    assert set(table["tensor"]) == {"relu_2", "mean", "logits"}
+    assert dict(zip(table["tensor"], table["obtained"], strict=True))["mean"] == "debug_unfused"
+    assert {"getitem", "getitem_3", "getitem_9", "relu"} <= set(engine_pair["tensors_not_compared"])
+    # The stand-in returned ONNX Runtime's INT8 values: the rows agree with FP32 as INT8 does.
+    assert np.isfinite(table["sqnr_db"]).all() and (table["sqnr_db"] > 20).all()
+    assert "debug listener copies all of them" in " ".join(summary["notes"])
+
+
+def test_prebuilt_max_batch_1_engine_gets_slices_of_one(tmp_path, monkeypatch):
+    # trt-review-r2 N2: `quantlab build` makes a max-batch-1 engine; validate fed it 32 samples.
+    from trt_standin import StandInTensorRT
+
+    from quantlab import pipeline, zoo
+    from quantlab.cli import main
+
+    made: list = []
+    monkeypatch.setattr(trt_backend, "require_tensorrt", lambda: None)
+    monkeypatch.setattr(trt_backend, "make_engine_backend", _stand_in_factory(made, max_batch=1))
+    entry = zoo.get("digits-cnn")
+    model = pipeline.export_zoo_model(entry.name)
+    pipeline.run_calibration(model, entry.calibration_set(), tmp_path / "run", progress=False)
+    (tmp_path / "run" / "model.plan").write_bytes(b"")  # the stand-in reads no engine file
+    x = entry.eval_set(40).inputs
+    np.save(tmp_path / "x.npy", x)
+    assert main(["validate", "--from", str(tmp_path / "run"), "--engine",
+                 str(tmp_path / "run" / "model.plan"), "--engine-backend", "tensorrt",
+                 "--data", str(tmp_path / "x.npy"), "--out", str(tmp_path / "out"),
+                 "--no-progress"]) == 0
+    assert isinstance(made[0], StandInTensorRT)
+    assert made[0]._runner.batches == [1] * len(x)
+
+
+def test_engine_run_is_refused_above_its_profile_batch(tmp_path):
+    from trt_standin import StandInTensorRT
+
+    path = tmp_path / "model.onnx"
+    onnx.save(small_model(), path)
+    engine = StandInTensorRT(path, {}, max_batch=2)
+    assert engine.run({"x": np.ones((2, 3, 2, 4), np.float32)})["y"].shape == (2, 3, 2, 4)
+    with pytest.raises(DataError, match="optimization profile allows at most 2"):
+        engine.run({"x": np.ones((3, 3, 2, 4), np.float32)})
+
+
+def test_profile_max_batch_reads_the_sample_axis():
+    from quantlab.backends.tensorrt import profile_max_batch, sample_axes
+
+    model = small_model()
+    axes = sample_axes(model, ["x"])
+    assert axes == {"x": 0}
+    assert profile_max_batch({"x": ((-1, 3, 2, 4), (8, 3, 2, 4))}, axes) == 8
+    assert profile_max_batch({"x": ((4, 3, 2, 4), ())}, axes) == 4
+    assert profile_max_batch({"x": ((-1, 3, 2, 4), (8, 3, 2, 4)),
+                              "y": ((-1, 5), (2, 5))}, {"x": 0, "y": 0}) == 2
+    assert profile_max_batch({"s": ((), ())}, {}) is None
+
+
+def test_memory_budget_counts_every_tensor_the_engine_exposes(four_conv_qdq, tmp_path):
+    # trt-review-r2 N9: TensorRT's listener copies every exposed tensor on each run, so the
+    # budget must hold them all at once, and one engine run serves every segment.
+    from trt_standin import StandInTensorRT
+
+    from quantlab.validate import validate
+
+    model, qdq_path, x = four_conv_qdq
+    index = graph.Graph(model)
+    exposed = {t: "debug_marked" for t in index.order
+               if t in index.floats and t not in index.input_names}
+    engine = StandInTensorRT(qdq_path, exposed)
+    per_sample = sum(v for t, v in index.sample_bytes({index.input_names[0]: (1, 3, 8, 8)}).items()
+                     if t in exposed)
+    with pytest.raises(ConfigError, match="debug listener copies every tensor"):
+        validate(model, engine, open_data(x, graph.input_specs(model), 8), tmp_path / "a",
+                 memory_budget=int(per_sample / 0.5), progress=False)
+    result = validate(model, engine, open_data(x, graph.input_specs(model), 8), tmp_path / "b",
+                      memory_budget=int(per_sample * 9), progress=False)
+    # Every exposed tensor is compared (one that no value reached reads +inf dB): the
+    # stand-in's INT8 values against FP32, finite and as close as INT8 is.
+    table = result.pairs[-1].table
+    assert set(table["tensor"]) == set(exposed)
+    assert np.isfinite(table["sqnr_db"]).all() and (table["sqnr_db"] > 30).all()
+    # Each run holds every exposed tensor: the slice is what the budget leaves for them.
+    assert max(engine._runner.batches) <= result.summary["memory"]["slice_samples"] <= 4
+    assert len(engine._runner.batches) == sum(-(-8 // result.summary["memory"]["slice_samples"])
+                                              for _ in range(len(x) // 8))
+
+
+def test_local_mode_is_refused_for_a_tensorrt_engine(four_conv_qdq, tmp_path):
+    # trt-review-r2 N5: local rows come from ONNX Runtime cut-outs, never from the engine.
+    from trt_standin import StandInTensorRT
+
+    from quantlab.validate import validate
+
+    model, qdq_path, x = four_conv_qdq
+    with pytest.raises(ConfigError, match="would not come from the engine 'tensorrt'"):
+        validate(model, StandInTensorRT(qdq_path, {}), open_data(x, graph.input_specs(model), 8),
+                 tmp_path / "out", mode="local", progress=False)
+
+
+@pytest.fixture(scope="module")
+def four_conv_qdq(tmp_path_factory):
+    """(FP32 model, Q/DQ file, inputs (16, 3, 8, 8)) of tests/test_validate.py's FourConv."""
+    from test_validate import make_four_conv
+
+    from quantlab import qdq
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    folder = tmp_path_factory.mktemp("fourconv-trt")
+    x = np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32)
+    model = graph.export_torch(make_four_conv(), x[:2], folder / "m.onnx", output_names=["logits"])
+    names = qdq.activation_tensors_to_calibrate(model)
+    values = OnnxRuntimeBackend(model).run({graph.input_specs(model)[0].name: x}, names)
+    quantized = qdq.quantize_model(model, {n: float(np.abs(v).max()) for n, v in values.items()})
+    onnx.save(quantized, folder / "model.int8.onnx")
+    return model, folder / "model.int8.onnx", x

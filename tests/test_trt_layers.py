@@ -31,6 +31,7 @@ from quantlab.backends.tensorrt import ExposedTensors, exposed_tensors
 from quantlab.trt_layers import (
     engine_layers,
     engine_tensor_names,
+    int8_coverage,
     metadata_nodes,
     opaque_nodes,
     precision_mismatches,
@@ -90,7 +91,8 @@ CONV_RELU_POOL = [
 
 # TensorRT 8.6, tensors the unmarked engine keeps marked as network outputs (r, p): the conv
 # runs with its Relu fused, the Gemm is onnx-tensorrt's MatMul layer named "fc" plus an unnamed
-# bias add whose Metadata names fc.
+# bias add with no Metadata: onnx-tensorrt writes it only on the layer registerLayer names
+# (8.6-GA ImporterContext.cpp L112-137; the Gemm importer registers only the MatMul).
 LAYERS_8_6 = {"Layers": [
     QUANTIZE, *CONV_RELU_POOL,
     {"Name": "fc", "LayerType": "CaskGemmConvolution", "Inputs": [tensor("p", FP32)],
@@ -98,7 +100,7 @@ LAYERS_8_6 = {"Layers": [
      "Metadata": "[ONNX Layer: flatten]\x1f[ONNX Layer: fc]"},
     {"Name": "(Unnamed Layer* 12) [ElementWise]", "LayerType": "PointWiseV2",
      "Inputs": [tensor("(Unnamed Layer* 11) [Matrix Multiply]_output", "Half")],
-     "Outputs": [tensor("y", FP32)], "Metadata": "[ONNX Layer: fc]"},
+     "Outputs": [tensor("y", FP32)]},
 ], "Bindings": ["x", "y", "r", "p"]}
 
 # TensorRT 10.0 - 10.11, r and p marked with mark_debug; flatten + fc in a Myelin region.
@@ -194,7 +196,102 @@ def test_nodes_in_myelin_regions_are_not_reported_as_mismatches():
     # trt-review F20: onnx-tensorrt (main) writes the local function a node comes from.
     ("[ONNX Layer: /blocks/0/Add | Local Function: LayerNorm]\x1f[ONNX Layer: relu]",
      ["/blocks/0/Add", "relu"]),
+    # trt-review-r2 N12: 8.6 appends the node's doc string after " | ".
+    ("[ONNX Layer: conv1 | /m.py(12): forward]", ["conv1"]),
     ("", []),
 ])
 def test_metadata_nodes(metadata, nodes):
     assert metadata_nodes(metadata) == nodes
+
+
+def test_unnamed_bias_add_without_metadata_is_the_gemm_layer():
+    # trt-review F9 / r2: found through the unnamed MatMul output it reads, not through
+    # Metadata that onnx-tensorrt never writes there.
+    layers = engine_layers(LAYERS_8_6, qdq_cnn())
+    assert layers[-1].metadata == "" and layers[-1].nodes == ["flatten", "fc"]
+    assert engine_layers(LAYERS_8_6)[-1].nodes == ["flatten", "fc"]  # without the model too
+
+
+# The constructs of a real engine's inspector JSON, on qdq_cnn: NVIDIA/TensorRT
+# tools/experimental/trt-engine-explorer/tests/inputs/mobilenet_v2_residuals.qat.onnx.engine.
+# graph.json (TensorRT 8.x, MobileNetV2 QAT; read, not copied: the workplace keeps public files
+# out of commits) has, and this fixture mirrors with its field names and strings: the input Q as
+# a "Reformat" layer of "Origin" "QDQ"; convolutions named "W + QuantizeLinear_N + Conv_N +
+# PWN(Clip_N)" whose ONNX-named outputs are held Int8 ("Thirty-two wide channel vectorized row
+# major Int8 format"), with Kernel/OutMaps/Groups/Weights.Count and output Dimensions; a
+# "Reformatting CopyNode for Input Tensor 0 to GlobalAveragePool_N" into FP16 before the pool;
+# the classifier Gemm fused with its bias add as "W + QuantizeLinear_N + Gemm_N + B +
+# (Unnamed Layer* N) [Shuffle] + unsqueeze_node_after_B + ... + (Unnamed Layer* N)
+# [ElementWise]" writing "(Unnamed Layer* N) [ElementWise]_out_tensor", and a NoOp
+# "copied_squeeze_after_(Unnamed Layer* N) [ElementWise]" writing the graph output. It has no
+# Metadata (written from 8.6 on).
+INT8_32 = "Thirty-two wide channel vectorized row major Int8 format"
+FP16_2 = "Two wide channel vectorized row major FP16 format"
+
+
+def dims(name: str, datatype: str, shape: list[int]) -> dict:
+    return {**tensor(name, datatype), "Location": "Device", "Dimensions": shape}
+
+
+LAYERS_REAL_SHAPED = {"Layers": [
+    {"Name": "x_QuantizeLinear", "LayerType": "Reformat", "ParameterType": "Reformat",
+     "Origin": "QDQ", "Inputs": [dims("x", FP32, [1, 3, 4, 4])],
+     "Outputs": [dims("x_quantized", INT8, [1, 3, 4, 4])]},
+    {"Name": "w_quantized + w_DequantizeLinear + conv + PWN(relu)",
+     "LayerType": "CaskConvolution", "ParameterType": "Convolution",
+     "Inputs": [dims("x_quantized", INT8, [1, 3, 4, 4])],
+     "Outputs": [dims("r", INT8_32, [1, 4, 4, 4])], "Kernel": [3, 3], "OutMaps": 4,
+     "Groups": 1, "Weights": {"Type": "Int8", "Count": 108}, "Bias": {"Type": "Float",
+                                                                      "Count": 4}},
+    {"Name": "Reformatting CopyNode for Input Tensor 0 to pool", "LayerType": "Reformat",
+     "Origin": "REFORMAT", "Inputs": [dims("r", INT8_32, [1, 4, 4, 4])],
+     "Outputs": [dims("Reformatted Input Tensor 0 to pool", FP16_2, [1, 4, 4, 4])]},
+    {"Name": "pool", "LayerType": "TiledPooling", "ParameterType": "Pooling",
+     "Inputs": [dims("Reformatted Input Tensor 0 to pool", FP16_2, [1, 4, 4, 4])],
+     "Outputs": [dims("p", FP16_2, [1, 4, 2, 2])]},
+    {"Name": "fc_w + fc + fc_b + (Unnamed Layer* 12) [Shuffle] + unsqueeze_node_after_fc_b + "
+             "(Unnamed Layer* 13) [ElementWise]", "LayerType": "CaskConvolution",
+     "ParameterType": "Convolution", "Inputs": [dims("p", FP16_2, [1, 4, 2, 2])],
+     "Outputs": [dims("(Unnamed Layer* 13) [ElementWise]_out_tensor", FP32, [1, 2, 1, 1])],
+     "Kernel": [1, 1], "OutMaps": 2, "Groups": 1, "Weights": {"Type": "Float", "Count": 32}},
+    {"Name": "copied_squeeze_after_(Unnamed Layer* 13) [ElementWise]", "LayerType": "NoOp",
+     "Inputs": [dims("(Unnamed Layer* 13) [ElementWise]_out_tensor", FP32, [1, 2, 1, 1])],
+     "Outputs": [dims("y", FP32, [1, 2])]},
+], "Bindings": ["x", "y"]}
+
+
+def test_int8_held_tensors_are_never_compared_as_float():
+    # trt-review-r2 N4: "r" is held as int8 codes (the conv with a Q fused in); its float value
+    # exists only as the pool's FP16 reformat input, which is what gets mapped.
+    model = qdq_cnn()
+    layers = engine_layers(LAYERS_REAL_SHAPED, model)
+    names = engine_tensor_names(layers, model)
+    assert "r" not in names and names["Reformatted Input Tensor 0 to pool"] == "r"
+    assert "r" not in surviving_tensors(layers, model)
+    exposed = exposed_tensors(LAYERS_REAL_SHAPED, model, "debug_unfused")
+    assert exposed.engine_names["r"] == "Reformatted Input Tensor 0 to pool"
+    marked = exposed_tensors(LAYERS_REAL_SHAPED, model, "debug_marked", ["r", "p"])
+    assert "r" not in marked.sources and marked.sources["p"] == "debug_marked"
+
+
+def test_layers_of_a_real_shaped_engine_map_to_their_nodes():
+    model = qdq_cnn()
+    layers = engine_layers(LAYERS_REAL_SHAPED, model)
+    assert [layer.nodes for layer in layers] == [
+        ["x_QuantizeLinear"], ["x_DequantizeLinear", "w_DequantizeLinear", "conv", "relu"], [],
+        ["pool"], ["fc"], []]  # the Q runs as a reformat and holds its node
+    assert [layer.precision for layer in layers] == [
+        "fp32", "int8", "int8", "fp16", "fp32", "fp32"]
+    assert [layer.is_reformat for layer in layers] == [False, False, True, False, False, True]
+
+
+def test_int8_coverage_is_the_share_of_macs_in_int8_layers():
+    model = qdq_cnn()
+    # The reference: MACs from the ONNX shapes, conv 4x4x4 outputs x (3 x 3x3) inputs each,
+    # the Gemm 2 outputs x 16 inputs.
+    conv_macs, fc_macs = 4 * 4 * 4 * 3 * 3 * 3, 2 * 16
+    coverage = int8_coverage(engine_layers(LAYERS_REAL_SHAPED, model))
+    assert (coverage["int8_macs"], coverage["macs"]) == (conv_macs, conv_macs + fc_macs)
+    assert coverage["share"] == pytest.approx(conv_macs / (conv_macs + fc_macs))
+    assert coverage["float_layers"] == [LAYERS_REAL_SHAPED["Layers"][4]["Name"]]
+    assert int8_coverage(engine_layers(LAYERS_10_X, model))["share"] is None  # no Count

@@ -57,6 +57,7 @@ PRECISIONS = ("fp32", "fp16", "int8")
 # BuilderFlag.INT8 and a calibrator.
 MODES = ("strongly_typed", "explicit", "implicit")
 UNFUSED = "unfused"  # debug_tensors: mark_unfused_tensors_as_debug_tensors (TensorRT >= 10.12)
+UNNAMED = "(Unnamed Layer*"  # how TensorRT names a layer (and its outputs) nobody named
 LAYERS = "layers"  # debug_tensors: every ONNX tensor the engine keeps, the version's way
 ENGINE_SUFFIXES = (".plan", ".engine", ".trt")  # a prebuilt, serialized engine
 # How a tensor the engine stage compares was obtained (validate's "obtained" column).
@@ -227,16 +228,21 @@ def implicit_pins(model: onnx.ModelProto, plan: Mapping[str, str]) -> LayerPins:
     return LayerPins(precisions, {n: p for n, p in precisions.items() if n in float_out})
 
 
-def layer_pin(name: str, metadata: str, precisions: Mapping[str, str]) -> str | None:
-    """The pinned precision of a network layer: its name's, else that of the ONNX node its
-    ``Metadata`` names (onnx-tensorrt names one layer per node and leaves the others, e.g. a
-    Gemm's bias add, "(Unnamed Layer* N)"; Metadata names the node on every one, 8.6+)."""
-    if name in precisions:
-        return precisions[name]
+def layer_node(name: str, metadata: str, inputs: Sequence[str], origin: Mapping[str, str],
+               nodes: Mapping[str, str]) -> str | None:
+    """The node of `nodes` (a plan's) a network layer computes, for pinning: its name's, the
+    one its ``Metadata`` names, or, for a layer onnx-tensorrt left "(Unnamed Layer* N)" with
+    no Metadata (a Gemm's bias add: the importer registers only the MatMul, and Metadata is
+    written only on registered layers, 8.6-GA ImporterContext.cpp L112-137; trt-review F9),
+    the node of the layer whose unnamed output it reads (`origin`: tensor -> node)."""
+    if name in nodes:
+        return name
     from quantlab.trt_layers import metadata_nodes
 
-    return next((precisions[node] for node in metadata_nodes(metadata) if node in precisions),
-                None)
+    found = next((node for node in metadata_nodes(metadata) if node in nodes), None)
+    if found is None and not metadata and name.startswith(UNNAMED):
+        found = next((origin[t] for t in inputs if t in origin), None)
+    return found
 
 
 @dataclass(frozen=True)
@@ -303,16 +309,34 @@ def build_settings(
                                            and debug_strategy(version) == "debug_unfused")
     fp16 = pins.fp16 if mode == "implicit" else mode == "explicit" and has_float16(model)
     if fp16 and mode == "explicit":
-        warnings.warn(
-            f"TensorRT {_text(version)}: a weakly typed build runs the Q/DQ model's float16 "
-            "parts in FP16 only with BuilderFlag.FP16, which also lets TensorRT pick FP16 for "
-            "any other float layer; the engine may differ from the validated model there. "
-            "Strongly typed builds (TensorRT >= 9) keep the model's types exactly.", stacklevel=2)
+        pins = explicit_pins(model)
     return BuildSettings(
         mode=mode, strongly_typed=mode == "strongly_typed", int8=mode != "strongly_typed",
         fp16=fp16, tf32=True, precision_constraints="obey" if pins.precisions else None,
         pins=pins, mark_unfused=unfused, mark_debug=marked, mark_outputs=outputs,
         profile=profile)
+
+
+def explicit_pins(model: onnx.ModelProto) -> LayerPins:
+    """The :class:`LayerPins` of a weakly typed (explicit) build of a Q/DQ `model` with float16
+    parts: BuilderFlag.FP16 lets TensorRT pick FP16 for any unconstrained layer, so every node
+    is pinned to the type its outputs have in the model (fp32 or fp16), as a strongly typed
+    build would keep it (trt-review-r2 N10). Q/DQ and Cast nodes, and the layers reading a
+    DequantizeLinear (INT8, TensorRT's to choose), are left alone."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in (
+        *inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output)}
+    dequantized = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    names = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16"}
+    precisions = {}
+    for node in model.graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear", "Cast") \
+                or dequantized & set(node.input):
+            continue
+        kinds = {names.get(types.get(o)) for o in node.output if o}
+        if len(kinds) == 1 and None not in kinds:
+            precisions[node.name] = kinds.pop()
+    return LayerPins(precisions, dict(precisions))
 
 
 def has_float16(model: onnx.ModelProto) -> bool:
@@ -344,15 +368,44 @@ def _pin_layers(network: object, pins: LayerPins, trt: ModuleType) -> None:
     # outputs, the way trtexec's --layerOutputTypes skips shape and index tensors.
     dtypes = {"fp32": trt.float32, "fp16": trt.float16}
     floats = (trt.float32, trt.float16)
-    for layer in network:
-        precision = layer_pin(layer.name, getattr(layer, "metadata", ""), pins.precisions)
-        if precision is None:
-            continue
-        layer.precision = dtypes[precision]
-        if layer_pin(layer.name, getattr(layer, "metadata", ""), pins.output_types):
-            for index in range(layer.num_outputs):
-                if layer.get_output(index).dtype in floats:
-                    layer.set_output_type(index, dtypes[precision])
+    origin: dict[str, str] = {}  # unnamed tensor -> the pinned node whose layer wrote it
+    with warnings.catch_warnings():
+        # Deprecated from 10.12 (pyGraph.cpp 10.16 L409/415) and still what implicit INT8
+        # obeys until it goes in 11.0: the warning would only repeat per layer (r2 N19).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for layer in network:
+            inputs = [layer.get_input(i).name for i in range(layer.num_inputs)
+                      if layer.get_input(i) is not None]
+            node = layer_node(layer.name, getattr(layer, "metadata", ""), inputs, origin,
+                              pins.precisions)
+            if node is None:
+                continue
+            outputs = [layer.get_output(i) for i in range(layer.num_outputs)]
+            origin.update((o.name, node) for o in outputs if o.name.startswith(UNNAMED))
+            layer.precision = dtypes[pins.precisions[node]]
+            if node in pins.output_types:
+                for index, output in enumerate(outputs):
+                    if output.dtype in floats:
+                        layer.set_output_type(index, dtypes[pins.precisions[node]])
+
+
+def sample_axes(model: onnx.ModelProto | None, inputs: Sequence[str]) -> dict[str, int]:
+    """Input -> its sample axis: the one `model` names, axis 0 of every input without a model."""
+    if model is None:
+        return dict.fromkeys(inputs, 0)
+    return {spec.name: spec.batch_axis for spec in graph.input_specs(model)
+            if spec.batch_axis is not None}
+
+
+def profile_max_batch(shapes: Mapping[str, tuple[Sequence[int], Sequence[int]]],
+                      axes: Mapping[str, int]) -> int | None:
+    """The most samples an engine takes per run (trt-review-r2 N2): ``shapes`` maps each input
+    to its engine shape and, where that has a dynamic (-1) dimension, its profile's MAX shape;
+    `axes` gives the sample axes (:func:`sample_axes`). None where no input has one."""
+    sizes = [int(high[axes[name]]) if shape[axes[name]] == -1 else int(shape[axes[name]])
+             for name, (shape, high) in shapes.items()
+             if name in axes and axes[name] < len(shape)]
+    return min(sizes) if sizes else None
 
 
 def input_profile(model: onnx.ModelProto, max_batch: int,
@@ -460,6 +513,12 @@ def build_engine(
     except Exception as exc:  # Polygraphy raises PolygraphyException after TensorRT's log
         if feeder is not None:
             feeder.raise_error()  # the calibrator's own error explains the failure better
+            if feeder.skipped_samples and not feeder.used_batches:  # r2 N17
+                raise DataError(
+                    f"TensorRT could not build an engine from {path}: every calibration batch "
+                    f"({feeder.skipped_samples} samples) was skipped, its shape off the "
+                    "calibration profile's OPT shape, so TensorRT had no data to calibrate "
+                    f"on ({exc}). Give the feeder batches of the OPT shape.") from None
         raise ModelError(f"TensorRT could not build an engine from {path}: {exc}") from None
     if feeder is not None:
         # TensorRT's trampoline prints and swallows a callback's exception (pyInt8.cpp): a
@@ -526,7 +585,7 @@ def exposed_tensors(layer_info: str | Mapping | Sequence, model: onnx.ModelProto
     engine still holds. Graph outputs are always there; the rest of the float tensors is
     what the engine does not expose (:meth:`TensorRTBackend.not_exposed`).
     """
-    from quantlab.trt_layers import engine_layers, engine_tensor_names
+    from quantlab.trt_layers import engine_layers, engine_tensor_names, held_as_float
 
     index = graph.Graph.of(model)
     result = ExposedTensors()
@@ -540,7 +599,7 @@ def exposed_tensors(layer_info: str | Mapping | Sequence, model: onnx.ModelProto
             if onnx_name in index.floats and onnx_name not in inputs:
                 result.add(onnx_name, source, engine_name)
     else:
-        held = {name for layer in layers for name in (*layer.inputs, *layer.outputs)}
+        held = held_as_float(layers, index)
         for name in marked:
             if name in held or source == "network_output":
                 result.add(name, source)
@@ -613,6 +672,12 @@ class TensorRTBackend:
         self.outputs = [o for o in outputs if model_outputs is None or o in model_outputs]
         for output in self.outputs:
             self.exposed.add(output, "graph_output")
+        self.sample_axes = sample_axes(self.model, list(self.inputs))
+        self.max_batch = profile_max_batch(
+            {name: (tuple(engine_obj.get_tensor_shape(name)),
+                    tuple(engine_obj.get_tensor_profile_shape(name, 0)[2])
+                    if -1 in tuple(engine_obj.get_tensor_shape(name)) else ())
+             for name in self.inputs}, self.sample_axes)
         if self.model is not None and hasattr(engine_obj, "is_debug_tensor"):
             for tensor in graph.topological_tensors(self.model):
                 if engine_obj.is_debug_tensor(tensor):
@@ -656,7 +721,18 @@ class TensorRTBackend:
                                              self.model) if t not in outputs]
         if strategy == "network_output":
             kept = [t for t in kept if not set("*?[") & set(t)]  # Polygraphy reads fnmatch
-        engine = build_engine(model, debug_tensors=kept or None, **build)
+        try:
+            engine = build_engine(model, debug_tensors=kept or None, **build)
+        except ModelError as exc:
+            if not kept:
+                raise
+            # Marks have broken Q/DQ builds ("Could not find any implementation", TensorRT#3813,
+            # #1961): compare the engine built without them, end to end (trt-review-r2 N11).
+            exposed = exposed_tensors(layer_information(plain), self.model, strategy)
+            exposed.notes.append(f"the build marking {len(kept)} intermediate tensor(s) failed "
+                                 f"({exc}); only the outputs of the engine built without marks "
+                                 "are compared")
+            return plain, exposed
         exposed = exposed_tensors(layer_information(engine), self.model, strategy, kept)
         if strategy == "network_output":
             exposed.notes.append(
@@ -673,6 +749,13 @@ class TensorRTBackend:
         missing = [name for name in self.inputs if name not in batch]
         if missing:
             raise DataError(f"batch has no array for engine input(s) {missing}.")
+        size = max((np.shape(batch[name])[axis] for name, axis in self.sample_axes.items()
+                    if name in self.inputs and np.ndim(batch[name]) > axis), default=0)
+        if self.max_batch is not None and size > self.max_batch:
+            raise DataError(
+                f"a batch of {size} samples is more than the engine '{self.name}' takes: its "
+                f"optimization profile allows at most {self.max_batch}. Pass --batch-size "
+                f"{self.max_batch} or rebuild it with a larger --max-batch (quantlab build).")
         # order="C" keeps a 0-d input 0-d (np.ascontiguousarray makes it 1-d).
         feed = {name: np.asarray(batch[name], dtype=dtype, order="C")
                 for name, dtype in self.inputs.items()}

@@ -159,10 +159,12 @@ class CalibrationFeeder:
         return arrays
 
     def _dtype(self, spec: TensorSpec, array: np.ndarray) -> np.dtype:
-        if np.issubdtype(array.dtype, np.floating):
-            return np.dtype(np.float32)
+        # The network's type first, as Polygraphy's calibrator (calibrator.py L124-137): float
+        # data for an integer input goes in that integer type (trt-review-r2 N17).
         if spec.name in self.dtypes:
             return self.dtypes[spec.name]
+        if np.issubdtype(array.dtype, np.floating):
+            return np.dtype(np.float32)
         if spec.dtype == np.int64 and self.trt_version and cache.trt_major(self.trt_version) < 10:
             return np.dtype(np.int32)  # TensorRT < 10 has no INT64 inputs: the parser makes INT32
         return np.dtype(spec.dtype)
