@@ -292,16 +292,16 @@ def _check_path(path: str, name: str, folder: Path, version: tuple[int, ...],
 IMPLICIT_REFERENCE = ("model.onnx quantized in ONNX Runtime with calibration.cache's scales, "
                       "max-abs per-channel weights and no bias correction: what an implicit "
                       "INT8 engine can reproduce (not model.int8.onnx)")
-FP16_IN_FP32 = ("the plan's fp16 node runs in FP32 there: ONNX Runtime's CPU provider drops "
-                "the FP16 rounding of Cast pairs (trt-review-r2 N3), so this row cannot show "
-                "FP16 rounding or overflow")
+PINS_NOT_IN_REFERENCE = ("the pinned nodes run INT8 there (the reference carries the cache's "
+                         "scales, not the pins): the pins are judged by the engine's layer "
+                         "precisions, and this SQNR includes the pinned nodes' INT8 error")
 
 
 def reference_of(path: str) -> str | None:
     """What the engine of `path` is judged against, where it is not model.int8.onnx run as is."""
     if not path.startswith("implicit"):
         return None
-    return f"{IMPLICIT_REFERENCE}; {FP16_IN_FP32}" if path == "implicit_pins" \
+    return f"{IMPLICIT_REFERENCE}; {PINS_NOT_IN_REFERENCE}" if path == "implicit_pins" \
         else IMPLICIT_REFERENCE
 
 
