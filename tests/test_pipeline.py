@@ -174,7 +174,7 @@ def test_default_run_records_every_choice_and_auto_chooses_per_layer(tmp_path):
 
     default = pipeline.run_calibration(small_model(), DATA, tmp_path / "default",
                                        progress=False)
-    record = read_json(tmp_path / "default" / "calibration.json")
+    record = record_default = read_json(tmp_path / "default" / "calibration.json")
     assert record["method"] == choices.DEFAULT_CALIBRATE_METHOD == "mse"
     assert record["weight_amax"] == "local" and record["layer_calibrators"] == {}
     assert "bias_correction" in record["repairs"]
@@ -197,9 +197,17 @@ def test_default_run_records_every_choice_and_auto_chooses_per_layer(tmp_path):
     # Kept only if, measured on either half of the data, it lowers the noise on the other.
     folds = corrected["summary"]["folds"]
     assert [f["measured_on"] for f in folds] == ["first half", "second half"]
-    assert [f["samples_scored"] for f in folds] == [len(DATA) // 2] * 2
+    assert all(pipeline.FOLD_MIN_SAMPLES <= f["samples_scored"] <= len(DATA) // 2
+               for f in folds)
     assert corrected["summary"]["kept"] == all(
         f["output_nsr_with"] < f["output_nsr_without"] for f in folds)
+    # Every phase recorded, in order, with what it read.
+    phases = {p["phase"]: p for p in record_default["phases"]}
+    assert list(phases) == ["channel ranges", "statistics", "weight amax", "bias shifts",
+                            "output noise"]
+    assert phases["statistics"]["samples"] == phases["bias shifts"]["samples"] == len(DATA)
+    assert phases["output noise"]["model_runs"] == 3 * phases["output noise"]["samples"]
+    assert all(p["seconds"] >= 0 for p in phases.values())
     # Each layer's amax is the one of the candidate it chose.
     stats = collect.Statistics.load(tmp_path / "auto" / "stats.npz")
     source = {label: calibrate.calibrate(stats, name, **params).amax
@@ -222,20 +230,43 @@ def test_default_run_records_every_choice_and_auto_chooses_per_layer(tmp_path):
                                  method_params={"percentile": 99.9}, progress=False)
 
 
+def test_a_settled_fold_verdict_is_the_verdict_of_all_its_samples():
+    """The keep/drop test stops scoring a fold once its verdict is settled; scored on every
+    sample of the other half, each fold reaches the same verdict (the mean noise of the
+    samples it stopped at is their own mean: checked against the per-sample ratios)."""
+    from quantlab import qdq, repairs
+
+    model = graph.normalize(small_model())
+    data = np.random.default_rng(5).standard_normal((48, 3, 8, 8)).astype(np.float32)
+    quantized = qdq.quantize_model(model, {"input": 4.0, "relu": 3.0}, weight_criterion="max")
+    halves = [[{"input": data[:24]}], [{"input": data[24:]}]]
+    shifts, _, _ = repairs.bias_shift_folds(model, quantized, halves)
+    for measured_on, scored_on in ((0, 1), (1, 0)):
+        shifted = repairs.shift_biases(model, quantized, shifts[measured_on])
+        samples = [{"input": x[None]} for x in data[24 * scored_on:24 * (scored_on + 1)]]
+        every = pipeline._fold_noise(model, quantized, shifted, samples, settled=False)
+        settled = pipeline._fold_noise(model, quantized, shifted, samples)
+        assert every["samples_scored"] == 24
+        assert pipeline.FOLD_MIN_SAMPLES <= settled["samples_scored"] <= 24
+        assert (settled["output_nsr_with"] < settled["output_nsr_without"]) == \
+            (every["output_nsr_with"] < every["output_nsr_without"])
+        ratios = np.array(list(pipeline.output_nsr(model, [quantized, shifted],
+                                                   samples[:settled["samples_scored"]])))
+        np.testing.assert_allclose([settled["output_nsr_without"], settled["output_nsr_with"]],
+                                   ratios.mean(axis=0), rtol=1e-12)
+
+
 def test_a_bias_correction_that_raises_the_output_noise_is_left_out(tmp_path, monkeypatch):
     from quantlab import repairs
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
-    def harmful(fp32_model, qdq_model, batches):  # every bias shifted by 10: far worse
-        shifted, report = real(fp32_model, qdq_model, batches)
-        for init in shifted.graph.initializer:
-            if init.name.endswith("_bias"):
-                init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) + 10,
-                                                      init.name))
-        return shifted, report
+    def harmful(fp32_model, qdq_model, parts):  # every output shifted by 10: far worse
+        shifts, pooled, report = real(fp32_model, qdq_model, parts)
+        return ([{node: s + 10 for node, s in part.items()} for part in shifts],
+                {node: s + 10 for node, s in pooled.items()}, report)
 
-    real = repairs.bias_correction
-    monkeypatch.setattr(repairs, "bias_correction", harmful)
+    real = repairs.bias_shift_folds
+    monkeypatch.setattr(repairs, "bias_shift_folds", harmful)
     result = pipeline.run_calibration(small_model(), DATA, tmp_path / "run", progress=False)
     summary = result.repairs["bias_correction"]["summary"]
     assert not summary["kept"] and all(f["output_nsr_with"] > f["output_nsr_without"]
