@@ -151,7 +151,8 @@ class Phases:
                 for sample in samples(model, source, total):
                     yield sample
                     bar.update(1)
-            except GeneratorExit:  # the reader had enough (a settled verdict): done early
+            except GeneratorExit:  # the reader had enough (a settled verdict) with this one
+                bar.update(1)
                 bar.close()
                 raise
 

@@ -376,3 +376,31 @@ def test_zoo_export_is_cached_under_a_key_of_its_weights(tmp_path, monkeypatch):
     other = pipeline.export_zoo_model("digits-cnn")
     assert len(exports) == 3 and other.SerializeToString() != fresh.SerializeToString()
     assert len(list((tmp_path / "cache" / "zoo").glob("digits-cnn-*.onnx"))) == 2
+
+
+def test_a_phase_shows_its_samples_and_ends_when_its_reader_stops(monkeypatch, capsys):
+    """Phases.shown yields the first samples one at a time with a progress line per phase;
+    a reader that stops early (a settled fold) still gets the phase's end line."""
+    import sys
+
+    from quantlab import progress
+    from quantlab.data import open_data
+
+    monkeypatch.setattr(progress, "LINE_SECONDS", 0.0)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    model = graph.normalize(small_model())
+    source = open_data(DATA, graph.input_specs(model), 5)
+    phases = pipeline.Phases()
+    with phases.record("weight amax", 6, 2):
+        read = list(phases.shown(model, source, "weight amax", 6))
+    np.testing.assert_array_equal(np.concatenate([s["input"] for s in read]), DATA[:6])
+    shown = phases.shown(model, source, "output noise")
+    for _ in range(3):
+        next(shown)
+    shown.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "calibrate: weight amax: started, 6 sample"
+    assert f"calibrate: output noise: started, {len(DATA)} sample" in lines
+    assert lines[-1].startswith("calibrate: output noise: done, 3 sample in ")
+    assert phases.records == [{"phase": "weight amax", "seconds": phases.records[0]["seconds"],
+                               "samples": 6, "model_runs": 12}]
