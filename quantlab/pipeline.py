@@ -460,11 +460,11 @@ def calibrate_from_stats(
     `weight_criterion`: ``"max"``, ``"mse"`` (:func:`qdq.weight_amax`) or ``"local"``
     (per output channel the one of the two with the least layer error,
     :func:`quantlab.weights.choose_weight_amax`, one pass over the same samples). With
-    `bias_correction`, every INT8 layer's mean output error on `source` is subtracted
-    from its bias (:func:`quantlab.repairs.bias_correction`, local mode: one pass) when
-    it holds on data it was not measured on: measured on either half of `source`, it
-    must lower the output noise on the other (two folds, one more pass over the data
-    and a few runs; the report in ``repairs`` gives the figures and the verdict).
+    `bias_correction`, every INT8 layer's mean output error on the first BIAS_SAMPLES of
+    `source` is subtracted from its bias (local mode) when it holds on data it was not
+    measured on: measured on either half of them, it must lower the output noise on the
+    other (:func:`_corrected_biases`: one local pass and a few whole-model runs; the
+    report in ``repairs`` gives the figures and the verdict).
     The result's `preprocess` is the one `source` applied (None for arrays); its `phases`
     those of `phases` (a :class:`Phases` that shows and times each one) and these.
 
