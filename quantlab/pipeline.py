@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from quantlab.data import (
 )
 from quantlab.errors import ConfigError, ModelError
 from quantlab.experiment import check_output, output_folder, recorded_path, write_json
+from quantlab.progress import progress_bar
 from quantlab.zoo_names import ZOO_NAMES
 
 # Files a calibration run writes; a folder holding any of them is refused unless forced.
@@ -68,6 +71,26 @@ AUTO_DEFAULT = "percentile"  # for tensors no layer chooses
 # Samples the per-layer choices (method "auto", weight amax "local") measure on: the
 # planner chooses on 8; more steady the choice, each a local pass per candidate.
 CHOICE_SAMPLES = 32
+# The decisions measured on a bounded share of the calibration data, its first samples
+# (one pass over all of them stays the rule for the statistics alone; zoo and layout
+# figures before/after in benchmarks/README.md):
+# - the weight amax per channel: CHOICE_SAMPLES, as before. 8 cost digits-vit 0.35 dB
+#   of held-out output SQNR (an 8x8 input: few values per sample), though on the layout
+#   detector the choice on 8 pages differed from the one on 16 on 43 of 13,896 channels;
+# - the equalization's per-channel ranges: CHOICE_SAMPLES. Its decision and factors are
+#   ratios of per-channel 99.99th percentiles, and the statistics of the equalized model
+#   still come from every sample;
+# - bias correction's shifts and folds: BIAS_SAMPLES. Halves of 16 (a share of 32)
+#   turned shapes-det's verdict from kept to dropped (-0.15 dB held out).
+BIAS_SAMPLES = 64
+# Bias correction's keep/drop test scores a fold on at least FOLD_MIN_SAMPLES samples and
+# stops once the mean per-sample difference of output noise (with - without) is
+# FOLD_SETTLED_SE standard errors from zero: more samples then no longer change its sign
+# (a t of 4 on 3 degrees of freedom is p < 0.03 two-sided; on the layout detector the
+# difference was 6-10 standard errors after 4 pages). Each sample costs three whole-model
+# runs (FP32, without, with): 5 s on a layout page.
+FOLD_MIN_SAMPLES = 4
+FOLD_SETTLED_SE = 4.0
 WEIGHT_CRITERIA = choices.CALIBRATE_WEIGHT_CRITERIA
 DEFAULT_WEIGHT_CRITERION = "local"
 # "local" chooses between these two qdq criteria; quantize_model takes the chosen amax.
@@ -94,6 +117,44 @@ class CalibrationResult:
     # method "auto": the candidates, the samples measured and layer (unit) -> the candidate
     # its amax came from.
     layer_calibrators: dict = field(default_factory=dict)
+    # Each phase as it ran: name, seconds, samples read, model runs (Phases.record).
+    phases: list[dict] = field(default_factory=list)
+
+
+class Phases:
+    """The phases of one calibration, timed as they run, for ``calibration.json``.
+
+    `model_runs` counts forward passes: one per sample (per batch of a fixed-batch model)
+    and graph run, a whole model or a cut-out with its layers' copies attached alike.
+    """
+
+    def __init__(self, progress: bool = True):
+        self.progress = progress
+        self.records: list[dict] = []
+
+    @contextmanager
+    def record(self, name: str, samples: int, graphs: int = 1) -> Iterator[None]:
+        """Time the block as phase `name`, reading `samples` through `graphs` graphs each."""
+        start = time.perf_counter()
+        yield
+        self.records.append({"phase": name, "seconds": round(time.perf_counter() - start, 2),
+                             "samples": samples, "model_runs": samples * graphs})
+
+    def shown(self, model: onnx.ModelProto, source: BatchSource, name: str,
+              limit: int | None = None) -> Iterator[dict]:
+        """The samples of `source` (up to `limit`), one at a time, with a progress bar named
+        ``calibrate: <name>`` that shows the time left (:func:`samples`)."""
+        total = min(sample_count(model, source), limit or source.num_samples)
+        with progress_bar(total=total, desc=f"calibrate: {name}", unit="sample",
+                          enabled=self.progress) as bar:
+            try:
+                for sample in samples(model, source, total):
+                    yield sample
+                    bar.update(1)
+            except GeneratorExit:  # the reader had enough (a settled verdict) with this one
+                bar.update(1)
+                bar.close()
+                raise
 
 
 def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
@@ -305,7 +366,8 @@ def run_calibration(
     # unwritable folder, the cache's version and tensor names. The folder is written all or
     # nothing (experiment.output_folder): a failed run leaves no partial output.
     check_output(out, force=force, produces=CALIBRATION_FILES)
-    model, applied = equalized(model, source) if equalize else (model, {})
+    phases = Phases(progress)
+    model, applied = equalized(model, source, phases) if equalize else (model, {})
     index = graph.Graph(model)  # built once: every step below reads it
     if trt_version is None:
         tensors = quantized_inputs(index, "calibrate for its Q/DQ model. For TensorRT <= 10's "
@@ -315,22 +377,31 @@ def run_calibration(
         cache.implicit_int8_version(trt_version)
         tensors = trt_ranges.tensors_to_calibrate(index)  # Q/DQ inputs + TensorRT <= 10 ranges
         check_cache_names(tensors)
-    stats = collect.collect(index, source, tensors, progress=progress, memory_budget=memory_budget)
+    with phases.record("statistics", source.num_samples):
+        stats = collect.collect(index, source, tensors, progress=progress,
+                                memory_budget=memory_budget)
     result = calibrate_from_stats(index, stats, source, method, method_params,
-                                  weight_criterion=weight_criterion,
+                                  weight_criterion=weight_criterion, phases=phases,
                                   bias_correction=bias_correction)
     result.repairs = {**applied, **result.repairs}
     write_results(result, out, force=force, trt_version=trt_version)
     return result
 
 
-def equalized(model: onnx.ModelProto, source: BatchSource) -> tuple[onnx.ModelProto, dict]:
+def equalized(model: onnx.ModelProto, source: BatchSource, phases: Phases | None = None,
+              ) -> tuple[onnx.ModelProto, dict]:
     """`model` with its depthwise-conv inputs equalized where that helps
     (:func:`repairs.depthwise_equalization`, one FP32 pass over `source`), normalized again,
-    and ``{repair name: report}`` for ``calibration.json`` (empty without depthwise convs)."""
+    and ``{repair name: report}`` for ``calibration.json`` (empty without depthwise convs).
+    The pass is shown and recorded in `phases` as "channel ranges"."""
     from quantlab import repairs
 
-    model, report = repairs.depthwise_equalization(model, source, pointwise=True)
+    phases = phases or Phases(progress=False)
+    source = decision_share(model, source, CHOICE_SAMPLES)
+    read = sample_count(model, source) if repairs.equalization_inputs(model, True) else 0
+    with phases.record("channel ranges", read):
+        model, report = repairs.depthwise_equalization(
+            model, phases.shown(model, source, "channel ranges"), pointwise=True)
     if report.applied:
         model = graph.normalize(model)  # shapes of the renamed tensors
     return model, ({report.repair: report.to_dict()} if report.applied or report.skipped
@@ -377,6 +448,7 @@ def calibrate_from_stats(
     method_params: Mapping[str, float] | None = None,
     weight_criterion: str = "max",
     bias_correction: bool = False,
+    phases: Phases | None = None,
 ) -> CalibrationResult:
     """Scales by `method` from statistics already collected, and the Q/DQ model they give.
 
@@ -388,58 +460,60 @@ def calibrate_from_stats(
     `weight_criterion`: ``"max"``, ``"mse"`` (:func:`qdq.weight_amax`) or ``"local"``
     (per output channel the one of the two with the least layer error,
     :func:`quantlab.weights.choose_weight_amax`, one pass over the same samples). With
-    `bias_correction`, every INT8 layer's mean output error on `source` is subtracted
-    from its bias (:func:`quantlab.repairs.bias_correction`, local mode: one pass) when
-    it holds on data it was not measured on: measured on either half of `source`, it
-    must lower the output noise on the other (two folds, one more pass over the data
-    and a few runs; the report in ``repairs`` gives the figures and the verdict).
-    The result's `preprocess` is the one `source` applied (None for arrays).
+    `bias_correction`, every INT8 layer's mean output error on the first BIAS_SAMPLES of
+    `source` is subtracted from its bias (local mode) when it holds on data it was not
+    measured on: measured on either half of them, it must lower the output noise on the
+    other (:func:`_corrected_biases`: one local pass and a few whole-model runs; the
+    report in ``repairs`` gives the figures and the verdict).
+    The result's `preprocess` is the one `source` applied (None for arrays); its `phases`
+    those of `phases` (a :class:`Phases` that shows and times each one) and these.
 
     `stats` must cover :func:`qdq.activation_tensors_to_calibrate` of the normalized
     `model` (and :func:`trt_ranges.tensors_to_calibrate` for a calibration cache); one
     collection serves every method (the demo compares them all).
     """
     check_options(method, dict(method_params or {}), weight_criterion)
+    phases = phases or Phases(progress=False)
     index = qdq.indexed(model)
-    measured = _choice_samples(index, source) if method == AUTO or \
-        weight_criterion == "local" else []
     chosen: dict = {}
     if method == AUTO:
-        scales, chosen = _auto_scales(index, stats, measured)
+        measured = _choice_samples(index, source)
+        with phases.record("layer calibrators", len(measured), len(AUTO_CANDIDATES) + 1):
+            scales, chosen = _auto_scales(index, stats, measured)
     else:
         scales = calibrate.calibrate(stats, method, **dict(method_params or {}))
     weight_amax, weight_choice = None, {}
     if weight_criterion == "local":
         from quantlab import weights
 
-        choice = weights.choose_weight_amax(index, measured)
+        count = min(sample_count(index.model, source), CHOICE_SAMPLES)
+        with phases.record("weight amax", count):
+            choice = weights.choose_weight_amax(
+                index, phases.shown(index.model, source, "weight amax", CHOICE_SAMPLES))
         weight_amax, weight_choice = choice.amax, {"summary": choice.summary(),
                                                    "tensors": choice.tensors}
     quantized = qdq.quantize_model(index, scales.amax, weight_criterion=_QDQ_CRITERION.get(
         weight_criterion, weight_criterion), weight_amax=weight_amax)
     corrected = {}
     if bias_correction:
-        from quantlab import repairs
-
-        folds = _bias_correction_folds(index, quantized, source)
-        kept = bool(folds) and all(f["output_nsr_with"] < f["output_nsr_without"]
-                                   for f in folds)
-        shifted, report = repairs.bias_correction(index.model, quantized, source)
-        report.summary.update({"kept": kept, "folds": folds})
-        quantized = shifted if kept else quantized
-        corrected = {report.repair: report.to_dict()}
+        quantized, corrected = _corrected_biases(index, quantized, source, phases)
     return CalibrationResult(index.model, quantized, stats, scales, source,
                              preprocess=source.preprocess, repairs=corrected,
                              weight_criterion=weight_criterion, weight_choice=weight_choice,
-                             layer_calibrators=chosen)
+                             layer_calibrators=chosen, phases=phases.records)
 
 
-def _bias_correction_folds(index: graph.Graph, quantized: onnx.ModelProto,
-                           source: BatchSource) -> list[dict]:
-    """Does bias correction hold on data it was not measured on? Two folds: the correction
-    measured on one half of `source`, the output noise without and with it on up to
-    CHOICE_SAMPLES / 2 samples of the other half. Empty when `source` cannot be halved
-    (one sample, or one batch of a fixed-batch model).
+def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: BatchSource,
+                      phases: Phases) -> tuple[onnx.ModelProto, dict]:
+    """Bias correction where it holds on data it was not measured on: `quantized` with its
+    INT8 layers' biases shifted (or as it is) and ``{repair name: report}``.
+
+    Two folds: the shifts measured on each half of `source` (one local pass over all of
+    it, :func:`repairs.bias_shift_folds`, which pools them into the whole data's shifts),
+    and the output noise without and with them on up to CHOICE_SAMPLES / 2 samples of the
+    other half, fewer once the verdict is settled (:func:`_fold_noise`). Kept when both
+    folds lower it; a `source` that cannot be halved (one sample, or one batch of a
+    fixed-batch model) gives no folds and keeps nothing.
 
     Measured on its own data, the correction looks better: on silero-vad with entropy
     scales it lowered the output noise of calibration samples it was measured on by 14 %
@@ -449,60 +523,106 @@ def _bias_correction_folds(index: graph.Graph, quantized: onnx.ModelProto,
     """
     from quantlab import repairs
 
+    source = decision_share(index.model, source, BIAS_SAMPLES)
     fixed = graph.fixed_batch_size(index.model) or 1
     half = source.num_samples // 2 // fixed * fixed
-    if half < 1:
-        return []
-    halves = [source.subset(0, half), source.subset(half, source.num_samples)]
+    halves = ([source.subset(0, half), source.subset(half, source.num_samples)] if half
+              else [source])
+    labels = ("first half", "second half")
+    with phases.record("bias shifts", sample_count(index.model, source)):
+        shifts, pooled, report = repairs.bias_shift_folds(index.model, quantized, [
+            phases.shown(index.model, part, f"bias shifts, {label}")
+            for part, label in zip(halves, labels, strict=False)])
     folds = []
-    for measured_on, scored_on, label in ((0, 1, "first half"), (1, 0, "second half")):
-        shifted, _ = repairs.bias_correction(index.model, quantized, halves[measured_on])
-        samples = _choice_samples(index, halves[scored_on], CHOICE_SAMPLES // 2)
-        without, with_it = _output_nsr(index.model, [quantized, shifted], samples)
-        folds.append({"measured_on": label, "samples_scored": len(samples),
-                      "output_nsr_without": without, "output_nsr_with": with_it})
-    return folds
+    if half:
+        with phases.record("output noise", 0, 3):
+            for measured_on, scored_on in ((0, 1), (1, 0)):
+                shifted = repairs.shift_biases(index, quantized, shifts[measured_on])
+                scored = phases.shown(index.model, halves[scored_on],
+                                      f"output noise, {labels[measured_on]}'s shifts",
+                                      CHOICE_SAMPLES // 2)
+                folds.append({"measured_on": labels[measured_on],
+                              **_fold_noise(index.model, quantized, shifted, scored)})
+        read = sum(f["samples_scored"] for f in folds)
+        phases.records[-1].update(samples=read, model_runs=3 * read)
+    kept = bool(folds) and all(f["output_nsr_with"] < f["output_nsr_without"] for f in folds)
+    report.summary.update({"kept": kept, "folds": folds})
+    shifted = repairs.shift_biases(index, quantized, pooled) if kept else quantized
+    return shifted, {report.repair: report.to_dict()}
 
 
-def _output_nsr(model: onnx.ModelProto, candidates: list[onnx.ModelProto],
-                samples: list[dict]) -> list[float]:
-    """Each candidate Q/DQ model's output noise-to-signal ratio against `model` (FP32):
-    |y - r|^2 / |r|^2 of each float output of a sample (whatever axis holds the sample:
-    one per run), averaged over outputs and `samples`. A mean of per-sample ratios, not
-    the pooled output NSR the planner and validate use (compare.output_nsr): the folds'
-    verdicts in benchmarks/README.md were measured with this one."""
+def _fold_noise(model: onnx.ModelProto, without: onnx.ModelProto, with_it: onnx.ModelProto,
+                samples: Iterable[dict], settled: bool = True) -> dict:
+    """One fold's output noise without and with the shifts (:func:`output_nsr`, means over
+    the samples scored) and how many were scored: all of `samples`, or with `settled`
+    fewer once the verdict's sign is (FOLD_MIN_SAMPLES, FOLD_SETTLED_SE)."""
+    ratios = []
+    for pair in output_nsr(model, [without, with_it], samples):
+        ratios.append(pair)
+        difference = np.diff(np.array(ratios), axis=1)[:, 0]
+        if settled and len(ratios) >= FOLD_MIN_SAMPLES and abs(difference.mean()) > \
+                FOLD_SETTLED_SE * difference.std(ddof=1) / np.sqrt(len(ratios)):
+            break
+    found = np.mean(ratios, axis=0)
+    return {"samples_scored": len(ratios), "output_nsr_without": float(found[0]),
+            "output_nsr_with": float(found[1])}
+
+
+def output_nsr(model: onnx.ModelProto, candidates: list[onnx.ModelProto],
+               samples: Iterable[dict]) -> Iterator[list[float]]:
+    """Per sample, each candidate Q/DQ model's output noise-to-signal ratio against `model`
+    (FP32): |y - r|^2 / |r|^2 of each float output (whatever axis holds the sample: one
+    per run), averaged over the outputs. A mean of per-sample ratios, not the pooled
+    output NSR the planner and validate use (compare.output_nsr): the folds' verdicts in
+    benchmarks/README.md were measured with this one."""
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
     fp32 = OnnxRuntimeBackend(model, name="fp32")
-    references = [fp32.run(sample) for sample in samples]
-    result = []
-    for candidate in candidates:
-        backend = OnnxRuntimeBackend(candidate, name="int8")
-        ratios = []
-        for sample, reference in zip(samples, references, strict=True):
-            outputs = backend.run(sample)
-            for name, want in reference.items():
-                if np.issubdtype(want.dtype, np.floating):
-                    want = want.astype(np.float64)
-                    ratios.append(np.sum((outputs[name] - want) ** 2) /
-                                  max(float(np.sum(want ** 2)), np.finfo(np.float64).tiny))
-        result.append(float(np.mean(ratios)))
-    return result
+    backends = [OnnxRuntimeBackend(candidate, name="int8") for candidate in candidates]
+    for sample in samples:
+        reference = {name: want.astype(np.float64) for name, want in fp32.run(sample).items()
+                     if np.issubdtype(want.dtype, np.floating)}
+        yield [float(np.mean([
+            np.sum((outputs[name] - want) ** 2) /
+            max(float(np.sum(want ** 2)), np.finfo(np.float64).tiny)
+            for name, want in reference.items()])) for outputs in (
+                backend.run(sample) for backend in backends)]
+
+
+def decision_share(model: onnx.ModelProto, source: BatchSource, limit: int) -> BatchSource:
+    """The first `limit` samples of `source` (whole batches of a fixed-batch model)."""
+    fixed = graph.fixed_batch_size(model) or 1
+    return source.subset(0, min(source.num_samples, max(limit // fixed, 1) * fixed))
+
+
+def sample_count(model: onnx.ModelProto, source: BatchSource) -> int:
+    """How many items :func:`samples` yields from all of `source`: its samples, or its
+    batches for a model of fixed batch size."""
+    return len(source) if graph.fixed_batch_size(model) is not None else source.num_samples
+
+
+def samples(model: onnx.ModelProto, source: BatchSource, limit: int | None = None
+            ) -> Iterator[dict]:
+    """Up to `limit` samples of `source`, one batch each (a fixed-batch model's batches
+    whole), read batch by batch."""
+    fixed = graph.fixed_batch_size(model) is not None
+    limit = source.num_samples if limit is None else limit
+    count = 0
+    for batch in source:
+        parts = [batch] if fixed else (source.slice(batch, i, i + 1)
+                                       for i in range(source.length(batch)))
+        for part in parts:
+            if count >= limit:
+                return
+            count += 1
+            yield part
 
 
 def _choice_samples(index: graph.Graph, source: BatchSource,
                     limit: int = CHOICE_SAMPLES) -> list[dict]:
     """Up to `limit` samples of `source`, one batch each (a fixed-batch model's batches
     whole): what the per-layer choices measure on."""
-    fixed = graph.fixed_batch_size(index.model) is not None
-    samples: list[dict] = []
-    for batch in source:
-        parts = [batch] if fixed else [source.slice(batch, i, i + 1)
-                                       for i in range(source.length(batch))]
-        samples.extend(parts[:max(0, limit - len(samples))])
-        if len(samples) >= limit:
-            break
-    return samples
+    return list(samples(index.model, source, limit))
 
 
 def _auto_scales(index: graph.Graph, stats: collect.Statistics, samples: list[dict],
@@ -598,6 +718,9 @@ def write_results(
                 # method "auto": the candidates, the samples the choice measured, and per
                 # layer (unit, named by its first linear op) the candidate whose amax it took.
                 "layer_calibrators": result.layer_calibrators,
+                # Each phase in order: seconds, samples read, model runs (forward passes:
+                # one per sample and graph, whole model or cut-out).
+                "phases": result.phases,
             },
         )
     result.folder = Path(out)

@@ -70,8 +70,11 @@ class LogLines:
         now = time.monotonic()
         if tenth > self.tenth and now - self.last >= LINE_SECONDS:
             self.tenth, self.last = tenth, now
+            elapsed = now - self.started
+            left = elapsed * max(self.total - self.count, 0) / self.count
             self._write(f"{self.desc}: {self.count}/{self.total} {self.unit} "
-                        f"({self.count / self.total:.0%}, {now - self.started:.0f} s)"
+                        f"({self.count / self.total:.0%}, {elapsed:.0f} s, about {left:.0f} s "
+                        "left)"
                         + (f", {self.postfix}" if self.postfix else ""))
 
     def set_postfix_str(self, text: str) -> None:

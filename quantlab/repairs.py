@@ -576,8 +576,8 @@ def bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     corrected copy and the report (per op: max |mean error| per round, largest
     correction).
     """
-    corrected, report, _ = _bias_correction(fp32_model, qdq_model, batches, mode, rounds,
-                                            run_bytes)
+    corrected, report, _, _ = _bias_correction(fp32_model, qdq_model, batches, mode, rounds,
+                                               run_bytes)
     return corrected, report
 
 
@@ -592,8 +592,32 @@ def bias_shifts(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     model and applies it to the INT8 ops of any plan (:func:`shift_biases`).
     Returns node -> shift (added to the op's output, -mean error) and the report.
     """
-    _, report, shifts = _bias_correction(fp32_model, qdq_model, batches, "local", 1, run_bytes)
+    _, report, shifts, _ = _bias_correction(fp32_model, qdq_model, batches, "local", 1,
+                                            run_bytes)
     return shifts, report
+
+
+def bias_shift_folds(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
+                     parts: Sequence[Iterable[Mapping[str, np.ndarray]]],
+                     run_bytes: int = RUN_BYTES,
+                     ) -> tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray], RepairReport]:
+    """:func:`bias_shifts` measured on each of `parts` (disjoint shares of the data), and the
+    shifts of all of them together with its report, as :func:`bias_correction` gives them.
+
+    Local bias correction's shift is a per-channel mean, so the shifts of the whole data
+    are the parts' means weighted by the elements each counted: one local pass over the
+    data in all, where measuring the parts and then the whole took two.
+    """
+    measured = [_bias_correction(fp32_model, qdq_model, part, "local", 1, run_bytes)
+                for part in parts]
+    counts = [m[3] for m in measured]
+    pooled = {node: sum(m[2][node] * c[node] for m, c in zip(measured, counts, strict=True))
+                    / max(sum(c[node] for c in counts), 1.0) for node in measured[0][2]}
+    report = measured[0][1]
+    for entry in report.applied:
+        largest = float(np.abs(pooled[entry["node"]]).max())
+        entry.update({"mean_error_max_per_round": [largest], "correction_max": largest})
+    return [m[2] for m in measured], pooled, report
 
 
 def shift_biases(fp32_model: onnx.ModelProto | Graph, qdq_model: onnx.ModelProto,
@@ -616,8 +640,9 @@ def shift_biases(fp32_model: onnx.ModelProto | Graph, qdq_model: onnx.ModelProto
 def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
                      batches: Iterable[Mapping[str, np.ndarray]], mode: str, rounds: int,
                      run_bytes: int) -> tuple[onnx.ModelProto, RepairReport,
-                                              dict[str, np.ndarray]]:
-    """bias_correction, also returning each op's total output shift (node -> per channel)."""
+                                              dict[str, np.ndarray], dict[str, float]]:
+    """bias_correction, also returning each op's total output shift (node -> per channel)
+    and, local mode, the elements per channel its mean error was taken over."""
     if mode not in BIAS_CORRECTION_MODES:
         raise ConfigError(f"mode '{mode}' is not one of {', '.join(BIAS_CORRECTION_MODES)}.")
     if not isinstance(rounds, int) or rounds < 1:
@@ -644,7 +669,7 @@ def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
                                    "out for a local measurement"})
         targets = [t for t in targets if t.measured in cut]
     if not targets:
-        return _copy(qdq_model), report, {}
+        return _copy(qdq_model), report, {}, {}
     weights.write()
     errors: dict[str, list[float]] = {t.node: [] for t in targets}
     corrections = {t.node: np.zeros(t.channels) for t in targets}
@@ -657,8 +682,11 @@ def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
             weights.values[t.bias] = weights.get(t.bias) - error / t.gain
         weights.write()
 
+    counts: dict[str, float] = {}
     if local is not None:
-        apply(_local_mean_errors(reference, local, cut, targets, batches, run_bytes))
+        mean_errors, counts = _local_mean_errors(reference, local, cut, targets, batches,
+                                                 run_bytes)
+        apply(mean_errors)
     else:
         fp32 = OnnxRuntimeBackend(fp32_model, name="fp32")
         names = [t.output for t in targets]
@@ -689,13 +717,14 @@ def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
         })
     report.passes = 2 if local is not None else 1 + rounds
     report.summary.update({"mode": mode, "rounds": rounds})
-    return result, report, corrections
+    return result, report, corrections, counts
 
 
 def _local_mean_errors(reference: Graph, local, cut: Mapping[str, str],
                        targets: Sequence[_Target], batches: Iterable[Mapping[str, np.ndarray]],
-                       run_bytes: int) -> dict[str, np.ndarray]:
-    """Each target's mean error per output channel, its op quantized on FP32 inputs: one
+                       run_bytes: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """Each target's mean error per output channel, its op quantized on FP32 inputs, and
+    the elements per channel the mean is over: one
     pass of the FP32 model with the local copies attached and the errors summed in it
     (:func:`quantlab.sensitivity.error_channel_sums`), so only per-channel sums leave ONNX
     Runtime (returning every op's FP32 inputs and local outputs of one 640 px sample held
@@ -710,8 +739,9 @@ def _local_mean_errors(reference: Graph, local, cut: Mapping[str, str],
     for run in _runs(batches, reference, None, run_bytes):
         for name, value in backend.run(run).items():
             totals[name] = totals[name] + np.asarray(value, np.float64)
-    return {t.node: totals[sums[cut[t.measured]][0]] /
-            max(float(totals[sums[cut[t.measured]][1]]) / t.channels, 1.0) for t in targets}
+    counts = {t.node: float(totals[sums[cut[t.measured]][1]]) / t.channels for t in targets}
+    return {t.node: totals[sums[cut[t.measured]][0]] / max(counts[t.node], 1.0)
+            for t in targets}, counts
 
 
 # ------------------------------------------------------------------------ SmoothQuant

@@ -174,7 +174,7 @@ def test_default_run_records_every_choice_and_auto_chooses_per_layer(tmp_path):
 
     default = pipeline.run_calibration(small_model(), DATA, tmp_path / "default",
                                        progress=False)
-    record = read_json(tmp_path / "default" / "calibration.json")
+    record = record_default = read_json(tmp_path / "default" / "calibration.json")
     assert record["method"] == choices.DEFAULT_CALIBRATE_METHOD == "mse"
     assert record["weight_amax"] == "local" and record["layer_calibrators"] == {}
     assert "bias_correction" in record["repairs"]
@@ -197,9 +197,17 @@ def test_default_run_records_every_choice_and_auto_chooses_per_layer(tmp_path):
     # Kept only if, measured on either half of the data, it lowers the noise on the other.
     folds = corrected["summary"]["folds"]
     assert [f["measured_on"] for f in folds] == ["first half", "second half"]
-    assert [f["samples_scored"] for f in folds] == [len(DATA) // 2] * 2
+    assert all(pipeline.FOLD_MIN_SAMPLES <= f["samples_scored"] <= len(DATA) // 2
+               for f in folds)
     assert corrected["summary"]["kept"] == all(
         f["output_nsr_with"] < f["output_nsr_without"] for f in folds)
+    # Every phase recorded, in order, with what it read.
+    phases = {p["phase"]: p for p in record_default["phases"]}
+    assert list(phases) == ["channel ranges", "statistics", "weight amax", "bias shifts",
+                            "output noise"]
+    assert phases["statistics"]["samples"] == phases["bias shifts"]["samples"] == len(DATA)
+    assert phases["output noise"]["model_runs"] == 3 * phases["output noise"]["samples"]
+    assert all(p["seconds"] >= 0 for p in phases.values())
     # Each layer's amax is the one of the candidate it chose.
     stats = collect.Statistics.load(tmp_path / "auto" / "stats.npz")
     source = {label: calibrate.calibrate(stats, name, **params).amax
@@ -222,20 +230,43 @@ def test_default_run_records_every_choice_and_auto_chooses_per_layer(tmp_path):
                                  method_params={"percentile": 99.9}, progress=False)
 
 
+def test_a_settled_fold_verdict_is_the_verdict_of_all_its_samples():
+    """The keep/drop test stops scoring a fold once its verdict is settled; scored on every
+    sample of the other half, each fold reaches the same verdict (the mean noise of the
+    samples it stopped at is their own mean: checked against the per-sample ratios)."""
+    from quantlab import qdq, repairs
+
+    model = graph.normalize(small_model())
+    data = np.random.default_rng(5).standard_normal((48, 3, 8, 8)).astype(np.float32)
+    quantized = qdq.quantize_model(model, {"input": 4.0, "relu": 3.0}, weight_criterion="max")
+    halves = [[{"input": data[:24]}], [{"input": data[24:]}]]
+    shifts, _, _ = repairs.bias_shift_folds(model, quantized, halves)
+    for measured_on, scored_on in ((0, 1), (1, 0)):
+        shifted = repairs.shift_biases(model, quantized, shifts[measured_on])
+        samples = [{"input": x[None]} for x in data[24 * scored_on:24 * (scored_on + 1)]]
+        every = pipeline._fold_noise(model, quantized, shifted, samples, settled=False)
+        settled = pipeline._fold_noise(model, quantized, shifted, samples)
+        assert every["samples_scored"] == 24
+        assert pipeline.FOLD_MIN_SAMPLES <= settled["samples_scored"] <= 24
+        assert (settled["output_nsr_with"] < settled["output_nsr_without"]) == \
+            (every["output_nsr_with"] < every["output_nsr_without"])
+        ratios = np.array(list(pipeline.output_nsr(model, [quantized, shifted],
+                                                   samples[:settled["samples_scored"]])))
+        np.testing.assert_allclose([settled["output_nsr_without"], settled["output_nsr_with"]],
+                                   ratios.mean(axis=0), rtol=1e-12)
+
+
 def test_a_bias_correction_that_raises_the_output_noise_is_left_out(tmp_path, monkeypatch):
     from quantlab import repairs
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
-    def harmful(fp32_model, qdq_model, batches):  # every bias shifted by 10: far worse
-        shifted, report = real(fp32_model, qdq_model, batches)
-        for init in shifted.graph.initializer:
-            if init.name.endswith("_bias"):
-                init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) + 10,
-                                                      init.name))
-        return shifted, report
+    def harmful(fp32_model, qdq_model, parts):  # every output shifted by 10: far worse
+        shifts, pooled, report = real(fp32_model, qdq_model, parts)
+        return ([{node: s + 10 for node, s in part.items()} for part in shifts],
+                {node: s + 10 for node, s in pooled.items()}, report)
 
-    real = repairs.bias_correction
-    monkeypatch.setattr(repairs, "bias_correction", harmful)
+    real = repairs.bias_shift_folds
+    monkeypatch.setattr(repairs, "bias_shift_folds", harmful)
     result = pipeline.run_calibration(small_model(), DATA, tmp_path / "run", progress=False)
     summary = result.repairs["bias_correction"]["summary"]
     assert not summary["kept"] and all(f["output_nsr_with"] > f["output_nsr_without"]
@@ -345,3 +376,31 @@ def test_zoo_export_is_cached_under_a_key_of_its_weights(tmp_path, monkeypatch):
     other = pipeline.export_zoo_model("digits-cnn")
     assert len(exports) == 3 and other.SerializeToString() != fresh.SerializeToString()
     assert len(list((tmp_path / "cache" / "zoo").glob("digits-cnn-*.onnx"))) == 2
+
+
+def test_a_phase_shows_its_samples_and_ends_when_its_reader_stops(monkeypatch, capsys):
+    """Phases.shown yields the first samples one at a time with a progress line per phase;
+    a reader that stops early (a settled fold) still gets the phase's end line."""
+    import sys
+
+    from quantlab import progress
+    from quantlab.data import open_data
+
+    monkeypatch.setattr(progress, "LINE_SECONDS", 0.0)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    model = graph.normalize(small_model())
+    source = open_data(DATA, graph.input_specs(model), 5)
+    phases = pipeline.Phases()
+    with phases.record("weight amax", 6, 2):
+        read = list(phases.shown(model, source, "weight amax", 6))
+    np.testing.assert_array_equal(np.concatenate([s["input"] for s in read]), DATA[:6])
+    shown = phases.shown(model, source, "output noise")
+    for _ in range(3):
+        next(shown)
+    shown.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "calibrate: weight amax: started, 6 sample"
+    assert f"calibrate: output noise: started, {len(DATA)} sample" in lines
+    assert lines[-1].startswith("calibrate: output noise: done, 3 sample in ")
+    assert phases.records == [{"phase": "weight amax", "seconds": phases.records[0]["seconds"],
+                               "samples": 6, "model_runs": 12}]

@@ -43,11 +43,21 @@ def test_log_lines_are_rate_limited_and_silent_when_disabled(monkeypatch, capsys
     with progress_bar(total=4, desc="validate", unit="sample") as bar:
         bar.set_postfix_str("batch 3/4")
         bar.update(3)
-    assert capsys.readouterr().err.splitlines()[1].endswith("s), batch 3/4")
+    assert capsys.readouterr().err.splitlines()[1].endswith(" s left), batch 3/4")
     with progress_bar(total=10, desc="quiet", enabled=False) as bar:
         bar.update(10)
     list(progress_bar(range(3), desc="quiet", enabled=False))
     assert capsys.readouterr().err == ""
+
+
+def test_log_lines_say_the_time_left_at_the_rate_so_far(monkeypatch, capsys):
+    clock = iter([100.0, 112.0])  # start; 3 of 4 done 12 s later: 4 s per item, 1 left
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    with progress_bar(total=4, desc="calibrate: bias shifts", unit="sample") as bar:
+        bar.update(3)
+        line = capsys.readouterr().err.splitlines()[1]
+        assert line == "calibrate: bias shifts: 3/4 sample (75%, 12 s, about 4 s left)"
+        monkeypatch.setattr(progress.time, "monotonic", lambda: 113.0)
 
 
 def test_an_interrupted_phase_writes_no_done_line(capsys):

@@ -293,6 +293,41 @@ def test_bias_correction_shrinks_the_error_of_a_two_layer_net_and_matmul_gets_a_
         assert now < 0.5 * was, (name, was, now)
 
 
+def test_bias_shift_folds_pool_into_the_whole_datas_shifts():
+    """Each part's shifts are bias_shifts on that part, and the pooled ones bias_shifts on
+    all of it (parts of unequal size: their means weighted by what each counted), up to
+    float64 rounding; the corrected model equals bias_correction's up to float32 rounding."""
+    w1 = RNG.standard_normal((12, 8)).astype(np.float32)
+    w2 = (RNG.standard_normal((12, 5)) * 0.3).astype(np.float32)
+    model = make_model([
+        helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2"),
+    ], [("x", [None, 8])], ["y"], {"w1": w1, "b1": RNG.standard_normal(12).astype(np.float32),
+                                   "w2": w2})
+    x = (RNG.standard_normal((70, 8)) + 0.5).astype(np.float32)
+    quantized = qdq.quantize_model(model, {"x": float(np.abs(x).max()), "r": 3.0})
+    parts = [[{"x": x[:10]}, {"x": x[10:25]}], [{"x": x[25:]}]]
+    shifts, pooled, report = repairs.bias_shift_folds(model, quantized, parts)
+    for part, found in zip(parts, shifts, strict=True):
+        expected, _ = repairs.bias_shifts(model, quantized, part)
+        assert found.keys() == expected.keys() == {"fc1", "fc2"}
+        for node in expected:
+            np.testing.assert_allclose(found[node], expected[node], rtol=1e-12, atol=0)
+    whole, whole_report = repairs.bias_shifts(model, quantized, [{"x": x}])
+    for node in whole:
+        np.testing.assert_allclose(pooled[node], whole[node], rtol=1e-9, atol=1e-12)
+        assert not np.allclose(shifts[0][node], whole[node])  # the weighting matters
+    corrected, corrected_report = repairs.bias_correction(model, quantized, [{"x": x}])
+    applied = repairs.shift_biases(model, quantized, pooled)
+    for name, value in weights_of(corrected).items():
+        np.testing.assert_allclose(weights_of(applied)[name], value, rtol=1e-6, atol=1e-7)
+    for mine, theirs in zip(report.applied, corrected_report.applied, strict=True):
+        assert mine.keys() == theirs.keys() and mine["node"] == theirs["node"]
+        np.testing.assert_allclose(mine["correction_max"], theirs["correction_max"], rtol=1e-6)
+    assert report.passes == whole_report.passes == 2
+
+
 def test_bias_correction_bad_input():
     w = RNG.standard_normal((6, 10)).astype(np.float32)
     model = gemm_model(w, np.zeros(6, np.float32))

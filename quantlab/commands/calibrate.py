@@ -159,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"equalized {len(equalized['applied'])} of "
               f"{len(equalized['applied']) + len(equalized['skipped'])} depthwise/1x1-conv inputs "
               "(calibration.json lists each, with the reason for those left alone)")
+    print("phases: " + "; ".join(
+        f"{p['phase']} {p['seconds']:.1f} s ({p['samples']} samples, {p['model_runs']} runs)"
+        for p in result.phases))
     print(
         f"calibrated {len(result.scales.amax)} tensors on {result.stats.num_samples} samples "
         f"({args.method}, weight amax {args.weight_amax}); wrote {result.folder}/: "

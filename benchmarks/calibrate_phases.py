@@ -1,0 +1,119 @@
+"""`quantlab calibrate`'s defaults phase by phase, its held-out output SQNR, and ORT MinMax.
+
+One configuration per process, so ``farm-bench --vs`` can pair them:
+
+    python benchmarks/calibrate_phases.py quantlab MODEL CALIB.npy VAL.npy [--root TREE]
+    python benchmarks/calibrate_phases.py ort MODEL CALIB.npy
+
+``quantlab`` runs ``pipeline.run_calibration`` with the defaults of the tree `--root`
+(default: this one; an older tree records no phases, and is timed as a whole) and prints
+one JSON line: wall seconds, each phase's seconds / samples / model runs, and the output
+SQNR (dB, float64, pooled over VAL's samples; the worst output) of its Q/DQ model against
+the FP32 model it normalized. ``ort`` runs ``quantize_static`` MinMax configured as
+benchmarks/default_method.py does (QDQ, symmetric int8, per-channel) and prints its wall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def sqnr_db(reference: np.ndarray, test: np.ndarray) -> float:
+    """10 log10(|r|^2 / |t - r|^2), float64."""
+    reference = reference.astype(np.float64)
+    noise = float(np.sum((test.astype(np.float64) - reference) ** 2))
+    return float(10 * np.log10(float(np.sum(reference ** 2)) / max(noise, 1e-300)))
+
+
+def run_quantlab(model: str, calib: str, val: str, root: Path) -> dict:
+    """Calibrate with the tree's defaults; time it, read its phases, score it held out."""
+    sys.path.insert(0, str(root))
+    import onnxruntime as ort
+
+    from quantlab import pipeline
+
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        result = pipeline.run_calibration(model, calib, Path(out) / "run", progress=False)
+        wall = time.perf_counter() - start
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.qdqisint8allowed", "1")
+    sessions = [ort.InferenceSession(m.SerializeToString(), options,
+                                     providers=["CPUExecutionProvider"])
+                for m in (result.model, result.qdq_model)]
+    name = sessions[0].get_inputs()[0].name
+    pairs: dict[int, list] = {}
+    for sample in np.load(val):
+        fp32, int8 = (s.run(None, {name: sample[None]}) for s in sessions)
+        for k, (r, t) in enumerate(zip(fp32, int8, strict=True)):
+            pairs.setdefault(k, []).append((r, t))
+    worst = min(sqnr_db(np.concatenate([r.ravel() for r, _ in v]),
+                        np.concatenate([t.ravel() for _, t in v])) for v in pairs.values())
+    summary = result.repairs.get("bias_correction", {}).get("summary", {})
+    return {"tree": str(root), "wall_s": round(wall, 1), "sqnr_db": round(worst, 3),
+            "phases": getattr(result, "phases", None), "bias_kept": summary.get("kept"),
+            "folds": summary.get("folds")}
+
+
+def run_ort(model: str, calib: str) -> dict:
+    """quantize_static MinMax on `model` (as default_method.py's child_ort), timed."""
+    import onnx
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    data = np.load(calib)
+    name = onnx.load(model).graph.input[0].name
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.samples = iter(data)
+
+        def get_next(self):
+            sample = next(self.samples, None)
+            return None if sample is None else {name: sample[None]}
+
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        quantize_static(model, str(Path(out) / "ort.int8.onnx"), Reader(),
+                        quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                        calibrate_method=CalibrationMethod.MinMax,
+                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+        return {"tool": "ort-MinMax", "wall_s": round(time.perf_counter() - start, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments, run one configuration, print its JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="tool", required=True)
+    mine = sub.add_parser("quantlab")
+    mine.add_argument("model")
+    mine.add_argument("calib")
+    mine.add_argument("val")
+    mine.add_argument("--root", type=Path, default=ROOT, help="the quantlab tree to measure")
+    theirs = sub.add_parser("ort")
+    theirs.add_argument("model")
+    theirs.add_argument("calib")
+    args = parser.parse_args(argv)
+    found = (run_quantlab(args.model, args.calib, args.val, args.root)
+             if args.tool == "quantlab" else run_ort(args.model, args.calib))
+    print(json.dumps(found))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
