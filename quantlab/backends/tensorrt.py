@@ -339,6 +339,12 @@ def explicit_pins(model: onnx.ModelProto) -> LayerPins:
     return LayerPins(precisions, dict(precisions))
 
 
+def explicit_build_pins(model: onnx.ModelProto) -> LayerPins | None:
+    """The pins of a weakly typed build of the Q/DQ `model` (:func:`explicit_pins`) where it
+    has float16 parts, else None (INT8 on, no FP16: nothing to pin)."""
+    return explicit_pins(model) if has_float16(model) else None
+
+
 def has_float16(model: onnx.ModelProto) -> bool:
     """Whether the Q/DQ `model` has fp16 nodes (Cast to float16 or float16 weights): a weakly
     typed build runs them in FP16 only with BuilderFlag.FP16."""

@@ -131,9 +131,8 @@ def run(args: argparse.Namespace) -> int:
         header, scales = cache.read_calibration_cache(folder / "calibration.cache")
         cache_name = ("calibration.cache" if header.algorithm == "EntropyCalibration2"
                       else TRTEXEC_CACHE)
-    qdq_pins = (trt_backend.explicit_pins(int8_model) if trt_backend.has_float16(int8_model)
-                else None)
-    text = trtexec.trtexec_text(pins, profile, cache_name, header and str(header), qdq_pins)
+    text = trtexec.trtexec_text(pins, profile, cache_name, header and str(header),
+                                trt_backend.explicit_build_pins(int8_model))
     # trtexec.txt is derived from the folder and the plan: rewriting it unchanged is no loss,
     # replacing different lines needs --force like every other result.
     target = folder / TRTEXEC_FILE

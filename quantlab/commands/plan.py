@@ -554,7 +554,7 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             header, _ = cache.read_calibration_cache(folder / cache_name)
         write_text(folder / "trtexec.txt", trtexec.trtexec_text(
             trt_backend.implicit_pins(result.model, result.plan.node_precisions()), profile,
-            cache_name, header and str(header), trt_backend.has_float16(result.qdq_model)))
+            cache_name, header and str(header), trt_backend.explicit_build_pins(result.qdq_model)))
         # Titled with the user's model, not a calibration folder's normalized copy of it.
         model_file = graph.source_model(model) or args.model
         steps = next_steps(result, args.out, UNCERTIFIED)

@@ -321,8 +321,9 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
     it. Where the aim falls outside the bracket, the guess bisects it by INT8 share: one
     step down the front at a time spent 3 of 8 evaluations on the layout detector's plans
     of 51.5 %, 48.4 % and 48.2 % INT8, each scoring the limit (98.0 of a 2-point AP50
-    budget, uncertifiable on 16 pages), with 30.3 % certified below them. The aim is the largest shortfall that can still be certified, the budget
-    less the fitted evaluation's spread (:func:`_certifiable_drop`; for a floor, the
+    budget, uncertifiable on 16 pages), with 30.3 % certified below them. The aim is the
+    largest shortfall that can still be certified, the budget less the fitted evaluation's
+    spread (:func:`_certifiable_drop`; for a floor, the
     floor raised by the spread in dB), where that evaluation was near the budget: inside
     it, or a plan the search aimed at it. Only all-INT8's spread, measured wherever
     all-INT8 falls, is not used: the first aim is the budget itself. On the layout
