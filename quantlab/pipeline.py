@@ -102,11 +102,36 @@ def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto
     if isinstance(model, onnx.ModelProto):
         return graph.normalize(model)
     if Path(model).exists():
-        return graph.record_source(graph.load_model(model), str(Path(model).resolve()))
+        loaded = graph.load_model(model)
+        return graph.record_source(loaded, str(Path(model).resolve()), _file_digest(model))
     # Only a name that is not a file may be a zoo model (importing the zoo imports torch).
     if str(model) in ZOO_NAMES:
-        return graph.record_source(export_zoo_model(str(model)), str(model))
+        return graph.record_source(export_zoo_model(str(model)), str(model),
+                                   model_digest(str(model)))
     return graph.load_model(model)
+
+
+def model_digest(model: str | os.PathLike) -> str:
+    """The content digest of a model file or zoo name, as :func:`resolve_model` records it:
+    a quantlab copy (a folder's model.onnx) keeps its first model's digest, so a folder and
+    the model it was made from compare equal. Cheap: no export, no normalization."""
+    if not Path(model).exists() and str(model) in ZOO_NAMES:
+        from quantlab import zoo
+
+        return _zoo_export_key(zoo.get(str(model)))
+    recorded = graph.source_digest(onnx.load(str(model), load_external_data=False))
+    return recorded or _file_digest(model)
+
+
+def _file_digest(path: str | os.PathLike) -> str:
+    """sha256 (16 hex digits) of a file's bytes."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def prepare_model(

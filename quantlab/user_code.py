@@ -19,3 +19,27 @@ def import_module(name: str) -> ModuleType:
     if here not in sys.path:
         sys.path.insert(0, here)
     return importlib.import_module(name)
+
+
+class UserExit(Exception):
+    """The user's function called sys.exit(): caught with its other exceptions, so a metric
+    that exits fails the command instead of ending it with the status it chose."""
+
+
+def call(function, *args):
+    """``function(*args)`` for the user's code: a SystemExit it raises comes out as UserExit
+    (an Exception), so the caller's ``except Exception`` reports it as the function failing."""
+    try:
+        return function(*args)
+    except SystemExit as exc:
+        raise UserExit(f"it called sys.exit({exc.code!r})") from None
+
+
+def as_number(value) -> float:
+    """`value` as a float; TypeError for a bool (True is not a score of 1.0) or a non-number."""
+    import numpy as np
+
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, np.ndarray)
+                                               and value.dtype == bool):
+        raise TypeError("a bool is not a number")
+    return float(value)

@@ -132,7 +132,11 @@ def run(args: argparse.Namespace) -> int:
         cache_name = ("calibration.cache" if header.algorithm == "EntropyCalibration2"
                       else TRTEXEC_CACHE)
     qdq_fp16 = trt_backend.has_float16(int8_model)
-    text = trtexec.trtexec_text(pins, profile, cache_name, header and str(header), qdq_fp16)
+    # The comment names the header of the cache trtexec reads (cache_name): EntropyCalibration2
+    # either way, relabelled for TRTEXEC_CACHE, as plan writes it.
+    trtexec_header = header and header._replace(algorithm="EntropyCalibration2")
+    text = trtexec.trtexec_text(pins, profile, cache_name, trtexec_header and str(trtexec_header),
+                                qdq_fp16)
     # trtexec.txt is derived from the folder and the plan: rewriting it unchanged is no loss,
     # replacing different lines needs --force like every other result.
     target = folder / TRTEXEC_FILE

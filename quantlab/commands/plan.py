@@ -284,6 +284,8 @@ def _prepared(args, recorded):
                         "--data to collect statistics here.")
             options[key] = {**recorded[field], **options[key]}
     model = prepare_model(source, None if data == "zoo" else data, **options)
+    if recorded is not None:
+        check_same_model(model, args.model, f"--data {args.data}")
     frozen = graph.frozen_inputs(model)
     for name, value in scalar_arrays(args.eval).items():
         if name in frozen and not np.array_equal(value, frozen[name]):
@@ -291,6 +293,21 @@ def _prepared(args, recorded):
                             f"calibrated with input '{name}' frozen to {frozen[name]}; plan on "
                             f"evaluation data of the same {name}.")
     return model
+
+
+def check_same_model(model, given: str, where: str) -> None:
+    """ConfigError unless `model` (a folder's model.onnx) was made from the model `given`
+    (file or zoo name), compared by content digest (pipeline.model_digest)."""
+    from quantlab import graph
+    from quantlab.errors import ConfigError
+    from quantlab.pipeline import model_digest
+
+    if graph.source_digest(model) != model_digest(given):
+        raise ConfigError(
+            f"{where} holds another model than {given}: it was made from "
+            f"{graph.source_model(model) or 'a model of unknown origin'} (content digest "
+            f"{graph.source_digest(model) or 'not recorded'}, {given}'s is "
+            f"{model_digest(given)}). Pass that folder's model, or calibration data of {given}.")
 
 
 def _needed_tensors(model, implicit: bool) -> list[str]:

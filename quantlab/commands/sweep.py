@@ -45,7 +45,15 @@ from __future__ import annotations
 
 import argparse
 
-from quantlab.commands.options import DATA_HELP, add_data_arguments, add_metric_argument
+from quantlab.commands.options import (
+    DATA_HELP,
+    Number,
+    add_data_arguments,
+    add_metric_argument,
+    open_share,
+    percentile,
+    positive_int,
+)
 
 HELP = "sweep calibrators x parameters x calibration sizes in one pass; data sufficiency"
 EPILOG = DATA_HELP
@@ -69,16 +77,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
                         help=f"calibrators (default: all of {', '.join(METHODS)})")
     # Defaults of quantlab.sweep, filled in by run (the parser does not import NumPy).
-    parser.add_argument("--percentiles", nargs="+", type=float, metavar="P",
+    parser.add_argument("--percentiles", nargs="+", type=percentile, metavar="P",
                         help="percentiles of the percentile calibrator (default: 99.9 99.99 "
                              "99.999)")
-    parser.add_argument("--calib-sizes", nargs="+", type=int, metavar="N",
+    parser.add_argument("--calib-sizes", nargs="+", type=Number(int, 2), metavar="N",
                         help="calibration-set sizes, nested prefixes of --data (default: 16, 32, "
                              "64, ... and all the data)")
-    parser.add_argument("--tolerance", type=float, metavar="SHARE",
+    parser.add_argument("--tolerance", type=open_share, metavar="SHARE",
                         help="an amax moving by less than this share from n/2 to n samples has "
                              "converged (default: 0.02)")
-    parser.add_argument("--resamples", type=int, default=200, metavar="B",
+    parser.add_argument("--resamples", type=positive_int, default=200, metavar="B",
                         help="paired bootstrap resamples (default: %(default)s)")
     parser.add_argument("--no-equalize", action="store_true",
                         help="do not equalize depthwise-conv inputs first (by default the model "
@@ -113,8 +121,6 @@ def run(args: argparse.Namespace) -> int:
     tolerance = sweep.TOLERANCE if args.tolerance is None else args.tolerance
     for method in args.methods:
         calibrate.check_method(method, {})
-    if not 0 < tolerance < 1:
-        raise ConfigError(f"--tolerance {tolerance}: give a share in (0, 1), e.g. 0.02.")
     check_metric(args.metric, args.eval == "zoo",
                  "with a zoo model, pass --eval zoo (its held-out split)", args.model)
     recorded = _recorded(args)

@@ -11,7 +11,7 @@ import numpy as np
 from quantlab.compare import output_sqnr_db
 from quantlab.errors import ConfigError, DataError
 from quantlab.planner.measure import joined_energies, sample_energies
-from quantlab.user_code import import_module
+from quantlab.user_code import as_number, call, import_module
 
 Outputs = list[dict[str, np.ndarray]]
 # A user metric's resampler must give the metric's own value on all samples to this
@@ -124,7 +124,7 @@ def metric_value(metric: Callable, name: str, outputs: Outputs, references: Outp
     SQNR +inf, which certified any plan).
     """
     try:
-        value = metric(outputs, references)
+        value = call(metric, outputs, references)
     except Exception as exc:  # the user's code: any exception is the metric failing
         raise DataError(
             f"metric '{name}' failed on {where}: {type(exc).__name__}: {exc}. It is called "
@@ -132,7 +132,7 @@ def metric_value(metric: Callable, name: str, outputs: Outputs, references: Outp
             "per batch, samples on axis 0) and must return a number, higher is better."
         ) from None
     try:
-        value = float(value)
+        value = as_number(value)
     except (TypeError, ValueError):
         raise DataError(f"metric '{name}' returned {value!r} on {where}; it must return a "
                         "number (higher is better).") from None
@@ -291,13 +291,13 @@ def _resampled(metric: Callable, name: str, outputs: Outputs, references: Output
                          "at those positions.")
 
     try:
-        resampler = make(outputs, references)
+        resampler = call(make, outputs, references)
     except Exception as exc:  # the user's code: any exception is the resampler failing
         raise failed(exc) from None
 
     def score(pick: np.ndarray) -> float:
         try:
-            got = float(resampler(pick))
+            got = as_number(call(resampler, pick))
         except Exception as exc:
             raise failed(exc) from None
         if not np.isfinite(got):
