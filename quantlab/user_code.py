@@ -21,6 +21,22 @@ def import_module(name: str) -> ModuleType:
     return importlib.import_module(name)
 
 
+def metric_code(metric: str) -> str:
+    """sha256 of the code behind --metric: the source file of a ``module:function`` metric's
+    module (its helpers included), the name alone for a built-in one. A resumed run reuses
+    scores only while this is unchanged."""
+    import hashlib
+
+    digest = hashlib.sha256(metric.encode())
+    if ":" in metric:
+        module = import_module(metric.partition(":")[0])
+        source = getattr(module, "__file__", None)
+        if source:
+            with open(source, "rb") as stream:
+                digest.update(stream.read())
+    return digest.hexdigest()
+
+
 class UserExit(Exception):
     """The user's function called sys.exit(): caught with its other exceptions, so a metric
     that exits fails the command instead of ending it with the status it chose."""

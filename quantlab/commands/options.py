@@ -336,6 +336,24 @@ def _split(text: str, option: str) -> tuple[str, str]:
     return name, value
 
 
+# Options that do not change what a resumed run computes: where it writes and what it shows;
+# the data's paths give way to their content's digest.
+NOT_FINGERPRINTED = frozenset({"run", "command", "out", "force", "no_progress", "allow_long",
+                               "data", "eval"})
+
+
+def resume_fingerprint(args: argparse.Namespace, model, *parts) -> str:
+    """The one fingerprint of resumable work (plan's and sweep's checkpoints): the model,
+    `parts` (the data's content digests, what the command derived), every option of `args`
+    but NOT_FINGERPRINTED, and the --metric's code (user_code.metric_code)."""
+    from quantlab.plan import fingerprint
+    from quantlab.user_code import metric_code
+
+    options = sorted((key, str(value)) for key, value in vars(args).items()
+                     if key not in NOT_FINGERPRINTED)
+    return fingerprint(model, *parts, options, metric_code(args.metric))
+
+
 # --- evaluation data of the commands that score a model on --eval (plan, sweep) ---
 
 

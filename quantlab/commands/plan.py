@@ -462,6 +462,7 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     from quantlab import cache, graph, plan, repairs, trtexec
     from quantlab.backends import tensorrt as trt_backend
     from quantlab.commands.build import TRTEXEC_CACHE
+    from quantlab.commands.options import resume_fingerprint
     from quantlab.experiment import output_folder, recorded_path, write_json, write_text
     from quantlab.pipeline import CACHE_ALGORITHM
     from quantlab.progress import progress_bar
@@ -512,10 +513,11 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     phases["repairs"] = time.perf_counter() - started
     progress = None if args.no_progress else partial(progress_bar, leave=False)
     # Trials and evaluations are checkpointed in --out: an interrupted run resumes from there,
-    # only when the model, the data's content, the preprocessing and the options are the same.
+    # only when the model, the data's content, the preprocessing, the options and the metric's
+    # code are the same.
     out = Path(args.out)
-    checkpoint = plan.Checkpoint(out / PROGRESS_FILE, plan.fingerprint(
-        model, *digests, source.num_samples, evaluation.num_samples, preprocess.to_dict(),
+    checkpoint = plan.Checkpoint(out / PROGRESS_FILE, resume_fingerprint(
+        args, model, *digests, source.num_samples, evaluation.num_samples, preprocess.to_dict(),
         args.batch_size, args.metric, args.max_drop, args.min_sqnr, args.trials,
         args.hard_samples, args.high_precision, args.resamples, sorted(scales.amax.items()),
         sorted(candidates), sorted(repaired), args.bias_correction))
