@@ -365,11 +365,11 @@ def data_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     return metadata.read(model, DATA_SHAPES_KEY, {})
 
 
-def record_source(model: onnx.ModelProto, source: str, digest: str) -> onnx.ModelProto:
-    """Record, in place, the file or zoo name `model` was loaded from and the `digest` of
-    its content, unless a copy of a model already says where it came from (a calibration
-    folder's model.onnx)."""
-    if metadata.read(model, SOURCE_KEY) is None:
+def record_source(model: onnx.ModelProto, source: str | None, digest: str) -> onnx.ModelProto:
+    """Record, in place, the file or zoo name `model` was loaded from (None: a model given
+    in memory) and the `digest` of its content, unless a copy of a model already says where
+    it came from (a calibration folder's model.onnx)."""
+    if source is not None and metadata.read(model, SOURCE_KEY) is None:
         metadata.write(model, SOURCE_KEY, source)
     if metadata.read(model, DIGEST_KEY) is None:
         metadata.write(model, DIGEST_KEY, digest)

@@ -100,7 +100,10 @@ def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto
     """An ONNX model from a path, a zoo model name, or a ModelProto (normalized); a file's
     absolute path or the zoo name is recorded in it (:func:`graph.record_source`)."""
     if isinstance(model, onnx.ModelProto):
-        return graph.normalize(model)
+        import hashlib
+
+        digest = hashlib.sha256(model.SerializeToString()).hexdigest()[:16]
+        return graph.record_source(graph.normalize(model), None, digest)
     if Path(model).exists():
         loaded = graph.load_model(model)
         return graph.record_source(loaded, str(Path(model).resolve()), _file_digest(model))
@@ -215,7 +218,8 @@ def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.M
     entry = zoo.get(name)
     if not entry.weights_path.is_file():
         entry.build()  # raises a ModelError that names the file and how to make it
-    cached = cache_folder() / "zoo" / f"{name}-{_zoo_export_key(entry)}.onnx"
+    key = _zoo_export_key(entry)
+    cached = cache_folder() / "zoo" / f"{name}-{key}.onnx"
     try:
         model = graph.load_model(cached)
     except (OSError, ModelError):  # not cached yet, or unreadable: exported again
@@ -223,7 +227,7 @@ def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.M
     if model is not None:
         if path:
             shutil.copyfile(cached, path)
-        return model
+        return graph.record_source(model, name, key)
     with tempfile.TemporaryDirectory() as scratch:
         target = Path(path) if path else Path(scratch) / f"{name}.onnx"
         model = graph.export_torch(entry.build(), entry.calibration_set()[:2], target,
@@ -235,7 +239,7 @@ def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.M
             os.replace(partial, cached)  # whole or absent for a concurrent reader
         except OSError:
             pass
-        return model
+        return graph.record_source(model, name, key)
 
 
 CACHE_ENV = "QUANTLAB_CACHE"

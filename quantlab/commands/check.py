@@ -266,7 +266,7 @@ def _score(fp32, int8, args, preprocess, task, progress):
     else:
         evaluation = open_data(args.eval, graph.input_specs(fp32), args.batch_size,
                                args.max_samples, preprocess)
-    checked_digest(evaluation, f"--eval {args.eval}")
+    checked_digest(evaluation, "--eval")
     evaluator = Evaluator(fp32, evaluation, args.metric, task, args.resamples, progress)
     outputs = evaluator.outputs(int8, "INT8 evaluation")
     certificate = evaluator.against_fp32(outputs)

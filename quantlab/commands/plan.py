@@ -433,8 +433,8 @@ def run(args: argparse.Namespace) -> int:
     evaluation, task = open_evaluation(args, model, preprocess)
     _check_eval_shapes(model, evaluation, args)
     # One pass over each: NaN/Inf refused, and the content identifies the run (checkpoint).
-    digests = (checked_digest(source, f"--data {recorded['data'] if recorded else args.data}"),
-               checked_digest(evaluation, f"--eval {args.eval}"))
+    digests = (checked_digest(source, "--data"),
+               checked_digest(evaluation, "--eval"))
     out = Path(args.out)
     existed = {path for path in (out, *out.parents) if path.exists()}
     had_checkpoint = (out / PROGRESS_FILE).exists()

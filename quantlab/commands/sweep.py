@@ -139,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
     configs = sweep.configurations(args.methods, percentiles, sizes)
     evaluation, task = open_evaluation(args, model, preprocess)
     # One pass over each: NaN/Inf refused, and the content identifies the run (checkpoint).
-    digests = (checked_digest(source, f"--data {recorded['data'] if recorded else args.data}"),
-               checked_digest(evaluation, f"--eval {args.eval}"))
+    digests = (checked_digest(source, "--data"),
+               checked_digest(evaluation, "--eval"))
     estimate = sweep.estimate_seconds(model, evaluation, args.metric, task, args.resamples,
                                       sizes[-1], len(configs))
     plan_text = (f"{len(configs)} configurations ({len(configs) // len(sizes)} calibrator "
