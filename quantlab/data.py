@@ -14,6 +14,7 @@ import json
 import math
 import mmap
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,10 @@ class Preprocess:
             raise ConfigError(f"--resize needs two sizes H W of at least 1 pixel, got {self.size}.")
         if self.resize_short is not None and self.resize_short < 1:
             raise ConfigError(f"--resize-short must be at least 1 pixel, got {self.resize_short}.")
+        if self.resize_short is not None and self.resize_mode != "center-crop":
+            warnings.warn(f"--resize-short {self.resize_short} has no effect with --resize-mode "
+                          f"{self.resize_mode}; it sets the short side of center-crop.",
+                          stacklevel=2)
         if not np.isfinite(self.scale):
             raise ConfigError(f"--scale must be a finite number, got {self.scale}.")
         if not np.isfinite(self.pad_value):
@@ -158,6 +163,10 @@ class Preprocess:
             inner_width = min(width, max(1, math.ceil(height * (image.width / image.height))))
             return self._padded(self._scaled(image, inner_width, height), size, (0, 0))
         short = self.resize_short or max(height, width)
+        if short < min(height, width):
+            raise ConfigError(f"--resize-short {short} is below the {height}x{width} crop: the "
+                              "short side is scaled to it before the centre is cropped. Give "
+                              f"--resize-short of at least {max(height, width)}.")
         ratio = short / min(image.width, image.height)
         scaled = (max(width, round(image.width * ratio)), max(height, round(image.height * ratio)))
         top, left = (scaled[1] - height) // 2, (scaled[0] - width) // 2
@@ -267,7 +276,8 @@ class BatchSource:
             if bad is not None:
                 raise DataError(
                     f"{self.description}: input batch of samples {start}..{stop - 1}: tensor "
-                    f"'{bad}' contains NaN or Inf. Fix or remove these samples in the data.")
+                    f"'{bad}' contains NaN or Inf (batch {start // self.batch_size}, counted "
+                    "from 0). Fix or remove these samples in the data.")
             yield batch
 
     def length(self, batch: Mapping[str, np.ndarray]) -> int:

@@ -450,3 +450,55 @@ def test_b01_build_accepts_the_trtexec_text_of_a_plan_made_with_trt_version(file
     assert main(["build", str(out)]) == 0
     assert (out / "trtexec.txt").read_text() == before
     assert json.loads((out / "summary.json").read_text())["metric"] == "sqnr"
+
+
+# --- the model and the preprocessing options ---------------------------------------------------
+
+def test_g05_a_batchnorm_dividing_by_zero_is_named():
+    from onnx import TensorProto, helper, numpy_helper
+
+    from quantlab.errors import ModelError
+
+    params = {"w": np.ones((2, 2, 1, 1)), "s": np.ones(2), "b": np.zeros(2), "m": np.zeros(2),
+              "v": np.array([1.0, 0.0])}
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+         helper.make_node("BatchNormalization", ["c", "s", "b", "m", "v"], ["y"], name="bn3",
+                          epsilon=0.0)],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in params.items()]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ModelError, match=r"BatchNormalization 'bn3' .* channel\(s\) \[1\]"):
+        graph.normalize(model)
+
+
+def test_pp12_pp13_resize_short_below_the_crop_or_without_center_crop(tmp_path):
+    from PIL import Image
+
+    from quantlab.data import Preprocess
+    from quantlab.errors import ConfigError
+
+    Image.new("RGB", (12, 10)).save(tmp_path / "i.png")
+    with pytest.raises(ConfigError, match="--resize-short 4 is below the 8x8 crop"):
+        Preprocess(resize_mode="center-crop", resize_short=4).apply(tmp_path / "i.png", (8, 8))
+    assert Preprocess(resize_mode="center-crop", resize_short=8).apply(
+        tmp_path / "i.png", (8, 8)).shape == (3, 8, 8)
+    with pytest.warns(UserWarning, match="--resize-short 20 has no effect with --resize-mode "
+                                         "squash"):
+        Preprocess(resize_short=20)
+
+
+def test_i09_a_failed_sweep_leaves_no_checkpoint(files, tmp_path, monkeypatch, capsys):
+    from quantlab.commands import sweep as sweep_command
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / "s" / "best"))
+
+    monkeypatch.setattr(sweep_command, "_write", full_disk)
+    out = tmp_path / "s"
+    assert main(["sweep", str(files["a"]), "--data", str(files["calib"]), "--eval",
+                 str(files["eval"]), "--methods", "max", "--resamples", "50", "--out", str(out),
+                 "--no-progress"]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert not (out / ".sweep-progress").exists()
