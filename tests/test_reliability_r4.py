@@ -127,24 +127,21 @@ def test_every_number_option_refuses_non_finite_and_out_of_range_values(command,
         assert "must be" in err or "is not" in err, (value, err)
 
 
+CHECK = ["check", "x", "--baseline", "y", "--eval", "z"]
+CALIBRATE = ["calibrate", "m", "--data", "d", "--out", "o"]
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["check", "x", "--baseline", "y", "--eval", "z", "--max-drop", "nan"],
-     "argument --max-drop: must be a finite number"),  # K05
-    (["check", "x", "--baseline", "y", "--eval", "z", "--max-drop", "inf"],
-     "argument --max-drop: must be a finite number"),  # K05b
-    (["check", "x", "--baseline", "y", "--eval", "z", "--min-sqnr", "nan"],
-     "argument --min-sqnr: must be a finite number"),  # K06
-    (["check", "x", "--baseline", "y", "--eval", "z", "--resamples", "0"],
-     "argument --resamples: must be at least 1"),  # K19
+    ([*CHECK, "--max-drop", "nan"], "argument --max-drop: must be a finite number"),  # K05
+    ([*CHECK, "--max-drop", "inf"], "argument --max-drop: must be a finite number"),  # K05b
+    ([*CHECK, "--min-sqnr", "nan"], "argument --min-sqnr: must be a finite number"),  # K06
+    ([*CHECK, "--resamples", "0"], "argument --resamples: must be at least 1"),  # K19
     (["sweep", "m", "--data", "d", "--eval", "e", "--out", "o", "--resamples", "0"],
      "argument --resamples: must be at least 1"),  # S09
-    (["calibrate", "m", "--data", "d", "--out", "o", "--pad-value", "300"],
-     "argument --pad-value: must be at most 255"),  # PP15
-    (["calibrate", "m", "--data", "d", "--out", "o", "--input", "gain=NaN"],
-     "--input gain=NaN: give finite numbers"),  # PP17b
-    (["calibrate", "m", "--data", "d", "--out", "o", "--input", "gain=1e999"],
-     "--input gain=1e999: give finite numbers"),  # PP18b
-    (["calibrate", "m", "--data", "d", "--out", "o", "--input", "b=[[1,2],[3]]"],
+    ([*CALIBRATE, "--pad-value", "300"], "argument --pad-value: must be at most 255"),  # PP15
+    ([*CALIBRATE, "--input", "gain=NaN"], "--input gain=NaN: give finite numbers"),  # PP17b
+    ([*CALIBRATE, "--input", "gain=1e999"], "--input gain=1e999: give finite numbers"),  # PP18b
+    ([*CALIBRATE, "--input", "b=[[1,2],[3]]"],
      "--input b=[[1,2],[3]]: the list is ragged"),  # PP20, PP20b
 ])
 def test_report_cases_of_bad_numbers_are_refused_while_parsing(argv, message, capsys):

@@ -524,7 +524,8 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     if checkpoint.trials or checkpoint.evaluations:
         print(f"plan: resuming from {checkpoint.path}: {len(checkpoint.trials)} "
               f"trial(s) and {len(checkpoint.evaluations)} evaluation(s) of an interrupted run "
-              "of the same model, data (same content), preprocessing and options are reused.")
+              "of the same model, data (same content), preprocessing, options and metric code "
+              "are reused.")
     elif checkpoint.ignored:
         print(f"plan: {checkpoint.path} is from a run of another model, data or options "
               "(or unreadable); starting over.")

@@ -192,8 +192,8 @@ def run(args: argparse.Namespace) -> int:
               f"{progress_dir}, of an interrupted sweep of the same model, data (same content), "
               "preprocessing, options and metric code.")
     elif checkpoint.ignored:
-        print(f"sweep: {progress_dir} is from a sweep of another model, data or options (or "
-              "unreadable); starting over.")
+        print(f"sweep: {progress_dir} is from a sweep of another model, data, options or "
+              "metric code (or unreadable); starting over.")
     progress = None if args.no_progress else partial(progress_bar, leave=False)
     evaluator = sweep.Evaluator(model, evaluation, args.metric, task, args.resamples, progress)
     try:
