@@ -376,6 +376,23 @@ def record_source(model: onnx.ModelProto, source: str | None, digest: str) -> on
     return model
 
 
+def architecture_digest(model: onnx.ModelProto) -> str:
+    """sha256 (16 hex digits) of what a model computes but its weights' values: the ops in
+    order, the inputs' and outputs' names and shapes, the initializers' shapes. A retrained
+    or re-exported model keeps it; another network does not."""
+    import hashlib
+    import json
+
+    def specs(values):
+        return [(v.name, [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
+                for v in values]
+
+    parts = [[(n.op_type, n.domain, len(n.input), len(n.output)) for n in model.graph.node],
+             specs(model.graph.input), specs(model.graph.output),
+             sorted((list(init.dims), init.data_type) for init in model.graph.initializer)]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
 def source_digest(model: onnx.ModelProto) -> str | None:
     """The content digest recorded by :func:`record_source`, None if none was."""
     return metadata.read(model, DIGEST_KEY)

@@ -229,6 +229,18 @@ def test_k10_check_refuses_a_baseline_of_another_model(files, capsys):
     assert "hold different models" in err and str(files["a"]) in err and str(files["b"]) in err
 
 
+def test_check_takes_the_baselines_network_with_other_weights(files, tmp_path, capsys):
+    model = onnx.load(str(files["a"]))
+    for init in model.graph.initializer:  # a retrained model: the same graph, other weights
+        init.CopyFrom(onnx.numpy_helper.from_array(
+            onnx.numpy_helper.to_array(init) * np.float32(1.01), init.name))
+    onnx.save(model, str(tmp_path / "retrained.onnx"))
+    code = main(check_argv(tmp_path / "retrained.onnx", files["cal_a"], files["eval"]))
+    out = capsys.readouterr().out
+    assert "is the network of the baseline with other weights" in out
+    assert ("check: passed" in out) == (code == 0)  # judged on its scores, not refused
+
+
 def test_check_passes_the_baseline_itself_and_a_copy(files, tmp_path, capsys):
     shutil.copytree(files["cal_a"], tmp_path / "copy")
     assert main(check_argv(tmp_path / "copy", files["cal_a"], files["eval"])) == 0

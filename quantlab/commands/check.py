@@ -155,9 +155,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_like_with_like(args, baseline, base_folder, candidate_fp32) -> None:
-    """ConfigError unless baseline and candidate hold the same model (content digest of
-    the FP32 model each was made from) and the baseline, when it records a metric (plan,
-    sweep), was made with --metric."""
+    """ConfigError unless baseline and candidate hold the same model and the baseline, when it
+    records a metric (plan, sweep), was made with --metric. The same model: the same content
+    (digest of the FP32 model each was made from), or the same network with other weights (a
+    retrained or rebuilt model, what the CI recipe checks), which is said."""
     import json
 
     from quantlab import graph
@@ -165,13 +166,18 @@ def _check_like_with_like(args, baseline, base_folder, candidate_fp32) -> None:
 
     base_fp32 = graph.load_model(base_folder / "model.onnx")
     digests = graph.source_digest(base_fp32), graph.source_digest(candidate_fp32)
-    if None in digests or digests[0] != digests[1]:
+    same_network = graph.architecture_digest(base_fp32) == graph.architecture_digest(
+        candidate_fp32)
+    if same_network and digests[0] != digests[1]:
+        print(f"check: {args.candidate} is the network of the baseline with other weights "
+              f"(content digest {digests[1]}, the baseline's {digests[0]}).")
+    elif not same_network:
         raise ConfigError(
             f"--baseline {args.baseline} and {args.candidate} hold different models: "
             f"{graph.source_model(base_fp32)} (content digest {digests[0]}) and "
-            f"{graph.source_model(candidate_fp32)} (content digest {digests[1]}); check "
-            "compares a new calibration or plan of the baseline's model. Make a baseline of "
-            "this model first.")
+            f"{graph.source_model(candidate_fp32)} (content digest {digests[1]}), whose ops or "
+            "shapes differ; check compares a new calibration, plan or build of the baseline's "
+            "network (its weights may differ). Make a baseline of this model first.")
     record = {"plan": "summary.json", "sweep": "sweep.json"}.get(baseline.kind)
     recorded = record and json.loads((baseline.path / record).read_text()).get("metric")
     if recorded and recorded != args.metric:
