@@ -227,11 +227,13 @@ def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.M
     if model is not None:
         if path:
             shutil.copyfile(cached, path)
-        return graph.record_source(model, name, key)
+        return model
     with tempfile.TemporaryDirectory() as scratch:
         target = Path(path) if path else Path(scratch) / f"{name}.onnx"
-        model = graph.export_torch(entry.build(), entry.calibration_set()[:2], target,
-                                   output_names=entry.output_names)
+        model = graph.record_source(graph.export_torch(
+            entry.build(), entry.calibration_set()[:2], target, output_names=entry.output_names),
+            name, key)
+        graph.save_model(model, target)  # with its source and digest, also in the cache
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
             partial = cached.with_suffix(f".{os.getpid()}.part")
@@ -239,7 +241,7 @@ def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.M
             os.replace(partial, cached)  # whole or absent for a concurrent reader
         except OSError:
             pass
-        return graph.record_source(model, name, key)
+        return model
 
 
 CACHE_ENV = "QUANTLAB_CACHE"
