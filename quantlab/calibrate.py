@@ -120,16 +120,17 @@ def calibrate(stats: Statistics, method: str = "entropy", **params: Any) -> Scal
 def _tensor_amax(name: str, tensor: TensorStats, method: str, params: Mapping[str, Any],
                  num_bins: int) -> tuple[float, tuple[str, bool] | None]:
     """`tensor`'s amax by `method` and its outlier note, if any (:func:`calibrate`)."""
-    if tensor.count == 0 or tensor.amax == 0.0:
-        # No values (calibrate warns) or all zeros (collect.collect has warned): any
-        # positive amax represents them.
-        return SAFE_AMAX, None
-    if not (math.isfinite(tensor.min) and math.isfinite(tensor.max)):
+    # Finite first: max(|min|, |max|) of a NaN range is 0 and would pass as "all zeros".
+    if tensor.count and not (math.isfinite(tensor.min) and math.isfinite(tensor.max)):
         raise DataError(
             f"the statistics of tensor '{name}' have a non-finite range (min {tensor.min}, "
             f"max {tensor.max}); quantlab.collect never records NaN or Inf, so they are "
             "damaged or were not made by it. Collect the statistics again."
         )
+    if tensor.count == 0 or tensor.amax == 0.0:
+        # No values (calibrate warns) or all zeros (collect.collect has warned): any
+        # positive amax represents them.
+        return SAFE_AMAX, None
     hist, top = tensor.histogram(num_bins)
     width = top / num_bins
     if method == "max":

@@ -14,6 +14,7 @@ import json
 import math
 import mmap
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,10 @@ class Preprocess:
             raise ConfigError(f"--resize needs two sizes H W of at least 1 pixel, got {self.size}.")
         if self.resize_short is not None and self.resize_short < 1:
             raise ConfigError(f"--resize-short must be at least 1 pixel, got {self.resize_short}.")
+        if self.resize_short is not None and self.resize_mode != "center-crop":
+            warnings.warn(f"--resize-short {self.resize_short} has no effect with --resize-mode "
+                          f"{self.resize_mode}; it sets the short side of center-crop.",
+                          stacklevel=2)
         if not np.isfinite(self.scale):
             raise ConfigError(f"--scale must be a finite number, got {self.scale}.")
         if not np.isfinite(self.pad_value):
@@ -158,6 +163,10 @@ class Preprocess:
             inner_width = min(width, max(1, math.ceil(height * (image.width / image.height))))
             return self._padded(self._scaled(image, inner_width, height), size, (0, 0))
         short = self.resize_short or max(height, width)
+        if short < min(height, width):
+            raise ConfigError(f"--resize-short {short} is below the {height}x{width} crop: the "
+                              "short side is scaled to it before the centre is cropped. Give "
+                              f"--resize-short of at least {max(height, width)}.")
         ratio = short / min(image.width, image.height)
         scaled = (max(width, round(image.width * ratio)), max(height, round(image.height * ratio)))
         top, left = (scaled[1] - height) // 2, (scaled[0] - width) // 2
@@ -256,8 +265,20 @@ class BatchSource:
         return -(-self.num_samples // self.batch_size)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        """The batches, each checked for NaN/Inf here, where every command reads its data: a
+        DataError names the data, the samples and the tensor."""
+        from quantlab.compare import first_nonfinite
+
         for start in range(0, self.num_samples, self.batch_size):
-            yield self._load(start, min(start + self.batch_size, self.num_samples))
+            stop = min(start + self.batch_size, self.num_samples)
+            batch = self._load(start, stop)
+            bad = first_nonfinite(batch, sorted(batch))
+            if bad is not None:
+                raise DataError(
+                    f"{self.description}: input batch of samples {start}..{stop - 1}: tensor "
+                    f"'{bad}' contains NaN or Inf (batch {start // self.batch_size}, counted "
+                    "from 0). Fix or remove these samples in the data.")
+            yield batch
 
     def length(self, batch: Mapping[str, np.ndarray]) -> int:
         """Number of samples in `batch`."""
@@ -617,28 +638,21 @@ def _tensor_as_array(value: object) -> object:
     return value.detach().cpu().numpy()
 
 
-def checked_digest(source: BatchSource, label: str) -> str:
-    """sha256 of every batch `source` yields (its content after preprocessing), each checked
-    for NaN/Inf: a DataError naming `label` (``--eval eval.npy``), the samples and the tensor,
-    as `validate` refuses its data. One pass over the data, before any long work."""
+def checked_digest(source: BatchSource, option: str) -> str:
+    """sha256 of every batch `source` yields (its content after preprocessing); the source
+    refuses NaN/Inf (:meth:`BatchSource.__iter__`), here with the `option` (``--eval``) that
+    named the data before its message. One pass over the data, before any long work."""
     import hashlib
 
-    from quantlab.compare import first_nonfinite
-
     digest = hashlib.sha256()
-    start = 0
-    for batch in source:
-        size = source.length(batch)
-        bad = first_nonfinite(batch, sorted(batch))
-        if bad is not None:
-            raise DataError(
-                f"{label}: input batch of samples {start}..{start + size - 1}: tensor '{bad}' "
-                "contains NaN or Inf. Fix or remove these samples in the data.")
-        for name in sorted(batch):
-            array = np.ascontiguousarray(batch[name])
-            digest.update(f"{name}{array.dtype}{array.shape}".encode())
-            digest.update(array.tobytes())
-        start += size
+    try:
+        for batch in source:
+            for name in sorted(batch):
+                array = np.ascontiguousarray(batch[name])
+                digest.update(f"{name}{array.dtype}{array.shape}".encode())
+                digest.update(array.tobytes())
+    except DataError as exc:
+        raise DataError(f"{option} {exc}") from None
     return digest.hexdigest()
 
 

@@ -160,10 +160,17 @@ def run_doctor(out: str | os.PathLike, models: Sequence[str] = DEFAULT_MODELS,
                max_samples: int = 64) -> dict:
     """Run every check into the folder `out`; return the report (also in doctor.json).
 
-    BackendUnavailableError, naming what to install, where TensorRT is missing.
+    ConfigError for a name that is not a zoo model (before anything else: each is joined to
+    `out`), BackendUnavailableError, naming what to install, where TensorRT is missing.
     """
     from quantlab.backends.tensorrt import installed_version, require_tensorrt
+    from quantlab.errors import ConfigError
+    from quantlab.zoo_names import ZOO_NAMES
 
+    unknown = [name for name in models if name not in ZOO_NAMES]
+    if unknown:
+        raise ConfigError(f"--zoo {unknown[0]} is not a zoo model; doctor checks "
+                          f"{', '.join(ZOO_NAMES)}.")
     trt = require_tensorrt()
     import polygraphy
 

@@ -87,7 +87,43 @@ def existing_results(
             f"output folder {folder} already holds results ({shown}). Choose another --out "
             "folder, or pass --force to replace them."
         )
+    others = [name for name in RUN_RECORDS if name not in names and (folder / name).is_file()]
+    if names and others and not force:
+        raise OutputExistsError(
+            f"output folder {folder} holds the results of another command ({others[0]}); one "
+            "folder holds one run. Choose another --out folder, or pass --force to write "
+            "this run beside them.")
     return existing
+
+
+# The record each command writes into its --out folder (runs.MARKERS): a folder holding one
+# that the writing command does not produce holds another command's run.
+RUN_RECORDS = ("calibration.json", "plan.json", "sweep.json", "summary.json")
+# The mark in the head of every page quantlab writes (report/templates/report.html): a page
+# holding it may be replaced; any other file is the user's.
+PAGE_MARK = '<meta name="generator" content="quantlab">'
+
+
+def check_page(path: str | os.PathLike, force: bool = False) -> None:
+    """The one decision whether a single page (report's index, compare's page) may be written
+    at `path`: never inside an experiment folder (its files are the run's), and over an
+    existing file only when quantlab wrote it (it holds PAGE_MARK) or `force`.
+    OutputExistsError otherwise, saying why."""
+    path = Path(path)
+    parent = path.resolve().parent
+    if any((parent / name).is_file() for name in RUN_RECORDS):
+        raise OutputExistsError(
+            f"{path} is inside the experiment folder {parent}, whose files belong to its run; "
+            "write the page elsewhere with --out.")
+    if path.is_dir():
+        raise OutputExistsError(f"{path} is a folder; pass the page's file name with --out.")
+    if path.exists() and not force:
+        with open(path, "rb") as stream:
+            head = stream.read(4096)
+        if PAGE_MARK.encode() not in head:
+            raise OutputExistsError(
+                f"{path} exists and was not written by quantlab; choose another --out, or "
+                "pass --force to replace it.")
 
 
 def check_writable(folder: str | os.PathLike) -> None:

@@ -24,6 +24,7 @@ import onnx
 from onnx import numpy_helper
 
 from quantlab import metadata
+from quantlab.errors import ModelError
 from quantlab.metadata import attribute
 
 # Model metadata keys: the folds made, and the BatchNormalizations kept with the reason.
@@ -43,6 +44,20 @@ def folded_batchnorms(model: onnx.ModelProto) -> list[dict]:
 def kept_batchnorms(model: onnx.ModelProto) -> dict[str, str]:
     """BatchNormalization node name -> why it was not folded."""
     return metadata.read(model, KEPT_KEY, {})
+
+
+def _check_variance(bn: onnx.NodeProto, inits: dict) -> None:
+    """ModelError when the BatchNormalization `bn` divides by sqrt(var + epsilon) = 0 in some
+    channel: the model itself makes Inf there, whatever the data."""
+    if len(bn.input) < 5 or bn.input[4] not in inits:
+        return
+    var = numpy_helper.to_array(inits[bn.input[4]]).astype(np.float64)
+    zero = np.flatnonzero(var + float(attribute(bn, "epsilon", 1e-5)) <= 0)
+    if zero.size:
+        raise ModelError(
+            f"BatchNormalization '{bn.name}' has running variance + epsilon <= 0 in channel(s) "
+            f"{zero[:5].tolist()}: it divides by zero there, so the model itself makes Inf. Fix "
+            "the model's running variance or its epsilon (PyTorch's default is 1e-5).")
 
 
 def fold_batchnorms(model: onnx.ModelProto, module_path=None) -> onnx.ModelProto:
@@ -76,6 +91,7 @@ def fold_batchnorms(model: onnx.ModelProto, module_path=None) -> onnx.ModelProto
     for bn in graph.node:
         if bn.op_type != "BatchNormalization" or bn.domain not in _ONNX_DOMAINS:
             continue
+        _check_variance(bn, inits)
         linear = producers.get(bn.input[0])
         reason = _unfoldable(bn, linear, inits, uses, outputs)
         if reason is not None:

@@ -40,6 +40,9 @@ DATA_SHAPES_KEY = "quantlab.data_shapes"
 # from, carried by every normalized copy (a calibration folder's model.onnx): reports are
 # titled with the user's model, not with the copy; written by `record_source`.
 SOURCE_KEY = "quantlab.source_model"
+# sha256 (16 hex digits) of that first model's content (the file's bytes, a zoo export's
+# inputs), carried like SOURCE_KEY: two folders hold the same model when it is equal.
+DIGEST_KEY = "quantlab.source_digest"
 # ONNX ops that hold subgraphs; their bodies are not quantized (see qdq.py).
 CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan"})
 
@@ -362,12 +365,37 @@ def data_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     return metadata.read(model, DATA_SHAPES_KEY, {})
 
 
-def record_source(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
-    """Record, in place, the file or zoo name `model` was loaded from, unless a copy of a
-    model already says where it came from (a calibration folder's model.onnx)."""
-    if metadata.read(model, SOURCE_KEY) is None:
+def record_source(model: onnx.ModelProto, source: str | None, digest: str) -> onnx.ModelProto:
+    """Record, in place, the file or zoo name `model` was loaded from (None: a model given
+    in memory) and the `digest` of its content, unless a copy of a model already says where
+    it came from (a calibration folder's model.onnx)."""
+    if source is not None and metadata.read(model, SOURCE_KEY) is None:
         metadata.write(model, SOURCE_KEY, source)
+    if metadata.read(model, DIGEST_KEY) is None:
+        metadata.write(model, DIGEST_KEY, digest)
     return model
+
+
+def architecture_digest(model: onnx.ModelProto) -> str:
+    """sha256 (16 hex digits) of what a model computes but its weights' values: the ops in
+    order, the inputs' and outputs' names and shapes, the initializers' shapes. A retrained
+    or re-exported model keeps it; another network does not."""
+    import hashlib
+    import json
+
+    def specs(values):
+        return [(v.name, [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
+                for v in values]
+
+    parts = [[(n.op_type, n.domain, len(n.input), len(n.output)) for n in model.graph.node],
+             specs(model.graph.input), specs(model.graph.output),
+             sorted((list(init.dims), init.data_type) for init in model.graph.initializer)]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def source_digest(model: onnx.ModelProto) -> str | None:
+    """The content digest recorded by :func:`record_source`, None if none was."""
+    return metadata.read(model, DIGEST_KEY)
 
 
 def source_model(model: onnx.ModelProto) -> str | None:

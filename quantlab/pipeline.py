@@ -161,13 +161,41 @@ def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto
     """An ONNX model from a path, a zoo model name, or a ModelProto (normalized); a file's
     absolute path or the zoo name is recorded in it (:func:`graph.record_source`)."""
     if isinstance(model, onnx.ModelProto):
-        return graph.normalize(model)
+        import hashlib
+
+        digest = hashlib.sha256(model.SerializeToString()).hexdigest()[:16]
+        return graph.record_source(graph.normalize(model), None, digest)
     if Path(model).exists():
-        return graph.record_source(graph.load_model(model), str(Path(model).resolve()))
+        loaded = graph.load_model(model)
+        return graph.record_source(loaded, str(Path(model).resolve()), _file_digest(model))
     # Only a name that is not a file may be a zoo model (importing the zoo imports torch).
     if str(model) in ZOO_NAMES:
-        return graph.record_source(export_zoo_model(str(model)), str(model))
+        return graph.record_source(export_zoo_model(str(model)), str(model),
+                                   model_digest(str(model)))
     return graph.load_model(model)
+
+
+def model_digest(model: str | os.PathLike) -> str:
+    """The content digest of a model file or zoo name, as :func:`resolve_model` records it:
+    a quantlab copy (a folder's model.onnx) keeps its first model's digest, so a folder and
+    the model it was made from compare equal. Cheap: no export, no normalization."""
+    if not Path(model).exists() and str(model) in ZOO_NAMES:
+        from quantlab import zoo
+
+        return _zoo_export_key(zoo.get(str(model)))
+    recorded = graph.source_digest(onnx.load(str(model), load_external_data=False))
+    return recorded or _file_digest(model)
+
+
+def _file_digest(path: str | os.PathLike) -> str:
+    """sha256 (16 hex digits) of a file's bytes."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def prepare_model(
@@ -251,7 +279,8 @@ def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.M
     entry = zoo.get(name)
     if not entry.weights_path.is_file():
         entry.build()  # raises a ModelError that names the file and how to make it
-    cached = cache_folder() / "zoo" / f"{name}-{_zoo_export_key(entry)}.onnx"
+    key = _zoo_export_key(entry)
+    cached = cache_folder() / "zoo" / f"{name}-{key}.onnx"
     try:
         model = graph.load_model(cached)
     except (OSError, ModelError):  # not cached yet, or unreadable: exported again
@@ -262,8 +291,10 @@ def export_zoo_model(name: str, path: str | os.PathLike | None = None) -> onnx.M
         return model
     with tempfile.TemporaryDirectory() as scratch:
         target = Path(path) if path else Path(scratch) / f"{name}.onnx"
-        model = graph.export_torch(entry.build(), entry.calibration_set()[:2], target,
-                                   output_names=entry.output_names)
+        model = graph.record_source(graph.export_torch(
+            entry.build(), entry.calibration_set()[:2], target, output_names=entry.output_names),
+            name, key)
+        graph.save_model(model, target)  # with its source and digest, also in the cache
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
             partial = cached.with_suffix(f".{os.getpid()}.part")

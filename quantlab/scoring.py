@@ -32,7 +32,8 @@ import numpy as np
 
 from quantlab.compare import joined_energies, output_sqnr_db, sample_energies
 from quantlab.errors import ConfigError, DataError
-from quantlab.user_code import import_module
+from quantlab.user_code import as_number, import_module
+from quantlab.user_code import call as call_user
 
 Outputs = list[dict[str, np.ndarray]]
 Score = Callable[[np.ndarray], float]
@@ -103,7 +104,7 @@ def resolve_metric(name: str):
                           "the function defined in it.") from None
     if inspect.isclass(found) and _two_part(found):
         try:
-            found = found()
+            found = call_user(found)
         except Exception as exc:  # the user's code
             raise ConfigError(f"metric '{name}': {function_name}() failed: "
                               f"{type(exc).__name__}: {exc}. A two-part metric class is made "
@@ -123,7 +124,7 @@ def _checked(value, name: str, where: str, allow_inf: bool = False, detail: str 
     (`detail` added where it is not finite); +inf only with `allow_inf` (output SQNR
     without any noise, exact by construction)."""
     try:
-        value = float(value)
+        value = as_number(value)
     except (TypeError, ValueError):
         raise DataError(f"metric '{name}' returned {value!r} on {where}; it must return a "
                         "number (higher is better).") from None
@@ -137,10 +138,11 @@ def _checked(value, name: str, where: str, allow_inf: bool = False, detail: str 
     return value
 
 
-def _called(call: Callable, name: str, where: str, called_as: str):
-    """``call()``, any exception of the user's code a DataError naming the metric."""
+def _called(run: Callable, name: str, where: str, called_as: str):
+    """``call()``, any exception of the user's code (a sys.exit too) a DataError naming the
+    metric."""
     try:
-        return call()
+        return call_user(run)
     except Exception as exc:  # the user's code: any exception is the metric failing
         raise DataError(f"metric '{name}' failed on {where}: {type(exc).__name__}: {exc}. "
                         f"{called_as}") from None
@@ -299,13 +301,13 @@ class _Function(Metric):
 
         whole = metric_value(self.function, self.name, outputs, references, where)
         try:
-            resampler = make(outputs, references)
+            resampler = call_user(make, outputs, references)
         except Exception as exc:  # the user's code: any exception is the resampler failing
             raise failed(exc) from None
 
         def score(pick: np.ndarray) -> float:
             try:
-                got = float(resampler(pick))
+                got = as_number(call_user(resampler, pick))
             except Exception as exc:
                 raise failed(exc) from None
             if not np.isfinite(got):

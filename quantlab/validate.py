@@ -56,7 +56,7 @@ from quantlab.experiment import (
     write_json,
 )
 from quantlab.fusion import fused_activation
-from quantlab.planner.certify import Certificate, PairedScore
+from quantlab.scoring import Certificate, PairedScore
 from quantlab.planner.measure import output_sample_axes
 from quantlab.progress import progress_bar
 from quantlab.report import write_report

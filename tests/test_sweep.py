@@ -239,7 +239,6 @@ def test_resume_key_is_the_data_content_not_its_path_size_or_date(tmp_path, monk
 @pytest.mark.parametrize("options, message", [
     (["--methods", "max", "kl"], "calibration method 'kl' is not one of"),
     (["--calib-sizes", "16", "500"], "--calib-sizes 500 is larger than the calibration data"),
-    (["--calib-sizes", "1"], "must be at least 2 samples"),
     (["--metric", "nosuch"], "unknown metric 'nosuch'"),
     # The metric is checked as plan checks it (commands.options.check_metric).
     (["--metric", "map"], "--metric map does not fit digits-cnn, a classification model"),

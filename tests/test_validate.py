@@ -273,10 +273,12 @@ def test_non_finite_threshold_is_refused_before_any_work(four_conv, tmp_path, ca
     _, _, path, quantized, x, _ = four_conv
     graph.save_model(quantized, tmp_path / "m.int8.onnx")
     np.save(tmp_path / "x.npy", x)
-    code = cli.main(["validate", "--onnx", str(path), "--engine", str(tmp_path / "m.int8.onnx"),
-                     "--data", str(tmp_path / "x.npy"), "--out", str(tmp_path / "run"),
-                     f"--threshold-db={value}", "--no-progress"])
-    assert code == 1 and "--threshold-db must be a finite number" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # refused by the option's type, while parsing
+        cli.main(["validate", "--onnx", str(path), "--engine", str(tmp_path / "m.int8.onnx"),
+                  "--data", str(tmp_path / "x.npy"), "--out", str(tmp_path / "run"),
+                  f"--threshold-db={value}", "--no-progress"])
+    assert exit_.value.code == 2
+    assert "argument --threshold-db: must be a finite number" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 

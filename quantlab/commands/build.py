@@ -131,7 +131,10 @@ def run(args: argparse.Namespace) -> int:
         header, scales = cache.read_calibration_cache(folder / "calibration.cache")
         cache_name = ("calibration.cache" if header.algorithm == "EntropyCalibration2"
                       else TRTEXEC_CACHE)
-    text = trtexec.trtexec_text(pins, profile, cache_name, header and str(header),
+    # The comment names the header of the cache trtexec reads (cache_name): EntropyCalibration2
+    # either way, relabelled for TRTEXEC_CACHE, as plan writes it.
+    trtexec_header = header and header._replace(algorithm="EntropyCalibration2")
+    text = trtexec.trtexec_text(pins, profile, cache_name, trtexec_header and str(trtexec_header),
                                 trt_backend.explicit_build_pins(int8_model))
     # trtexec.txt is derived from the folder and the plan: rewriting it unchanged is no loss,
     # replacing different lines needs --force like every other result.

@@ -42,7 +42,12 @@ from __future__ import annotations
 
 import argparse
 
-from quantlab.commands.options import DATA_HELP, add_data_arguments, add_memory_argument
+from quantlab.commands.options import (
+    DATA_HELP,
+    add_data_arguments,
+    add_memory_argument,
+    percentile,
+)
 
 HELP = "collect statistics, compute scales, write the Q/DQ model (and a TensorRT cache)"
 EPILOG = DATA_HELP
@@ -70,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--percentile",
-        type=float,
+        type=percentile,
         metavar="P",
         help="percentile of |x| kept by --method percentile (default 99.99)",
     )

@@ -23,8 +23,16 @@ examples:
 from __future__ import annotations
 
 import argparse
+import math
 
-from quantlab.commands.options import DATA_HELP, add_data_arguments, add_metric_argument
+from quantlab.commands.options import (
+    DATA_HELP,
+    add_data_arguments,
+    add_metric_argument,
+    finite_float,
+    nonnegative_float,
+    positive_int,
+)
 
 HELP = "regression gate: fail when INT8 accuracy falls below a stored baseline's"
 EPILOG = DATA_HELP
@@ -43,14 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "held-out split, when MODEL_OR_DIR is a zoo name)")
     add_metric_argument(parser, "sqnr", "with --eval zoo",
                         "what baseline and candidate are scored by, against FP32: ")
-    parser.add_argument("--max-drop", type=float, default=0.0, metavar="X",
+    parser.add_argument("--max-drop", type=nonnegative_float, default=0.0, metavar="X",
                         help="largest allowed drop of the INT8 metric from the baseline's, in "
                              "its own units (default: %(default)s)")
-    parser.add_argument("--min-sqnr", type=float, metavar="DB",
+    parser.add_argument("--min-sqnr", type=finite_float, metavar="DB",
                         help="lowest allowed output SQNR of the candidate's INT8 model vs its "
                              "FP32 model, in dB, as `plan --min-sqnr` measures it "
                              "(docs/metrics.md)")
-    parser.add_argument("--resamples", type=int, default=200, metavar="B",
+    parser.add_argument("--resamples", type=positive_int, default=200, metavar="B",
                         help="paired bootstrap resamples of the reported intervals "
                              "(default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -65,17 +73,14 @@ def run(args: argparse.Namespace) -> int:
     from functools import partial
     from pathlib import Path
 
-    from tqdm.auto import tqdm
-
     from quantlab.commands.options import check_metric, preprocess_from_args
-    from quantlab.errors import ConfigError
+    from quantlab.errors import ConfigError, DataError
     from quantlab.plan import Plan
+    from quantlab.progress import progress_bar
     from quantlab.runs import load_run
 
     check_metric(args.metric, args.eval == "zoo",
                  "pass --eval zoo with a zoo model name as MODEL_OR_DIR")
-    if args.max_drop < 0:
-        raise ConfigError(f"--max-drop {args.max_drop}: give a drop >= 0.")
     baseline = load_run(args.baseline)
     if baseline.kind not in CHECKED_KINDS:
         raise ConfigError(f"--baseline {args.baseline} is a {baseline.kind} run; a baseline is "
@@ -83,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     base_folder = _model_folder(baseline)
     recorded = _recorded(base_folder)
     preprocess = preprocess_from_args(args, recorded and recorded.get("preprocess"))
-    progress = None if args.no_progress else partial(tqdm, leave=False)
+    progress = None if args.no_progress else partial(progress_bar, leave=False)
     candidate_is_folder = Path(args.candidate).is_dir()
     if candidate_is_folder:
         candidate = load_run(args.candidate)
@@ -99,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
                 "of both plans are compared.")
         candidate = None
         models = _calibrated(args, recorded, preprocess)
+    _check_like_with_like(args, baseline, base_folder, models[0])
     task = _task(args)
     scores = {}
     for name, (fp32, int8) in (("baseline", _folder_models(base_folder)), ("candidate", models)):
@@ -110,8 +116,15 @@ def run(args: argparse.Namespace) -> int:
               f"[{cert.interval[0] + cert.limit:.4g}, {cert.interval[1] + cert.limit:.4g}]), "
               f"output SQNR {sqnr:.1f} dB, {cert.samples} samples")
     base, cand = scores["baseline"][0], scores["candidate"][0]
+    if math.isnan(base.value):
+        raise DataError(f"the baseline {args.baseline} scores INT8 {args.metric} NaN on "
+                        f"{args.eval}: its INT8 model outputs NaN or Inf, and a NaN baseline "
+                        "lets any candidate pass. Make the baseline again.")
     failures = []
-    drop = base.value - cand.value
+    if math.isnan(cand.value):
+        failures.append(f"its INT8 {args.metric} is NaN: its INT8 model outputs NaN or Inf")
+    # Equal scores are no drop, also +inf vs +inf (an exact SQNR), whose difference is NaN.
+    drop = 0.0 if base.value == cand.value else base.value - cand.value
     if drop > args.max_drop:
         failures.append(f"its INT8 {args.metric} is {cand.value:.4g} against the baseline's "
                         f"{base.value:.4g}, a drop of {drop:.4g}, more than --max-drop "
@@ -139,6 +152,37 @@ def run(args: argparse.Namespace) -> int:
     print(f"check: passed: {args.candidate} holds the line of {args.baseline} (INT8 "
           f"{args.metric} {cand.value:.4g} vs {base.value:.4g}, allowed drop {args.max_drop:g}).")
     return 0
+
+
+def _check_like_with_like(args, baseline, base_folder, candidate_fp32) -> None:
+    """ConfigError unless baseline and candidate hold the same model and the baseline, when it
+    records a metric (plan, sweep), was made with --metric. The same model: the same content
+    (digest of the FP32 model each was made from), or the same network with other weights (a
+    retrained or rebuilt model, what the CI recipe checks), which is said."""
+    import json
+
+    from quantlab import graph
+    from quantlab.errors import ConfigError
+
+    base_fp32 = graph.load_model(base_folder / "model.onnx")
+    digests = graph.source_digest(base_fp32), graph.source_digest(candidate_fp32)
+    same_network = graph.architecture_digest(base_fp32) == graph.architecture_digest(
+        candidate_fp32)
+    if same_network and digests[0] != digests[1]:
+        print(f"check: {args.candidate} is the network of the baseline with other weights "
+              f"(content digest {digests[1]}, the baseline's {digests[0]}).")
+    elif not same_network:
+        raise ConfigError(
+            f"--baseline {args.baseline} and {args.candidate} hold different models: "
+            f"{graph.source_model(base_fp32)} (content digest {digests[0]}) and "
+            f"{graph.source_model(candidate_fp32)} (content digest {digests[1]}), whose ops or "
+            "shapes differ; check compares a new calibration, plan or build of the baseline's "
+            "network (its weights may differ). Make a baseline of this model first.")
+    record = {"plan": "summary.json", "sweep": "sweep.json"}.get(baseline.kind)
+    recorded = record and json.loads((baseline.path / record).read_text()).get("metric")
+    if recorded and recorded != args.metric:
+        raise ConfigError(f"--baseline {args.baseline} was made with --metric {recorded}; "
+                          f"check it with --metric {recorded}, not {args.metric}.")
 
 
 def _model_folder(run):
@@ -218,8 +262,8 @@ def _score(fp32, int8, args, preprocess, task, progress):
     """(certificate of the INT8 metric against FP32, INT8 output SQNR in dB) on --eval;
     `task` is :func:`_task`'s."""
     from quantlab import graph
-    from quantlab.data import open_data
-    from quantlab.planner.certify import output_sqnr
+    from quantlab.data import checked_digest, open_data
+    from quantlab.scoring import output_sqnr
     from quantlab.sweep import Evaluator
 
     task, zoo_inputs = task
@@ -228,6 +272,7 @@ def _score(fp32, int8, args, preprocess, task, progress):
     else:
         evaluation = open_data(args.eval, graph.input_specs(fp32), args.batch_size,
                                args.max_samples, preprocess)
+    checked_digest(evaluation, "--eval")
     evaluator = Evaluator(fp32, evaluation, args.metric, task, args.resamples, progress)
     outputs = evaluator.outputs(int8, "INT8 evaluation")
     certificate = evaluator.against_fp32(outputs)

@@ -26,14 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("b", metavar="B", help="another experiment folder")
     parser.add_argument("--out", default="compare.html", metavar="FILE",
                         help="the page to write (default: %(default)s)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace --out even when it is a file quantlab did not write (a "
+                             "page quantlab wrote is replaced without it; a page inside an "
+                             "experiment folder is refused either way)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Compare the two runs, print the largest differences and write the page."""
+    from quantlab.experiment import check_page
     from quantlab.report import write_report
     from quantlab.report.runs import comparison_sections
     from quantlab.runs import compare_runs, load_run
 
+    check_page(args.out, args.force)
     comparison = compare_runs(load_run(args.a), load_run(args.b))
     print(f"compare: A {args.a} ({comparison.a.kind}) vs B {args.b} ({comparison.b.kind})")
     for row in comparison.settings.itertuples(index=False):

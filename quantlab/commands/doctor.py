@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 
+from quantlab.commands.options import positive_int
+
 HELP = "self-check every TensorRT path on this machine; write a report for bug reports"
 
 
@@ -33,17 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zoo", action="append", metavar="NAME",
                         help="zoo model to check (repeatable; default: digits-cnn and "
                              "digits-vit)")
-    parser.add_argument("--max-samples", type=int, default=64, metavar="N",
+    parser.add_argument("--max-samples", type=positive_int, default=64, metavar="N",
                         help="evaluation samples per comparison (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the self-check; 0 when every path agrees with ONNX Runtime."""
     from quantlab.doctor import DEFAULT_MODELS, format_report, run_doctor
-    from quantlab.errors import ConfigError
 
-    if args.max_samples < 1:
-        raise ConfigError(f"--max-samples must be at least 1, got {args.max_samples}.")
     report = run_doctor(args.out, args.zoo or DEFAULT_MODELS, args.max_samples)
     print(format_report(report), end="")
     print(f"wrote {args.out}/doctor.json and {args.out}/doctor.md")

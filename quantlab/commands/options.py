@@ -65,7 +65,7 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
     images.add_argument("--resize-short", type=positive_int, metavar="S",
                         help="center-crop: short side before cropping (default: max(H, W); "
                              "ImageNet style: --resize 224 224 --resize-short 256)")
-    images.add_argument("--pad-value", type=finite_float, metavar="V",
+    images.add_argument("--pad-value", type=pixel_value, metavar="V",
                         help="padding of letterbox, pad and height-pad, in pixel units 0..255 "
                              "before --scale/--mean/--std, fractions kept (default: 114; 127.5 "
                              "with --mean 0.5 --std 0.5 pads with 0 as PaddleOCR does)")
@@ -117,7 +117,7 @@ def check_metric(metric: str, ground_truth: bool, how: str, model: str | None = 
     the error says `how` to get it) and, when `model` is named, a zoo model of its task.
     Checked before any data is read."""
     from quantlab.errors import ConfigError
-    from quantlab.planner.certify import resolve_metric
+    from quantlab.scoring import resolve_metric
     from quantlab.tasks import PRIMARY_METRIC
     from quantlab.zoo_names import ZOO_NAMES
 
@@ -219,38 +219,58 @@ def read_calibration_record(folder) -> dict:
 
 
 def input_options(args: argparse.Namespace) -> dict:
-    """``constants`` and ``batch_axes`` for :func:`quantlab.pipeline.prepare_model`."""
+    """``constants`` and ``batch_axes`` for :func:`quantlab.pipeline.prepare_model`;
+    ConfigError when one name is given twice (the last would win without a word)."""
+    from quantlab.errors import ConfigError
+
+    for option, pairs in (("--input", args.constants), ("--batch-axis", args.batch_axes)):
+        names = [name for name, _ in pairs]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ConfigError(f"{option} {twice[0]} is given more than once; give each input "
+                              "one value.")
     return {"constants": dict(args.constants), "batch_axes": dict(args.batch_axes)}
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number.") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}.")
-    return value
+class Number:
+    """The argparse type of every number option: a whole or real number, finite, within
+    [`low`, `high`] (an end in `open_ends` excluded). Every command's int and float options
+    use it, so nan, inf and values out of range are refused while parsing, before any work
+    (tests/test_reliability_r4.py checks that no number option escapes it)."""
+
+    def __init__(self, kind: type, low: float | None = None, high: float | None = None,
+                 open_ends: str = ""):
+        self.kind, self.low, self.high, self.open_ends = kind, low, high, open_ends
+        self.__name__ = kind.__name__  # argparse names the type in its messages
+
+    def __call__(self, text: str) -> float:
+        try:
+            value = self.kind(text)
+        except ValueError:
+            what = "a whole number" if self.kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"'{text}' is not {what}.") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}.")
+        if self.low is not None and (value < self.low or value == self.low
+                                     and "low" in self.open_ends):
+            bound = "above" if "low" in self.open_ends else "at least"
+            raise argparse.ArgumentTypeError(f"must be {bound} {self.low:g}, got {text}.")
+        if self.high is not None and (value > self.high or value == self.high
+                                      and "high" in self.open_ends):
+            bound = "below" if "high" in self.open_ends else "at most"
+            raise argparse.ArgumentTypeError(f"must be {bound} {self.high:g}, got {text}.")
+        return value
 
 
-def finite_float(text: str) -> float:
-    """argparse type: a finite number (not nan or inf)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number.") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}.")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}.")
-    return value
+positive_int = Number(int, 1)
+finite_float = Number(float)
+nonnegative_float = Number(float, 0)
+# A percentile of |x| kept: (0, 100] (calibrate.check_method's range).
+percentile = Number(float, 0, 100, open_ends="low")
+# A share strictly between 0 and 1 (sweep --tolerance).
+open_share = Number(float, 0, 1, open_ends="low high")
+# A pixel value before --scale/--mean/--std.
+pixel_value = Number(float, 0, 255)
 
 
 def add_memory_argument(parser: argparse.ArgumentParser, what: str) -> None:
@@ -273,6 +293,8 @@ def memory_size(text: str) -> int:
 
 
 def _constant(text: str) -> tuple[str, object]:
+    import numpy as np
+
     name, value = _split(text, "--input")
     try:
         parsed = json.loads(value)
@@ -283,6 +305,18 @@ def _constant(text: str) -> tuple[str, object]:
     if not isinstance(parsed, (int, float, list)) or isinstance(parsed, bool):
         raise argparse.ArgumentTypeError(
             f"--input {text}: give a number or a JSON list of numbers, not {value}.")
+    try:
+        array = np.asarray(parsed)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--input {text}: the list is ragged (its rows differ in length); give a "
+            "rectangular JSON list.") from None
+    if array.dtype.kind not in "iuf":
+        raise argparse.ArgumentTypeError(
+            f"--input {text}: give a number or a JSON list of numbers, not {value}.")
+    if not np.isfinite(array).all():
+        raise argparse.ArgumentTypeError(f"--input {text}: give finite numbers (JSON reads "
+                                         "NaN, Infinity and 1e999 as non-finite).")
     return name, parsed
 
 
@@ -302,6 +336,24 @@ def _split(text: str, option: str) -> tuple[str, str]:
     if not sep or not name or not value:
         raise argparse.ArgumentTypeError(f"{option} {text}: expected NAME=VALUE.")
     return name, value
+
+
+# Options that do not change what a resumed run computes: where it writes and what it shows;
+# the data's paths give way to their content's digest.
+NOT_FINGERPRINTED = frozenset({"run", "command", "out", "force", "no_progress", "allow_long",
+                               "data", "eval"})
+
+
+def resume_fingerprint(args: argparse.Namespace, model, *parts) -> str:
+    """The one fingerprint of resumable work (plan's and sweep's checkpoints): the model,
+    `parts` (the data's content digests, what the command derived), every option of `args`
+    but NOT_FINGERPRINTED, and the --metric's code (user_code.metric_code)."""
+    from quantlab.plan import fingerprint
+    from quantlab.user_code import metric_code
+
+    options = sorted((key, str(value)) for key, value in vars(args).items()
+                     if key not in NOT_FINGERPRINTED)
+    return fingerprint(model, *parts, options, metric_code(args.metric))
 
 
 # --- evaluation data of the commands that score a model on --eval (plan, sweep) ---

@@ -284,6 +284,8 @@ def _prepared(args, recorded):
                         "--data to collect statistics here.")
             options[key] = {**recorded[field], **options[key]}
     model = prepare_model(source, None if data == "zoo" else data, **options)
+    if recorded is not None:
+        check_same_model(model, args.model, f"--data {args.data}")
     frozen = graph.frozen_inputs(model)
     for name, value in scalar_arrays(args.eval).items():
         if name in frozen and not np.array_equal(value, frozen[name]):
@@ -291,6 +293,21 @@ def _prepared(args, recorded):
                             f"calibrated with input '{name}' frozen to {frozen[name]}; plan on "
                             f"evaluation data of the same {name}.")
     return model
+
+
+def check_same_model(model, given: str, where: str) -> None:
+    """ConfigError unless `model` (a folder's model.onnx) was made from the model `given`
+    (file or zoo name), compared by content digest (pipeline.model_digest)."""
+    from quantlab import graph
+    from quantlab.errors import ConfigError
+    from quantlab.pipeline import model_digest
+
+    if graph.source_digest(model) != model_digest(given):
+        raise ConfigError(
+            f"{where} holds another model than {given}: it was made from "
+            f"{graph.source_model(model) or 'a model of unknown origin'} (content digest "
+            f"{graph.source_digest(model) or 'not recorded'}, {given}'s is "
+            f"{model_digest(given)}). Pass that folder's model, or calibration data of {given}.")
 
 
 def _needed_tensors(model, implicit: bool) -> list[str]:
@@ -416,8 +433,8 @@ def run(args: argparse.Namespace) -> int:
     evaluation, task = open_evaluation(args, model, preprocess)
     _check_eval_shapes(model, evaluation, args)
     # One pass over each: NaN/Inf refused, and the content identifies the run (checkpoint).
-    digests = (checked_digest(source, f"--data {recorded['data'] if recorded else args.data}"),
-               checked_digest(evaluation, f"--eval {args.eval}"))
+    digests = (checked_digest(source, "--data"),
+               checked_digest(evaluation, "--eval"))
     out = Path(args.out)
     existed = {path for path in (out, *out.parents) if path.exists()}
     had_checkpoint = (out / PROGRESS_FILE).exists()
@@ -445,6 +462,7 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     from quantlab import cache, graph, plan, repairs, trtexec
     from quantlab.backends import tensorrt as trt_backend
     from quantlab.commands.build import TRTEXEC_CACHE
+    from quantlab.commands.options import resume_fingerprint
     from quantlab.experiment import output_folder, recorded_path, write_json, write_text
     from quantlab.pipeline import CACHE_ALGORITHM
     from quantlab.progress import progress_bar
@@ -495,17 +513,19 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
     phases["repairs"] = time.perf_counter() - started
     progress = None if args.no_progress else partial(progress_bar, leave=False)
     # Trials and evaluations are checkpointed in --out: an interrupted run resumes from there,
-    # only when the model, the data's content, the preprocessing and the options are the same.
+    # only when the model, the data's content, the preprocessing, the options and the metric's
+    # code are the same.
     out = Path(args.out)
-    checkpoint = plan.Checkpoint(out / PROGRESS_FILE, plan.fingerprint(
-        model, *digests, source.num_samples, evaluation.num_samples, preprocess.to_dict(),
+    checkpoint = plan.Checkpoint(out / PROGRESS_FILE, resume_fingerprint(
+        args, model, *digests, source.num_samples, evaluation.num_samples, preprocess.to_dict(),
         args.batch_size, args.metric, args.max_drop, args.min_sqnr, args.trials,
         args.hard_samples, args.high_precision, args.resamples, sorted(scales.amax.items()),
         sorted(candidates), sorted(repaired), args.bias_correction))
     if checkpoint.trials or checkpoint.evaluations:
         print(f"plan: resuming from {checkpoint.path}: {len(checkpoint.trials)} "
               f"trial(s) and {len(checkpoint.evaluations)} evaluation(s) of an interrupted run "
-              "of the same model, data (same content), preprocessing and options are reused.")
+              "of the same model, data (same content), preprocessing, options and metric code "
+              "are reused.")
     elif checkpoint.ignored:
         print(f"plan: {checkpoint.path} is from a run of another model, data or options "
               "(or unreadable); starting over.")

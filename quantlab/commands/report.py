@@ -22,18 +22,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "folders (searched recursively)")
     parser.add_argument("--out", metavar="FILE",
                         help="the index page to write (default: DIR/index.html of the first DIR)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace --out even when it is a file quantlab did not write (a "
+                             "page quantlab wrote is replaced without it; a page inside an "
+                             "experiment folder is refused either way)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Find the runs and write the index."""
     from pathlib import Path
 
+    from quantlab.experiment import check_page
     from quantlab.report import write_report
     from quantlab.report.runs import index_section
     from quantlab.runs import find_runs
 
     runs = find_runs(args.roots)
     out = Path(args.out) if args.out else Path(args.roots[0]) / "index.html"
+    check_page(out, args.force)
     write_report(out, "quantlab runs", [index_section(runs, out)],
                  subtitle=", ".join(str(root) for root in args.roots))
     kinds = ", ".join(f"{sum(r.kind == k for r in runs)} {k}"

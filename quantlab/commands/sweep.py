@@ -45,7 +45,15 @@ from __future__ import annotations
 
 import argparse
 
-from quantlab.commands.options import DATA_HELP, add_data_arguments, add_metric_argument
+from quantlab.commands.options import (
+    DATA_HELP,
+    Number,
+    add_data_arguments,
+    add_metric_argument,
+    open_share,
+    percentile,
+    positive_int,
+)
 
 HELP = "sweep calibrators x parameters x calibration sizes in one pass; data sufficiency"
 EPILOG = DATA_HELP
@@ -69,16 +77,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
                         help=f"calibrators (default: all of {', '.join(METHODS)})")
     # Defaults of quantlab.sweep, filled in by run (the parser does not import NumPy).
-    parser.add_argument("--percentiles", nargs="+", type=float, metavar="P",
+    parser.add_argument("--percentiles", nargs="+", type=percentile, metavar="P",
                         help="percentiles of the percentile calibrator (default: 99.9 99.99 "
                              "99.999)")
-    parser.add_argument("--calib-sizes", nargs="+", type=int, metavar="N",
+    parser.add_argument("--calib-sizes", nargs="+", type=Number(int, 2), metavar="N",
                         help="calibration-set sizes, nested prefixes of --data (default: 16, 32, "
                              "64, ... and all the data)")
-    parser.add_argument("--tolerance", type=float, metavar="SHARE",
+    parser.add_argument("--tolerance", type=open_share, metavar="SHARE",
                         help="an amax moving by less than this share from n/2 to n samples has "
                              "converged (default: 0.02)")
-    parser.add_argument("--resamples", type=int, default=200, metavar="B",
+    parser.add_argument("--resamples", type=positive_int, default=200, metavar="B",
                         help="paired bootstrap resamples (default: %(default)s)")
     parser.add_argument("--no-equalize", action="store_true",
                         help="do not equalize depthwise-conv inputs first (by default the model "
@@ -98,23 +106,24 @@ def run(args: argparse.Namespace) -> int:
     from functools import partial
     from pathlib import Path
 
-    from tqdm.auto import tqdm
-
     from quantlab import calibrate, graph, pipeline, qdq, sweep
-    from quantlab.commands.options import check_metric, open_evaluation, preprocess_from_args
+    from quantlab.commands.options import (
+        check_metric,
+        open_evaluation,
+        preprocess_from_args,
+        resume_fingerprint,
+    )
     from quantlab.commands.plan import _calibration, _prepared, _recorded
     from quantlab.data import checked_digest
     from quantlab.errors import ConfigError, DataError
     from quantlab.experiment import check_output
-    from quantlab.plan import fingerprint
+    from quantlab.progress import progress_bar
 
     check_output(args.out, force=args.force, produces=SWEEP_FILES)
     percentiles = args.percentiles or sweep.DEFAULT_PERCENTILES
     tolerance = sweep.TOLERANCE if args.tolerance is None else args.tolerance
     for method in args.methods:
         calibrate.check_method(method, {})
-    if not 0 < tolerance < 1:
-        raise ConfigError(f"--tolerance {tolerance}: give a share in (0, 1), e.g. 0.02.")
     check_metric(args.metric, args.eval == "zoo",
                  "with a zoo model, pass --eval zoo (its held-out split)", args.model)
     recorded = _recorded(args)
@@ -130,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
     configs = sweep.configurations(args.methods, percentiles, sizes)
     evaluation, task = open_evaluation(args, model, preprocess)
     # One pass over each: NaN/Inf refused, and the content identifies the run (checkpoint).
-    digests = (checked_digest(source, f"--data {recorded['data'] if recorded else args.data}"),
-               checked_digest(evaluation, f"--eval {args.eval}"))
+    digests = (checked_digest(source, "--data"),
+               checked_digest(evaluation, "--eval"))
     estimate = sweep.estimate_seconds(model, evaluation, args.metric, task, args.resamples,
                                       sizes[-1], len(configs))
     plan_text = (f"{len(configs)} configurations ({len(configs) // len(sizes)} calibrator "
@@ -170,9 +179,10 @@ def run(args: argparse.Namespace) -> int:
             folder_stats.num_bins)
     progress_dir = Path(args.out) / PROGRESS_DIR
     # Statistics and records are reused only for the same model, data content (not paths,
-    # sizes or dates: a file rewritten in place is other data), preprocessing and options.
-    checkpoint = _Checkpoint(progress_dir, fingerprint(
-        model, *digests, source.num_samples, evaluation.num_samples, preprocess.to_dict(),
+    # sizes or dates: a file rewritten in place is other data), preprocessing, options and the
+    # metric's code.
+    checkpoint = _Checkpoint(progress_dir, resume_fingerprint(
+        args, model, *digests, source.num_samples, evaluation.num_samples, preprocess.to_dict(),
         args.metric, args.resamples, tensors,
         None if folder_stats is None else (folder_stats.num_samples, folder_stats.num_bins)))
     blocks = checkpoint.blocks()
@@ -180,20 +190,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"sweep: resuming: {len(checkpoint.records)} configuration(s) and "
               f"{sum(b.num_samples for b in blocks.values())} samples' statistics already in "
               f"{progress_dir}, of an interrupted sweep of the same model, data (same content), "
-              "preprocessing and options.")
+              "preprocessing, options and metric code.")
     elif checkpoint.ignored:
-        print(f"sweep: {progress_dir} is from a sweep of another model, data or options (or "
-              "unreadable); starting over.")
-    progress = None if args.no_progress else partial(tqdm, leave=False)
+        print(f"sweep: {progress_dir} is from a sweep of another model, data, options or "
+              "metric code (or unreadable); starting over.")
+    progress = None if args.no_progress else partial(progress_bar, leave=False)
     evaluator = sweep.Evaluator(model, evaluation, args.metric, task, args.resamples, progress)
-    result = sweep.run_sweep(
-        model, source, evaluator, configs, tensors=tensors, known_stats=known,
-        known_blocks=blocks, done=checkpoint.records, on_block=checkpoint.add_block,
-        on_record=checkpoint.add_record, tolerance=tolerance,
-        progress=None if args.no_progress else partial(tqdm, leave=True),
-        show_collection=not args.no_progress,
-        **({"num_bins": folder_stats.num_bins} if folder_stats is not None else {}))
-    _write(args, index, source, configs, result, repairs)
+    try:
+        result = sweep.run_sweep(
+            model, source, evaluator, configs, tensors=tensors, known_stats=known,
+            known_blocks=blocks, done=checkpoint.records, on_block=checkpoint.add_block,
+            on_record=checkpoint.add_record, tolerance=tolerance,
+            progress=None if args.no_progress else partial(progress_bar, leave=True),
+            show_collection=not args.no_progress,
+            **({"num_bins": folder_stats.num_bins} if folder_stats is not None else {}))
+        _write(args, index, source, configs, result, repairs)
+    except Exception:
+        # A failed run (a full disk, a metric that fails) leaves nothing in --out; only an
+        # interrupted one (KeyboardInterrupt, SIGTERM: not Exceptions) keeps its checkpoint.
+        checkpoint.remove()
+        raise
     checkpoint.remove()
     best = result.best_record
     print(f"sweep: best {best['label']}: {args.metric} {best['value']:.4g} "
@@ -286,13 +302,21 @@ class _Checkpoint:
             self.remove()
 
     def blocks(self) -> dict:
-        """The blocks of statistics saved so far, by (first sample, stop)."""
+        """The blocks of statistics saved so far, by (first sample, stop); none, and the
+        checkpoint deleted (``ignored``), when one cannot be read (a run killed while writing
+        it, a damaged disk): the sweep then starts over."""
         from quantlab.collect import Statistics
+        from quantlab.errors import DataError
 
         found = {}
-        for path in self.folder.glob("block-*.npz"):
-            _, start, stop = path.stem.split("-")
-            found[int(start), int(stop)] = Statistics.load(path)
+        try:
+            for path in self.folder.glob("block-*.npz"):
+                _, start, stop = path.stem.split("-")
+                found[int(start), int(stop)] = Statistics.load(path)
+        except (DataError, ValueError):
+            self.records, self.ignored = {}, True
+            self.remove()
+            return {}
         return found
 
     def add_block(self, start: int, stop: int, stats) -> None:

@@ -35,6 +35,7 @@ from quantlab.commands.options import (
     add_data_arguments,
     add_memory_argument,
     add_metric_argument,
+    finite_float,
     positive_int,
 )
 
@@ -72,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="global",
                         help="global: stages end to end; local: each INT8 layer fed the FP32 "
                              "input (default: %(default)s)")
-    parser.add_argument("--threshold-db", type=float, default=30.0, metavar="DB",
+    parser.add_argument("--threshold-db", type=finite_float, default=30.0, metavar="DB",
                         help="SQNR below which a tensor counts as diverged (default: %(default)s)")
     add_metric_argument(parser, None, "with --zoo and its evaluation split",
                         "score the engine against FP32 end to end with a paired bootstrap "

@@ -10,6 +10,7 @@ import datetime as _dt
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import quote
 
 import numpy as np
 from markupsafe import Markup, escape
@@ -44,13 +45,19 @@ def index_section(runs: Sequence[Run], page: str | os.PathLike) -> Section:
         "when": _dt.datetime.fromtimestamp(run.time).strftime("%Y-%m-%d %H:%M"),
         "kind": run.kind,
         "folder": str(run.path),
-        "link": Path(os.path.relpath(run.report.resolve(), base)).as_posix() if run.report
-        else None,
+        "link": relative_link(run.report, base) if run.report else None,
         "figures": [(name, as_text(value)) for name, value in run.figures.items()],
     } for run in runs]
     html = _ENV.get_template("runs.html").render(
         runs=rows, caption=f"{len(runs)} experiment folders, newest first")
     return Section("Runs", html, anchor="runs")
+
+
+def relative_link(target: Path, base: Path) -> str:
+    """The href of the file `target` from a page in `base`: a relative path, each character
+    outside [A-Za-z0-9_.~/-] percent-encoded, so no folder name can make it a URL with a
+    scheme (``javascript:``) or break the attribute."""
+    return quote(Path(os.path.relpath(target.resolve(), base)).as_posix())
 
 
 def comparison_sections(comparison: Comparison) -> list[Section]:
