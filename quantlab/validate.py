@@ -56,11 +56,11 @@ from quantlab.experiment import (
     write_json,
 )
 from quantlab.fusion import fused_activation
-from quantlab.scoring import Certificate, PairedScore
 from quantlab.planner.measure import output_sample_axes
 from quantlab.progress import progress_bar
 from quantlab.report import write_report
 from quantlab.report.validation import next_steps, validation_section
+from quantlab.scoring import Certificate, PairedScore
 from quantlab.sensitivity import LocalErrorModel, local_error_model
 from quantlab.tasks import Task, TaskScore
 
