@@ -403,6 +403,23 @@ def _save_png(image, path: Path) -> None:
     image.save(path, format="PNG", optimize=False, compress_level=1)
 
 
+def _image_splits(out: Path, counts: dict[str, int], draw, preprocess,
+                  prefix: str = "") -> dict[str, Path]:
+    """Per split: ``draw(i)`` images (PIL) saved as ``<split>/<prefix>NNN.png`` and their
+    ``preprocess`` (HxWx3 uint8 -> CHW float32) stacked into ``<split>.npy``."""
+    paths = {}
+    for split, count in counts.items():
+        arrays = []
+        for i in range(count):
+            image = draw(i)
+            _save_png(image, out / split / f"{prefix}{i:03d}.png")
+            arrays.append(preprocess(np.asarray(image)))
+        np.save(out / f"{split}.npy", np.stack(arrays))
+        paths[split] = out / split
+        paths[f"{split}_npy"] = out / f"{split}.npy"
+    return paths
+
+
 # ------------------------------------------------------------------------ layout
 
 
@@ -580,22 +597,15 @@ def make_layout(out: str | os.PathLike, n_calib: int = 8, n_val: int = 4,
     `variant` "scan-cjk" draws Chinese text (Debian's fonts-wqy-microhei) and scans it."""
     if variant not in LAYOUT_VARIANTS:
         raise ValueError(f"layout variant {variant!r} is not one of {LAYOUT_VARIANTS}")
-    out = Path(out)
     rng = np.random.default_rng(seed)
-    paths = {}
-    for split, count in (("calib", n_calib), ("val", n_val)):
-        arrays = []
-        for i in range(count):
-            if variant == "synthetic":
-                page = _layout_page(rng)
-            else:
-                page = _scanned(_layout_page(rng, script="cjk"), rng)
-            _save_png(page, out / split / f"page_{i:03d}.png")
-            arrays.append(layout_preprocess(np.asarray(page)))
-        np.save(out / f"{split}.npy", np.stack(arrays))
-        paths[split] = out / split
-        paths[f"{split}_npy"] = out / f"{split}.npy"
-    return paths
+
+    def draw(_):
+        if variant == "synthetic":
+            return _layout_page(rng)
+        return _scanned(_layout_page(rng, script="cjk"), rng)
+
+    return _image_splits(Path(out), {"calib": n_calib, "val": n_val}, draw, layout_preprocess,
+                         "page_")
 
 
 # ------------------------------------------------------------------- orientation
@@ -744,25 +754,18 @@ def make_onet(out: str | os.PathLike, n_calib: int = 32, n_val: int = 16,
     from PIL import Image
     from sklearn.datasets import load_sample_images
 
-    out = Path(out)
     rng = np.random.default_rng(seed)
     images = load_sample_images().images
-    paths = {}
-    for split, count in (("calib", n_calib), ("val", n_val)):
-        arrays = []
-        for i in range(count):
-            source = images[i % len(images)]
-            side = int(rng.integers(48, 200))
-            top = int(rng.integers(0, source.shape[0] - side))
-            left = int(rng.integers(0, source.shape[1] - side))
-            crop = Image.fromarray(source[top:top + side, left:left + side]).resize(
-                (48, 48), Image.Resampling.BILINEAR)
-            _save_png(crop, out / split / f"{i:03d}.png")
-            arrays.append(onet_preprocess(np.asarray(crop)))
-        np.save(out / f"{split}.npy", np.stack(arrays))
-        paths[split] = out / split
-        paths[f"{split}_npy"] = out / f"{split}.npy"
-    return paths
+
+    def draw(i):
+        source = images[i % len(images)]
+        side = int(rng.integers(48, 200))
+        top = int(rng.integers(0, source.shape[0] - side))
+        left = int(rng.integers(0, source.shape[1] - side))
+        return Image.fromarray(source[top:top + side, left:left + side]).resize(
+            (48, 48), Image.Resampling.BILINEAR)
+
+    return _image_splits(Path(out), {"calib": n_calib, "val": n_val}, draw, onet_preprocess)
 
 
 # -------------------------------------------------------------------------- yolo
@@ -819,22 +822,12 @@ def make_yolo(out: str | os.PathLike, n_calib: int = 64, n_val: int = 128,
     from PIL import Image
     from sklearn.datasets import load_sample_images
 
-    out = Path(out)
     rng = np.random.default_rng(seed)
     backgrounds = load_sample_images().images
     with Image.open(matplotlib.cbook.get_sample_data("grace_hopper.jpg")) as image:
         portrait = image.convert("RGB")
-    paths = {}
-    for split, count in (("calib", n_calib), ("val", n_val)):
-        arrays = []
-        for i in range(count):
-            scene = _yolo_scene(rng, backgrounds, portrait)
-            _save_png(scene, out / split / f"{i:03d}.png")
-            arrays.append(yolo_preprocess(np.asarray(scene)))
-        np.save(out / f"{split}.npy", np.stack(arrays))
-        paths[split] = out / split
-        paths[f"{split}_npy"] = out / f"{split}.npy"
-    return paths
+    return _image_splits(Path(out), {"calib": n_calib, "val": n_val},
+                         lambda _: _yolo_scene(rng, backgrounds, portrait), yolo_preprocess)
 
 
 def make_layout_suite(out: str | os.PathLike, n_calib: int = 8, n_val: int = 4,
