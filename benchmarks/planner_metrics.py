@@ -1,4 +1,4 @@
-"""Label-free agreement metric for the layout detector, in the form `quantlab plan --metric` takes.
+"""Label-free agreement metrics of the suite's detectors, as `quantlab plan --metric` takes them.
 
 ``layout_agreement_map(outputs, references)``: COCO mAP@[.5:.95] x 100 of the candidate's
 decoded detections against the FP32 model's decoded detections taken as ground truth.
@@ -8,6 +8,14 @@ IoU 0.5), loaded from the hash-pinned wheel that ``tests/realmodels.py`` caches;
 package itself is not installed (its ``__init__`` pulls in OpenCV). FP32 against itself
 scores 100. Used by ``benchmarks/planner.py`` for quantlab (``--metric
 benchmarks.planner_metrics:layout_agreement_map``), NNCF and the bisection alike.
+
+``YoloF1`` (two-part: ``record`` per sample, ``score`` per list of records) and ``yolo_f1``
+(one function): F1 = 2 TP / (2 TP + FP + FN), pooled over the samples, of the yolo
+detector's (``tests/realmodels.py``, nudenet's YOLOv8n) decoded boxes against FP32's:
+a candidate box is a true positive when it has the same class as an FP32 box not matched
+yet and IoU >= 0.5 with it (greedy, highest score first, then highest IoU). Both decode
+as nudenet 3.4.2's ``_postprocess`` does, re-implemented here in NumPy
+(:func:`yolo_detections`); FP32 against itself scores 1.0.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import sys
 import types
 import weakref
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -149,3 +157,100 @@ layout_agreement_map.resampler = lambda outputs, references: agreement_resampler
     _detections(outputs), _detections(references))
 layout_agreement_ap50.resampler = lambda outputs, references: agreement_resampler(
     _detections(outputs), _detections(references), "map50")
+
+
+# ------------------------------------------------------------------ the yolo detector
+
+# nudenet/nudenet.py _postprocess: class probability kept at >= 0.2, then
+# cv2.dnn.NMSBoxes(boxes, scores, score_threshold=0.25, nms_threshold=0.45).
+YOLO_KEEP = 0.2
+YOLO_SCORE = 0.25
+YOLO_NMS_IOU = 0.45
+YOLO_MATCH_IOU = 0.5  # candidate vs FP32: a true positive at IoU >= 0.5, same class
+YOLO_SIZE = 320  # the input the suite feeds: square, so no padding is clipped away
+
+
+def _iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+    """IoU of one x1 y1 x2 y2 box with each of `boxes` (OpenCV's Rect2d: area = w * h)."""
+    width = np.clip(np.minimum(box[2], boxes[:, 2]) - np.maximum(box[0], boxes[:, 0]), 0, None)
+    height = np.clip(np.minimum(box[3], boxes[:, 3]) - np.maximum(box[1], boxes[:, 1]), 0, None)
+    inter = width * height
+    union = ((box[2] - box[0]) * (box[3] - box[1])
+             + (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1]) - inter)
+    return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
+
+
+def yolo_detections(output: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(boxes x1 y1 x2 y2 [K, 4], scores [K], classes [K]) of one sample's ``output0``
+    ([1, 4 + classes, anchors] or [4 + classes, anchors]), highest score first, as
+    nudenet's ``_postprocess`` keeps them on a 320x320 input: best class per anchor,
+    >= 0.2, corners clipped to the image, class-agnostic greedy NMS (OpenCV's: scores
+    >= 0.25 sorted stably, IoU > 0.45 with a kept box suppressed)."""
+    rows = np.asarray(output, np.float64).reshape(-1, output.shape[-1]).T
+    scores = rows[:, 4:].max(axis=1)
+    keep = scores >= YOLO_SCORE  # NMSBoxes' threshold; the 0.2 pre-filter is looser
+    rows, scores = rows[keep], scores[keep]
+    classes = rows[:, 4:].argmax(axis=1)
+    x = np.clip(rows[:, 0] - rows[:, 2] / 2, 0, YOLO_SIZE)
+    y = np.clip(rows[:, 1] - rows[:, 3] / 2, 0, YOLO_SIZE)
+    w = np.minimum(rows[:, 2], YOLO_SIZE - x)
+    h = np.minimum(rows[:, 3], YOLO_SIZE - y)
+    boxes = np.stack([x, y, x + w, y + h], axis=1)
+    order = np.argsort(-scores, kind="stable")
+    kept: list[int] = []
+    alive = np.ones(len(order), bool)
+    for rank, index in enumerate(order):  # one step per kept box, each vectorized
+        if not alive[rank]:
+            continue
+        kept.append(index)
+        alive[rank + 1:] &= _iou(boxes[index], boxes[order[rank + 1:]]) <= YOLO_NMS_IOU
+    kept = np.array(kept, np.int64)
+    return boxes[kept], scores[kept], classes[kept]
+
+
+def yolo_matches(candidate: tuple, reference: tuple) -> tuple[int, int, int]:
+    """(TP, FP, FN) of `candidate` detections against `reference` ones (each as
+    :func:`yolo_detections` returns them): greedy, candidate boxes by score, each taking
+    the unmatched reference box of its class with the highest IoU, if >= 0.5."""
+    boxes, _, classes = candidate
+    truth, _, truth_classes = reference
+    free = np.ones(len(truth), bool)
+    for box, label in zip(boxes, classes, strict=True):
+        iou = np.where(free & (truth_classes == label), _iou(box, truth), -1.0)
+        if len(iou) and iou.max() >= YOLO_MATCH_IOU:
+            free[int(iou.argmax())] = False
+    tp = int((~free).sum())
+    return tp, len(boxes) - tp, len(truth) - tp
+
+
+class YoloF1:
+    """Two-part metric (``--metric benchmarks.planner_metrics:YoloF1``): ``record`` decodes
+    one sample's candidate and FP32 ``output0`` and matches them; ``score`` pools counts."""
+
+    def record(self, outputs: Mapping[str, np.ndarray],
+               references: Mapping[str, np.ndarray]) -> tuple[int, int, int]:
+        """(TP, FP, FN) of one sample ({output name: array with a leading axis of 1})."""
+        (output,), (reference,) = outputs.values(), references.values()
+        return yolo_matches(yolo_detections(output), yolo_detections(reference))
+
+    def score(self, records: Iterable[tuple[int, int, int]]) -> float:
+        """F1 of the pooled counts; 1.0 when neither side found anything."""
+        tp, fp, fn = np.sum(np.array(list(records), np.int64).reshape(-1, 3), axis=0)
+        return 1.0 if tp + fp + fn == 0 else float(2 * tp / (2 * tp + fp + fn))
+
+
+def yolo_records(outputs: Sequence[Mapping[str, np.ndarray]],
+                 references: Sequence[Mapping[str, np.ndarray]]) -> list[tuple[int, int, int]]:
+    """:meth:`YoloF1.record` of every sample of lists of batches (samples on axis 0)."""
+    metric = YoloF1()
+    return [metric.record({k: v[i:i + 1] for k, v in batch.items()},
+                          {k: v[i:i + 1] for k, v in truth.items()})
+            for batch, truth in zip(outputs, references, strict=True)
+            for i in range(len(next(iter(batch.values()))))]
+
+
+def yolo_f1(outputs: list[dict[str, np.ndarray]],
+            references: list[dict[str, np.ndarray]]) -> float:
+    """One-function form (``--metric benchmarks.planner_metrics:yolo_f1``): lists of batches,
+    candidate and FP32; the F1 of :class:`YoloF1` over every sample."""
+    return YoloF1().score(yolo_records(outputs, references))

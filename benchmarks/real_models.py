@@ -46,8 +46,10 @@ CASES = {
     "vad": ("vad", "calib_npz", "val_npz", []),
     "onet-torchscript-b1": ("onet:legacy_static", "calib_npy", "val_npy", []),
     "onet-dynamo": ("onet:quantlab", "calib_npy", "val_npy", []),
+    "yolo": ("yolo", "calib_npy", "val_npy", []),
 }
-SIZES = {"layout": (16, 8), "orientation": (64, 32), "vad": (64, 32), "onet": (64, 32)}
+SIZES = {"layout": (16, 8), "orientation": (64, 32), "vad": (64, 32), "onet": (64, 32),
+         "yolo": (64, 32)}
 
 
 def timed(args: list[str]) -> tuple[float, float, int, str]:

@@ -21,12 +21,12 @@ from tests import realmodels  # noqa: E402
 
 # Sample counts: small enough for a 2-core machine (layout is 800x608 at batch 1).
 REAL_DATA_SIZES = {"layout": (8, 4), "orientation": (32, 16), "vad": (32, 16),
-                   "onet": (32, 16)}
+                   "onet": (32, 16), "yolo": (16, 32)}
 
 
 @pytest.fixture(scope="session")
 def real_models() -> dict[str, Path]:
-    """{name: model file} of the four real models (fetched once, then cached)."""
+    """{name: model file} of the real models (fetched once, then cached)."""
     return realmodels.fetch()
 
 

