@@ -16,13 +16,12 @@ What it leaves out against a real FP16 layer: docs/qdq.md, "FP16 units".
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
-from onnx import helper, numpy_helper, shape_inference
+from onnx import helper, shape_inference
 
 from quantlab import graph
 from quantlab.errors import ModelError
-from quantlab.qdq import FreshNames
+from quantlab.qdq import Converted
 
 _FLOAT, _FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 _ONNX_DOMAINS = ("", "ai.onnx")
@@ -42,33 +41,20 @@ def emulated(model: onnx.ModelProto) -> onnx.ModelProto:
     result = onnx.ModelProto()
     result.CopyFrom(model)
     g = result.graph
-    fresh = FreshNames(result)
-    initializers = {init.name: init for init in g.initializer}
-    wide: dict[str, str] = {}  # float16 tensor -> its float32 twin
+    wide = Converted(result, _FLOAT, "::fp32", "::widen")
     nodes: list[onnx.NodeProto] = []
     for node in g.node:
         if node.op_type == "Cast" or node.domain not in _ONNX_DOMAINS or \
                 graph.subgraphs(node) or not any(name in half for name in node.input):
             nodes.append(node)
             continue
-        for index, name in enumerate(node.input):
-            if name not in half:
-                continue
-            if name not in wide:
-                wide[name] = fresh(f"{name}::fp32")
-                if name in initializers:
-                    value = numpy_helper.to_array(initializers[name]).astype(np.float32)
-                    g.initializer.append(numpy_helper.from_array(value, wide[name]))
-                else:
-                    nodes.append(helper.make_node("Cast", [name], [wide[name]],
-                                                  name=fresh(f"{name}::widen"), to=_FLOAT))
-            node.input[index] = wide[name]
+        node.input[:] = [wide(name, nodes) if name in half else name for name in node.input]
         rounded = []
         for index, name in enumerate(node.output):
             if name in half:
-                node.output[index] = fresh(f"{name}::unrounded")
+                node.output[index] = wide.fresh(f"{name}::unrounded")
                 rounded.append(helper.make_node("Cast", [node.output[index]], [name],
-                                                name=fresh(f"{name}::round"), to=_FLOAT16))
+                                                name=wide.fresh(f"{name}::round"), to=_FLOAT16))
         nodes += [node, *rounded]
     del g.node[:]
     g.node.extend(nodes)

@@ -202,43 +202,56 @@ def _cast_to_fp16(model: onnx.ModelProto, names: set[str]) -> None:
         return
     g = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in _ONNX_DOMAINS), None)
-    fresh = FreshNames(model)
     floats = graph.float_tensors(model)
-    initializers = {init.name: init for init in g.initializer}
-    floats.update(n for n, init in initializers.items() if init.data_type == onnx.TensorProto.FLOAT)
+    floats.update(i.name for i in g.initializer if i.data_type == onnx.TensorProto.FLOAT)
     readers = graph.consumers(model)
     float32_read = {o.name for o in g.output} | graph.outer_scope_names(model) | {
         name for name, nodes in readers.items() if any(n.name not in names for n in nodes)}
-    half: dict[str, str] = {}  # float32 tensor -> its float16 twin
+    half = Converted(model, onnx.TensorProto.FLOAT16, "_fp16", "_Cast_fp16")
     nodes = []
     for node in g.node:
         if node.name not in names:
             nodes.append(node)
             continue
         for index, name in enumerate(node.input):
-            if name not in floats or not _takes_float16(node, index, opset):
-                continue
-            if name not in half:
-                half[name] = fresh(f"{name}_fp16")
-                if name in initializers:
-                    value = numpy_helper.to_array(initializers[name]).astype(np.float16)
-                    g.initializer.append(numpy_helper.from_array(value, half[name]))
-                else:
-                    nodes.append(helper.make_node("Cast", [name], [half[name]],
-                                                  name=fresh(f"{name}_Cast_fp16"),
-                                                  to=onnx.TensorProto.FLOAT16))
-            node.input[index] = half[name]
+            if name in floats and _takes_float16(node, index, opset):
+                node.input[index] = half(name, nodes)
         nodes.append(node)
         for index, name in enumerate(node.output):
             if name not in floats:
                 continue
-            node.output[index] = half[name] = fresh(f"{name}_fp16")
+            node.output[index] = half.twins[name] = half.fresh(f"{name}_fp16")
             if name in float32_read:
-                nodes.append(helper.make_node("Cast", [half[name]], [name],
-                                              name=fresh(f"{name}_Cast_fp32"),
+                nodes.append(helper.make_node("Cast", [half.twins[name]], [name],
+                                              name=half.fresh(f"{name}_Cast_fp32"),
                                               to=onnx.TensorProto.FLOAT))
     del g.node[:]
     g.node.extend(nodes)
+
+
+class Converted:
+    """Each tensor of a model converted to the float type `to` once, under a fresh name:
+    an initializer as a converted copy, any other tensor through a Cast node."""
+
+    def __init__(self, model: onnx.ModelProto, to: int, suffix: str, cast_suffix: str):
+        self.graph = model.graph
+        self.to, self.suffix, self.cast_suffix = to, suffix, cast_suffix
+        self.fresh = FreshNames(model)
+        self.initializers = {init.name: init for init in model.graph.initializer}
+        self.twins: dict[str, str] = {}  # tensor -> its converted twin
+
+    def __call__(self, name: str, nodes: list[onnx.NodeProto]) -> str:
+        """The twin of `name`, made on first use (a Cast appended to `nodes`)."""
+        if name not in self.twins:
+            twin = self.twins[name] = self.fresh(f"{name}{self.suffix}")
+            if name in self.initializers:
+                value = numpy_helper.to_array(self.initializers[name])
+                self.graph.initializer.append(numpy_helper.from_array(
+                    value.astype(helper.tensor_dtype_to_np_dtype(self.to)), twin))
+            else:
+                nodes.append(helper.make_node("Cast", [name], [twin], to=self.to,
+                                              name=self.fresh(f"{name}{self.cast_suffix}")))
+        return self.twins[name]
 
 
 def _takes_float16(node: onnx.NodeProto, index: int, opset: int | None) -> bool:
