@@ -94,6 +94,8 @@ class CalibrationResult:
     # method "auto": the candidates, the samples measured and layer (unit) -> the candidate
     # its amax came from.
     layer_calibrators: dict = field(default_factory=dict)
+    # The repairs asked for, on or off (those applied are in `repairs`): what compare reads.
+    repairs_requested: dict = field(default_factory=dict)
 
 
 def resolve_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
@@ -320,6 +322,8 @@ def run_calibration(
                                   weight_criterion=weight_criterion,
                                   bias_correction=bias_correction)
     result.repairs = {**applied, **result.repairs}
+    result.repairs_requested = {"depthwise_equalization": equalize,
+                                "bias_correction": bias_correction}
     write_results(result, out, force=force, trt_version=trt_version)
     return result
 
@@ -591,6 +595,7 @@ def write_results(
                 # FP32-preserving rewrites of model.onnx before collection, with what each
                 # treated and left alone (and why).
                 "repairs": result.repairs,
+                "repairs_requested": result.repairs_requested,
                 "weight_amax": result.weight_criterion,
                 # weight_amax "local": per weight tensor, the channels taking max |w| or the
                 # MSE amax and the local SQNR each gives.

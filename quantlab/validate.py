@@ -210,6 +210,8 @@ def validate(
     summary = {
         "samples": data.num_samples,
         "data": recorded_path(data.description),
+        # The calibration folder validated (--from): compare and report find this run by it.
+        "calibration": calibration,
         "mode": mode,
         "stages": {s.name: STAGE_DESCRIPTIONS.get(s.name, type(s).__name__)
                    for s in (torch_stage, fp32, engine) if s is not None},
