@@ -150,7 +150,9 @@ def accuracy_text(run: Run) -> str:
     """`run`'s accuracy in one line, or the command that measures it."""
     if run.accuracy:
         return "; ".join(f"{name} {as_text(value)}" for name, value in run.accuracy.items())
-    return (f"none recorded: `quantlab validate --from {run.path} --data DATA --metric "
+    data = run.settings.get("data")
+    data = data if isinstance(data, str) and Path(data).exists() else "DATA"
+    return (f"none recorded: `quantlab validate --from {run.path} --data {data} --metric "
             f"agreement --out {run.path / 'validate'}` measures it (or --metric top1/map "
             "with --zoo, or your module:function)")
 
