@@ -170,15 +170,19 @@ def next_steps(pairs: Sequence[PairResult], metric: Mapping | None, threshold_db
                mode: str, model: str | None = None, data: str | None = None,
                calibration: str | None = None) -> list[str]:
     """What to do next, one sentence each, from the INT8 pair (the last of `pairs`): outputs
-    that mix scales, `quantlab plan` when an output or `metric` falls short (with the
-    `model`, `calibration` folder and evaluation `data` where known), the units to pin
+    that mix scales (not probabilities, and only without a `metric`), `quantlab plan` when
+    an output or `metric` falls short (with the `model`, `calibration` folder and evaluation
+    `data` where known), the units to pin
     (local mode) or the first divergence to isolate (global), `quantlab build` when INT8
     holds."""
     pair = pairs[-1]
     steps = []
     sqnr = {name: values["sqnr_db"] for name, values in pair.outputs.items()}
     for name, spread in pair.channels.items():
-        if spread is None or spread["amax_max"] < MIXED_SCALES * spread["amax_min"]:
+        # Quiet where it cannot help: classes of a softmax (or a CTC's steps) span any range
+        # by design and the rare ones do not matter, and a --metric already reads the output.
+        if (spread is None or spread["amax_max"] < MIXED_SCALES * spread["amax_min"]
+                or spread["probabilities"] or metric is not None):
             continue
         if spread["worst_sqnr_db"] < min(threshold_db, sqnr[name] - 10.0):
             steps.append(
