@@ -874,3 +874,37 @@ def test_mixed_scales_stays_quiet_on_probabilities_and_under_a_metric(tmp_path):
                       progress=False, metric="sqnr")
     assert not result.summary["pairs"][0]["output_channels"]["y"]["probabilities"]
     assert not any("mixes scales" in s for s in result.summary["next_steps"])
+
+
+def test_worst_tensors_show_a_decomposed_op_as_the_op_a_user_knows(tmp_path):
+    """A transformer block exported with LayerNorm and GELU written out, its tensors inside
+    them (Pow, Erf, ...) planted at the ViT's 5.9 dB and norm1's output at 20 dB: the inside
+    tensors leave the worst-tensors table, norm1 heads it named LayerNorm, and the other rows
+    are the lowest of what remains."""
+    from helpers import decomposed_block
+
+    from quantlab import fusion
+    from quantlab.report.validation import WORST_LAYERS, worst_tensors
+
+    model = decomposed_block()
+    x = np.random.default_rng(0).standard_normal((48, 5, 16)).astype(np.float32)
+    names = qdq.activation_tensors_to_calibrate(model)
+    amax = {n: float(np.abs(v).max()) for n, v in OnnxRuntimeBackend(model).run(
+        {"x": x}, names).items()}
+    result = validate(model, qdq.quantize_model(model, amax),
+                      open_data(x, graph.input_specs(model), 16), tmp_path, progress=False)
+    table = result.pairs[-1].table.copy()
+    exported = fusion.decomposed_ops(graph.Graph(model))
+    inside = {t for t, op in exported.items() if op.output != t}
+    assert {"Pow", "Erf", "Sqrt"} <= set(table[table["tensor"].isin(inside)]["op_type"])
+    norm1 = next(op for op in exported.values() if op.nodes[0].startswith("/norm1/"))
+    table.loc[table["tensor"].isin(inside), "sqnr_db"] = 5.9
+    table.loc[table["tensor"] == norm1.output, "sqnr_db"] = 20.0
+    worst = worst_tensors(table, exported)
+    assert list(worst["tensor"])[0] == norm1.output
+    assert list(worst["op_type"])[0] == "LayerNorm (9 exported ops)"
+    kept = table[~table["tensor"].isin(inside)].sort_values("sqnr_db", kind="stable")
+    assert list(worst["tensor"]) == list(kept["tensor"][:WORST_LAYERS])
+    # The validation's own table, unplanted, goes through the same grouping in the report.
+    assert result.report.read_text().count("exported ops)") == sum(
+        t in exported for t in worst_tensors(result.pairs[-1].table, exported)["tensor"])
