@@ -25,3 +25,7 @@ WEIGHT_CRITERIA = ("max", "mse")
 # calibrate's weight amax: also "local", per channel the one of the two that gives the layer
 # TensorRT runs the least error on the calibration data (quantlab.weights).
 CALIBRATE_WEIGHT_CRITERIA = ("local", *WEIGHT_CRITERIA)
+# Image resampling of quantlab.data.Preprocess: Pillow's filters (which antialias when
+# shrinking), area averaging, and OpenCV's cv2.resize INTER_LINEAR (no antialiasing), which
+# packages that preprocess with OpenCV feed their models.
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "area", "opencv-linear")
