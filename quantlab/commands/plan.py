@@ -221,7 +221,9 @@ def _calibration(args, model, recorded, preprocess):
         source = open_data(recorded["data"], inputs, args.batch_size, args.max_samples,
                            preprocess)
         unchanged = " (unchanged since)" if recorded["data_stamp"] else ""
-        print(f"plan: reusing {args.data}/stats.npz, collected from {recorded['data']}"
+        # Shared with sweep: each command's lines start with its own name.
+        print(f"{getattr(args, 'command', None) or 'plan'}: reusing {args.data}/stats.npz, "
+              f"collected from {recorded['data']}"
               f"{unchanged} with its recorded preprocessing.")
         return source, collect.Statistics.load(Path(args.data) / "stats.npz")
     return open_data(args.data, inputs, args.batch_size, args.max_samples, preprocess), None
