@@ -169,6 +169,14 @@ def _recorded(args) -> dict | None:
     return None
 
 
+def _equalized_by_calibrate(args) -> list:
+    """The inputs `quantlab calibrate` equalized in the --data folder's model.onnx (its
+    calibration.json), or [] when --data is no calibration folder."""
+    recorded = _recorded(args)
+    repairs = (recorded or {}).get("repairs") or {}
+    return (repairs.get("depthwise_equalization") or {}).get("applied") or []
+
+
 def _check_overrides(args, recorded, preprocess) -> None:
     """Refuse preprocessing options that contradict the calibration folder whose statistics
     are reused: stats.npz holds tensors of images read the recorded way, while the
@@ -482,8 +490,12 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             changed, report = (repairs.cross_layer_equalization(model) if name == "cle"
                                else repairs.smooth_quant(model, source))
         if not report.applied:
-            print(f"repair {name}: nothing to change in this model ({len(report.skipped)} "
-                  "candidates skipped); not weighed.")
+            done = _equalized_by_calibrate(args) if renames else []
+            print(f"repair {name}: " + (
+                f"already applied: {args.data} is a calibration folder whose model.onnx "
+                f"`quantlab calibrate` equalized ({len(done)} inputs); not weighed again."
+                if done else f"nothing to change in this model ({len(report.skipped)} "
+                "candidates skipped); not weighed."))
             continue
         # Equalization renames every tensor whose values it changes: the others keep their
         # statistics and calibration (cle rescales tensors in place: all collected again).
