@@ -213,8 +213,11 @@ def reproducing_command(args: argparse.Namespace, best, recorded: dict | None) -
     """The `quantlab calibrate` command whose folder holds the scales and Q/DQ model of the
     sweep's `best` configuration: its calibrator on the first `best.size` samples, weights at
     max |w|, no bias correction, equalized as the sweep was (the preprocessing options of the
-    sweep, if any, go with it). `recorded`: --data's calibration.json, when a folder."""
+    sweep, if any, go with it). `recorded`: --data's calibration.json, when a folder. calibrate
+    takes no `zoo` data: a zoo model's split is named as the .npy to save it to."""
     data = recorded["data"] if recorded else args.data
+    if data == "zoo":
+        data = f"{args.model}-calibration.npy"  # numpy.save(zoo.get(MODEL).calibration_set())
     parts = ["quantlab calibrate", str(args.model), "--data", str(data),
              "--max-samples", str(best.size), "--method", best.method,
              *(f"--{name} {value:g}" for name, value in best.params),
