@@ -69,7 +69,7 @@ AUTO_DEFAULT = "percentile"  # for tensors no layer chooses
 # planner chooses on 8; more steady the choice, each a local pass per candidate.
 CHOICE_SAMPLES = 32
 WEIGHT_CRITERIA = choices.CALIBRATE_WEIGHT_CRITERIA
-DEFAULT_WEIGHT_CRITERION = "local"
+DEFAULT_WEIGHT_CRITERION = choices.DEFAULT_WEIGHT_AMAX
 # "local" chooses between these two qdq criteria; quantize_model takes the chosen amax.
 _QDQ_CRITERION = {"local": "max"}
 
@@ -253,7 +253,7 @@ def run_calibration(
     model: str | os.PathLike | onnx.ModelProto,
     data: str | os.PathLike | BatchSource | object,
     out: str | os.PathLike,
-    method: str = choices.DEFAULT_CALIBRATE_METHOD,
+    method: str = choices.DEFAULT_METHOD,
     method_params: Mapping[str, float] | None = None,
     batch_size: int = 32,
     max_samples: int | None = None,

@@ -132,7 +132,7 @@ def test_sweep_command_writes_a_consistent_folder(tmp_path, capsys):
     best = full[int(np.argmax([r["value"] for r in full]))]
     assert result["best"] == best["label"]
     default = next(r for r in records if r["label"] == "percentile 99.99 @64")
-    assert best["value"] >= default["value"]  # plan's and validate's default is in the grid
+    assert best["value"] >= default["value"]  # calibrate's percentile is in the grid
     for r in records:
         assert r["interval"][0] <= r["value"] <= r["interval"][1]
         assert r["delta"] == pytest.approx(r["value"] - r["fp32"])

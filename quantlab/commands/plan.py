@@ -82,7 +82,7 @@ PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab plan`."""
-    from quantlab.choices import DEFAULT_METHOD, METHODS
+    from quantlab.choices import DEFAULT_METHOD, DEFAULTS_FROM, METHODS
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
     parser.add_argument("--eval", required=True, metavar="EVAL",
@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(docs/metrics.md)")
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS,
                         help="calibrator of the tensors no unit quantizes (TensorRT <= 10 "
-                             "cache ranges) and the starting scales (default: %(default)s)")
+                             "cache ranges) and the starting scales (default: %(default)s, "
+                             f"from {DEFAULTS_FROM}: calibrate's)")
     parser.add_argument("--calibrators", nargs="+", default=list(METHODS), choices=METHODS,
                         metavar="METHOD",
                         help="methods each unit chooses its input scales from, by local INT8 "
