@@ -7,17 +7,18 @@ these names import them from here. The zoo's names live in :mod:`quantlab.zoo_na
 
 # Calibrators of quantlab.calibrate.
 METHODS = ("entropy", "max", "percentile", "mse")
-# The method `quantlab calibrate` uses unless told otherwise: chosen by measurement on
-# the real-model suite and the zoo (benchmarks/default_method.py, docs/calibration.md).
-DEFAULT_METHOD = "percentile"
+# The defaults of every command, one per role, here alone (each --help names this module):
+# the calibrator of activations (calibrate --method, plan's starting scales, validate --zoo),
+# the weight amax (calibrate --weight-amax, validate --zoo). mse since issue 19 (with the
+# weight amax by layer error and bias correction), by benchmarks/default_method.py's rule:
+# behind the best on 1 of 7 models (silero-vad), auto on 2, percentile on 3; plan's default
+# followed in issue 44 (the demo's shapes-det plan: 100% INT8, mAP 0.6652 vs FP32 0.6657,
+# certified on 500 images, as with percentile).
+DEFAULT_METHOD = "mse"
 # The calibrate command's own method: per layer, the calibrator whose amax gives the layer
 # the least error on the calibration data (quantlab.pipeline.calibrate_from_stats).
 AUTO_METHOD = "auto"
 CALIBRATE_METHODS = (*METHODS, AUTO_METHOD)
-# calibrate's default since issue 19 (with the weight amax by layer error and bias
-# correction), by benchmarks/default_method.py's rule: behind the best on 1 of 7 models
-# (silero-vad), auto on 2, percentile on 3. plan and validate keep DEFAULT_METHOD.
-DEFAULT_CALIBRATE_METHOD = "mse"
 # Validation modes of quantlab.validate: stages end to end, or each INT8 layer fed FP32 inputs.
 MODES = ("global", "local")
 # How quantlab.qdq chooses a weight channel's amax: max |w|, or least int8 squared error.
@@ -25,3 +26,10 @@ WEIGHT_CRITERIA = ("max", "mse")
 # calibrate's weight amax: also "local", per channel the one of the two that gives the layer
 # TensorRT runs the least error on the calibration data (quantlab.weights).
 CALIBRATE_WEIGHT_CRITERIA = ("local", *WEIGHT_CRITERIA)
+DEFAULT_WEIGHT_AMAX = "local"
+# Where --help says a default comes from.
+DEFAULTS_FROM = "quantlab/choices.py: one default per role for every command"
+# Image resampling of quantlab.data.Preprocess: Pillow's filters (which antialias when
+# shrinking), area averaging, and OpenCV's cv2.resize INTER_LINEAR (no antialiasing), which
+# packages that preprocess with OpenCV feed their models.
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "area", "opencv-linear")

@@ -202,6 +202,11 @@ def joined_energies(parts: Sequence[tuple[np.ndarray, np.ndarray]],
     return np.concatenate([n for n, _ in parts]), np.concatenate([p for _, p in parts])
 
 
+# How far from 1 the sum of one position's values along an axis may be for them to count as a
+# distribution (float32 softmax over thousands of classes sums to 1 within ~1e-6).
+PROBABILITY_SUM_TOLERANCE = 1e-3
+
+
 class ChannelError:
     """Per-channel signal and noise power and largest |reference| of one tensor pair, along
     axis 1 and along the last axis (samples on axis 0), folded batch by batch: whether the
@@ -209,6 +214,9 @@ class ChannelError:
 
     def __init__(self):
         self.sums: dict[int, np.ndarray] = {}  # axis -> rows signal, noise, max |ref|
+        # axis -> whether every reference so far holds probabilities along it (in [0, 1],
+        # summing to 1: a softmax over classes, a CTC's per-step distribution).
+        self.probabilities: dict[int, bool] = {}
 
     def update(self, ref: np.ndarray, test: np.ndarray) -> None:
         """Add one batch (arrays of equal shape; nothing for fewer than 2 axes)."""
@@ -218,14 +226,18 @@ class ChannelError:
             r = np.moveaxis(ref, axis, 0).reshape(np.shape(ref)[axis], -1).astype(np.float64)
             e = np.moveaxis(test, axis, 0).reshape(r.shape).astype(np.float64) - r
             got = np.stack([(r * r).sum(1), (e * e).sum(1), np.abs(r).max(1, initial=0.0)])
+            self.probabilities[axis] = self.probabilities.get(axis, True) and bool(
+                r.min(initial=0.0) >= 0.0 and r.max(initial=0.0) <= 1.0
+                and np.allclose(r.sum(0), 1.0, atol=PROBABILITY_SUM_TOLERANCE))
             old = self.sums.get(axis)
             self.sums[axis] = got if old is None else np.stack(
                 [old[0] + got[0], old[1] + got[1], np.maximum(old[2], got[2])])
 
     def spread(self) -> dict | None:
         """On the axis whose channels' largest |values| span the widest factor: the axis, the
-        channel count, the smallest and largest max |value| (channels not all zero), and the
-        worst channel with its SQNR in dB. None for a tensor of fewer than 2 channels."""
+        channel count, the smallest and largest max |value| (channels not all zero), the
+        worst channel with its SQNR in dB, and whether the values are probabilities along that
+        axis. None for a tensor of fewer than 2 channels."""
         best = None
         for axis, (signal, noise, amax) in self.sums.items():
             live = amax > 0
@@ -243,7 +255,7 @@ class ChannelError:
         worst = int(np.argmin(np.where(live, sqnr, np.inf)))
         return {"axis": axis, "channels": len(amax), "amax_min": float(amax[live].min()),
                 "amax_max": float(amax[live].max()), "worst_channel": worst,
-                "worst_sqnr_db": float(sqnr[worst])}
+                "worst_sqnr_db": float(sqnr[worst]), "probabilities": self.probabilities[axis]}
 
 
 class Comparison:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from quantlab.choices import INTERPOLATIONS
 from quantlab.errors import ConfigError, DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff")
@@ -31,7 +32,6 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff")
 IMAGE_CACHE_BYTES = 256 * 2**20
 
 RESIZE_MODES = ("squash", "letterbox", "pad", "height-pad", "center-crop")
-INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "area")
 
 
 @dataclass(frozen=True)
@@ -180,6 +180,8 @@ class Preprocess:
         if self.interpolation == "area":
             averaged = area_resize(np.asarray(image), height, width)
             return np.floor(averaged + 0.5).astype(np.float32)  # halves up, as OpenCV's 8-bit
+        if self.interpolation == "opencv-linear":
+            return opencv_linear_resize(np.asarray(image), height, width).astype(np.float32)
         from PIL import Image
 
         method = getattr(Image.Resampling, self.interpolation.upper())
@@ -193,6 +195,36 @@ class Preprocess:
         top, left = corner
         canvas[top:top + pixels.shape[0], left:left + pixels.shape[1]] = pixels
         return canvas
+
+
+def opencv_linear_resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """``cv2.resize(image, (width, height), interpolation=cv2.INTER_LINEAR)`` of a uint8
+    H x W or H x W x C image, in numpy: no antialiasing when shrinking.
+
+    Half-pixel centres, edge clamping, 11-bit fixed-point weights and the rounding of
+    OpenCV's 8-bit SIMD path (``VResizeLinearVec_32s8u``), written from OpenCV's resize.cpp
+    (OpenCV is not a dependency; tests/test_data.py checks it against OpenCV itself).
+    """
+    in_h, in_w = image.shape[:2]
+
+    def taps(out_n: int, in_n: int):
+        scale = in_n / out_n
+        f = ((np.arange(out_n) + 0.5) * scale - 0.5).astype(np.float32)
+        s = np.floor(f).astype(np.int64)
+        f = f - s
+        f[s < 0], s[s < 0] = 0, 0
+        over = s >= in_n - 1
+        f[over], s[over] = 0, in_n - 1
+        w0 = np.rint((1.0 - f) * 2048).astype(np.int64)
+        return s, np.minimum(s + 1, in_n - 1), w0, 2048 - w0
+
+    x0, x1, a0, a1 = taps(width, in_w)
+    y0, y1, b0, b1 = taps(height, in_h)
+    src = np.asarray(image).astype(np.int64).reshape(in_h, in_w, -1)
+    rows = src[:, x0] * a0[None, :, None] + src[:, x1] * a1[None, :, None]  # in_h x W x C
+    r0, r1 = rows[y0] >> 4, rows[y1] >> 4
+    out = (((b0[:, None, None] * r0) >> 16) + ((b1[:, None, None] * r1) >> 16) + 2) >> 2
+    return np.clip(out, 0, 255).astype(np.uint8).reshape((height, width) + image.shape[2:])
 
 
 def area_resize(pixels: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -92,7 +92,7 @@ BIAS_SAMPLES = 64
 FOLD_MIN_SAMPLES = 4
 FOLD_SETTLED_SE = 4.0
 WEIGHT_CRITERIA = choices.CALIBRATE_WEIGHT_CRITERIA
-DEFAULT_WEIGHT_CRITERION = "local"
+DEFAULT_WEIGHT_CRITERION = choices.DEFAULT_WEIGHT_AMAX
 # "local" chooses between these two qdq criteria; quantize_model takes the chosen amax.
 _QDQ_CRITERION = {"local": "max"}
 
@@ -117,6 +117,8 @@ class CalibrationResult:
     # method "auto": the candidates, the samples measured and layer (unit) -> the candidate
     # its amax came from.
     layer_calibrators: dict = field(default_factory=dict)
+    # The repairs asked for, on or off (those applied are in `repairs`): what compare reads.
+    repairs_requested: dict = field(default_factory=dict)
     # Each phase as it ran: name, seconds, samples read, model runs (Phases.record).
     phases: list[dict] = field(default_factory=list)
 
@@ -343,7 +345,7 @@ def run_calibration(
     model: str | os.PathLike | onnx.ModelProto,
     data: str | os.PathLike | BatchSource | object,
     out: str | os.PathLike,
-    method: str = choices.DEFAULT_CALIBRATE_METHOD,
+    method: str = choices.DEFAULT_METHOD,
     method_params: Mapping[str, float] | None = None,
     batch_size: int = 32,
     max_samples: int | None = None,
@@ -415,6 +417,8 @@ def run_calibration(
                                   weight_criterion=weight_criterion, phases=phases,
                                   bias_correction=bias_correction)
     result.repairs = {**applied, **result.repairs}
+    result.repairs_requested = {"depthwise_equalization": equalize,
+                                "bias_correction": bias_correction}
     write_results(result, out, force=force, trt_version=trt_version)
     return result
 
@@ -742,6 +746,7 @@ def write_results(
                 # FP32-preserving rewrites of model.onnx before collection, with what each
                 # treated and left alone (and why).
                 "repairs": result.repairs,
+                "repairs_requested": result.repairs_requested,
                 "weight_amax": result.weight_criterion,
                 # weight_amax "local": per weight tensor, the channels taking max |w| or the
                 # MSE amax and the local SQNR each gives.

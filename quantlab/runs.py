@@ -38,6 +38,10 @@ class Run:
     time: float
     settings: dict[str, object] = field(default_factory=dict)
     figures: dict[str, object] = field(default_factory=dict)
+    # The INT8 model against FP32 (output SQNR, the --metric result) and the folder it was
+    # read from (the run itself, or a validate run of it); empty when none holds one.
+    accuracy: dict[str, object] = field(default_factory=dict)
+    accuracy_from: Path | None = None
 
     @property
     def report(self) -> Path | None:
@@ -88,21 +92,114 @@ def load_run(folder: str | os.PathLike) -> Run:
     try:
         data = read_json(folder / MARKERS[kind])
         settings, figures = _READERS[kind](folder, data)
+        accuracy, source = _accuracy(folder, kind, data)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise DataError(f"{folder / MARKERS[kind]} is damaged or was edited ({exc!r}); run "
                         "the command again to rewrite it.") from None
-    return Run(folder, kind, (folder / MARKERS[kind]).stat().st_mtime, settings, figures)
+    return Run(folder, kind, (folder / MARKERS[kind]).stat().st_mtime, settings, figures,
+               accuracy, source)
+
+
+def validations(folder: str | os.PathLike) -> list[Path]:
+    """The validate runs of a calibration `folder`, newest first: those inside it, and those
+    beside it that were run with ``--from`` it (their summary.json's ``calibration``)."""
+    folder = Path(folder).resolve()
+    inside = [p for p in folder.iterdir() if p.is_dir() and run_kind(p) == "validate"]
+    beside = [p for p in folder.parent.iterdir()
+              if p.is_dir() and p != folder and run_kind(p) == "validate"
+              and read_json(p / MARKERS["validate"]).get("calibration") == str(folder)]
+    return sorted(inside + beside, key=lambda p: -(p / MARKERS["validate"]).stat().st_mtime)
+
+
+def validation_accuracy(summary: Mapping) -> dict[str, object]:
+    """The INT8 engine against FP32 in a validate run's summary.json: output SQNR (dB) and,
+    with --metric, the metric's INT8 value, its change and the change's interval."""
+    accuracy = {}
+    for pair in summary["pairs"]:
+        if pair["test"] == ENGINE_STAGE and pair["output_sqnr_db"] is not None:
+            accuracy["output_sqnr_db"] = pair["output_sqnr_db"]
+    metric = summary.get("metric")
+    if metric:
+        name = metric["name"]
+        accuracy[name] = metric[ENGINE_STAGE]
+        if metric.get("change") is not None:
+            accuracy[f"{name}.change"] = metric["change"]
+            accuracy[f"{name}.interval"] = metric["interval"]
+    return accuracy
+
+
+def _accuracy(folder: Path, kind: str, data: dict) -> tuple[dict, Path | None]:
+    """(accuracy, the folder holding it) of a run of `kind` whose record is `data`."""
+    if kind == "validate":
+        return validation_accuracy(data), folder
+    if kind == "calibrate":
+        for validation in validations(folder):
+            return validation_accuracy(read_json(validation / MARKERS["validate"])), validation
+        return {}, None
+    if kind == "plan":
+        certificate = read_json(folder / "summary.json")["certificate"]
+        return {certificate["metric"]: certificate["value"],
+                "fp32": certificate["reference"]}, folder
+    if kind == "sweep":
+        best = next(r for r in data["configurations"] if r["label"] == data["best"])
+        return {data["metric"]: best["value"]}, folder
+    return {f"{m['name']}.{m['metric']}": m["int8"] for m in data["models"]}, folder
+
+
+def accuracy_text(run: Run) -> str:
+    """`run`'s accuracy in one line, or the command that measures it."""
+    if run.accuracy:
+        return "; ".join(f"{name} {as_text(value)}" for name, value in run.accuracy.items())
+    data = run.settings.get("data")
+    data = data if isinstance(data, str) and Path(data).exists() else "DATA"
+    return (f"none recorded: `quantlab validate --from {run.path} --data {data} --metric "
+            f"agreement --out {run.path / 'validate'}` measures it (or --metric top1/map "
+            "with --zoo, or your module:function)")
 
 
 def _calibrate(folder: Path, data: dict) -> tuple[dict, dict]:
-    settings = {"method": data["method"], **{f"params.{k}": v for k, v in data["params"].items()},
-                "data": data["data"], "num_samples": data["num_samples"],
-                "batch_size": data["batch_size"], "trt_version": data.get("trt_version"),
-                **{f"preprocess.{k}": v for k, v in (data.get("preprocess") or {}).items()},
-                "frozen_inputs": data.get("frozen_inputs")}
     method = " ".join([data["method"], *(f"{v:g}" for v in data["params"].values())])
-    return settings, {"method": method, "samples": data["num_samples"],
-                      "tensors": data["tensors"]}
+    return record_settings(data), {"method": method, "samples": data["num_samples"],
+                                   "tensors": data["tensors"]}
+
+
+# Fields of a record that are results or fingerprints rather than something the user chose.
+NOT_SETTINGS = frozenset({"data_stamp", "tensors"})
+
+
+def record_settings(record: Mapping, prefix: str = "") -> dict[str, object]:
+    """Every field of a run's record (calibration.json, summary.json) as a dotted name ->
+    value, so that an option a command starts recording shows up without code here: scalars
+    and lists of scalars as they are, a record one level down flattened, one deeper (a
+    repair's report) summarized as its scalars and the lengths of its lists."""
+    settings = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if key in NOT_SETTINGS:
+            continue
+        if isinstance(value, Mapping) and not prefix:
+            settings.update(record_settings(value, f"{name}."))
+        elif isinstance(value, Mapping):
+            settings[name] = _summary(value)
+        elif _plain(value):
+            settings[name] = value
+        else:
+            settings[name] = f"{len(value)} entries"
+    return settings
+
+
+def _plain(value: object) -> bool:
+    """A scalar, or a list of scalars."""
+    if isinstance(value, (list, tuple)):
+        return all(not isinstance(v, (Mapping, list, tuple)) for v in value)
+    return not isinstance(value, Mapping)
+
+
+def _summary(record: Mapping) -> str:
+    """A nested record in one line: its scalars, and the length of its lists."""
+    parts = [f"{k} {v}" if not isinstance(v, (Mapping, list, tuple)) else f"{k} {len(v)}"
+             for k, v in record.items() if not isinstance(v, Mapping)]
+    return ", ".join(parts) or f"{len(record)} entries"
 
 
 def _sweep(folder: Path, data: dict) -> tuple[dict, dict]:
@@ -127,6 +224,11 @@ def _plan(folder: Path, data: dict) -> tuple[dict, dict]:
     figures = {"int8_mac_share": summary["int8_mac_share"], summary["metric"]: certificate["value"],
                "fp32": certificate["reference"], "certified": certificate["certified"],
                "margin_interval": certificate["interval"]}
+    if not summary["int8_mac_share"]:
+        # No plan with INT8 certified: the planner fell back to the high-precision model.
+        precisions = sorted({u["precision"] for u in data["units"].values()})
+        figures = {"plan": f"fallback: all-{'/'.join(p.upper() for p in precisions)}, no INT8",
+                   **figures}
     return settings, figures
 
 
@@ -168,15 +270,14 @@ def find_runs(roots: Iterable[str | os.PathLike]) -> list[Run]:
 
 
 def validation_table(run: Run) -> pd.DataFrame | None:
-    """The FP32-vs-INT8 per-layer table of `run`, or of a validate run directly inside it."""
-    candidates = [run] if run.kind == "validate" else [
-        load_run(p) for p in sorted(run.path.iterdir())
-        if p.is_dir() and run_kind(p) == "validate"]
+    """The FP32-vs-INT8 per-layer table of `run`, or of its newest validate run (inside the
+    folder, or beside it: :func:`validations`)."""
+    candidates = [run.path] if run.kind == "validate" else validations(run.path)
     for candidate in candidates:
-        summary = read_json(candidate.path / MARKERS["validate"])
+        summary = read_json(candidate / MARKERS["validate"])
         for pair in summary["pairs"]:
             if pair["test"] == ENGINE_STAGE:
-                return pd.read_csv(candidate.path / pair["layers_csv"])
+                return pd.read_csv(candidate / pair["layers_csv"])
     return None
 
 
@@ -190,6 +291,7 @@ class Comparison:
     scales: pd.DataFrame | None  # tensor, amax_a, amax_b, ratio (b / a), largest change first
     layers: pd.DataFrame | None  # tensor, sqnr_db_a, sqnr_db_b, difference (b - a)
     figures: pd.DataFrame  # figure, a, b
+    accuracy: pd.DataFrame  # figure, a, b: the INT8 model against FP32 (accuracy_text if none)
 
 
 def compare_runs(a: Run, b: Run) -> Comparison:
@@ -223,7 +325,17 @@ def compare_runs(a: Run, b: Run) -> Comparison:
     figures = pd.DataFrame([{"figure": k, "a": as_text(a.figures.get(k)),
                              "b": as_text(b.figures.get(k))} for k in names],
                            columns=["figure", "a", "b"])
-    return Comparison(a, b, settings, scales, layers, figures)
+    measured = list(dict.fromkeys([*a.accuracy, *b.accuracy]))
+    accuracy = pd.DataFrame(
+        [{"figure": k, "a": as_text(a.accuracy.get(k)), "b": as_text(b.accuracy.get(k))}
+         for k in measured]
+        + [{"figure": "measured in", "a": _measured_in(a), "b": _measured_in(b)}],
+        columns=["figure", "a", "b"])
+    return Comparison(a, b, settings, scales, layers, figures, accuracy)
+
+
+def _measured_in(run: Run) -> str:
+    return str(run.accuracy_from) if run.accuracy else accuracy_text(run)
 
 
 def as_text(value: object) -> str:

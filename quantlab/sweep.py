@@ -375,8 +375,7 @@ def run_sweep(model: onnx.ModelProto, source: BatchSource, evaluator: Evaluator,
         del outputs
     # Outputs are not kept across configurations (memory flat in their number): the best
     # and the runner-up run again for the separation test.
-    # Ties go to the larger calibration set, then to the earlier setting.
-    order = sorted(range(len(records)), key=lambda i: (-records[i]["value"], -configs[i].size, i))
+    order = ranking(configs, records)
     best = order[0]
     # The question is which calibrator: the runner-up is the best of another setting.
     runner_up = next((i for i in order if configs[i].setting != configs[best].setting), None)
@@ -405,6 +404,15 @@ def run_sweep(model: onnx.ModelProto, source: BatchSource, evaluator: Evaluator,
     result.sentences = {"calibration": calibration_sentence(result),
                         "evaluation": evaluation_sentence(result)}
     return result
+
+
+def ranking(configs: Sequence[Config], records: Sequence[dict]) -> list[int]:
+    """Configuration indices, best first: those at the largest calibration size first (a
+    smaller size that scores higher is the luck of a few samples, its scales still moving:
+    not what to reproduce), then by metric; ties to the earlier setting."""
+    full = max(c.size for c in configs)
+    return sorted(range(len(records)),
+                  key=lambda i: (configs[i].size != full, -records[i]["value"], i))
 
 
 def _quantized(index: graph.Graph, stats: collect.Statistics, config: Config) -> onnx.ModelProto:

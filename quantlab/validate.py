@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 import pandas as pd
 
-from quantlab import compare, graph, segments
+from quantlab import compare, fusion, graph, segments
 from quantlab.backends import Backend
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.choices import MODES
@@ -218,6 +218,8 @@ def validate(
     summary = {
         "samples": data.num_samples,
         "data": recorded_path(data.description),
+        # The calibration folder validated (--from): compare and report find this run by it.
+        "calibration": calibration,
         "mode": mode,
         "stages": {s.name: STAGE_DESCRIPTIONS.get(s.name, type(s).__name__)
                    for s in (torch_stage, fp32, engine) if s is not None},
@@ -250,7 +252,8 @@ def validate(
                        recorded_path(data.description), calibration)
     summary["next_steps"] = steps
     section = validation_section(pairs, metrics, index.order, threshold_db, notes=notes,
-                                 metric=end_to_end, steps=steps)
+                                 metric=end_to_end, steps=steps,
+                                 exported=fusion.decomposed_ops(index))
     source = f"{model_file}; " if model_file else ""
     with output_folder(out, force=force, produces=produces) as staging:
         for pair in pairs:

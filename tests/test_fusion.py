@@ -6,7 +6,7 @@ import numpy as np
 from onnx import helper
 
 from quantlab import graph
-from quantlab.fusion import fused_activation
+from quantlab.fusion import decomposed_ops, fused_activation
 from tests.helpers import onnx_model
 
 W = np.ones((4, 4, 1, 1))
@@ -61,3 +61,35 @@ def test_no_fusion_where_a_tensor_inside_is_read_elsewhere():
               helper.make_node("Conv", ["r", "w"], ["y"], name="next"),
               helper.make_node("LeakyRelu", ["r"], ["z"], name="leaky")]
     assert _chain(branch, ["y", "z"]) == ["relu"]
+
+
+def test_decomposed_layernorm_and_gelu_are_found_whole():
+    from helpers import decomposed_block
+
+    g = graph.Graph(decomposed_block())
+    found = decomposed_ops(g)
+    ops = {op.output: op for op in found.values()}
+    assert sorted((op.label, op.nodes[0].split("/")[1]) for op in ops.values()) == [
+        ("GELU", "mlp"), ("LayerNorm", "norm1"), ("LayerNorm", "norm2")]
+    for op in ops.values():
+        types = [n.op_type for n in g.model.graph.node if n.name in op.nodes]
+        expected = (["Div", "Erf", "Add", "Mul", "Mul"] if op.label == "GELU" else
+                    ["ReduceMean", "Sub", "Pow", "ReduceMean", "Add", "Sqrt", "Div", "Mul",
+                     "Add"])
+        assert types == expected
+        # every tensor inside maps to the op; what it writes is read by a MatMul or an Add
+        assert all(found[n.output[0]] is op for n in g.model.graph.node if n.name in op.nodes)
+        assert {r.op_type for r in g.consumers[op.output]} <= {"MatMul", "Add"}
+
+
+def test_a_written_out_softmax_is_one_op_and_a_pooling_mean_is_none():
+    softmax = [helper.make_node("ReduceMax", ["x"], ["m"], axes=[-1]),
+               helper.make_node("Sub", ["x", "m"], ["d"]), helper.make_node("Exp", ["d"], ["e"]),
+               helper.make_node("ReduceSum", ["e", "axes"], ["s"]),
+               helper.make_node("Div", ["e", "s"], ["p"]),
+               helper.make_node("ReduceMean", ["x"], ["pooled"], axes=[-1])]
+    model = graph.normalize(onnx_model(softmax, [("x", ["N", 6])], ["p", "pooled"],
+                                       {"axes": np.array([-1])}))
+    found = decomposed_ops(graph.Graph(model))
+    assert {t: op.label for t, op in found.items()} == dict.fromkeys("mdesp", "Softmax")
+    assert found["p"].output == "p"

@@ -175,7 +175,7 @@ def test_default_run_records_every_choice_and_auto_chooses_per_layer(tmp_path):
     default = pipeline.run_calibration(small_model(), DATA, tmp_path / "default",
                                        progress=False)
     record = record_default = read_json(tmp_path / "default" / "calibration.json")
-    assert record["method"] == choices.DEFAULT_CALIBRATE_METHOD == "mse"
+    assert record["method"] == choices.DEFAULT_METHOD == "mse"
     assert record["weight_amax"] == "local" and record["layer_calibrators"] == {}
     assert "bias_correction" in record["repairs"]
     assert default.scales.amax == calibrate.calibrate(default.stats, "mse").amax

@@ -2310,3 +2310,28 @@ def test_concurrently_measures_in_order_on_a_share_of_the_cores(monkeypatch):
     next(figures)
     figures.close()
     assert len(started) < 100
+
+
+def test_plan_says_a_calibration_folder_is_already_equalized(tmp_path, capsys):
+    import onnx
+    from test_repairs import hardswish_dw_model
+
+    from quantlab.cli import main
+
+    model_path, data = tmp_path / "dw.onnx", tmp_path / "calib.npy"
+    onnx.save(hardswish_dw_model(), model_path)
+    np.save(data, np.random.default_rng(5).standard_normal((32, 3, 8, 8)).astype(np.float32))
+    assert main(["calibrate", str(model_path), "--data", str(data), "--out",
+                 str(tmp_path / "calib"), "--no-progress"]) == 0
+    equalized = json.loads((tmp_path / "calib" / "calibration.json").read_text())[
+        "repairs"]["depthwise_equalization"]["applied"]
+    assert equalized
+    capsys.readouterr()
+    main(["plan", str(model_path), "--data", str(tmp_path / "calib"), "--eval", str(data),
+          "--min-sqnr", "10", "--trials", "2", "--resamples", "20", "--out",
+          str(tmp_path / "plan"), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert (f"repair dw-equalize: already applied: {tmp_path / 'calib'} is a calibration folder "
+            f"whose model.onnx `quantlab calibrate` equalized ({len(equalized)} inputs)") \
+        in printed
+    assert "nothing to change" not in printed

@@ -13,6 +13,7 @@ from quantlab import graph, pipeline, qdq, runs, zoo
 from quantlab.calibrate import Scales
 from quantlab.cli import main
 from quantlab.errors import ConfigError
+from quantlab.experiment import read_json, write_json
 
 CALIBRATION = "calibration_data/digits/calibration.npy"
 
@@ -60,8 +61,8 @@ def test_compare_command_writes_a_self_contained_page(folders, tmp_path, capsys)
     assert "setting method: percentile -> max" in printed
     html = out.read_text()
     assert "data:image/png;base64," in html and "<script" not in html and "src=\"http" not in html
-    # settings that differ, key figures, scales, layers
-    assert assert_every_column_explained(html) == 4
+    # settings that differ, accuracy, key figures, scales, layers
+    assert assert_every_column_explained(html) == 5
 
 
 def test_report_indexes_every_run_newest_first_with_links(folders, tmp_path, capsys):
@@ -132,3 +133,90 @@ def test_gate_refuses_a_validate_folder_as_baseline(folders, capsys):
     assert main(["check", str(folders / "a"), "--baseline", str(folders / "a" / "validate"),
                  "--eval", str(folders / "eval.npy")]) == 1
     assert "is a validate run" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def plain_and_default(tmp_path_factory):
+    """digits-cnn calibrated with the defaults (validated inside) and with the plain per-tensor
+    options (validated beside the folder, with --metric agreement)."""
+    root = tmp_path_factory.mktemp("plain")
+    data = ["--data", CALIBRATION, "--max-samples", "64", "--no-progress"]
+    assert main(["calibrate", "digits-cnn", *data, "--out", str(root / "default")]) == 0
+    assert main(["calibrate", "digits-cnn", *data, "--method", "percentile", "--weight-amax",
+                 "max", "--no-bias-correction", "--no-equalize", "--out",
+                 str(root / "plain")]) == 0
+    for folder, out in (("default", "default/validate"), ("plain", "plain-validated")):
+        assert main(["validate", "--from", str(root / folder), *data, "--metric", "agreement",
+                     "--out", str(root / out)]) == 0
+    return root
+
+
+def _validated(folder):
+    summary = read_json(folder / "summary.json")
+    pair = next(p for p in summary["pairs"] if p["test"] == "engine_int8")
+    return pair["output_sqnr_db"], summary["metric"]["engine_int8"]
+
+
+def test_compare_names_every_option_and_both_accuracies(plain_and_default, capsys):
+    root = plain_and_default
+    assert main(["compare", str(root / "default"), str(root / "plain"),
+                 "--out", str(root / "compare.html")]) == 0
+    printed = capsys.readouterr().out
+    for line in ("setting method: mse -> percentile", "setting weight_amax: local -> max",
+                 "setting repairs_requested.bias_correction: True -> False",
+                 "setting repairs_requested.depthwise_equalization: True -> False"):
+        assert line in printed, line
+    comparison = runs.compare_runs(runs.load_run(root / "default"), runs.load_run(root / "plain"))
+    accuracy = comparison.accuracy.set_index("figure")
+    for column, folder in (("a", root / "default" / "validate"), ("b", root / "plain-validated")):
+        sqnr, agreement = _validated(folder)
+        assert accuracy.loc["output_sqnr_db", column] == runs.as_text(sqnr)
+        assert accuracy.loc["agreement", column] == runs.as_text(agreement)
+        assert accuracy.loc["measured in", column] == str(folder)
+    # the per-layer table is read from the validation beside "plain" too
+    assert comparison.layers is not None and len(comparison.layers) > 0
+
+
+def test_a_new_field_of_a_record_is_compared_without_code(plain_and_default, tmp_path):
+    shutil.copytree(plain_and_default / "plain", tmp_path / "edited")
+    record = read_json(tmp_path / "edited" / "calibration.json")
+    record["some_new_option"] = 7
+    record["repairs"]["new_repair"] = {"applied": [{"node": "x"}, {"node": "y"}], "rounds": 2}
+    write_json(tmp_path / "edited" / "calibration.json", record)
+    comparison = runs.compare_runs(runs.load_run(plain_and_default / "plain"),
+                                   runs.load_run(tmp_path / "edited"))
+    differ = {row.setting: (row.a, row.b) for row in comparison.settings.itertuples()}
+    assert differ == {"some_new_option": ("", "7"),
+                      "repairs.new_repair": ("", "applied 2, rounds 2")}
+
+
+def test_index_shows_the_accuracy_of_every_run_or_the_command_to_measure_it(
+        plain_and_default, tmp_path):
+    root = tmp_path / "runs"
+    shutil.copytree(plain_and_default, root, ignore=shutil.ignore_patterns("plain-validated"))
+    out = tmp_path / "index.html"
+    assert main(["report", str(root), "--out", str(out)]) == 0
+    html = out.read_text()
+    rows = {re.sub(r"<.*?>", "", row.split("</td><td>")[2]): row
+            for row in re.findall(r"<tr><td>.*?</tr>", html, flags=re.S)}
+    sqnr, agreement = _validated(root / "default" / "validate")
+    for folder in ("default", "default/validate"):  # the calibration row reads its validation
+        assert f"output_sqnr_db {runs.as_text(sqnr)}; agreement {agreement:g}" in \
+            rows[str(root / folder)]
+    assert f"<code>quantlab validate --from {root / 'plain'}" in rows[str(root / "plain")]
+
+
+def test_a_plan_without_int8_is_named_a_fallback(tmp_path):
+    summary = {"metric": "top1", "budget": {"max_drop": 0.01}, "int8_mac_share": 0.0,
+               "calibration": {"data": "d", "method": "mse"}, "eval": {"data": "e",
+                                                                        "num_samples": 9},
+               "certificate": {"metric": "top1", "value": 0.9, "reference": 0.91,
+                               "certified": True, "interval": [0.0, 0.01]}}
+    write_json(tmp_path / "summary.json", summary)
+    write_json(tmp_path / "plan.json", {"units": {"a": {"precision": "fp16"},
+                                                       "b": {"precision": "fp32"}}})
+    run = runs.load_run(tmp_path)
+    assert run.figures["plan"] == "fallback: all-FP16/FP32, no INT8"
+    summary["int8_mac_share"] = 0.5
+    write_json(tmp_path / "summary.json", summary)
+    assert "plan" not in runs.load_run(tmp_path).figures

@@ -846,3 +846,70 @@ def test_an_output_that_mixes_scales_is_named_in_the_next_steps(tmp_path):
              progress=False)
     assert not any("mixes scales" in s for s in read_json(tmp_path / "same" / "summary.json")[
         "next_steps"])
+
+
+def test_mixed_scales_stays_quiet_on_probabilities_and_under_a_metric(tmp_path):
+    """A softmax over 2000 classes quantized with one INT8 scale (1/127: every class under
+    half a step reads 0) spans 1e-9..1 and its rare classes are at -inf dB, as a CTC head's
+    are: not a mix of scales. A model judged by --metric is not told to pass one."""
+    from helpers import onnx_model
+
+    classes = 2000
+    fp32 = graph.normalize(onnx_model([onnx.helper.make_node("Softmax", ["x"], ["p"], axis=-1)],
+                                      [("x", ["N", classes])], ["p"], {}))
+    engine = onnx_model([onnx.helper.make_node("Softmax", ["x"], ["p_f"], axis=-1),
+                         onnx.helper.make_node("QuantizeLinear", ["p_f", "q", "zero"], ["p_q"]),
+                         onnx.helper.make_node("DequantizeLinear", ["p_q", "q", "zero"], ["p"])],
+                        [("x", ["N", classes])], ["p"], {"q": np.float32(1 / 127)})
+    engine.graph.initializer.append(numpy_helper.from_array(np.int8(0), "zero"))
+    engine = graph.normalize(engine)
+    rng = np.random.default_rng(0)
+    x = rng.normal(0, 2, (64, classes)).astype(np.float32)
+    x[np.arange(64), rng.integers(0, classes, 64)] += 30  # one confident class per sample
+    result = validate(fp32, engine, open_data(x, graph.input_specs(fp32), 16), tmp_path / "p",
+                      progress=False)
+    spread = result.summary["pairs"][0]["output_channels"]["p"]
+    assert spread["amax_max"] > 1e6 * spread["amax_min"] and spread["probabilities"]
+    assert spread["worst_sqnr_db"] < 10  # what made the hint fire
+    assert not any("mixes scales" in s for s in result.summary["next_steps"])
+    # The detector-like output of the test above keeps its hint, but not under --metric.
+    fp32, engine = _mixed_scales_models()
+    x = rng.uniform(-4, 4, (40, 8)).astype(np.float32)
+    result = validate(fp32, engine, open_data(x, graph.input_specs(fp32), 16), tmp_path / "m",
+                      progress=False, metric="sqnr")
+    assert not result.summary["pairs"][0]["output_channels"]["y"]["probabilities"]
+    assert not any("mixes scales" in s for s in result.summary["next_steps"])
+
+
+def test_worst_tensors_show_a_decomposed_op_as_the_op_a_user_knows(tmp_path):
+    """A transformer block exported with LayerNorm and GELU written out, its tensors inside
+    them (Pow, Erf, ...) planted at the ViT's 5.9 dB and norm1's output at 20 dB: the inside
+    tensors leave the worst-tensors table, norm1 heads it named LayerNorm, and the other rows
+    are the lowest of what remains."""
+    from helpers import decomposed_block
+
+    from quantlab import fusion
+    from quantlab.report.validation import WORST_LAYERS, worst_tensors
+
+    model = decomposed_block()
+    x = np.random.default_rng(0).standard_normal((48, 5, 16)).astype(np.float32)
+    names = qdq.activation_tensors_to_calibrate(model)
+    amax = {n: float(np.abs(v).max()) for n, v in OnnxRuntimeBackend(model).run(
+        {"x": x}, names).items()}
+    result = validate(model, qdq.quantize_model(model, amax),
+                      open_data(x, graph.input_specs(model), 16), tmp_path, progress=False)
+    table = result.pairs[-1].table.copy()
+    exported = fusion.decomposed_ops(graph.Graph(model))
+    inside = {t for t, op in exported.items() if op.output != t}
+    assert {"Pow", "Erf", "Sqrt"} <= set(table[table["tensor"].isin(inside)]["op_type"])
+    norm1 = next(op for op in exported.values() if op.nodes[0].startswith("/norm1/"))
+    table.loc[table["tensor"].isin(inside), "sqnr_db"] = 5.9
+    table.loc[table["tensor"] == norm1.output, "sqnr_db"] = 20.0
+    worst = worst_tensors(table, exported)
+    assert list(worst["tensor"])[0] == norm1.output
+    assert list(worst["op_type"])[0] == "LayerNorm (9 exported ops)"
+    kept = table[~table["tensor"].isin(inside)].sort_values("sqnr_db", kind="stable")
+    assert list(worst["tensor"]) == list(kept["tensor"][:WORST_LAYERS])
+    # The validation's own table, unplanted, goes through the same grouping in the report.
+    assert result.report.read_text().count("exported ops)") == sum(
+        t in exported for t in worst_tensors(result.pairs[-1].table, exported)["tensor"])

@@ -58,18 +58,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from quantlab.choices import (
         CALIBRATE_METHODS,
         CALIBRATE_WEIGHT_CRITERIA,
-        DEFAULT_CALIBRATE_METHOD,
+        DEFAULT_METHOD,
+        DEFAULT_WEIGHT_AMAX,
+        DEFAULTS_FROM,
     )
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
     parser.add_argument(
         "--method",
-        default=DEFAULT_CALIBRATE_METHOD,
+        default=DEFAULT_METHOD,
         choices=CALIBRATE_METHODS,
-        help="calibrator (default: %(default)s, chosen by measurement: see "
-        "docs/calibration.md; entropy = TensorRT's EntropyCalibration2; auto: each layer "
-        "takes the amax of entropy, max, mse, percentile 99.99 or 99.999 that gives the "
+        help=f"calibrator (default: %(default)s, from {DEFAULTS_FROM}; chosen by "
+        "measurement: see docs/calibration.md; entropy = TensorRT's EntropyCalibration2; "
+        "auto: each layer takes the amax of entropy, max, mse, percentile 99.99 or 99.999 that "
+        "gives the "
         "layer TensorRT runs, activation included, the least error on up to 32 calibration "
         "samples, one local pass per candidate)",
     )
@@ -88,8 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "from model.int8.onnx",
     )
     add_memory_argument(parser, "collection")
-    parser.add_argument("--weight-amax", choices=CALIBRATE_WEIGHT_CRITERIA, default="local",
-                        help="per-channel weight amax: local (default: per output channel, max "
+    parser.add_argument("--weight-amax", choices=CALIBRATE_WEIGHT_CRITERIA,
+                        default=DEFAULT_WEIGHT_AMAX,
+                        help=f"per-channel weight amax (default: %(default)s, from "
+                        f"{DEFAULTS_FROM}): local (per output channel, max "
                         "|w| or the mse amax, whichever gives the layer TensorRT runs the least "
                         "error on FP32 inputs; one pass, recorded per tensor in "
                         "calibration.json), max, or mse (least int8 error of the weights over "

@@ -1,10 +1,13 @@
 """Put two experiment folders side by side.
 
-A and B are --out folders of calibrate, sweep, plan, validate or demo. Shows the
-settings that differ, the key figures (metrics with their intervals), every
-tensor's amax ratio B / A where both have scales (largest change first), and the
-per-layer FP32-vs-INT8 SQNR difference where both were validated (a validate run,
-or one directly inside the folder). Prints the largest differences and writes a
+A and B are --out folders of calibrate, sweep, plan, validate or demo. Shows every
+setting that differs (every field the folders' records hold: calibration.json,
+summary.json), the INT8 model's accuracy against FP32 (output SQNR, the --metric
+result) where the folder or a validate run of it holds it (inside the folder, or
+beside it run with --from it; else the command that measures it), the key figures
+(metrics with their intervals), every tensor's amax ratio B / A where both have
+scales (largest change first), and the per-layer FP32-vs-INT8 SQNR difference
+where both were validated. Prints the largest differences and writes a
 self-contained page.
 
 examples:
@@ -44,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"compare: A {args.a} ({comparison.a.kind}) vs B {args.b} ({comparison.b.kind})")
     for row in comparison.settings.itertuples(index=False):
         print(f"  setting {row.setting}: {row.a or '-'} -> {row.b or '-'}")
+    for row in comparison.accuracy.itertuples(index=False):
+        print(f"  accuracy {row.figure}: {row.a or '-'} -> {row.b or '-'}")
     for row in comparison.figures.itertuples(index=False):
         if row.a != row.b:
             print(f"  {row.figure}: {row.a or '-'} -> {row.b or '-'}")

@@ -11,6 +11,8 @@ import argparse
 import json
 import math
 
+from quantlab.choices import INTERPOLATIONS
+
 DATA_HELP = """\
 data:
   DATA is a folder of images (decoded, resized, x = (pixels * scale - mean) / std),
@@ -69,11 +71,12 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
                         help="padding of letterbox, pad and height-pad, in pixel units 0..255 "
                              "before --scale/--mean/--std, fractions kept (default: 114; 127.5 "
                              "with --mean 0.5 --std 0.5 pads with 0 as PaddleOCR does)")
-    images.add_argument("--interpolation",
-                        choices=("nearest", "bilinear", "bicubic", "lanczos", "area"),
-                        help="resampling filter: Pillow's, or area (the mean of the source "
-                             "pixels each output pixel covers, OpenCV's INTER_AREA when "
-                             "shrinking) (default: bilinear)")
+    images.add_argument("--interpolation", choices=INTERPOLATIONS,
+                        help="resampling filter: Pillow's (which antialias when shrinking), "
+                             "area (the mean of the source pixels each output pixel covers, "
+                             "OpenCV's INTER_AREA when shrinking) or opencv-linear (cv2.resize "
+                             "INTER_LINEAR, no antialiasing: what packages preprocessing with "
+                             "OpenCV or cv2.dnn.blobFromImage feed) (default: bilinear)")
     images.add_argument("--scale", type=finite_float,
                         help="pixel multiplier before mean/std (default: 1/255)")
     images.add_argument("--mean", type=finite_float, nargs="+",

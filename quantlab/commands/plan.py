@@ -82,7 +82,7 @@ PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab plan`."""
-    from quantlab.choices import DEFAULT_METHOD, METHODS
+    from quantlab.choices import DEFAULT_METHOD, DEFAULTS_FROM, METHODS
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
     parser.add_argument("--eval", required=True, metavar="EVAL",
@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(docs/metrics.md)")
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS,
                         help="calibrator of the tensors no unit quantizes (TensorRT <= 10 "
-                             "cache ranges) and the starting scales (default: %(default)s)")
+                             "cache ranges) and the starting scales (default: %(default)s, "
+                             f"from {DEFAULTS_FROM}: calibrate's)")
     parser.add_argument("--calibrators", nargs="+", default=list(METHODS), choices=METHODS,
                         metavar="METHOD",
                         help="methods each unit chooses its input scales from, by local INT8 "
@@ -169,6 +170,14 @@ def _recorded(args) -> dict | None:
     return None
 
 
+def _equalized_by_calibrate(args) -> list:
+    """The inputs `quantlab calibrate` equalized in the --data folder's model.onnx (its
+    calibration.json), or [] when --data is no calibration folder."""
+    recorded = _recorded(args)
+    repairs = (recorded or {}).get("repairs") or {}
+    return (repairs.get("depthwise_equalization") or {}).get("applied") or []
+
+
 def _check_overrides(args, recorded, preprocess) -> None:
     """Refuse preprocessing options that contradict the calibration folder whose statistics
     are reused: stats.npz holds tensors of images read the recorded way, while the
@@ -221,7 +230,9 @@ def _calibration(args, model, recorded, preprocess):
         source = open_data(recorded["data"], inputs, args.batch_size, args.max_samples,
                            preprocess)
         unchanged = " (unchanged since)" if recorded["data_stamp"] else ""
-        print(f"plan: reusing {args.data}/stats.npz, collected from {recorded['data']}"
+        # Shared with sweep: each command's lines start with its own name.
+        print(f"{getattr(args, 'command', None) or 'plan'}: reusing {args.data}/stats.npz, "
+              f"collected from {recorded['data']}"
               f"{unchanged} with its recorded preprocessing.")
         return source, collect.Statistics.load(Path(args.data) / "stats.npz")
     return open_data(args.data, inputs, args.batch_size, args.max_samples, preprocess), None
@@ -498,8 +509,12 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
             changed, report = (repairs.cross_layer_equalization(model) if name == "cle"
                                else repairs.smooth_quant(model, source))
         if not report.applied:
-            print(f"repair {name}: nothing to change in this model ({len(report.skipped)} "
-                  "candidates skipped); not weighed.")
+            done = _equalized_by_calibrate(args) if renames else []
+            print(f"repair {name}: " + (
+                f"already applied: {args.data} is a calibration folder whose model.onnx "
+                f"`quantlab calibrate` equalized ({len(done)} inputs); not weighed again."
+                if done else f"nothing to change in this model ({len(report.skipped)} "
+                "candidates skipped); not weighed."))
             continue
         # Equalization renames every tensor whose values it changes: the others keep their
         # statistics and calibration (cle rescales tensors in place: all collected again).

@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
             progress=None if args.no_progress else partial(progress_bar, leave=True),
             show_collection=not args.no_progress,
             **({"num_bins": folder_stats.num_bins} if folder_stats is not None else {}))
-        _write(args, index, source, configs, result, repairs)
+        reproduce = _write(args, index, source, configs, result, repairs, recorded)
     except Exception:
         # A failed run (a full disk, a metric that fails) leaves nothing in --out; only an
         # interrupted one (KeyboardInterrupt, SIGTERM: not Exceptions) keeps its checkpoint.
@@ -214,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
     best = result.best_record
     print(f"sweep: best {best['label']}: {args.metric} {best['value']:.4g} "
           f"(FP32 {best['fp32']:.4g}); {len(configs)} configurations from one collection pass "
-          f"in {_duration(sum(result.seconds.values()))}; wrote {args.out}/")
+          f"in {_duration(sum(result.seconds.values()))}; wrote {args.out}/ (best/: what "
+          f"`{reproduce}` writes)")
     for sentence in result.sentences.values():
         print(sentence)
     return 0
@@ -224,8 +225,27 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def _write(args, index, source, configs, result, repairs) -> None:
-    """sweep.json, amax_movement.csv, report.html and best/ into --out, all or nothing."""
+def reproducing_command(args: argparse.Namespace, best, recorded: dict | None) -> str:
+    """The `quantlab calibrate` command whose folder holds the scales and Q/DQ model of the
+    sweep's `best` configuration: its calibrator on the first `best.size` samples, weights at
+    max |w|, no bias correction, equalized as the sweep was (the preprocessing options of the
+    sweep, if any, go with it). `recorded`: --data's calibration.json, when a folder. calibrate
+    takes no `zoo` data: a zoo model's split is named as the .npy to save it to."""
+    data = recorded["data"] if recorded else args.data
+    if data == "zoo":
+        data = f"{args.model}-calibration.npy"  # numpy.save(zoo.get(MODEL).calibration_set())
+    parts = ["quantlab calibrate", str(args.model), "--data", str(data),
+             "--max-samples", str(best.size), "--method", best.method,
+             *(f"--{name} {value:g}" for name, value in best.params),
+             "--weight-amax max --no-bias-correction"]
+    if args.no_equalize:
+        parts.append("--no-equalize")
+    return " ".join([*parts, "--out", "DIR"])
+
+
+def _write(args, index, source, configs, result, repairs, recorded) -> str:
+    """sweep.json, amax_movement.csv, report.html and best/ into --out, all or nothing;
+    returns the calibrate command that reproduces best/."""
     import pandas as pd
 
     from quantlab import pipeline
@@ -238,6 +258,9 @@ def _write(args, index, source, configs, result, repairs) -> None:
         index, result.snapshots[best.size], source.subset(0, best.size), best.method,
         dict(best.params))
     calibrated.repairs = repairs
+    calibrated.repairs_requested = {"depthwise_equalization": not args.no_equalize,
+                                    "bias_correction": False}
+    reproduce = reproducing_command(args, best, recorded)
     movement = pd.DataFrame([
         {"setting": setting, "tensor": name, f"amax_{result.half}": half[name],
          f"amax_{result.full}": full[name], "movement": result.movement[setting][name],
@@ -261,6 +284,8 @@ def _write(args, index, source, configs, result, repairs) -> None:
             "collection_passes": 1,
             "configurations": result.records,
             "best": result.best_record["label"],
+            # The calibrate command whose folder is best/ (the same scales and Q/DQ model).
+            "reproduce": reproduce,
             "runner_up": (result.records[result.runner_up]["label"]
                           if result.runner_up is not None else None),
             "separation": result.separation.__dict__ if result.separation else None,
@@ -273,8 +298,9 @@ def _write(args, index, source, configs, result, repairs) -> None:
             "seconds": result.seconds,
         })
         write_report(folder / "report.html", f"quantlab sweep: {args.model}",
-                     [sweep_section(result, args.metric)],
+                     [sweep_section(result, args.metric, reproduce)],
                      subtitle=f"{len(configs)} configurations, one collection pass")
+    return reproduce
 
 
 class _Checkpoint:

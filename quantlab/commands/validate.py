@@ -47,7 +47,7 @@ EPILOG = DATA_HELP
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab validate`."""
-    from quantlab.choices import DEFAULT_METHOD, METHODS, MODES
+    from quantlab.choices import DEFAULT_METHOD, DEFAULTS_FROM, METHODS, MODES
 
     parser.add_argument("--from", dest="from_dir", metavar="DIR",
                         help="a `quantlab calibrate` folder: its model.onnx and model.int8.onnx, "
@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and --onnx/--engine made here when not given")
     parser.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
                         help="with --zoo and no --engine: calibration method of the INT8 model "
-                             "made here (default: %(default)s)")
+                             f"made here, as calibrate makes it (default: %(default)s, from "
+                             f"{DEFAULTS_FROM})")
     parser.add_argument("--mode", choices=MODES, default="global",
                         help="global: stages end to end; local: each INT8 layer fed the FP32 "
                              "input (default: %(default)s)")

@@ -15,8 +15,8 @@ from urllib.parse import quote
 import numpy as np
 from markupsafe import Markup, escape
 
-from quantlab.report import _ENV, Section, figure_html, table_html
-from quantlab.runs import Comparison, Run, as_text
+from quantlab.report import _ENV, Section, figure_html, prose_html, table_html
+from quantlab.runs import Comparison, Run, accuracy_text, as_text
 
 # Rows of the scale and layer tables on the comparison page (the largest changes first).
 ROWS_SHOWN = 40
@@ -47,6 +47,7 @@ def index_section(runs: Sequence[Run], page: str | os.PathLike) -> Section:
         "folder": str(run.path),
         "link": relative_link(run.report, base) if run.report else None,
         "figures": [(name, as_text(value)) for name, value in run.figures.items()],
+        "accuracy": prose_html(accuracy_text(run)),
     } for run in runs]
     html = _ENV.get_template("runs.html").render(
         runs=rows, caption=f"{len(runs)} experiment folders, newest first")
@@ -69,6 +70,8 @@ def comparison_sections(comparison: Comparison) -> list[Section]:
                            columns=COMPARISON_COLUMNS)
                 if len(comparison.settings) else "<p>No setting differs.</p>")
     sections = [Section("Runs", head + settings + table_html(
+        comparison.accuracy, caption="Accuracy of the INT8 model against FP32 (output SQNR in "
+        "dB, the --metric result)", columns=COMPARISON_COLUMNS) + table_html(
         comparison.figures, caption="Key figures", columns=COMPARISON_COLUMNS))]
     if comparison.scales is not None:
         sections.append(Section("Scales", figure_html(
@@ -87,7 +90,7 @@ def comparison_sections(comparison: Comparison) -> list[Section]:
     else:
         sections.append(Section("Layers", Markup(
             "<p>Per-layer SQNR is compared where both runs were validated (a validate run, "
-            "or one directly inside the folder).</p>")))
+            "inside the folder or beside it, run with --from it).</p>")))
     return sections
 
 

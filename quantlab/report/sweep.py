@@ -33,20 +33,24 @@ def configuration_columns(metric: str) -> dict[str, tuple[str, str]]:
     }
 
 
-def sweep_section(result: SweepResult, metric: str) -> Section:
-    """The report section of a sweep."""
+def sweep_section(result: SweepResult, metric: str, reproduce: str = "") -> Section:
+    """The report section of a sweep; `reproduce` is the calibrate command of its best/."""
     best = result.best_record
     verdicts = "".join(f"<p><b>{escape(what.capitalize())}.</b> {escape(text)}</p>"
                        for what, text in result.sentences.items())
-    head = (f"<p>Best configuration: <code>{escape(best['label'])}</code>, {escape(metric)} "
-            f"{best['value']:.4g} (FP32 {best['fp32']:.4g}). Statistics were collected in one "
+    again = (f" <code>{escape(reproduce)}</code> writes the same scales and Q/DQ model as "
+             "best/." if reproduce else "")
+    head = (f"<p>Best configuration at {result.full} calibration samples (the scales of "
+            f"fewer move more; every size is in the first figure): <code>"
+            f"{escape(best['label'])}</code>, {escape(metric)} {best['value']:.4g} (FP32 "
+            f"{best['fp32']:.4g}).{again} Statistics were collected in one "
             f"pass over {result.full} calibration samples with snapshots at every size; each "
             "configuration's INT8 Q/DQ model ran in ONNX Runtime with integer kernels. Intervals "
             f"are {2 * best['confidence'] - 1:.0%} paired-bootstrap intervals on "
             f"{best['samples']} evaluation samples.</p>")
     html = (head + verdicts
             + figure_html(method_figure(result, metric),
-                          f"{metric} per calibrator at {result.full} calibration samples, with "
+                          f"{metric} per calibrator at every calibration size, with "
                           "paired-bootstrap intervals")
             + figure_html(size_figure(result, metric),
                           f"{metric} against the calibration-set size, per calibrator")
@@ -69,21 +73,30 @@ def configurations_frame(result: SweepResult) -> pd.DataFrame:
 
 
 def method_figure(result: SweepResult, metric: str):
-    """The metric of every setting at the largest size, with its interval."""
+    """The metric of every setting at every size (side by side, larger to the right), with
+    its interval."""
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result.records if r["size"] == result.full]
+    settings = list(dict.fromkeys(r["setting"] for r in result.records))
+    sizes = sorted({r["size"] for r in result.records})
+    width = 0.7 / len(sizes)
     figure, axis = plt.subplots(figsize=(7, 3.4))
-    x = np.arange(len(rows))
-    values = np.array([r["value"] for r in rows])
-    low = values - np.array([r["interval"][0] for r in rows])
-    high = np.array([r["interval"][1] for r in rows]) - values
-    axis.errorbar(x, values, yerr=[np.maximum(low, 0), np.maximum(high, 0)], fmt="o",
-                  capsize=4, color="#76b900")
-    if rows and np.isfinite(rows[0]["fp32"]):
-        axis.axhline(rows[0]["fp32"], color="#5b6575", linestyle="--", label="FP32")
-        axis.legend(loc="lower right")
-    axis.set_xticks(x, [r["setting"] for r in rows], rotation=30, ha="right")
+    colors = plt.cm.viridis(np.linspace(0.15, 0.85, len(sizes)))
+    for k, size in enumerate(sizes):
+        rows = [r for r in result.records if r["size"] == size]
+        x = np.array([settings.index(r["setting"]) for r in rows]) + (k - (len(sizes) - 1) / 2
+                                                                      ) * width
+        values = np.array([r["value"] for r in rows])
+        low = values - np.array([r["interval"][0] for r in rows])
+        high = np.array([r["interval"][1] for r in rows]) - values
+        axis.errorbar(x, values, yerr=[np.maximum(low, 0), np.maximum(high, 0)], fmt="o",
+                      capsize=3, color=colors[k], label=f"@{size}")
+    fp32 = result.records[0]["fp32"]
+    if np.isfinite(fp32):
+        axis.axhline(fp32, color="#5b6575", linestyle="--", label="FP32")
+    axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+                title="samples", title_fontsize=8)
+    axis.set_xticks(np.arange(len(settings)), settings, rotation=30, ha="right")
     axis.set_ylabel(metric)
     return figure
 

@@ -17,6 +17,7 @@ from markupsafe import Markup
 
 from quantlab import tasks
 from quantlab.compare import PairResult
+from quantlab.fusion import DecomposedOp
 from quantlab.report import _ENV, Section, figure_html, prose_html, table_html
 
 WORST_LAYERS = 10
@@ -79,6 +80,19 @@ def pair_label(pair: PairResult) -> str:
     return f"{pair.reference} vs {pair.test}" + (" (local)" if pair.mode == "local" else "")
 
 
+def worst_tensors(table: pd.DataFrame, exported: Mapping[str, DecomposedOp]) -> pd.DataFrame:
+    """The :data:`WORST_LAYERS` lowest-SQNR rows of a per-tensor table, as a user can act on
+    them: a decomposed op (LayerNorm, GELU, Softmax) is one row, its output named by the op,
+    and the tensors inside it (a LayerNorm's Pow, a GELU's Erf) are left out."""
+    inside = table["tensor"].map(lambda t: t in exported and exported[t].output != t)
+    rows = table[~inside.astype(bool)].copy()
+    ops = rows["tensor"].map(lambda t: exported[t] if t in exported else None)
+    named = ops.notna()
+    rows.loc[named, "op_type"] = [f"{op.label} ({len(op.nodes)} exported ops)"
+                                  for op in ops[named]]
+    return rows.sort_values("sqnr_db", kind="stable").head(WORST_LAYERS)
+
+
 def validation_section(
     pairs: Sequence[PairResult],
     metrics: Mapping[str, dict],
@@ -87,13 +101,15 @@ def validation_section(
     notes: Sequence[str] = (),
     metric: Mapping | None = None,
     steps: Sequence[str] = (),
+    exported: Mapping[str, DecomposedOp] | None = None,
 ) -> Section:
     """The report section of a validation run: `metric` is summary.json's ``metric`` (the
-    engine against FP32 with its interval), `steps` the next steps (:func:`next_steps`)."""
+    engine against FP32 with its interval), `steps` the next steps (:func:`next_steps`),
+    `exported` the ops the exporter decomposed (:func:`quantlab.fusion.decomposed_ops`)."""
     rendered = []
     for pair in pairs:
         label = pair_label(pair)
-        worst = pair.table.sort_values("sqnr_db").head(WORST_LAYERS)
+        worst = worst_tensors(pair.table, exported or {})
         rendered.append({
             "label": label,
             "output_sqnr": pair.output_sqnr_db,
@@ -170,15 +186,19 @@ def next_steps(pairs: Sequence[PairResult], metric: Mapping | None, threshold_db
                mode: str, model: str | None = None, data: str | None = None,
                calibration: str | None = None) -> list[str]:
     """What to do next, one sentence each, from the INT8 pair (the last of `pairs`): outputs
-    that mix scales, `quantlab plan` when an output or `metric` falls short (with the
-    `model`, `calibration` folder and evaluation `data` where known), the units to pin
+    that mix scales (not probabilities, and only without a `metric`), `quantlab plan` when
+    an output or `metric` falls short (with the `model`, `calibration` folder and evaluation
+    `data` where known), the units to pin
     (local mode) or the first divergence to isolate (global), `quantlab build` when INT8
     holds."""
     pair = pairs[-1]
     steps = []
     sqnr = {name: values["sqnr_db"] for name, values in pair.outputs.items()}
     for name, spread in pair.channels.items():
-        if spread is None or spread["amax_max"] < MIXED_SCALES * spread["amax_min"]:
+        # Quiet where it cannot help: classes of a softmax (or a CTC's steps) span any range
+        # by design and the rare ones do not matter, and a --metric already reads the output.
+        if (spread is None or spread["amax_max"] < MIXED_SCALES * spread["amax_min"]
+                or spread["probabilities"] or metric is not None):
             continue
         if spread["worst_sqnr_db"] < min(threshold_db, sqnr[name] - 10.0):
             steps.append(
