@@ -261,9 +261,11 @@ def _task(args):
 def _score(fp32, int8, args, preprocess, task, progress):
     """(certificate of the INT8 metric against FP32, INT8 output SQNR in dB) on --eval;
     `task` is :func:`_task`'s."""
+    import numpy as np
+
     from quantlab import graph
     from quantlab.data import checked_digest, open_data
-    from quantlab.scoring import output_sqnr
+    from quantlab.scoring import Certificate, output_sqnr
     from quantlab.sweep import Evaluator
 
     task, zoo_inputs = task
@@ -275,6 +277,14 @@ def _score(fp32, int8, args, preprocess, task, progress):
     checked_digest(evaluation, "--eval")
     evaluator = Evaluator(fp32, evaluation, args.metric, task, args.resamples, progress)
     outputs = evaluator.outputs(int8, "INT8 evaluation")
+    if not all(np.isfinite(v).all() for batch in outputs for v in batch.values()
+               if np.issubdtype(v.dtype, np.floating)):
+        # The scorer refuses NaN outputs; for the gate they are a score of NaN: a failed
+        # candidate, or a baseline to make again (run's verdicts).
+        fp32_value = evaluator.reference.score(np.arange(evaluation.num_samples))
+        nan = math.nan
+        return Certificate(args.metric, fp32_value, nan, nan, (nan, nan), 0.95,
+                           evaluation.num_samples, False, False, None), nan
     certificate = evaluator.against_fp32(outputs)
     sqnr = certificate.value if args.metric == "sqnr" else output_sqnr(outputs,
                                                                        evaluator.references)
