@@ -164,7 +164,7 @@ def _calibrate(folder: Path, data: dict) -> tuple[dict, dict]:
 
 
 # Fields of a record that are results or fingerprints rather than something the user chose.
-NOT_SETTINGS = frozenset({"data_stamp", "tensors"})
+NOT_SETTINGS = frozenset({"data_stamp", "tensors", "phases"})
 
 
 def record_settings(record: Mapping, prefix: str = "") -> dict[str, object]:

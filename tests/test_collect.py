@@ -437,7 +437,9 @@ def test_nan_batch_names_tensor_and_batch():
     model = small_model()
     arrays = data(6)
     arrays[9, 0, 0] = np.nan
-    with pytest.raises(DataError, match=r"batch 2: graph input 'x'"):
+    # The data layer checks every batch as it is read (one check for every command).
+    with pytest.raises(DataError, match=r"samples 8\.\.11: tensor 'x' contains NaN or Inf "
+                                        r"\(batch 2, counted from 0\)"):
         collect(model, source(model, arrays), TENSORS, progress=False)
     # A finite input whose zero makes Log produce -Inf inside the graph.
     arrays = data(6)

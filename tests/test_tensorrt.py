@@ -985,7 +985,7 @@ def test_build_writes_trtexec_lines_and_says_tensorrt_is_missing(calibrated_fold
         "# (--fp16 lets TensorRT run any unconstrained layer in FP16: every float layer the Q/DQ "
         "model keeps in FP32 is pinned fp32; layers the ONNX parser leaves unnamed, such as a "
         "Gemm's bias add, cannot be named here)",
-        "# (calibration.trtexec.cache is TRT-8601-MinMaxCalibration: trtexec builds from it only "
+        "# (calibration.trtexec.cache is TRT-8601-EntropyCalibration2: trtexec builds from it only "
         "on that TensorRT version; on another one it rejects the cache and the build fails)",
         "trtexec --onnx=model.onnx --int8 --fp16 --calib=calibration.trtexec.cache "
         "--precisionConstraints=obey --layerPrecisions=node_relu:fp32,node_conv2d_1:fp16 "

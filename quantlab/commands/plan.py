@@ -642,7 +642,7 @@ def _plan(args, model, source, stats, evaluation, task, profile, preprocess, dig
         })
     (out / PROGRESS_FILE).unlink(missing_ok=True)
     for number, evaluation in enumerate(result.evaluations, 1):
-        if evaluation.note:
+        if evaluation.note and not args.no_progress:  # summary.json keeps them either way
             print(f"plan: evaluation {number}: {evaluation.note}")
     verdict = "certified" if certificate.certified else "NOT certified"
     if result.fallback is not None:
