@@ -134,12 +134,19 @@ def sqnr_db(reference: np.ndarray, test: np.ndarray) -> float:
 
 
 def session(path: Path, qdq_int8: bool = True) -> ort.InferenceSession:
-    """An ORT session; ``qdq_int8`` sets the option quantlab's backend runs Q/DQ models with."""
+    """An ORT session; ``qdq_int8`` sets the option quantlab's backend runs Q/DQ models with.
+    A plan's FP16 units run as FP16 (:func:`quantlab.fp16.emulated`): ONNX Runtime's CPU
+    provider would run them in FP32, which is neither what quantlab certified nor what
+    TensorRT builds."""
+    from quantlab.fp16 import emulated
+
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if qdq_int8:
         options.add_session_config_entry("session.qdqisint8allowed", "1")
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    model = emulated(onnx.load(str(path)))
+    return ort.InferenceSession(model.SerializeToString(), options,
+                                providers=["CPUExecutionProvider"])
 
 
 def load_feeds(path: Path) -> dict[str, np.ndarray]:
