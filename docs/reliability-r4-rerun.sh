@@ -81,5 +81,5 @@ row I12 "calibrate and sweep into o/I12 at once" bash -c "tail -1 o/I12.cal.log;
 row R5 "calibrate() on stats.npz whose max is NaN" python -c "import numpy as np;from quantlab.collect import Statistics;from quantlab.calibrate import calibrate;z=dict(np.load('base/stats.npz'));z['max'][:]=np.nan;np.savez('o/nan.npz',**z);print(calibrate(Statistics.load('o/nan.npz'),'entropy').amax)"
 row P44 "plan base/model.onnx --data vbase --eval eval64.npy --min-sqnr 30 --out o/P44" $Q plan base/model.onnx --data vbase --eval eval64.npy --min-sqnr 30 --out o/P44 --no-progress
 row B01 "plan base/model.onnx --data digits.npy --eval eval64.npy --min-sqnr 45 --trt-version 8.6.1 --out o/B01 && build o/B01" bash -c "$Q plan base/model.onnx --data digits.npy --eval eval64.npy --min-sqnr 45 --trt-version 8.6.1 --out o/B01 --no-progress >/dev/null 2>&1 && $Q build o/B01 2>&1 | head -1"
-row MT09 "validate ... --metric r4metrics:slow (bootstrap progress)" echo "not fixed: the bootstrap loop is planner/certify.py (lead's branch)"
+row MT09 "validate ... --metric r4metrics:slow (bootstrap progress)" echo "tests/test_validate.py::test_a_metric_bootstrap_shows_progress"
 row G08 "calibrate: two depthwise convs sharing one weight" echo "not fixed: the depthwise-equalization rewrite is repairs.py (calib branch)"

@@ -452,7 +452,7 @@ def certify_paired(name: str, evaluate: Callable[[np.ndarray], tuple[float, floa
                    count: int, full: tuple[float, float] | None = None, *,
                    max_drop: float | None = None, floor: float | None = None,
                    resamples: int = 200, confidence: float = 0.95,
-                   seed: int = 0) -> Certificate:
+                   seed: int = 0, progress: Callable | None = None) -> Certificate:
     """Certify a plan from ``evaluate(sample indices) -> (candidate value, FP32 value)``.
 
     The margin (value minus limit) is bootstrapped over the `count` samples, FP32
@@ -460,7 +460,8 @@ def certify_paired(name: str, evaluate: Callable[[np.ndarray], tuple[float, floa
     of the one-sided `confidence` interval is >= 0. With ``max_drop``, an interval
     half-width over max_drop / 2 means the evaluation set is too small to certify
     that budget; the size needed follows from the half-width shrinking as
-    1 / sqrt(samples). `full` is evaluate on all samples when already known.
+    1 / sqrt(samples). `full` is evaluate on all samples when already known. `progress`
+    (``(items, desc=) -> items``) shows the resamples (a slow metric's bootstrap).
     """
     if (max_drop is None) == (floor is None):
         raise ConfigError("give exactly one of a maximum drop or a metric floor.")
@@ -476,7 +477,8 @@ def certify_paired(name: str, evaluate: Callable[[np.ndarray], tuple[float, floa
                           "drop from it means nothing. Use a floor (--min-sqnr) instead.")
     rng = np.random.default_rng(seed)
     margins = np.empty(resamples)
-    for b in range(resamples):
+    for b in (progress or (lambda items, **_: items))(range(resamples),
+                                                      desc=f"{name}: bootstrap"):
         got, fp32 = evaluate(rng.integers(0, count, count))
         margins[b] = got - (fp32 - max_drop if max_drop is not None else floor)
     # Infinite margins (output SQNR of resamples without noise) would interpolate to NaN.
@@ -532,13 +534,14 @@ class PairedScore:
     task metric). `reference` is FP32's side when it is shared with other candidates (made
     and filled by the caller); without one, FP32's side is recorded from the batches given
     to :meth:`update`. Only records are kept, never outputs (a one-function metric's
-    records are its outputs).
+    records are its outputs). `progress` (``(items, desc=) -> items``) shows the bootstrap.
     """
 
     def __init__(self, metric: Metric | str, task=None, resamples: int = 200,
-                 reference: Reference | None = None, what: str = "evaluation samples"):
+                 reference: Reference | None = None, what: str = "evaluation samples",
+                 progress: Callable | None = None):
         self.metric = metric if isinstance(metric, Metric) else metric_for(metric, task)
-        self.resamples, self.what = resamples, what
+        self.resamples, self.what, self.progress = resamples, what, progress
         self.own_reference = reference is None
         self.reference = Reference(self.metric, what) if reference is None else reference
         self.records: list = []
@@ -590,7 +593,8 @@ class PairedScore:
         return certify_paired(self.metric.name,
                               lambda pick: (candidate(pick), self.reference.score(pick)),
                               self.count, (value, fp32_value), max_drop=max_drop, floor=floor,
-                              resamples=self.resamples, confidence=confidence, seed=seed)
+                              resamples=self.resamples, confidence=confidence, seed=seed,
+                              progress=self.progress)
 
 
 def certify(metric: Callable, name: str, outputs: Outputs, references: Outputs, *,

@@ -235,7 +235,8 @@ class Evaluator:
 
     def scored(self, outputs: Outputs) -> PairedScore:
         """`outputs` (one entry per evaluation batch) recorded against FP32's."""
-        paired = PairedScore(self.metric, resamples=self.resamples, reference=self.reference)
+        paired = PairedScore(self.metric, resamples=self.resamples, reference=self.reference,
+                             progress=self.progress)
         for batch, reference in zip(outputs, self.references, strict=True):
             paired.update(batch, reference)
         return paired

@@ -34,6 +34,7 @@ import warnings
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -187,7 +188,9 @@ def validate(
     report suggests (summary.json's ``next_steps``).
     """
     memory_budget = parse_memory(memory_budget)
-    paired = PairedScore(metric, task, resamples) if metric is not None else None
+    # A user's metric may be slow: its bootstrap shows progress like the passes before it.
+    paired = PairedScore(metric, task, resamples, progress=partial(
+        progress_bar, unit="resample", enabled=progress)) if metric is not None else None
     if mode not in MODES:
         raise ConfigError(f"mode '{mode}' is not one of {', '.join(MODES)}.")
     check_threshold(threshold_db, min_drop_db)

@@ -913,3 +913,14 @@ def test_worst_tensors_show_a_decomposed_op_as_the_op_a_user_knows(tmp_path):
     # The validation's own table, unplanted, goes through the same grouping in the report.
     assert result.report.read_text().count("exported ops)") == sum(
         t in exported for t in worst_tensors(result.pairs[-1].table, exported)["tensor"])
+
+
+def test_a_metric_bootstrap_shows_progress(four_conv, tmp_path, capsys):
+    """MT09 (reliability r4): a user's metric is bootstrapped with a progress line, as the
+    passes before it are, instead of minutes of silence after 'validate: done'."""
+    _, model, _, quantized, x, _ = four_conv
+    validate(model, quantized, _source(model, x), tmp_path, progress=True, metric="agreement",
+             resamples=30)
+    lines = capsys.readouterr().err.splitlines()
+    assert "agreement: bootstrap: started, 30 resample" in lines
+    assert any(line.startswith("agreement: bootstrap: done, 30 resample") for line in lines)
