@@ -25,7 +25,7 @@ candidate certified against it with the same seed (the same resamples).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -621,11 +621,6 @@ def versus(first: PairedScore, second: PairedScore, resamples: int = 200) -> Cer
     one, two = first.score(), second.score()
     return certify_paired(first.metric.name, lambda pick: (one(pick), two(pick)), first.count,
                           max_drop=0.0, resamples=resamples)
-
-
-def sample_counts(batches: Sequence[Mapping[str, np.ndarray]]) -> int:
-    """Samples in batches of outputs (axis 0)."""
-    return sum(len(next(iter(batch.values()))) for batch in batches)
 
 
 # Kept for users of the first form: output_sqnr / argmax_agreement carry the per-sample

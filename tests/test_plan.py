@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import warnings
 
@@ -2335,3 +2336,35 @@ def test_plan_says_a_calibration_folder_is_already_equalized(tmp_path, capsys):
             f"whose model.onnx `quantlab calibrate` equalized ({len(equalized)} inputs)") \
         in printed
     assert "nothing to change" not in printed
+
+
+def test_a_floor_near_miss_is_kept_with_the_samples_that_would_certify_it():
+    """A ViT plan of 81 % INT8 scored 30.95 dB against a 30 dB floor, its interval reaching
+    below it: never 'too small' (only a drop is), so it was dropped, `uncertified: null`.
+    It is a near miss, and the samples that would certify it follow from the interval's
+    lower half shrinking as 1 / sqrt(samples): 100 * ((0.95 + 0.3) / 0.95) ** 2."""
+    near = plan.Certificate("sqnr", float("inf"), 30.95, 30.0, (-0.3, 1.5), 0.95, 100, False,
+                            False, None)
+    assert near.near_miss and not near.inconclusive
+    assert near.samples_to_certify() == math.ceil(100 * (1.25 / 0.95) ** 2) == 174
+    outside = plan.Certificate("sqnr", float("inf"), 29.5, 30.0, (-1.2, 0.4), 0.95, 100,
+                               False, False, None)
+    assert not outside.near_miss and outside.samples_to_certify() is None
+
+
+def test_an_evaluation_set_too_small_for_any_int8_plan_is_said_before_the_trials():
+    """All-INT8 dropped 0.05 of F1 against a budget of 0.03 with its margin 0.18 wide below
+    its score on 128 samples: a plan could be certified only under a drop of ~0.001. The
+    message says so with the samples a plan at half the budget needs (the spread scaled to
+    a drop of 0.015 as its square root, then as 1 / sqrt(samples)); a narrow interval says
+    nothing."""
+    def first(low):
+        return plan.Evaluation(1.0, 0.01, plan.Certificate(
+            "f1", 1.0, 0.95, 0.97, (low, 0.1), 0.95, 128, False, False, None), 1.0)
+
+    message = evaluate.unreachable(first(-0.2), 0.03)
+    spread = 0.95 - 0.97 + 0.2
+    needed = math.ceil(128 * (spread * math.sqrt(0.015 / 0.05) / 0.015) ** 2)
+    assert "too small to certify a plan with INT8" in message and f"About {needed} samples" \
+        in message
+    assert evaluate.unreachable(first(-0.021), 0.03) == ""
