@@ -216,8 +216,13 @@ class _Agreement(Metric):
         return list(_agreements([outputs], [references]))
 
     def scorer(self, records, where):
-        hits = np.asarray(records, np.float64)
-        return lambda pick: float(hits[pick].mean())
+        return _share(records)
+
+
+def _share(hits: list) -> Score:
+    """``score(positions)``: the share of the picked samples whose record is a hit (1)."""
+    shares = np.asarray(hits, np.float64)
+    return lambda pick: float(shares[pick].mean())
 
 
 class _Task(Metric):
@@ -245,8 +250,7 @@ class _Task(Metric):
         from quantlab.tasks import coco_map_resampler
 
         if self.task.kind == "classification":
-            hits = np.asarray(records, np.float64)
-            return lambda pick: float(hits[pick].mean())
+            return _share(records)
         return coco_map_resampler(self.task.coco, [d for r in records for d in r],
                                   self.task.ids()[:len(records)])
 
