@@ -137,9 +137,11 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     Constant nodes that hold tensors (every Paddle export stores its weights that
     way) become initializers, so every later step sees weights in one place.
     Declared shapes of intermediate tensors and outputs are dropped and inferred
-    again: exporters sometimes declare shapes that do not match what runs.
+    again: exporters sometimes declare shapes that do not match what runs. A negative
+    input dimension (Paddle exports write -1 for "any") becomes an unnamed dynamic one.
     """
     model = _fold_constant_nodes(model)
+    _dynamic_negative_dims(model)
     model = _upgrade_opset(model)
     model = _name_nodes(model)
     model = fold_batchnorms(model, node_module_path)
@@ -160,6 +162,15 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
         if output.name in declared and not output.type.tensor_type.HasField("shape"):
             output.type.CopyFrom(declared[output.name])
     return model
+
+
+def _dynamic_negative_dims(model: onnx.ModelProto) -> None:
+    """Clear every negative ``dim_value`` of the graph's inputs in place: ONNX Runtime reads
+    -1 as a dynamic dimension, and so must every step that sizes batches from the shape."""
+    for value in model.graph.input:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_value") and dim.dim_value < 0:
+                dim.ClearField("dim_value")
 
 
 def _fold_constant_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
