@@ -209,7 +209,7 @@ PROBABILITY_SUM_TOLERANCE = 1e-3
 
 class ChannelError:
     """Per-channel signal and noise power and largest |reference| of one tensor pair, along
-    axis 1 and along the last axis (samples on axis 0), folded batch by batch: whether the
+    axis 1 and a sequence's last axis (samples on axis 0), folded batch by batch: whether the
     tensor mixes scales (:meth:`spread`), which one pooled SQNR hides."""
 
     def __init__(self):
@@ -219,10 +219,14 @@ class ChannelError:
         self.probabilities: dict[int, bool] = {}
 
     def update(self, ref: np.ndarray, test: np.ndarray) -> None:
-        """Add one batch (arrays of equal shape; nothing for fewer than 2 axes)."""
+        """Add one batch (arrays of equal shape; nothing for fewer than 2 axes).
+
+        The channels are on axis 1 or, for a sequence (3 axes or fewer: tokens by features,
+        a CTC's steps by classes), on the last axis; an image's last axis is its width, and
+        the columns of a probability map are not channels of different scales."""
         if np.ndim(ref) < 2:
             return
-        for axis in dict.fromkeys((1, np.ndim(ref) - 1)):
+        for axis in dict.fromkeys((1, np.ndim(ref) - 1) if np.ndim(ref) <= 3 else (1,)):
             r = np.moveaxis(ref, axis, 0).reshape(np.shape(ref)[axis], -1).astype(np.float64)
             e = np.moveaxis(test, axis, 0).reshape(r.shape).astype(np.float64) - r
             got = np.stack([(r * r).sum(1), (e * e).sum(1), np.abs(r).max(1, initial=0.0)])

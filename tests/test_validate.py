@@ -838,6 +838,12 @@ def test_an_output_that_mixes_scales_is_named_in_the_next_steps(tmp_path):
     assert step.startswith("Output 'y' mixes scales: along axis 1 its 8 channels' largest "
                            f"|values| run from {spread['amax_min']:.3g} to ")
     assert f"while the output as a whole is at {pooled:.1f} dB" in step
+    # A probability map (N, 1, H, W) has one channel: its columns, dark and bright, are not
+    # channels of different scales (the PP-OCR detector's map was named along its width).
+    columns = np.linspace(1e-7, 1, 64)[None, None, None, :] * np.ones((2, 1, 8, 1))
+    image = ChannelError()
+    image.update(columns, columns + 1e-3)
+    assert image.spread() is None
     # A one-scale output does not: channels of one range.
     same = ChannelError()
     same.update(reference[:, 2:], test[:, 2:])
