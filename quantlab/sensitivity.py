@@ -337,8 +337,9 @@ def error_sums(g: Graph, local: onnx.ModelProto, compared: Mapping[str, str],
 
     `local` reads tensors of `g` by name (its graph inputs) and `compared` maps each
     of its outputs to the tensor of `g` it approximates. The model returns, for each,
-    the float64 sum of squared differences and the reference's float64 sum of
-    squares (`sums`: output -> (noise, power) names), and nothing else; an output in
+    the sum of squared differences and the reference's sum of squares, as float64
+    (summed in float32: :meth:`_Attached.reduced`; `sums`: output -> (noise, power)
+    names), and nothing else; an output in
     `channel_axes` has its noise summed per channel of that axis (a vector). Each added
     node sits right after the last node of `g` it reads, so ONNX Runtime frees a
     unit's tensors as the FP32 pass moves on: returning every unit's inputs and
@@ -346,7 +347,7 @@ def error_sums(g: Graph, local: onnx.ModelProto, compared: Mapping[str, str],
     """
     channel_axes = channel_axes or {}
     attached = _Attached(g, local)
-    power = {ref: attached.reduced("ReduceSumSquare", attached.in_float64(ref))
+    power = {ref: attached.reduced("ReduceSumSquare", attached.in_float32(ref))
              for ref in dict.fromkeys(compared.values())}
     sums = {name: (attached.reduced("ReduceSumSquare", attached.error(name, ref),
                                     channel_axes.get(name), len(g.shapes.get(ref) or ())),
@@ -359,8 +360,8 @@ def error_channel_sums(g: Graph, local: onnx.ModelProto, compared: Mapping[str, 
                        ) -> tuple[onnx.ModelProto, dict[str, tuple[str, str]]]:
     """As :func:`error_sums`, the signed error summed per channel: `compared` maps each
     output of `local` to (the tensor of `g` it approximates, its channel axis); the model
-    returns, for each, the float64 sum of (output - reference) per channel and the
-    error's element count (float64; per channel: divide by the channels), by name
+    returns, for each, the sum of (output - reference) per channel and the error's
+    element count (both float64; per channel: divide by the channels), by name
     (output -> (sums, count)). What bias correction needs, without any tensor leaving
     ONNX Runtime."""
     attached = _Attached(g, local)
@@ -397,23 +398,33 @@ class _Attached:
                              *(_named(init, renamed.get(init.name, init.name))
                                for init in local.graph.initializer)]
         self.cast: set[str] = set()
+        self.typed = {v.name: v for v in [*local.graph.output, *local.graph.value_info]}
 
-    def in_float64(self, tensor: str) -> str:
+    def in_float32(self, tensor: str) -> str:
+        """`tensor` itself where it is known to be float32, else cast to float32 (once)."""
+        value = self.g.values.get(tensor) or self.typed.get(tensor)
+        if value is not None and value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT:
+            return tensor
         if tensor not in self.cast:
             self.cast.add(tensor)
-            self.added.append(onnx.helper.make_node("Cast", [tensor], [f"{tensor}::f64"],
-                                                    to=onnx.TensorProto.DOUBLE))
-        return f"{tensor}::f64"
+            self.added.append(onnx.helper.make_node("Cast", [tensor], [f"{tensor}::f32"],
+                                                    to=onnx.TensorProto.FLOAT))
+        return f"{tensor}::f32"
 
     def error(self, name: str, reference: str) -> str:
-        """`name` - `reference` in float64."""
+        """`name` - `reference` in float32 (exact to float32's rounding of the difference)."""
         self.added.append(onnx.helper.make_node(
-            "Sub", [self.in_float64(name), self.in_float64(reference)], [f"{name}::error"]))
+            "Sub", [self.in_float32(name), self.in_float32(reference)], [f"{name}::error"]))
         return f"{name}::error"
 
     def reduced(self, op: str, tensor: str, keep: int | None = None, rank: int = 0) -> str:
-        """`op` (ReduceSumSquare, ReduceSum) of `tensor`, over every axis but `keep` when
-        given."""
+        """`op` (ReduceSumSquare, ReduceSum) of the float32 `tensor`, over every axis but
+        `keep` when given, as float64.
+
+        Summed in float32: ONNX Runtime's reductions add in vectorized blocks, so a 640 px
+        map's sums agree with float64 ones to about 1e-5 (PP-OCRv3 detector: local SQNRs
+        within 0.002 dB, the same weight amax on all 7,290 channels), at 2.5x the speed of
+        casting every compared tensor to float64 first."""
         axes = [] if keep is None else [a for a in range(rank) if a != keep % rank]
         inputs, attributes = [tensor], {}
         # ReduceSum takes its axes as an input from opset 13, ReduceSumSquare from 18.
@@ -423,9 +434,11 @@ class _Attached:
                                                                   inputs[-1]))
         elif axes:
             attributes["axes"] = axes
-        self.added.append(onnx.helper.make_node(op, inputs, [f"{tensor}::{op}"], keepdims=0,
-                                                **attributes))
-        return f"{tensor}::{op}"
+        self.added += [
+            onnx.helper.make_node(op, inputs, [f"{tensor}::{op}"], keepdims=0, **attributes),
+            onnx.helper.make_node("Cast", [f"{tensor}::{op}"], [f"{tensor}::{op}::f64"],
+                                  to=onnx.TensorProto.DOUBLE)]
+        return f"{tensor}::{op}::f64"
 
     def model(self, outputs: Iterable[str]) -> onnx.ModelProto:
         model = onnx.helper.make_model(

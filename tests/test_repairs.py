@@ -296,7 +296,9 @@ def test_bias_correction_shrinks_the_error_of_a_two_layer_net_and_matmul_gets_a_
 def test_bias_shift_folds_pool_into_the_whole_datas_shifts():
     """Each part's shifts are bias_shifts on that part, and the pooled ones bias_shifts on
     all of it (parts of unequal size: their means weighted by what each counted), up to
-    float64 rounding; the corrected model equals bias_correction's up to float32 rounding."""
+    the float32 rounding of the graph's sums (sensitivity._Attached.reduced: runs of other
+    sizes round differently); the corrected model equals bias_correction's up to float32
+    rounding."""
     w1 = RNG.standard_normal((12, 8)).astype(np.float32)
     w2 = (RNG.standard_normal((12, 5)) * 0.3).astype(np.float32)
     model = make_model([
@@ -316,7 +318,7 @@ def test_bias_shift_folds_pool_into_the_whole_datas_shifts():
             np.testing.assert_allclose(found[node], expected[node], rtol=1e-12, atol=0)
     whole, whole_report = repairs.bias_shifts(model, quantized, [{"x": x}])
     for node in whole:
-        np.testing.assert_allclose(pooled[node], whole[node], rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(pooled[node], whole[node], rtol=1e-6, atol=1e-12)
         assert not np.allclose(shifts[0][node], whole[node])  # the weighting matters
     corrected, corrected_report = repairs.bias_correction(model, quantized, [{"x": x}])
     applied = repairs.shift_biases(model, quantized, pooled)
