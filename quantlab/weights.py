@@ -34,6 +34,13 @@ from quantlab.graph import Graph
 
 # The amax candidates of every weight channel, the first one kept on a tie.
 CANDIDATES = ("max", "mse")
+# The choice is measured until settled (_settled): at least SETTLE_MIN_SAMPLES samples, then
+# until the channels whose choice is still uncertain (the runner-up within SETTLE_Z standard
+# errors) could cost the layer at most SETTLE_TOLERANCE of its noise (2 %: 0.09 dB of local
+# SQNR), or the samples given run out (pipeline.CHOICE_SAMPLES).
+SETTLE_MIN_SAMPLES = 8
+SETTLE_Z = 2.0
+SETTLE_TOLERANCE = 0.02
 # Output-channel axis of a linear op's output (the weight's per-channel axis maps onto it).
 _OUTPUT_AXIS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1, "MatMul": -1}
 
@@ -45,12 +52,14 @@ class WeightChoice:
 
     amax: dict[str, np.ndarray] = field(default_factory=dict)
     tensors: dict[str, dict] = field(default_factory=dict)
+    samples: int = 0  # measured on (the choice stops once settled: _settled)
 
     def summary(self) -> dict:
         """Counts for ``calibration.json``: channels taking each candidate, tensors improved."""
         channels = {c: sum(t["channels_by_candidate"].get(c, 0) for t in self.tensors.values())
                     for c in CANDIDATES}
-        return {"tensors": len(self.tensors), "channels_by_candidate": channels}
+        return {"tensors": len(self.tensors), "channels_by_candidate": channels,
+                "samples": self.samples}
 
 
 def choose_weight_amax(model: onnx.ModelProto | Graph,
@@ -90,42 +99,75 @@ def choose_weight_amax(model: onnx.ModelProto | Graph,
     summed, sums = error_sums(index, local.model, {n: local.outputs[n] for n in wanted},
                               {n: _OUTPUT_AXIS[nodes[local.nodes[n]].op_type] for n in wanted
                                if axes[local.nodes[n]] is not None})
+    compared = {weight: [[by_node.get((node, c)) for c in candidates] for node, _ in reads]
+                for weight, reads in readers.items()}
+    compared = {weight: rows for weight, rows in compared.items()
+                if all(name is not None and name in wanted for row in rows for name in row)}
+    if not compared:
+        return WeightChoice()
     backend = OnnxRuntimeBackend(summed, name="weight errors", memory_pattern=False)
-    totals: dict[str, np.ndarray] = {}
-    count = 0
+    noise: dict[str, list[np.ndarray]] = {weight: [] for weight in compared}  # per sample
+    power = dict.fromkeys(compared, 0.0)
     for batch in batches:
-        count += 1
-        for name, value in backend.run(batch).items():
-            totals[name] = totals.get(name, 0.0) + np.asarray(value, np.float64)
+        values = backend.run(batch)
+        for weight, rows in compared.items():
+            noise[weight].append(np.array([
+                sum(np.atleast_1d(np.asarray(values[sums[row[k]][0]], np.float64))
+                    for row in rows) for k in range(len(candidates))]))  # candidate x channel
+            power[weight] += sum(float(values[sums[row[0]][1]]) for row in rows)
+        if _settled(noise.values()):
+            break
+    count = len(next(iter(noise.values())))
     if not count:
         raise DataError("the calibration data holds no batches; choosing weight amax by the "
                         "layer error needs at least one sample.")
-    result = WeightChoice()
+    result = WeightChoice(samples=count)
     for weight, reads in readers.items():
-        outputs = [[by_node.get((node, c)) for c in candidates] for node, _ in reads]
-        if any(name is None or name not in wanted for row in outputs for name in row):
+        if weight not in compared:
             continue
-        noise = np.array([sum(np.atleast_1d(totals[sums[row[k]][0]]) for row in outputs)
-                          for k in range(len(candidates))])  # candidate x channel
-        power = sum(float(totals[sums[row[0]][1]]) for row in outputs)
-        if not np.isfinite(noise).all():
+        summed_noise = np.sum(noise[weight], axis=0)  # candidate x channel
+        if not np.isfinite(summed_noise).all():
             continue
-        best = np.argmin(noise, axis=0)  # the first candidate on a tie
-        chosen = np.choose(best, [options[weight][c] * np.ones(noise.shape[1])
+        best = np.argmin(summed_noise, axis=0)  # the first candidate on a tie
+        chosen = np.choose(best, [options[weight][c] * np.ones(summed_noise.shape[1])
                                   for c in candidates]).astype(np.float32)
         axis = reads[0][1]
         result.amax[weight] = chosen if axis is not None else chosen.reshape(())
-        picked = noise[best, np.arange(noise.shape[1])].sum()
+        picked = summed_noise[best, np.arange(summed_noise.shape[1])].sum()
         result.tensors[weight] = {
             "nodes": [node for node, _ in reads],
-            "channels": int(noise.shape[1]),
+            "channels": int(summed_noise.shape[1]),
             "channels_by_candidate": {c: int((best == k).sum())
                                       for k, c in enumerate(candidates)},
-            "local_sqnr_db": {**{c: _db(power, noise[k].sum())
+            "local_sqnr_db": {**{c: _db(power[weight], summed_noise[k].sum())
                                  for k, c in enumerate(candidates)},
-                              "chosen": _db(power, picked)},
+                              "chosen": _db(power[weight], picked)},
         }
     return result
+
+
+def _settled(noise: Iterable[list[np.ndarray]]) -> bool:
+    """Whether more samples could no longer change the choice by more than a hair.
+
+    `noise` holds, per weight tensor, each sample's candidate x channel squared errors. Per
+    channel, the per-sample difference between the runner-up and the best candidate (by the
+    mean) has a standard error; the choice could be wrong by up to SETTLE_Z of them less
+    the mean difference. Settled when, in every tensor, those possible losses summed over its
+    channels are under SETTLE_TOLERANCE of the chosen noise, after SETTLE_MIN_SAMPLES.
+    """
+    for per_sample in noise:
+        count = len(per_sample)
+        if count < SETTLE_MIN_SAMPLES:
+            return False
+        stacked = np.stack(per_sample)  # sample x candidate x channel
+        order = np.argsort(stacked.mean(axis=0), axis=0)[None, :2]  # best, runner-up
+        best, second = np.moveaxis(np.take_along_axis(stacked, order, axis=1), 1, 0)
+        difference = second - best
+        error = difference.std(axis=0, ddof=1) / np.sqrt(count)
+        loss = np.maximum(0.0, SETTLE_Z * error - difference.mean(axis=0)).sum()
+        if loss > SETTLE_TOLERANCE * best.mean(axis=0).sum():
+            return False
+    return True
 
 
 def _db(power: float, noise: float) -> float:

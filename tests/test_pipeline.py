@@ -232,8 +232,9 @@ def test_default_run_records_every_choice_and_auto_chooses_per_layer(tmp_path):
 
 def test_a_settled_fold_verdict_is_the_verdict_of_all_its_samples():
     """The keep/drop test stops scoring a fold once its verdict is settled; scored on every
-    sample of the other half, each fold reaches the same verdict (the mean noise of the
-    samples it stopped at is their own mean: checked against the per-sample ratios)."""
+    sample of the other half, each fold reaches the same verdict, or one whose difference
+    is under FOLD_NEGLIGIBLE of the noise on every sample (the mean noise of the samples it
+    stopped at is their own mean: checked against the per-sample ratios)."""
     from quantlab import qdq, repairs
 
     model = graph.normalize(small_model())
@@ -248,8 +249,10 @@ def test_a_settled_fold_verdict_is_the_verdict_of_all_its_samples():
         settled = pipeline._fold_noise(model, quantized, shifted, samples)
         assert every["samples_scored"] == 24
         assert pipeline.FOLD_MIN_SAMPLES <= settled["samples_scored"] <= 24
-        assert (settled["output_nsr_with"] < settled["output_nsr_without"]) == \
+        same = (settled["output_nsr_with"] < settled["output_nsr_without"]) == \
             (every["output_nsr_with"] < every["output_nsr_without"])
+        assert same or abs(every["output_nsr_with"] - every["output_nsr_without"]) < \
+            pipeline.FOLD_NEGLIGIBLE * every["output_nsr_without"]
         ratios = np.array(list(pipeline.output_nsr(model, [quantized, shifted],
                                                    samples[:settled["samples_scored"]])))
         np.testing.assert_allclose([settled["output_nsr_without"], settled["output_nsr_with"]],

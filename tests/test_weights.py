@@ -73,7 +73,41 @@ def test_each_channel_takes_the_amax_with_the_least_layer_error():
             10 * np.log10(power / noise[c].sum()), abs=0.01)
     assert record["local_sqnr_db"]["chosen"] > max(record["local_sqnr_db"][c]
                                                    for c in weights.CANDIDATES)
-    assert choice.summary() == {"tensors": 1, "channels_by_candidate": {"max": 1, "mse": 1}}
+    assert choice.summary() == {"tensors": 1, "channels_by_candidate": {"max": 1, "mse": 1},
+                                "samples": 2}
+
+
+def test_the_choice_stops_once_settled_and_costs_at_most_its_tolerance_on_every_sample():
+    """Measured sample by sample, the choice stops once no uncertain channel could cost the
+    layer more than SETTLE_TOLERANCE of its noise. Scored on all 32 samples against the
+    float64 reference, the settled choice's layer noise is within twice that tolerance of
+    the best choice there (the bound holds at SETTLE_Z standard errors: a margin of 2x)."""
+    rng = np.random.default_rng(3)
+    w = rng.uniform(-0.1, 0.1, (24, 16, 3, 3)).astype(np.float32)
+    # Each row's largest weights (which MSE clips) read the loud inputs 0-7 in rows 0-11
+    # (clipping them costs: max |w| wins) and the quiet inputs 8-15 in rows 12-23.
+    w[:12, :8] *= 3
+    w[12:, 8:] *= 3
+    model = onnx_model([helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1] * 4),
+                        helper.make_node("Relu", ["c"], ["y"], name="relu")],
+                       [("x", ["N", 16, 12, 12])], ["y"], {"w": w})
+    g = graph.Graph(graph.normalize(model))
+    x = (rng.standard_normal((32, 16, 12, 12)) *
+         np.repeat([3.0, 0.1], 8)[None, :, None, None]).astype(np.float32)
+    choice = weights.choose_weight_amax(g, ({"x": sample[None]} for sample in x))
+    assert weights.SETTLE_MIN_SAMPLES <= choice.samples < 32
+    options = {c: qdq.weight_amax(w, 0, c) for c in weights.CANDIDATES}
+    want = relu_conv(x.astype(np.float64), w.astype(np.float64))
+    noise = np.array([((relu_conv(x.astype(np.float64), fake_int8(w, a[:, None, None, None],
+                                                                  -127)) - want) ** 2
+                       ).sum(axis=(0, 2, 3)) for a in options.values()])  # candidate x channel
+    taken = np.array([[choice.amax["w"][k] == a[k] for k in range(24)]
+                      for a in options.values()])
+    assert taken.any(axis=0).all()
+    settled = np.where(taken[0], noise[0], noise[1]).sum()
+    assert settled <= noise.min(axis=0).sum() * (1 + 2 * weights.SETTLE_TOLERANCE)
+    assert taken[0, :12].mean() > 0.5 and taken[1, 12:].mean() > 0.5  # both candidates taken
+    assert settled < noise.sum(axis=1).min()  # better than either candidate for every channel
 
 
 def test_quantize_model_writes_the_chosen_weight_amax():
