@@ -4,19 +4,23 @@ One configuration per process, so ``farm-bench --vs`` can pair them:
 
     python benchmarks/calibrate_phases.py quantlab MODEL CALIB.npy VAL.npy [--root TREE]
     python benchmarks/calibrate_phases.py ort MODEL CALIB.npy
+    VENV/bin/python benchmarks/calibrate_phases.py modelopt MODEL CALIB.npy VAL.npy
 
 ``quantlab`` runs ``pipeline.run_calibration`` with the defaults of the tree `--root`
 (default: this one; an older tree records no phases, and is timed as a whole) and prints
 one JSON line: wall seconds, each phase's seconds / samples / model runs, and the output
 SQNR (dB, float64, pooled over VAL's samples; the worst output) of its Q/DQ model against
 the FP32 model it normalized. ``ort`` runs ``quantize_static`` MinMax configured as
-benchmarks/default_method.py does (QDQ, symmetric int8, per-channel) and prints its wall.
+benchmarks/default_method.py does (QDQ, symmetric int8, per-channel) and prints its wall;
+``modelopt`` ModelOpt's ONNX PTQ with its default calibrator (high-precision FP32), its wall
+and held-out SQNR.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -34,30 +38,36 @@ def sqnr_db(reference: np.ndarray, test: np.ndarray) -> float:
     return float(10 * np.log10(float(np.sum(reference ** 2)) / max(noise, 1e-300)))
 
 
+def held_out_sqnr(fp32: bytes | str, int8: bytes | str, val: str) -> float:
+    """The worst output's SQNR (dB, float64, pooled over VAL's samples) of `int8` against
+    `fp32` (serialized models or paths), run one sample at a time in ONNX Runtime."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.qdqisint8allowed", "1")
+    sessions = [ort.InferenceSession(m, options, providers=["CPUExecutionProvider"])
+                for m in (fp32, int8)]
+    name = sessions[0].get_inputs()[0].name
+    pairs: dict[int, list] = {}
+    for sample in np.load(val):
+        fp32_out, int8_out = (s.run(None, {name: sample[None]}) for s in sessions)
+        for k, (r, t) in enumerate(zip(fp32_out, int8_out, strict=True)):
+            pairs.setdefault(k, []).append((r, t))
+    return min(sqnr_db(np.concatenate([r.ravel() for r, _ in v]),
+                       np.concatenate([t.ravel() for _, t in v])) for v in pairs.values())
+
+
 def run_quantlab(model: str, calib: str, val: str, root: Path) -> dict:
     """Calibrate with the tree's defaults; time it, read its phases, score it held out."""
     sys.path.insert(0, str(root))
-    import onnxruntime as ort
-
     from quantlab import pipeline
 
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         result = pipeline.run_calibration(model, calib, Path(out) / "run", progress=False)
         wall = time.perf_counter() - start
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.qdqisint8allowed", "1")
-    sessions = [ort.InferenceSession(m.SerializeToString(), options,
-                                     providers=["CPUExecutionProvider"])
-                for m in (result.model, result.qdq_model)]
-    name = sessions[0].get_inputs()[0].name
-    pairs: dict[int, list] = {}
-    for sample in np.load(val):
-        fp32, int8 = (s.run(None, {name: sample[None]}) for s in sessions)
-        for k, (r, t) in enumerate(zip(fp32, int8, strict=True)):
-            pairs.setdefault(k, []).append((r, t))
-    worst = min(sqnr_db(np.concatenate([r.ravel() for r, _ in v]),
-                        np.concatenate([t.ravel() for _, t in v])) for v in pairs.values())
+    worst = held_out_sqnr(result.model.SerializeToString(),
+                          result.qdq_model.SerializeToString(), val)
     summary = result.repairs.get("bias_correction", {}).get("summary", {})
     return {"tree": str(root), "wall_s": round(wall, 1), "sqnr_db": round(worst, 3),
             "phases": getattr(result, "phases", None), "bias_kept": summary.get("kept"),
@@ -96,6 +106,30 @@ def run_ort(model: str, calib: str) -> dict:
         return {"tool": "ort-MinMax", "wall_s": round(time.perf_counter() - start, 1)}
 
 
+def run_modelopt(model: str, calib: str, val: str) -> dict:
+    """ModelOpt's ONNX PTQ (int8, its default calibrator, high_precision_dtype fp32) on the
+    CPU, as benchmarks/default_method.py's child_modelopt; timed, scored held out against
+    the model given. Run it with the interpreter of a virtual environment that holds
+    nvidia-modelopt[onnx] (it pins its own onnx and onnxruntime)."""
+    import modelopt
+    from modelopt.onnx.quantization import quantize
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.default_method import named_dynamic_dims
+
+    with tempfile.TemporaryDirectory() as out:
+        fp32 = named_dynamic_dims(Path(model), Path(out) / "fp32.onnx")
+        os.chdir(out)  # ModelOpt leaves shape-inference files in the working folder
+        start = time.perf_counter()
+        quantize(str(fp32), quantize_mode="int8", calibration_data=np.load(calib),
+                 calibration_eps=["cpu"], high_precision_dtype="fp32", log_level="WARNING",
+                 output_path=str(Path(out) / "int8.onnx"))
+        wall = time.perf_counter() - start
+        worst = held_out_sqnr(str(fp32), str(Path(out) / "int8.onnx"), val)
+    return {"tool": f"modelopt-{modelopt.__version__}", "wall_s": round(wall, 1),
+            "sqnr_db": round(worst, 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, run one configuration, print its JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -108,9 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     theirs = sub.add_parser("ort")
     theirs.add_argument("model")
     theirs.add_argument("calib")
+    peer = sub.add_parser("modelopt")
+    peer.add_argument("model")
+    peer.add_argument("calib")
+    peer.add_argument("val")
     args = parser.parse_args(argv)
-    found = (run_quantlab(args.model, args.calib, args.val, args.root)
-             if args.tool == "quantlab" else run_ort(args.model, args.calib))
+    if args.tool == "quantlab":
+        found = run_quantlab(args.model, args.calib, args.val, args.root)
+    elif args.tool == "modelopt":
+        found = run_modelopt(args.model, args.calib, args.val)
+    else:
+        found = run_ort(args.model, args.calib)
     print(json.dumps(found))
     return 0
 

@@ -266,12 +266,13 @@ def child_ort(spec: Mapping) -> dict:
 def named_dynamic_dims(model_path: Path, copy: Path) -> Path:
     """`model_path`, or a copy of it whose input dimensions that have neither a size nor a
     name are named: ModelOpt 0.47 compares every input dimension with 0
-    (``get_dynamic_graph_inputs``) and fails on such a dimension (vad's input and state)."""
+    (``get_dynamic_graph_inputs``) and fails on such a dimension (vad's input and state),
+    as on a size of -1 (Paddle's "any": the PP-OCR detector's batch)."""
     import onnx
 
     model = onnx.load(str(model_path))
     dims = [d for i in model.graph.input for d in i.type.tensor_type.shape.dim
-            if not d.HasField("dim_value") and not d.HasField("dim_param")]
+            if (not d.HasField("dim_value") or d.dim_value < 0) and not d.HasField("dim_param")]
     if not dims:
         return model_path
     for k, dim in enumerate(dims):
