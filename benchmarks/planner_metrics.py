@@ -16,6 +16,12 @@ a candidate box is a true positive when it has the same class as an FP32 box not
 yet and IoU >= 0.5 with it (greedy, highest score first, then highest IoU). Both decode
 as nudenet 3.4.2's ``_postprocess`` does, re-implemented here in NumPy
 (:func:`yolo_detections`); FP32 against itself scores 1.0.
+
+``TextMapF1`` (two-part) and ``text_map_f1`` (one function): F1 = 2 TP / (2 TP + FP + FN),
+pooled over the samples, of the PP-OCRv3 text detector's (``tests/realmodels.py``:
+``ppocr_det``) probability map binarized at DB's 0.3 against FP32's: a pixel above 0.3 in
+both maps is a true positive, in the candidate's alone a false positive, in FP32's alone a
+false negative. FP32 against itself scores 1.0.
 """
 
 from __future__ import annotations
@@ -223,7 +229,16 @@ def yolo_matches(candidate: tuple, reference: tuple) -> tuple[int, int, int]:
     return tp, len(boxes) - tp, len(truth) - tp
 
 
-class YoloF1:
+class PooledF1:
+    """The set part of an F1 metric whose records are (TP, FP, FN) counts."""
+
+    def score(self, records: Iterable[tuple[int, int, int]]) -> float:
+        """F1 of the pooled counts; 1.0 when neither side found anything."""
+        tp, fp, fn = np.sum(np.array(list(records), np.int64).reshape(-1, 3), axis=0)
+        return 1.0 if tp + fp + fn == 0 else float(2 * tp / (2 * tp + fp + fn))
+
+
+class YoloF1(PooledF1):
     """Two-part metric (``--metric benchmarks.planner_metrics:YoloF1``): ``record`` decodes
     one sample's candidate and FP32 ``output0`` and matches them; ``score`` pools counts."""
 
@@ -232,11 +247,6 @@ class YoloF1:
         """(TP, FP, FN) of one sample ({output name: array with a leading axis of 1})."""
         (output,), (reference,) = outputs.values(), references.values()
         return yolo_matches(yolo_detections(output), yolo_detections(reference))
-
-    def score(self, records: Iterable[tuple[int, int, int]]) -> float:
-        """F1 of the pooled counts; 1.0 when neither side found anything."""
-        tp, fp, fn = np.sum(np.array(list(records), np.int64).reshape(-1, 3), axis=0)
-        return 1.0 if tp + fp + fn == 0 else float(2 * tp / (2 * tp + fp + fn))
 
 
 def yolo_records(outputs: Sequence[Mapping[str, np.ndarray]],
@@ -254,3 +264,36 @@ def yolo_f1(outputs: list[dict[str, np.ndarray]],
     """One-function form (``--metric benchmarks.planner_metrics:yolo_f1``): lists of batches,
     candidate and FP32; the F1 of :class:`YoloF1` over every sample."""
     return YoloF1().score(yolo_records(outputs, references))
+
+
+# ------------------------------------------------------------------ the text detector
+
+# rapidocr_onnxruntime 1.2.3's config.yaml, DBPostProcess ``thresh``: a map pixel > 0.3 is text.
+DB_THRESHOLD = 0.3
+
+
+def text_map_counts(output: np.ndarray, reference: np.ndarray) -> tuple[int, int, int]:
+    """(TP, FP, FN) pixels of a candidate probability map against FP32's (any shape, every
+    element counted): above 0.3 in both, in the candidate alone, in FP32 alone."""
+    text, truth = np.asarray(output) > DB_THRESHOLD, np.asarray(reference) > DB_THRESHOLD
+    tp = int(np.count_nonzero(text & truth))
+    return tp, int(np.count_nonzero(text)) - tp, int(np.count_nonzero(truth)) - tp
+
+
+class TextMapF1(PooledF1):
+    """Two-part metric (``--metric benchmarks.planner_metrics:TextMapF1``): ``record`` counts
+    one sample's binarized-map pixels against FP32's; ``score`` pools the counts."""
+
+    def record(self, outputs: Mapping[str, np.ndarray],
+               references: Mapping[str, np.ndarray]) -> tuple[int, int, int]:
+        """(TP, FP, FN) of one sample ({output name: map with a leading axis of 1})."""
+        (output,), (reference,) = outputs.values(), references.values()
+        return text_map_counts(output, reference)
+
+
+def text_map_f1(outputs: list[dict[str, np.ndarray]],
+                references: list[dict[str, np.ndarray]]) -> float:
+    """One-function form (``--metric benchmarks.planner_metrics:text_map_f1``): lists of
+    batches, candidate and FP32; the F1 of the pixels of every batch at once."""
+    return TextMapF1().score(text_map_counts(*batch.values(), *truth.values())
+                             for batch, truth in zip(outputs, references, strict=True))

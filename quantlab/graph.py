@@ -137,11 +137,12 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     Constant nodes that hold tensors (every Paddle export stores its weights that
     way) become initializers, so every later step sees weights in one place.
     Declared shapes of intermediate tensors and outputs are dropped and inferred
-    again: exporters sometimes declare shapes that do not match what runs. A negative
-    input dimension (Paddle exports write -1 for "any") becomes an unnamed dynamic one.
+    again: exporters sometimes declare shapes that do not match what runs. An input
+    dimension declared as -1 (Paddle's exports: PP-OCR's ``x`` [-1, 3, ?, ?]) becomes
+    symbolic, so no later step reads it as a size.
     """
     model = _fold_constant_nodes(model)
-    _dynamic_negative_dims(model)
+    _symbolic_unknown_dims(model)
     model = _upgrade_opset(model)
     model = _name_nodes(model)
     model = fold_batchnorms(model, node_module_path)
@@ -164,13 +165,14 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _dynamic_negative_dims(model: onnx.ModelProto) -> None:
-    """Clear every negative ``dim_value`` of the graph's inputs in place: ONNX Runtime reads
-    -1 as a dynamic dimension, and so must every step that sizes batches from the shape."""
-    for value in model.graph.input:
-        for dim in value.type.tensor_type.shape.dim:
+def _symbolic_unknown_dims(model: onnx.ModelProto) -> None:
+    """Turn the graph inputs' and outputs' negative ``dim_value`` (unknown size) into a
+    ``dim_param`` named after the tensor and axis, in place; each gets its own name, so
+    shape inference assumes no two of them equal."""
+    for value in [*model.graph.input, *model.graph.output]:
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
             if dim.HasField("dim_value") and dim.dim_value < 0:
-                dim.ClearField("dim_value")
+                dim.dim_param = f"{value.name}_{axis}"
 
 
 def _fold_constant_nodes(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -19,9 +19,10 @@ if _ROOT not in sys.path:  # `tests.realmodels:onet` must import under plain `py
 
 from tests import realmodels  # noqa: E402
 
-# Sample counts: small enough for a 2-core machine (layout is 800x608 at batch 1).
+# Sample counts: small enough for a 2-core machine (layout is 800x608 at batch 1, ppocr_det's
+# default calibration about a minute on 8 pages of 640x640).
 REAL_DATA_SIZES = {"layout": (8, 4), "orientation": (32, 16), "vad": (32, 16),
-                   "onet": (32, 16), "yolo": (16, 32)}
+                   "onet": (32, 16), "yolo": (16, 32), "ppocr_det": (8, 32)}
 
 
 @pytest.fixture(scope="session")

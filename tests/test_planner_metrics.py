@@ -1,6 +1,7 @@
 """benchmarks.planner_metrics' yolo F1 (the real-model suite's decode-and-match metric):
 its decoding against hand-placed boxes and a loop-by-loop NMS, its counts on a case with
-known TP/FP/FN, and its two forms against each other."""
+known TP/FP/FN, and its two forms against each other; the same for the text detector's
+binarized-map F1."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import numpy as np
 import pytest
 
 from benchmarks.planner_metrics import (
+    TextMapF1,
     YoloF1,
+    text_map_counts,
+    text_map_f1,
     yolo_detections,
     yolo_f1,
     yolo_matches,
@@ -139,3 +143,69 @@ def test_two_part_score_of_records_equals_the_function_bit_for_bit():
     per_truth = [{"output0": r["output0"][k:k + 1]} for r in references for k in range(4)]
     assert metric.score([records[i] for i in pick]) == yolo_f1(
         [per_sample[i] for i in pick], [per_truth[i] for i in pick])
+
+
+# ------------------------------------------------------------ the text detector's map F1
+
+
+def test_map_counts_on_a_hand_made_map():
+    """FP32 text on rows 0-1 (8 pixels), the candidate's on rows 1-2: row 1 is TP (4), row 2
+    FP (4), row 0 FN (4); a pixel at exactly 0.3 is not text (DB keeps > 0.3)."""
+    reference = np.zeros((1, 1, 4, 4), np.float32)
+    reference[..., :2, :] = 0.9
+    candidate = np.zeros_like(reference)
+    candidate[..., 1:3, :] = 0.6
+    candidate[..., 3, 0] = 0.3
+    reference[..., 3, 1] = np.float32(0.3)
+    assert text_map_counts(candidate, reference) == (4, 4, 4)
+    candidate[..., 3, 0] = np.nextafter(np.float32(0.3), np.float32(1))
+    assert text_map_counts(candidate, reference) == (4, 5, 4)
+    outputs, references = [{"map": candidate}], [{"map": reference}]
+    assert TextMapF1().record(outputs[0], references[0]) == (4, 5, 4)
+    assert text_map_f1(outputs, references) == pytest.approx(8 / 17, abs=1e-15)
+
+
+def slow_counts(output: np.ndarray, reference: np.ndarray) -> tuple[int, int, int]:
+    """TP, FP, FN pixel by pixel, in Python floats."""
+    tp = fp = fn = 0
+    for got, want in zip(output.ravel().tolist(), reference.ravel().tolist(), strict=True):
+        tp += got > 0.3 and want > 0.3
+        fp += got > 0.3 and not want > 0.3
+        fn += want > 0.3 and not got > 0.3
+    return tp, fp, fn
+
+
+def text_maps(rng: np.random.Generator, count: int) -> np.ndarray:
+    """DB-like maps [count, 1, 24, 32]: near 0 off the text, near 1 on a few text lines."""
+    maps = rng.uniform(0, 0.05, (count, 1, 24, 32))
+    for sample in maps:
+        for _ in range(int(rng.integers(0, 4))):
+            row, col = int(rng.integers(0, 22)), int(rng.integers(0, 20))
+            sample[0, row:row + 3, col:col + int(rng.integers(4, 13))] = rng.uniform(0.7, 1)
+    return maps.astype(np.float32)
+
+
+def test_map_f1_two_parts_equal_the_function_and_a_pixel_by_pixel_count():
+    """Batches of 4 maps, the candidate's noisy near the threshold: every record equals the
+    slow count, the pooled records score the function's F1 bit for bit (in any order and on
+    a bootstrap resample), and FP32 against itself scores 1.0."""
+    rng = np.random.default_rng(12)
+    fp32 = text_maps(rng, 12)
+    int8 = np.clip(fp32 + rng.normal(0, 0.2, fp32.shape), 0, 1).astype(np.float32)
+    references = [{"sigmoid_0.tmp_0": fp32[i:i + 4]} for i in range(0, 12, 4)]
+    outputs = [{"sigmoid_0.tmp_0": int8[i:i + 4]} for i in range(0, 12, 4)]
+    metric = TextMapF1()
+    records = [metric.record({"sigmoid_0.tmp_0": int8[k:k + 1]},
+                             {"sigmoid_0.tmp_0": fp32[k:k + 1]}) for k in range(12)]
+    assert records == [slow_counts(int8[k], fp32[k]) for k in range(12)]
+    whole = text_map_f1(outputs, references)
+    assert 0 < whole < 1
+    assert metric.score(records) == whole
+    assert metric.score(records[::-1]) == whole
+    pick = rng.integers(0, 12, 12)
+    assert metric.score([records[i] for i in pick]) == text_map_f1(
+        [{"sigmoid_0.tmp_0": int8[i:i + 1]} for i in pick],
+        [{"sigmoid_0.tmp_0": fp32[i:i + 1]} for i in pick])
+    assert text_map_f1(references, references) == 1.0
+    blank = [{"sigmoid_0.tmp_0": np.zeros_like(fp32[:4])}]
+    assert text_map_f1(blank, blank) == 1.0 and text_map_f1(blank, references[:1]) == 0.0
