@@ -84,24 +84,6 @@ def test_save_model_is_loadable(tiny_model, tmp_path):
     assert onnx.load(str(path)).graph.node[0].name == model.graph.node[0].name
 
 
-def test_a_negative_input_size_is_read_as_dynamic_and_the_model_calibrates(tmp_path):
-    """Paddle exports (the PP-OCR detectors) declare their batch as -1, which ONNX Runtime
-    reads as "any": quantlab's import must too, not take it for a fixed batch of -1."""
-    from quantlab import pipeline
-
-    model = onnx_model([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1] * 4)],
-                       [("x", [-1, 3, "h", "w"])], ["y"],
-                       {"w": np.random.default_rng(0).standard_normal((4, 3, 3, 3))})
-    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_value == -1
-    normalized = graph.normalize(model)
-    assert graph.input_specs(normalized)[0].shape == (None, 3, None, None)
-    assert graph.fixed_batch_size(normalized) is None
-    data = np.random.default_rng(1).standard_normal((6, 3, 8, 8)).astype(np.float32)
-    result = pipeline.run_calibration(model, data, tmp_path / "run", batch_size=4,
-                                      progress=False)
-    assert result.stats.num_samples == 6
-
-
 def test_normalize_drops_the_initializers_nothing_reads_and_keeps_the_others():
     branch = helper.make_graph([helper.make_node("Add", ["x", "inner"], ["b"])], "branch", [],
                                [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2])])
