@@ -82,4 +82,19 @@ row R5 "calibrate() on stats.npz whose max is NaN" python -c "import numpy as np
 row P44 "plan base/model.onnx --data vbase --eval eval64.npy --min-sqnr 30 --out o/P44" $Q plan base/model.onnx --data vbase --eval eval64.npy --min-sqnr 30 --out o/P44 --no-progress
 row B01 "plan base/model.onnx --data digits.npy --eval eval64.npy --min-sqnr 45 --trt-version 8.6.1 --out o/B01 && build o/B01" bash -c "$Q plan base/model.onnx --data digits.npy --eval eval64.npy --min-sqnr 45 --trt-version 8.6.1 --out o/B01 --no-progress >/dev/null 2>&1 && $Q build o/B01 2>&1 | head -1"
 row MT09 "validate ... --metric r4metrics:slow (bootstrap progress)" echo "tests/test_validate.py::test_a_metric_bootstrap_shows_progress"
-row G08 "calibrate: two depthwise convs sharing one weight" echo "not fixed: the depthwise-equalization rewrite is repairs.py (calib branch)"
+# G08: two depthwise convs sharing one weight and bias, on relu(x) and -0.1 * relu(x), summed
+# (tests/helpers.py); 3 channels, with the initializers also listed as graph inputs for G08b.
+python - <<PY
+import sys
+import numpy as np, onnx
+sys.path.insert(0, "$PYTHONPATH/tests")
+from helpers import shared_weight_convs
+for name, channels, listed in (("g08", 3, False), ("g08b", 8, True)):
+    onnx.save(shared_weight_convs(channels, listed)[0], f"{name}.onnx")
+    spread = np.geomspace(0.1, 10, channels, dtype=np.float32)[None, :, None, None]
+    x = np.random.default_rng(2).standard_normal((64, channels, 8, 8), np.float32) * spread
+    np.save(f"{name}.npy", x)
+PY
+row G08 "calibrate g08.onnx --data g08.npy --out o/G08 (two depthwise convs sharing one weight into one Add)" $Q calibrate g08.onnx --data g08.npy --out o/G08 --no-progress
+row G08+ "calibrate g08.onnx --data g08.npy --no-equalize --no-bias-correction --weight-amax max --method percentile --out o/G08+" $Q calibrate g08.onnx --data g08.npy --no-equalize --no-bias-correction --weight-amax max --method percentile --out o/G08+ --no-progress
+row G08b "calibrate g08b.onnx --data g08b.npy --out o/G08b (8 channels, initializers also graph inputs)" $Q calibrate g08b.onnx --data g08b.npy --out o/G08b --no-progress

@@ -136,6 +136,8 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     Initializers nothing reads (a folded BatchNormalization's parameters) are dropped.
     Constant nodes that hold tensors (every Paddle export stores its weights that
     way) become initializers, so every later step sees weights in one place.
+    Initializers also listed as graph inputs (IR < 4 exporters) leave the inputs: they are
+    weights, as TensorRT's parser and every step here take them.
     Declared shapes of intermediate tensors and outputs are dropped and inferred
     again: exporters sometimes declare shapes that do not match what runs. An input
     dimension declared as -1 (Paddle's exports: PP-OCR's ``x`` [-1, 3, ?, ?]) becomes
@@ -143,6 +145,7 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     """
     model = _fold_constant_nodes(model)
     _symbolic_unknown_dims(model)
+    _initializers_apart(model)
     model = _upgrade_opset(model)
     model = _name_nodes(model)
     model = fold_batchnorms(model, node_module_path)
@@ -191,6 +194,29 @@ def _fold_constant_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
         del copy.graph.node[:]
         copy.graph.node.extend(kept)
     return copy
+
+
+# The first IR version whose initializers need not be graph inputs.
+_IR_INITIALIZERS_APART = 4
+
+
+def _initializers_apart(model: onnx.ModelProto) -> None:
+    """Make, in place, every initializer a constant apart from the graph inputs: drop the
+    inputs that name one, and raise IR 3 (which wants each listed there) to 4.
+
+    ONNX Runtime takes an initializer listed as an input for an input the caller may
+    override, not a constant: it neither folds nor reorders it and its Conv+Add fusion then
+    dropped an exposed Conv output (reliability case G08), and a rewrite of the initializer
+    (depthwise equalization's per-channel scale) left the input declaring its old shape.
+    Under IR 3 the initializers of folded Constant nodes, not listed, failed the opset
+    converter ("Input w is undefined").
+    """
+    names = {init.name for init in model.graph.initializer}
+    kept = [value for value in model.graph.input if value.name not in names]
+    if len(kept) != len(model.graph.input):
+        del model.graph.input[:]
+        model.graph.input.extend(kept)
+    model.ir_version = max(model.ir_version, _IR_INITIALIZERS_APART)
 
 
 def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto | None:

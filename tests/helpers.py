@@ -142,3 +142,44 @@ def decomposed_block() -> onnx.ModelProto:
                       dynamo=False, input_names=["x"], output_names=["y"],
                       dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
     return graph.normalize(onnx.load_from_string(buffer.getvalue()))
+
+
+def depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray, pad: int) -> np.ndarray:
+    """Reference depthwise NCHW convolution (stride 1, group = channels) in float64."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    x = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    windows = sliding_window_view(x, w.shape[2:], axis=(2, 3))  # n c h w kh kw
+    return np.einsum("nchwij,cij->nchw", windows, w[:, 0].astype(np.float64)) + \
+        b.astype(np.float64)[None, :, None, None]
+
+
+def shared_weight_convs(channels: int, weights_as_inputs: bool, seed: int = 0):
+    """Reliability case G08's shape: two depthwise convs sharing one weight and bias, one reading
+    a = relu(x), the other -0.1 * a (inputs of opposite sign and range), summed by an Add.
+    `weights_as_inputs` also lists the initializers as graph inputs (IR 3 exporters do).
+    Returns the model and its float64 reference: x -> {"da": first conv, "y": the sum}."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((channels, 1, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(channels).astype(np.float32)
+    model = onnx_model(
+        [helper.make_node("Relu", ["x"], ["a"], name="relu"),
+         helper.make_node("Mul", ["a", "minus_tenth"], ["n"], name="scale"),
+         helper.make_node("Conv", ["a", "w", "b"], ["da"], name="dwa", group=channels,
+                          pads=[1] * 4),
+         helper.make_node("Conv", ["n", "w", "b"], ["db"], name="dwb", group=channels,
+                          pads=[1] * 4),
+         helper.make_node("Add", ["da", "db"], ["y"], name="add")],
+        [("x", [None, channels, 8, 8])], ["y"], {"w": w, "b": b, "minus_tenth": -0.1})
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info(
+        "y", TensorProto.FLOAT, [None, channels, 8, 8]))  # a file passes onnx.checker
+    if weights_as_inputs:
+        model.graph.input.extend(helper.make_tensor_value_info(i.name, i.data_type, i.dims)
+                                 for i in model.graph.initializer)
+
+    def reference(x: np.ndarray) -> dict[str, np.ndarray]:
+        a = np.maximum(x.astype(np.float64), 0)
+        first = depthwise_conv(a, w, b, 1)
+        return {"da": first, "y": first + depthwise_conv(-0.1 * a, w, b, 1)}
+
+    return model, reference

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from helpers import SSDLiteRaw, zoo_params
+from helpers import SSDLiteRaw, shared_weight_convs, zoo_params
 
 from quantlab import compare, graph, zoo
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend
@@ -222,6 +222,19 @@ def test_exposed_inputs_and_their_aliases_outlive_the_run():
     np.testing.assert_array_equal(values["same"], sliced)
     np.testing.assert_array_equal(values["relu"], np.maximum(sliced, 0))
     assert len(clobber) == 64
+
+
+@pytest.mark.parametrize("channels, weights_as_inputs", [(3, False), (8, True)])
+def test_a_conv_output_exposed_beside_another_conv_into_one_add_is_returned(
+        channels, weights_as_inputs):
+    # Reliability case G08: ONNX Runtime's ConvAddActivationFusion fused the Add into the Conv
+    # of the exposed output 'da' and dropped it, so the session did not load. The other
+    # graph optimizations stay on: the sum must still be right.
+    model, reference = shared_weight_convs(channels, weights_as_inputs)
+    x = np.random.default_rng(1).standard_normal((4, channels, 8, 8)).astype(np.float32)
+    values = OnnxRuntimeBackend(graph.normalize(model)).run({"x": x}, ["da", "y"])
+    for name, want in reference(x).items():
+        np.testing.assert_allclose(values[name], want, rtol=1e-5, atol=1e-5)
 
 
 def test_folded_batchnorm_maps_to_the_batchnorm_module(tmp_path):

@@ -4,10 +4,11 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import onnx_model
+from helpers import depthwise_conv, onnx_model
 from onnx import TensorProto, helper, numpy_helper
 
 from quantlab import graph
+from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.errors import ModelError
 
 
@@ -64,6 +65,30 @@ def test_normalize_upgrades_old_opset_and_names_nodes():
     assert {v.name for v in model.graph.value_info} == {"y"}  # inferred intermediate shape
 
 
+def test_normalize_takes_initializers_listed_as_inputs_for_weights():
+    # An IR 3 export lists every initializer as a graph input; here the Conv weight is a
+    # Constant node as well. Normalized, the initializers are weights apart from the inputs
+    # (ONNX Runtime treats listed ones as inputs a caller may override: reliability case G08),
+    # and the opset converter no longer stops at "Input w is undefined".
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((4, 1, 3, 3)), rng.standard_normal(4)
+    model = onnx_model(
+        [helper.make_node("Constant", [], ["w"], value=numpy_helper.from_array(
+            w.astype(np.float32), "w")),
+         helper.make_node("Conv", ["x", "w", "b"], ["y"], group=4, pads=[1] * 4)],
+        [("x", [1, 4, 5, 5])], ["y"], {"b": b})
+    model.graph.input.append(helper.make_tensor_value_info("b", TensorProto.FLOAT, [4]))
+    model.ir_version = 3
+    model.opset_import[0].version = 11
+    normalized = graph.normalize(model)
+    assert [v.name for v in normalized.graph.input] == ["x"]
+    assert normalized.ir_version >= 4 and graph.opset_version(normalized) == graph.MIN_OPSET
+    assert {init.name for init in normalized.graph.initializer} == {"w", "b"}
+    x = rng.standard_normal((1, 4, 5, 5)).astype(np.float32)
+    y = OnnxRuntimeBackend(normalized).run({"x": x})["y"]
+    np.testing.assert_allclose(y, depthwise_conv(x, w, b, 1), rtol=1e-5, atol=1e-5)
+
+
 def test_topological_tensors_and_module_paths(tiny_model):
     model, _, _ = tiny_model
     order = graph.topological_tensors(model)
@@ -95,5 +120,5 @@ def test_normalize_drops_the_initializers_nothing_reads_and_keeps_the_others():
     model.graph.initializer.append(numpy_helper.from_array(np.array(True), "cond"))
     model.graph.input.append(helper.make_tensor_value_info("cond", TensorProto.BOOL, []))
     kept = {init.name for init in graph.normalize(model).graph.initializer}
-    # Read by a node, inside a branch, an overridable input, a graph output: all stay.
+    # Read by a node, inside a branch, by an If, a graph output: all stay.
     assert kept == {"read", "inner", "cond", "out"}
