@@ -4,7 +4,8 @@ One configuration per process, so ``farm-bench --vs`` can pair them:
 
     python benchmarks/calibrate_phases.py quantlab MODEL CALIB.npy VAL.npy [--root TREE]
     python benchmarks/calibrate_phases.py ort MODEL CALIB.npy
-    VENV/bin/python benchmarks/calibrate_phases.py modelopt MODEL CALIB.npy VAL.npy
+    VENV/bin/python benchmarks/calibrate_phases.py modelopt MODEL CALIB.npy VAL.npy --keep DIR
+    python benchmarks/calibrate_phases.py score DIR/fp32.onnx DIR/int8.onnx VAL.npy --metric M
 
 ``quantlab`` runs ``pipeline.run_calibration`` with the defaults of the tree `--root`
 (default: this one; an older tree records no phases, and is timed as a whole) and prints
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -38,9 +40,14 @@ def sqnr_db(reference: np.ndarray, test: np.ndarray) -> float:
     return float(10 * np.log10(float(np.sum(reference ** 2)) / max(noise, 1e-300)))
 
 
-def held_out_sqnr(fp32: bytes | str, int8: bytes | str, val: str) -> float:
+def held_out(fp32: bytes | str, int8: bytes | str, val: str, metric: str | None = None
+             ) -> dict:
     """The worst output's SQNR (dB, float64, pooled over VAL's samples) of `int8` against
-    `fp32` (serialized models or paths), run one sample at a time in ONNX Runtime."""
+    `fp32` (serialized models or paths), run one sample at a time in ONNX Runtime, and with
+    `metric` (``module:function``, quantlab's one-function ``--metric`` form: lists of
+    batches, candidate then FP32) its score."""
+    import importlib
+
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -48,16 +55,29 @@ def held_out_sqnr(fp32: bytes | str, int8: bytes | str, val: str) -> float:
     sessions = [ort.InferenceSession(m, options, providers=["CPUExecutionProvider"])
                 for m in (fp32, int8)]
     name = sessions[0].get_inputs()[0].name
+    names = [o.name for o in sessions[0].get_outputs()]
     pairs: dict[int, list] = {}
+    batches: tuple[list, list] = ([], [])
     for sample in np.load(val):
         fp32_out, int8_out = (s.run(None, {name: sample[None]}) for s in sessions)
         for k, (r, t) in enumerate(zip(fp32_out, int8_out, strict=True)):
             pairs.setdefault(k, []).append((r, t))
-    return min(sqnr_db(np.concatenate([r.ravel() for r, _ in v]),
-                       np.concatenate([t.ravel() for _, t in v])) for v in pairs.values())
+        if metric:
+            batches[0].append(dict(zip(names, int8_out, strict=True)))
+            batches[1].append(dict(zip(names, fp32_out, strict=True)))
+    found = {"sqnr_db": round(min(sqnr_db(np.concatenate([r.ravel() for r, _ in v]),
+                                          np.concatenate([t.ravel() for _, t in v]))
+                                  for v in pairs.values()), 3)}
+    if metric:
+        module, function = metric.split(":")
+        sys.path.insert(0, str(ROOT))
+        found[metric] = round(float(getattr(importlib.import_module(module), function)(
+            *batches)), 4)
+    return found
 
 
-def run_quantlab(model: str, calib: str, val: str, root: Path) -> dict:
+def run_quantlab(model: str, calib: str, val: str, root: Path, metric: str | None = None,
+                 keep: Path | None = None) -> dict:
     """Calibrate with the tree's defaults; time it, read its phases, score it held out."""
     sys.path.insert(0, str(root))
     from quantlab import pipeline
@@ -66,10 +86,16 @@ def run_quantlab(model: str, calib: str, val: str, root: Path) -> dict:
         start = time.perf_counter()
         result = pipeline.run_calibration(model, calib, Path(out) / "run", progress=False)
         wall = time.perf_counter() - start
-    worst = held_out_sqnr(result.model.SerializeToString(),
-                          result.qdq_model.SerializeToString(), val)
+    scores = held_out(result.model.SerializeToString(), result.qdq_model.SerializeToString(),
+                      val, metric)
+    if keep:
+        import onnx
+
+        keep.mkdir(parents=True, exist_ok=True)
+        onnx.save(result.model, str(keep / "fp32.onnx"))
+        onnx.save(result.qdq_model, str(keep / "int8.onnx"))
     summary = result.repairs.get("bias_correction", {}).get("summary", {})
-    return {"tree": str(root), "wall_s": round(wall, 1), "sqnr_db": round(worst, 3),
+    return {"tree": str(root), "wall_s": round(wall, 1), **scores,
             "phases": getattr(result, "phases", None), "bias_kept": summary.get("kept"),
             "folds": summary.get("folds")}
 
@@ -106,11 +132,12 @@ def run_ort(model: str, calib: str) -> dict:
         return {"tool": "ort-MinMax", "wall_s": round(time.perf_counter() - start, 1)}
 
 
-def run_modelopt(model: str, calib: str, val: str) -> dict:
+def run_modelopt(model: str, calib: str, val: str, keep: Path | None = None) -> dict:
     """ModelOpt's ONNX PTQ (int8, its default calibrator, high_precision_dtype fp32) on the
     CPU, as benchmarks/default_method.py's child_modelopt; timed, scored held out against
-    the model given. Run it with the interpreter of a virtual environment that holds
-    nvidia-modelopt[onnx] (it pins its own onnx and onnxruntime)."""
+    the model given (SQNR only: a metric's imports need not be in ModelOpt's environment;
+    `keep` saves the two models for ``score``). Run it with the interpreter of a virtual
+    environment that holds nvidia-modelopt[onnx] (it pins its own onnx and onnxruntime)."""
     import modelopt
     from modelopt.onnx.quantization import quantize
 
@@ -125,9 +152,12 @@ def run_modelopt(model: str, calib: str, val: str) -> dict:
                  calibration_eps=["cpu"], high_precision_dtype="fp32", log_level="WARNING",
                  output_path=str(Path(out) / "int8.onnx"))
         wall = time.perf_counter() - start
-        worst = held_out_sqnr(str(fp32), str(Path(out) / "int8.onnx"), val)
-    return {"tool": f"modelopt-{modelopt.__version__}", "wall_s": round(wall, 1),
-            "sqnr_db": round(worst, 3)}
+        scores = held_out(str(fp32), str(Path(out) / "int8.onnx"), val)
+        if keep:
+            keep.mkdir(parents=True, exist_ok=True)
+            for name in ("fp32.onnx", "int8.onnx"):
+                shutil.copy(Path(out) / name, keep / name)
+    return {"tool": f"modelopt-{modelopt.__version__}", "wall_s": round(wall, 1), **scores}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,22 +165,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="tool", required=True)
     mine = sub.add_parser("quantlab")
-    mine.add_argument("model")
-    mine.add_argument("calib")
-    mine.add_argument("val")
     mine.add_argument("--root", type=Path, default=ROOT, help="the quantlab tree to measure")
+    mine.add_argument("--metric", help="module:function scored held out beside the SQNR")
     theirs = sub.add_parser("ort")
-    theirs.add_argument("model")
-    theirs.add_argument("calib")
     peer = sub.add_parser("modelopt")
-    peer.add_argument("model")
-    peer.add_argument("calib")
-    peer.add_argument("val")
+    score = sub.add_parser("score", help="score kept models (FP32 = MODEL, INT8 = CALIB)")
+    score.add_argument("--metric", help="module:function scored held out beside the SQNR")
+    for tool in (mine, theirs, peer, score):
+        tool.add_argument("model")
+        tool.add_argument("calib")
+        if tool is not theirs:
+            tool.add_argument("val")
+        if tool in (mine, peer):
+            tool.add_argument("--keep", type=Path, help="save fp32.onnx and int8.onnx here")
     args = parser.parse_args(argv)
     if args.tool == "quantlab":
-        found = run_quantlab(args.model, args.calib, args.val, args.root)
+        found = run_quantlab(args.model, args.calib, args.val, args.root, args.metric,
+                             args.keep)
     elif args.tool == "modelopt":
-        found = run_modelopt(args.model, args.calib, args.val)
+        found = run_modelopt(args.model, args.calib, args.val, args.keep)
+    elif args.tool == "score":
+        found = held_out(args.model, args.calib, args.val, args.metric)
     else:
         found = run_ort(args.model, args.calib)
     print(json.dumps(found))
