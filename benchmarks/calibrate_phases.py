@@ -155,8 +155,8 @@ def run_modelopt(model: str, calib: str, val: str, keep: Path | None = None) -> 
         scores = held_out(str(fp32), str(Path(out) / "int8.onnx"), val)
         if keep:
             keep.mkdir(parents=True, exist_ok=True)
-            for name in ("fp32.onnx", "int8.onnx"):
-                shutil.copy(Path(out) / name, keep / name)
+            shutil.copy(fp32, keep / "fp32.onnx")
+            shutil.copy(Path(out) / "int8.onnx", keep / "int8.onnx")
     return {"tool": f"modelopt-{modelopt.__version__}", "wall_s": round(wall, 1), **scores}
 
 
