@@ -27,9 +27,20 @@ WEIGHT_CRITERIA = ("max", "mse")
 # TensorRT runs the least error on the calibration data (quantlab.weights).
 CALIBRATE_WEIGHT_CRITERIA = ("local", *WEIGHT_CRITERIA)
 DEFAULT_WEIGHT_AMAX = "local"
+# Repairs of quantlab.repairs the planner weighs (bias correction, which changes the INT8 ops
+# alone, is weighed on its own): equalization of depthwise-conv inputs, of those and 1x1-conv
+# inputs, cross-layer equalization, SmoothQuant.
+REPAIRS = ("dw-equalize", "pw-equalize", "cle", "smoothquant")
+# The repairs `quantlab plan` weighs by default.
+DEFAULT_PLAN_REPAIRS = ("dw-equalize",)
 # Where --help says a default comes from.
 DEFAULTS_FROM = "quantlab/choices.py: one default per role for every command"
 # Image resampling of quantlab.data.Preprocess: Pillow's filters (which antialias when
 # shrinking), area averaging, and OpenCV's cv2.resize INTER_LINEAR (no antialiasing), which
 # packages that preprocess with OpenCV feed their models.
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "area", "opencv-linear")
+# Preprocess field -> the option that sets it.
+PREPROCESS_OPTIONS = {"size": "--resize", "scale": "--scale", "mean": "--mean", "std": "--std",
+                      "channel_order": "--channel-order", "layout": "--layout",
+                      "resize_mode": "--resize-mode", "resize_short": "--resize-short",
+                      "pad_value": "--pad-value", "interpolation": "--interpolation"}

@@ -32,11 +32,6 @@ HELP = "build the TensorRT engine of a calibration folder; write its trtexec com
 ENGINE_FILE = "model.plan"
 TRTEXEC_FILE = "trtexec.txt"
 LAYERS_FILE = "layers.json"
-# trtexec's calibrator is an IInt8EntropyCalibrator2 (samples/common/sampleEngines.cpp,
-# RndInt8Calibrator), so it uses only caches with that header; with a cache file present it
-# allocates no calibration input, so a cache it rejects fails the build (TensorRT#3430).
-# Same scales, relabelled header.
-TRTEXEC_CACHE = "calibration.trtexec.cache"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,49 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replace an existing model.plan or a trtexec.txt of other commands")
 
 
-def read_plan(path: str | Path) -> dict[str, str]:
-    """{ONNX node name: precision} from a plan.json or a flat JSON mapping."""
-    from quantlab.errors import DataError
-    from quantlab.experiment import read_record
-
-    data = read_record(path, "plan", made_by="the plan.json written by `quantlab plan` or a "
-                                             "JSON {node: precision}")
-    if isinstance(data.get("units"), dict):
-        try:
-            return {node: str(unit["precision"]) for unit in data["units"].values()
-                    for node in unit["nodes"]}
-        except (KeyError, TypeError):
-            raise DataError(f"plan {path}: a unit lacks 'precision' or 'nodes'.") from None
-    if all(isinstance(v, str) for v in data.values()):
-        return dict(data)
-    raise DataError(f"plan {path} is neither a plan.json nor a JSON {{node: precision}} mapping.")
-
-
-def planned_batch(folder: Path) -> int | None:
-    """The batch a `quantlab plan` folder's trtexec.txt was written for (its summary.json),
-    or None for another folder."""
-    from quantlab.commands.plan import GENERATOR
-    from quantlab.experiment import read_record
-
-    if not (folder / "summary.json").is_file():
-        return None
-
-    def batch(value):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError("expected a whole number of at least 1")
-        return value
-
-    summary = read_record(folder / "summary.json", "plan summary", {"max_batch": batch},
-                          made_by="the summary.json written by `quantlab plan`")
-    return summary["max_batch"] if summary.get("generator") == GENERATOR else None
-
-
 def run(args: argparse.Namespace) -> int:
     """Write trtexec.txt, then build the engine where TensorRT is installed."""
     from quantlab import cache, graph, trtexec
     from quantlab.backends import tensorrt as trt_backend
     from quantlab.errors import BackendUnavailableError, ConfigError, ModelError, OutputExistsError
     from quantlab.experiment import write_text
+    from quantlab.planner.folder import planned_batch, read_plan
 
     folder = Path(args.folder)
     for name in ("model.onnx", "model.int8.onnx"):
@@ -130,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
     if (folder / "calibration.cache").is_file():
         header, scales = cache.read_calibration_cache(folder / "calibration.cache")
         cache_name = ("calibration.cache" if header.algorithm == "EntropyCalibration2"
-                      else TRTEXEC_CACHE)
+                      else cache.TRTEXEC_CACHE)
     # The comment names the header of the cache trtexec reads (cache_name): EntropyCalibration2
-    # either way, relabelled for TRTEXEC_CACHE, as plan writes it.
+    # either way, relabelled for cache.TRTEXEC_CACHE, as plan writes it.
     trtexec_header = header and header._replace(algorithm="EntropyCalibration2")
     text = trtexec.trtexec_text(pins, profile, cache_name, trtexec_header and str(trtexec_header),
                                 trt_backend.explicit_build_pins(int8_model))
@@ -150,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         version, missing = None, exc
     if version is not None and engine_path.exists() and not args.force:
         raise OutputExistsError(f"{engine_path} exists; pass --force to build it again.")
-    if cache_name == TRTEXEC_CACHE:
+    if cache_name == cache.TRTEXEC_CACHE:
         cache.write_calibration_cache(folder / cache_name, scales, "EntropyCalibration2",
                                       trt_version=header.trt_version)
     write_text(target, text)

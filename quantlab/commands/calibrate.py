@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the calibration and print a summary of what was written."""
     import sys
 
+    from quantlab.choices import PREPROCESS_OPTIONS
     from quantlab.commands.options import (
-        PREPROCESS_OPTIONS,
         given_preprocessing,
         input_options,
         preprocess_from_args,

@@ -192,7 +192,7 @@ def _model_folder(run):
 
 def _recorded(folder) -> dict | None:
     """The folder's calibration.json, read and checked (a plan folder has none)."""
-    from quantlab.commands.options import read_calibration_record
+    from quantlab.experiment import read_calibration_record
 
     return read_calibration_record(folder) if (folder / "calibration.json").is_file() else None
 

@@ -11,7 +11,7 @@ import argparse
 import json
 import math
 
-from quantlab.choices import INTERPOLATIONS
+from quantlab.choices import INTERPOLATIONS, PREPROCESS_OPTIONS
 
 DATA_HELP = """\
 data:
@@ -142,13 +142,6 @@ def check_metric(metric: str, ground_truth: bool, how: str, model: str | None = 
                           f"metric is {PRIMARY_METRIC[task]}.")
 
 
-# Preprocess field -> the option that sets it.
-PREPROCESS_OPTIONS = {"size": "--resize", "scale": "--scale", "mean": "--mean", "std": "--std",
-                      "channel_order": "--channel-order", "layout": "--layout",
-                      "resize_mode": "--resize-mode", "resize_short": "--resize-short",
-                      "pad_value": "--pad-value", "interpolation": "--interpolation"}
-
-
 def given_preprocessing(args: argparse.Namespace) -> dict:
     """The Preprocess fields the options set explicitly (every option left out is None)."""
     values = {field: getattr(args, option[2:].replace("-", "_"))
@@ -158,67 +151,19 @@ def given_preprocessing(args: argparse.Namespace) -> dict:
 
 
 def preprocess_from_args(args: argparse.Namespace, recorded=None):
-    """The Preprocess the options give; options left out take `recorded` values.
+    """The Preprocess the options give; options left out take `recorded` values
+    (:func:`quantlab.data.preprocessing`)."""
+    from quantlab.data import preprocessing
 
-    `recorded` is the Preprocess a calibration folder's ``calibration.json`` holds
-    (:func:`read_calibration_record`), so `validate --from DIR` reads images as
-    calibration did; an option given explicitly always wins, even when it equals the
-    default.
-    """
-    from dataclasses import replace
-
-    from quantlab.data import Preprocess
-
-    return replace(recorded or Preprocess(), **given_preprocessing(args))
+    return preprocessing(given_preprocessing(args), recorded)
 
 
-def read_calibration_record(folder) -> dict:
-    """``calibration.json`` of a `quantlab calibrate` folder, its fields checked (a DataError
-    names the file and the field): ``data`` an absolute path (one recorded relative, by
-    an older quantlab, is resolved against the folder), ``preprocess`` a Preprocess or
-    None, ``data_stamp`` (:func:`quantlab.data.files_stamp`) a string or None,
-    ``frozen_inputs`` and ``sample_axes`` dicts."""
-    from pathlib import Path
+def data_options(args: argparse.Namespace):
+    """The quantlab.data.DataOptions the data options give."""
+    from quantlab.data import DataOptions
 
-    from quantlab.data import Preprocess
-    from quantlab.experiment import read_record
-
-    folder = Path(folder)
-
-    def data_path(value):
-        if not isinstance(value, str) or not value:
-            raise TypeError("expected the path of the calibration data")
-        path = Path(value)
-        if path.is_absolute():
-            return str(path)
-        # An older quantlab recorded the path as typed: against the folder, else the cwd.
-        return str((folder / path if (folder / path).exists() else path).resolve())
-
-    def mapping(value):
-        if value is not None and not isinstance(value, dict):
-            raise TypeError(f"expected a JSON object, not a {type(value).__name__}")
-        return dict(value or {})
-
-    def preprocess(value):
-        if value is None:
-            return None
-        fields = mapping(value)
-        for key in ("size", "mean", "std"):
-            numbers = fields.get(key)
-            if numbers is not None and not (isinstance(numbers, list) and all(
-                    isinstance(n, (int, float)) and not isinstance(n, bool) for n in numbers)):
-                raise TypeError(f"its {key} is {numbers!r}, not a list of numbers")
-        return Preprocess.from_dict(fields)
-
-    def stamp(value):
-        if value is not None and not isinstance(value, str):
-            raise TypeError("expected a hexadecimal digest")
-        return value
-
-    return read_record(folder / "calibration.json", "calibration record",
-                       {"data": data_path, "preprocess": preprocess, "data_stamp": stamp,
-                        "frozen_inputs": mapping, "sample_axes": mapping},
-                       made_by="the folder of a finished `quantlab calibrate` run")
+    return DataOptions(args.batch_size, args.max_samples, given_preprocessing(args),
+                       **input_options(args))
 
 
 def input_options(args: argparse.Namespace) -> dict:
@@ -348,33 +293,10 @@ NOT_FINGERPRINTED = frozenset({"run", "command", "out", "force", "no_progress", 
 
 
 def resume_fingerprint(args: argparse.Namespace, model, *parts) -> str:
-    """The one fingerprint of resumable work (plan's and sweep's checkpoints): the model,
-    `parts` (the data's content digests, what the command derived), every option of `args`
-    but NOT_FINGERPRINTED, and the --metric's code (user_code.metric_code)."""
-    from quantlab.plan import fingerprint
-    from quantlab.user_code import metric_code
+    """The fingerprint of a command's resumable work
+    (:func:`quantlab.planner.evaluate.resume_fingerprint`): every option of `args` but
+    NOT_FINGERPRINTED."""
+    from quantlab.planner.evaluate import resume_fingerprint
 
-    options = sorted((key, str(value)) for key, value in vars(args).items()
-                     if key not in NOT_FINGERPRINTED)
-    return fingerprint(model, *parts, options, metric_code(args.metric))
-
-
-# --- evaluation data of the commands that score a model on --eval (plan, sweep) ---
-
-
-def open_evaluation(args: argparse.Namespace, model, preprocess):
-    """(--eval opened for the normalized `model`, its Task or None): ``--eval zoo`` is the zoo
-    model MODEL's held-out split with its ground truth, anything else data read as --data
-    is (same batch size, --max-samples and preprocessing)."""
-    from quantlab import graph
-    from quantlab.data import open_data
-
-    inputs = graph.input_specs(model)
-    if args.eval != "zoo":
-        return open_data(args.eval, inputs, args.batch_size, args.max_samples, preprocess), None
-    from quantlab import zoo
-    from quantlab.tasks import Task
-
-    entry = zoo.get(args.model)
-    eval_set = entry.eval_set(args.max_samples)
-    return open_data(eval_set.inputs, inputs, args.batch_size), Task.from_zoo(entry, eval_set)
+    return resume_fingerprint(model, {key: value for key, value in vars(args).items()
+                                      if key not in NOT_FINGERPRINTED}, args.metric, *parts)

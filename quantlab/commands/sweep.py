@@ -107,16 +107,11 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from quantlab import calibrate, graph, pipeline, qdq, sweep
-    from quantlab.commands.options import (
-        check_metric,
-        open_evaluation,
-        preprocess_from_args,
-        resume_fingerprint,
-    )
-    from quantlab.commands.plan import _calibration, _prepared, _recorded
-    from quantlab.data import checked_digest
+    from quantlab.commands.options import check_metric, data_options, resume_fingerprint
+    from quantlab.data import checked_digest, preprocessing
     from quantlab.errors import ConfigError, DataError
     from quantlab.experiment import check_output
+    from quantlab.planner import prepare
     from quantlab.progress import progress_bar
 
     check_output(args.out, force=args.force, produces=SWEEP_FILES)
@@ -126,18 +121,21 @@ def run(args: argparse.Namespace) -> int:
         calibrate.check_method(method, {})
     check_metric(args.metric, args.eval == "zoo",
                  "with a zoo model, pass --eval zoo (its held-out split)", args.model)
-    recorded = _recorded(args)
-    preprocess = preprocess_from_args(args, recorded and recorded.get("preprocess"))
-    model = _prepared(args, recorded)
+    recorded = prepare.calibration_record(args.data)
+    reading = data_options(args)
+    preprocess = preprocessing(reading.preprocess, recorded and recorded.get("preprocess"))
+    model = prepare.prepared_model(args.model, args.data, args.eval, recorded, reading)
     index = qdq.indexed(model)
     tensors = qdq.activation_tensors_to_calibrate(index)
-    source, folder_stats = _calibration(args, model, recorded, preprocess)
+    source, folder_stats = prepare.calibration_source(args.model, args.data, model, recorded,
+                                                      preprocess, reading, who="sweep")
     graph.record_data_shapes(model, source)
     fixed = graph.fixed_batch_size(model) or 1
     sizes = sweep.check_sizes(args.calib_sizes or sweep.default_sizes(source.num_samples),
                               source.num_samples, source.description, fixed)
     configs = sweep.configurations(args.methods, percentiles, sizes)
-    evaluation, task = open_evaluation(args, model, preprocess)
+    evaluation, task = prepare.evaluation_source(args.model, args.eval, model, preprocess,
+                                                 reading)
     # One pass over each: NaN/Inf refused, and the content identifies the run (checkpoint).
     digests = (checked_digest(source, "--data"),
                checked_digest(evaluation, "--eval"))

@@ -278,8 +278,8 @@ def _print_result(result) -> None:
 
 def _calibration_folder(folder: Path, args) -> tuple[Path, Path, object]:
     """FP32 and INT8 models of a calibration folder, and the Preprocess it recorded."""
-    from quantlab.commands.options import read_calibration_record
     from quantlab.errors import ConfigError
+    from quantlab.experiment import read_calibration_record
 
     if not (folder / "calibration.json").is_file():
         raise ConfigError(

@@ -1,0 +1,256 @@
+"""quantlab's Python API: one call per command, what the command line, the demo and the
+notebooks call.
+
+:func:`calibrate_model` is `quantlab calibrate`, :func:`plan_model` is `quantlab plan`;
+the commands in :mod:`quantlab.commands` only map their options onto these calls and print
+what they return. Each takes the model, the data, one settings value and the output folder,
+and writes the folder the command writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import onnx
+
+from quantlab import cache, choices, graph, qdq
+from quantlab.backends import tensorrt as trt_backend
+from quantlab.data import BatchSource, DataOptions, checked_digest, preprocessing
+from quantlab.errors import DataError
+from quantlab.experiment import check_output, recorded_path
+from quantlab.pipeline import CalibrationResult, quantized_inputs, run_calibration
+from quantlab.planner import folder as plan_folder
+from quantlab.planner import prepare
+from quantlab.planner.certify import Certificate
+from quantlab.planner.decisions import Plan
+from quantlab.planner.evaluate import Checkpoint, resume_fingerprint
+from quantlab.planner.flow import PlanResult, PlanSettings, check_metric_on_model, make_plan
+from quantlab.progress import progress_bar
+from quantlab.report.plan import next_steps
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    """How `quantlab calibrate` calibrates (its defaults, choices.py's): the activations'
+    `method` (with `method_params`), the weight amax, bias correction, equalization of
+    depthwise and 1x1-conv inputs, a TensorRT <= 10 calibration cache for `trt_version`,
+    and the collection's memory budget (None: 2 GB)."""
+
+    method: str = choices.DEFAULT_METHOD
+    method_params: dict[str, float] = field(default_factory=dict)
+    weight_amax: str = choices.DEFAULT_WEIGHT_AMAX
+    bias_correction: bool = True
+    equalize: bool = True
+    trt_version: str | None = None
+    memory: int | str | None = None
+
+
+def calibrate_model(model: str | os.PathLike | onnx.ModelProto,
+                    data: str | os.PathLike | BatchSource | object,
+                    options: CalibrateOptions, out: str | os.PathLike, *,
+                    data_options: DataOptions | None = None, force: bool = False,
+                    progress: bool = True) -> CalibrationResult:
+    """`quantlab calibrate`: statistics of `model` on `data`, scales, the Q/DQ model, written
+    into `out` (:func:`quantlab.pipeline.run_calibration`)."""
+    data_options = data_options or DataOptions()
+    return run_calibration(
+        model, data, out, method=options.method, method_params=options.method_params,
+        batch_size=data_options.batch_size, max_samples=data_options.max_samples,
+        preprocess=preprocessing(data_options.preprocess), force=force, progress=progress,
+        trt_version=options.trt_version, constants=data_options.constants,
+        batch_axes=data_options.batch_axes, memory_budget=options.memory,
+        equalize=options.equalize, weight_criterion=options.weight_amax,
+        bias_correction=options.bias_correction)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How `quantlab plan` plans (its defaults, choices.py's): the budget and how much to
+    measure (`planner`), the starting calibrator `method`, the `calibrators` each unit
+    chooses from, the `repairs` weighed, and a calibration cache for `trt_version`."""
+
+    planner: PlanSettings = field(default_factory=PlanSettings)
+    method: str = choices.DEFAULT_METHOD
+    calibrators: tuple[str, ...] = choices.METHODS
+    repairs: tuple[str, ...] = choices.DEFAULT_PLAN_REPAIRS
+
+    trt_version: str | None = None
+
+    def fingerprinted(self) -> dict:
+        """Every setting by name, the planner's among them."""
+        return {**asdict(self.planner), **{key: value for key, value in asdict(self).items()
+                                           if key != "planner"}}
+
+
+@dataclass
+class PlanOutcome:
+    """What :func:`plan_model` planned and wrote: the planner's `result`, the folder's
+    summary.json (`summary`), the `folder` as given and the next steps."""
+
+    result: PlanResult
+    summary: dict
+    folder: str
+    steps: list[str]
+
+    @property
+    def plan(self) -> Plan:
+        return self.result.plan
+
+    @property
+    def certificate(self) -> Certificate:
+        return self.result.certificate
+
+    def lines(self, notes: bool = True) -> list[str]:
+        """What `quantlab plan` prints of it (`notes`: the evaluations' notes too)."""
+        result, certificate, metric = self.result, self.result.certificate, self.summary["metric"]
+        lines = [f"plan: evaluation {number}: {evaluation.note}"
+                 for number, evaluation in enumerate(result.evaluations, 1)
+                 if evaluation.note and notes]
+        verdict = "certified" if certificate.certified else "NOT certified"
+        if result.fallback is not None:
+            verdict += f" (the fallback, {result.fallback}: no plan with INT8 certified)"
+        runs = result.model_runs
+        lines.append(
+            f"plan: {result.plan.int8_mac_share():.1%} of linear-op MACs in INT8; {metric} "
+            f"{certificate.value:.4g} (FP32 {certificate.reference:.4g}, limit "
+            f"{certificate.limit:.4g}) {verdict} at {certificate.confidence:.0%} on "
+            f"{certificate.samples} samples after {runs} evaluation{'' if runs == 1 else 's'} "
+            f"of a model; wrote {self.folder}/")
+        if certificate.too_small:
+            lines.append(certificate.too_small_message())
+        if result.uncertified is not None:
+            share, kept = result.uncertified[0].int8_mac_share(), result.uncertified[2]
+            lines.append(
+                f"plan: a plan with {share:.1%} of MACs in INT8 scored "
+                f"{kept.certificate.value:.4g} (limit {kept.certificate.limit:.4g}) but could "
+                f"not be certified on {kept.certificate.samples} samples; written to "
+                f"{self.folder}/{plan_folder.UNCERTIFIED}/ (plan.json, model.int8.onnx) beside "
+                "the certified one.")
+        return lines + [f"next: {step}" for step in self.steps]
+
+
+def plan_model(model: str, data: str, evaluation: str, options: PlanOptions,
+               out: str | os.PathLike, *, data_options: DataOptions | None = None,
+               force: bool = False, progress: bool = True) -> PlanOutcome:
+    """`quantlab plan`: the most INT8 MACs of `model` (an .onnx file or zoo name) whose
+    accuracy on `evaluation` stays inside `options`' budget, certified, written into `out`.
+
+    `data` is calibration data, a calibration folder (its statistics reused) or ``zoo``;
+    `evaluation` is held-out data or ``zoo``. Everything is checked before the long work;
+    an interrupted run resumes from the checkpoint it left in `out`, a failed one leaves
+    `out` as it was.
+    """
+    out, data_options = os.fspath(out), data_options or DataOptions()
+    check_output(out, force=force, produces=plan_folder.PLAN_FILES)
+    if options.trt_version is not None:
+        cache.implicit_int8_version(options.trt_version)
+    options.planner.check()
+    recorded = prepare.calibration_record(data)
+    # Calibration and evaluation images are read alike: a calibration folder's recorded
+    # preprocessing, any field given overriding it (refused where stats.npz is reused).
+    preprocess = preprocessing(data_options.preprocess, recorded and recorded["preprocess"])
+    if recorded is not None:
+        prepare.check_overrides(data, recorded, preprocess)
+    prepared = prepare.prepared_model(model, data, evaluation, recorded, data_options)
+    quantized_inputs(prepared, "plan. If an input decides a branch holding them, freeze it "
+                     "with --input NAME=VALUE")
+    source, stats = prepare.calibration_source(model, data, prepared, recorded, preprocess,
+                                               data_options)
+    graph.record_data_shapes(prepared, source)
+    # Fails before the work; trtexec takes shapes of the dynamic inputs only.
+    profile = trt_backend.input_profile(prepared, data_options.batch_size, dynamic_only=True)
+    if stats is not None:
+        missing = sorted(set(qdq.activation_tensors_to_calibrate(prepared)) - set(stats.tensors))
+        if missing:
+            raise DataError(f"the statistics of {data} lack tensors {missing[:5]} the Q/DQ "
+                            "model quantizes; they were collected on another model. Calibrate "
+                            "this model, or pass its calibration data with --data.")
+    # The evaluation data are opened (and checked) before any long work.
+    eval_source, task = prepare.evaluation_source(model, evaluation, prepared, preprocess,
+                                                  data_options)
+    prepare.check_eval_shapes(prepared, eval_source, evaluation)
+    # One pass over each: NaN/Inf refused, and the content identifies the run (checkpoint).
+    digests = (checked_digest(source, "--data"), checked_digest(eval_source, "--eval"))
+    inputs = _PlanInputs(prepared, source, stats, eval_source, task, profile, recorded,
+                         preprocess, digests)
+    existed = {path for path in (Path(out), *Path(out).parents) if path.exists()}
+    had_checkpoint = (Path(out) / plan_folder.PROGRESS_FILE).exists()
+    try:
+        return _planned(inputs, model, data, options, data_options, out, force, progress)
+    except Exception:
+        # A failure, not an interruption (Ctrl-C, SIGTERM keep the checkpoint to resume
+        # from): the folder is left as it was.
+        if not had_checkpoint:
+            (Path(out) / plan_folder.PROGRESS_FILE).unlink(missing_ok=True)
+        for folder in (Path(out), *Path(out).parents):
+            if folder not in existed:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+        raise
+
+
+@dataclass
+class _PlanInputs:
+    """What :func:`plan_model` checked before the long work: the prepared model, the
+    calibration data with a folder's statistics (or None), the evaluation data with its
+    task, trtexec's profile, --data's calibration.json (or None), the preprocessing and the
+    data's content digests."""
+
+    model: onnx.ModelProto
+    source: BatchSource
+    stats: object
+    evaluation: BatchSource
+    task: object
+    profile: object
+    recorded: dict | None
+    preprocess: object
+    digests: tuple[str, str]
+
+
+def _planned(inputs: _PlanInputs, model_name: str, data: str, options: PlanOptions,
+             data_options: DataOptions, out: str, force: bool, progress: bool) -> PlanOutcome:
+    """The long work of :func:`plan_model` once everything is checked: statistics and
+    repairs, the plan, the folder."""
+    model, source, evaluation = inputs.model, inputs.source, inputs.evaluation
+    settings = options.planner
+    if ":" in settings.metric:  # the user's metric fails now, not after the statistics pass
+        check_metric_on_model(model, source, settings.metric)
+    prepared = prepare.prepare(model, source, inputs.stats, options.method, options.calibrators,
+                               options.repairs, options.trt_version is not None, data,
+                               inputs.recorded, progress)
+    calibration = prepared.calibration
+    # Trials and evaluations are checkpointed in `out`: an interrupted run resumes from there,
+    # only when the model, the data's content, the preprocessing, the options and the metric's
+    # code are the same.
+    checkpoint = Checkpoint(Path(out) / plan_folder.PROGRESS_FILE, resume_fingerprint(
+        model, {**options.fingerprinted(), **asdict(data_options), "model": model_name},
+        settings.metric, *inputs.digests, source.num_samples, evaluation.num_samples,
+        inputs.preprocess.to_dict(), sorted(calibration.scales.amax.items()),
+        sorted(calibration.candidates), sorted(prepared.repaired)))
+    if checkpoint.trials or checkpoint.evaluations:
+        print(f"plan: resuming from {checkpoint.path}: {len(checkpoint.trials)} "
+              f"trial(s) and {len(checkpoint.evaluations)} evaluation(s) of an interrupted run "
+              "of the same model, data (same content), preprocessing, options and metric code "
+              "are reused.")
+    elif checkpoint.ignored:
+        print(f"plan: {checkpoint.path} is from a run of another model, data or options "
+              "(or unreadable); starting over.")
+    result = make_plan(prepared.model, source, evaluation, settings, task=inputs.task,
+                       checkpoint=checkpoint, repairs=prepared.repaired,
+                       progress=partial(progress_bar, leave=False) if progress else None)
+    result.phases = {**prepared.phases, **result.phases}
+    # Titled with the user's model, not a calibration folder's normalized copy of it.
+    model_file = graph.source_model(model) or model_name
+    steps = next_steps(result, out, plan_folder.UNCERTIFIED)
+    run = plan_folder.PlanRun(
+        model_file, settings.metric, settings.max_drop, settings.min_sqnr,
+        recorded_path(source.description), calibration.scales.method,
+        list(calibration.candidates), recorded_path(evaluation.description),
+        evaluation.num_samples, data_options.batch_size)
+    summary = plan_folder.write_plan_folder(out, result, run, inputs.profile, options.trt_version,
+                                            force, steps)
+    return PlanOutcome(result, summary, out, steps)
