@@ -282,3 +282,27 @@ def test_every_command_takes_one_default_calibrator_and_says_where_it_comes_from
         block = text[text.index("--method {"):]
         defaults[command] = re.search(r"default: (\w+), from ([\w/.]+)", block).groups()
     assert set(defaults.values()) == {(choices.DEFAULT_METHOD, "quantlab/choices.py")}
+
+
+def test_the_repairs_have_one_default_per_role_and_help_says_where_it_comes_from(capsys):
+    from quantlab import choices
+    from quantlab.cli import build_parser
+
+    plan = build_parser()._subparsers._group_actions[0].choices["plan"]
+    assert plan.parse_args(["m", "--data", "d", "--eval", "e", "--out", "o", "--min-sqnr",
+                            "20"]).repairs == list(choices.DEFAULT_PLAN_REPAIRS)
+    texts = {}
+    for command, option in (("plan", "--repairs [REPAIR"), ("calibrate", "--no-equalize"),
+                            ("sweep", "--no-equalize")):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        # argparse wraps "dw-equalize" after its hyphen
+        text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")
+        texts[command] = text[text.rindex(option):][:700]
+        assert "quantlab/choices.py" in texts[command], command
+    assert f"default: {' '.join(choices.DEFAULT_PLAN_REPAIRS)}, from" in texts["plan"]
+    # calibrate and sweep apply the equalization plan names DEFAULT_EQUALIZATION; plan's
+    # help names it as calibrate's, calibrate's names plan's default.
+    for command in ("plan", "calibrate", "sweep"):
+        assert choices.DEFAULT_EQUALIZATION in texts[command], command
+    assert "dw-equalize alone by default" in texts["calibrate"]

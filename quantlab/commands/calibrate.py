@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from quantlab.choices import (
         CALIBRATE_METHODS,
         CALIBRATE_WEIGHT_CRITERIA,
+        DEFAULT_EQUALIZATION,
         DEFAULT_METHOD,
         DEFAULT_WEIGHT_AMAX,
         DEFAULTS_FROM,
@@ -110,7 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "into its producer and the depthwise weights, and each 1x1-conv input "
                         "a share of them (SmoothQuant's trade, where its producer takes the "
                         "division), where the statistics predict >= 1 dB less noise; one more "
-                        "FP32 pass)")
+                        f"FP32 pass. This is `plan --repairs {DEFAULT_EQUALIZATION}`, from "
+                        f"{DEFAULTS_FROM}; plan weighs dw-equalize alone by default, "
+                        "choices.py says why)")
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_data_arguments(parser)

@@ -66,13 +66,8 @@ EPILOG = DATA_HELP
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab plan`."""
-    from quantlab.choices import (
-        DEFAULT_METHOD,
-        DEFAULT_PLAN_REPAIRS,
-        DEFAULTS_FROM,
-        METHODS,
-        REPAIRS,
-    )
+    from quantlab import choices
+    from quantlab.choices import DEFAULT_METHOD, DEFAULTS_FROM, METHODS
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
     parser.add_argument("--eval", required=True, metavar="EVAL",
@@ -99,15 +94,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="methods each unit chooses its input scales from, by local INT8 "
                              "error (a repair tried before pins; default: all of "
                              f"{', '.join(METHODS)}; give --method alone to keep one)")
-    parser.add_argument("--repairs", nargs="*", default=list(DEFAULT_PLAN_REPAIRS), choices=REPAIRS,
-                        metavar="REPAIR",
+    parser.add_argument("--repairs", nargs="*", default=list(choices.DEFAULT_PLAN_REPAIRS),
+                        choices=choices.REPAIRS, metavar="REPAIR",
                         help="repairs weighed before pins: dw-equalize (per-channel "
                              "equalization of depthwise-conv inputs), pw-equalize (that and "
                              "1x1-conv inputs, as calibrate does), cle "
                              "(cross-layer equalization, data-free), smoothquant (activation "
                              "outliers into weights); each costs one calibration pass and one "
                              "pass on a batch; the one whose all-INT8 model is least noisy is "
-                             "planned (default: %(default)s; none: --repairs with no name)")
+                             f"planned (default: {' '.join(choices.DEFAULT_PLAN_REPAIRS)}, "
+                             f"from {DEFAULTS_FROM}; calibrate applies "
+                             f"{choices.DEFAULT_EQUALIZATION}, quieter in all-INT8 but of "
+                             "smaller certified plans on a detector, as choices.py records; "
+                             "none: --repairs with no name)")
     parser.add_argument("--no-bias-correction", dest="bias_correction", action="store_false",
                         help="do not weigh bias correction (by default each INT8 op's mean "
                              "output error is measured in one pass over the calibration data "

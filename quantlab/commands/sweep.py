@@ -65,7 +65,7 @@ PROGRESS_FORMAT = "quantlab.sweep-progress"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab sweep`."""
-    from quantlab.choices import METHODS
+    from quantlab.choices import DEFAULT_EQUALIZATION, DEFAULTS_FROM, METHODS
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
     parser.add_argument("--eval", required=True, metavar="EVAL",
@@ -89,8 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resamples", type=positive_int, default=200, metavar="B",
                         help="paired bootstrap resamples (default: %(default)s)")
     parser.add_argument("--no-equalize", action="store_true",
-                        help="do not equalize depthwise-conv inputs first (by default the model "
-                             "is equalized as `quantlab calibrate` does, from the largest "
+                        help="do not equalize conv inputs first (by default the model is "
+                             "equalized as `quantlab calibrate` does, "
+                             f"{DEFAULT_EQUALIZATION} from {DEFAULTS_FROM}, on the largest "
                              "calibration size's samples; one more FP32 pass)")
     parser.add_argument("--allow-long", action="store_true",
                         help="run a sweep estimated to take over an hour")

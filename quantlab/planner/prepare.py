@@ -23,8 +23,8 @@ from quantlab.data import BatchSource, DataOptions, Preprocess, open_data
 from quantlab.errors import ConfigError, DataError
 from quantlab.planner.measure import CalibratedModel
 
-# The repairs of choices.REPAIRS that equalize conv inputs per channel from their statistics
-# (and rename every tensor whose values they change).
+# The repairs of quantlab.choices.REPAIRS that equalize conv inputs per channel from their
+# statistics (and rename every tensor whose values they change).
 EQUALIZATIONS = ("dw-equalize", "pw-equalize")
 
 
