@@ -133,6 +133,15 @@ class PlanOutcome:
         return lines + [f"next: {step}" for step in self.steps]
 
 
+def plan_fingerprint(model: onnx.ModelProto, model_name: str, options: PlanOptions,
+                     data_options: DataOptions, *parts) -> str:
+    """What identifies a plan run for its checkpoint: the model, every setting, the metric's
+    code and `parts` (the data's content, what the run derived)."""
+    return resume_fingerprint(
+        model, {**options.fingerprinted(), **asdict(data_options), "model": model_name},
+        options.planner.metric, *parts)
+
+
 def plan_model(model: str, data: str, evaluation: str, options: PlanOptions,
                out: str | os.PathLike, *, data_options: DataOptions | None = None,
                force: bool = False, progress: bool = True) -> PlanOutcome:
@@ -226,11 +235,11 @@ def _planned(inputs: _PlanInputs, model_name: str, data: str, options: PlanOptio
     # Trials and evaluations are checkpointed in `out`: an interrupted run resumes from there,
     # only when the model, the data's content, the preprocessing, the options and the metric's
     # code are the same.
-    checkpoint = Checkpoint(Path(out) / plan_folder.PROGRESS_FILE, resume_fingerprint(
-        model, {**options.fingerprinted(), **asdict(data_options), "model": model_name},
-        settings.metric, *inputs.digests, source.num_samples, evaluation.num_samples,
-        inputs.preprocess.to_dict(), sorted(calibration.scales.amax.items()),
-        sorted(calibration.candidates), sorted(prepared.repaired)))
+    checkpoint = Checkpoint(Path(out) / plan_folder.PROGRESS_FILE, plan_fingerprint(
+        model, model_name, options, data_options, *inputs.digests, source.num_samples,
+        evaluation.num_samples, inputs.preprocess.to_dict(),
+        sorted(calibration.scales.amax.items()), sorted(calibration.candidates),
+        sorted(prepared.repaired)))
     if checkpoint.trials or checkpoint.evaluations:
         print(f"plan: resuming from {checkpoint.path}: {len(checkpoint.trials)} "
               f"trial(s) and {len(checkpoint.evaluations)} evaluation(s) of an interrupted run "
