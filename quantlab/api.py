@@ -1,7 +1,8 @@
 """quantlab's Python API: one call per command, what the command line, the demo and the
 notebooks call.
 
-:func:`calibrate_model` is `quantlab calibrate`, :func:`plan_model` is `quantlab plan`;
+:func:`calibrate_model` is `quantlab calibrate`, :func:`plan_model` `quantlab plan`,
+:func:`validate_model` `quantlab validate`;
 the commands in :mod:`quantlab.commands` only map their options onto these calls and print
 what they return. Each takes the model, the data, one settings value and the output folder,
 and writes the folder the command writes.
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
+import warnings
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -21,8 +24,15 @@ from quantlab import cache, choices, graph, qdq
 from quantlab.backends import tensorrt as trt_backend
 from quantlab.data import BatchSource, DataOptions, checked_digest, preprocessing
 from quantlab.errors import DataError
-from quantlab.experiment import check_output, recorded_path
-from quantlab.pipeline import CalibrationResult, quantized_inputs, run_calibration
+from quantlab.experiment import check_output, read_calibration_record, recorded_path
+from quantlab.pipeline import (
+    CALIBRATION_FILES,
+    CalibrationResult,
+    prepare_model,
+    quantized_inputs,
+    run_calibration,
+    write_results,
+)
 from quantlab.planner import folder as plan_folder
 from quantlab.planner import prepare
 from quantlab.planner.certify import Certificate
@@ -31,6 +41,7 @@ from quantlab.planner.evaluate import Checkpoint, resume_fingerprint
 from quantlab.planner.flow import PlanResult, PlanSettings, check_metric_on_model, make_plan
 from quantlab.progress import progress_bar
 from quantlab.report.plan import next_steps
+from quantlab.validate import ValidationResult, validate
 
 
 @dataclass(frozen=True)
@@ -263,3 +274,95 @@ def _planned(inputs: _PlanInputs, model_name: str, data: str, options: PlanOptio
     summary = plan_folder.write_plan_folder(out, result, run, inputs.profile, options.trt_version,
                                             force, steps)
     return PlanOutcome(result, summary, out, steps)
+
+
+@dataclass(frozen=True)
+class ValidateOptions:
+    """How `quantlab validate` compares (its defaults): `mode` global (stages end to end) or
+    local (each INT8 layer fed the FP32 input), the SQNR `threshold_db` of a divergence, an
+    end-to-end `metric` with its bootstrap `resamples`, the `memory` budget, the engine
+    stage's backend, and the calibrator `method` of an INT8 model made here."""
+
+    mode: str = "global"
+    threshold_db: float = 30.0
+    metric: str | None = None
+    resamples: int = 200
+    memory: int | str | None = None
+    engine_backend: str = "onnxruntime"
+    method: str = choices.DEFAULT_METHOD
+
+
+def validate_model(model: str | os.PathLike, engine: str | os.PathLike | None, data: object,
+                   options: ValidateOptions, out: str | os.PathLike, *,
+                   data_options: DataOptions | None = None, torch_module=None, task=None,
+                   calibrate_on: object = None, from_folder: str | os.PathLike | None = None,
+                   model_file: str | None = None, force: bool = False,
+                   progress: bool = True) -> ValidationResult:
+    """`quantlab validate`: the FP32 `model` against its INT8 `engine` (a Q/DQ model, or a
+    TensorRT engine with ``engine_backend="tensorrt"``) on `data`, and `torch_module` before
+    them, layer by layer and end to end (`task`: ground truth), written into `out`.
+
+    With `engine` None, `model` is calibrated here on `calibrate_on` with `options.method` and
+    the calibration folder written into ``out/calibration`` once validation succeeded.
+    `from_folder` is the calibration folder the models come from: its recorded
+    preprocessing reads `data` unless `data_options` say otherwise. The report is titled
+    with `model_file` (default: the user's file the model was made from).
+    """
+    from quantlab import data as batches  # at call time: tests watch what it opens
+
+    data_options = data_options or DataOptions()
+    recorded = read_calibration_record(from_folder)["preprocess"] if from_folder else None
+    fp32 = prepare_model(model, data, data_options.constants, data_options.batch_axes)
+    source = batches.open_data(data, graph.input_specs(fp32), data_options.batch_size,
+                               data_options.max_samples,
+                               preprocessing(data_options.preprocess, recorded))
+    calibration = None
+    if engine is None:
+        calibration_out = Path(out) / "calibration"
+        check_output(out, force=force, produces=["summary.json", "report.html"])
+        check_output(calibration_out, force=force, produces=CALIBRATION_FILES)
+        # Calibrated aside and written into OUT/calibration only once validation succeeded:
+        # a failed run leaves no partial output.
+        with tempfile.TemporaryDirectory(prefix="quantlab-validate-") as scratch:
+            calibration = run_calibration(fp32, calibrate_on, Path(scratch) / "calibration",
+                                          method=options.method,
+                                          batch_size=data_options.batch_size, progress=progress)
+            fp32, stage = calibration.model, calibration.qdq_model
+            if options.engine_backend == "tensorrt":  # the engine is built from the files here
+                stage = _engine_stage(calibration.folder / "model.int8.onnx",
+                                      calibration.folder / "model.onnx", data, options,
+                                      data_options)
+    else:
+        stage = _engine_stage(engine, model, data, options, data_options)
+    # The report names the user's model, not a normalized copy (a calibration folder's
+    # model.onnx records the file it was made from).
+    model_file = model_file or graph.source_model(fp32) or str(model)
+    recorded_folder = from_folder or (calibration_out if calibration is not None else None)
+    with warnings.catch_warnings():  # the result holds them, shown with it
+        warnings.simplefilter("ignore")
+        result = validate(fp32, stage, source, out, torch_module=torch_module, task=task,
+                          mode=options.mode, threshold_db=options.threshold_db, force=force,
+                          progress=progress, memory_budget=options.memory,
+                          metric=options.metric, resamples=options.resamples,
+                          title=f"Validation of {Path(model_file).name}", model_file=model_file,
+                          calibration=str(Path(recorded_folder).resolve())
+                          if recorded_folder else None)
+    if calibration is not None:
+        write_results(calibration, calibration_out, force=force)
+    return result
+
+
+def _engine_stage(engine: str | os.PathLike, model: str | os.PathLike, data: object,
+                  options: ValidateOptions, data_options: DataOptions):
+    """The engine stage: the Q/DQ model for ONNX Runtime, or a TensorRT engine backend."""
+    if options.engine_backend == "tensorrt":
+        # A prebuilt engine is compared on what it exposes; a built one exposes every tensor it
+        # keeps, the way the installed TensorRT allows (docs/tensorrt.md, per-version strategy).
+        if Path(engine).suffix.lower() in trt_backend.ENGINE_SUFFIXES:
+            return trt_backend.make_engine_backend("tensorrt", engine, model=model)
+        return trt_backend.make_engine_backend("tensorrt", engine,
+                                               max_batch=data_options.batch_size,
+                                               debug_tensors=trt_backend.LAYERS)
+    with warnings.catch_warnings():  # the INT8 model's float-only parts are the FP32 one's
+        warnings.simplefilter("ignore")
+        return prepare_model(engine, data, data_options.constants, data_options.batch_axes)
