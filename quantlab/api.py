@@ -2,7 +2,8 @@
 notebooks call.
 
 :func:`calibrate_model` is `quantlab calibrate`, :func:`plan_model` `quantlab plan`,
-:func:`validate_model` `quantlab validate`;
+:func:`validate_model` `quantlab validate`, :func:`check_model` (:mod:`quantlab.gate`)
+`quantlab check`;
 the commands in :mod:`quantlab.commands` only map their options onto these calls and print
 what they return. Each takes the model, the data, one settings value and the output folder,
 and writes the folder the command writes.
@@ -25,6 +26,7 @@ from quantlab.backends import tensorrt as trt_backend
 from quantlab.data import BatchSource, DataOptions, checked_digest, preprocessing
 from quantlab.errors import DataError
 from quantlab.experiment import check_output, read_calibration_record, recorded_path
+from quantlab.gate import CheckOptions, CheckOutcome, check_model  # noqa: F401 (quantlab check)
 from quantlab.pipeline import (
     CALIBRATION_FILES,
     CalibrationResult,
