@@ -23,7 +23,8 @@ import onnx
 
 from quantlab import cache, choices, graph, qdq
 from quantlab.backends import tensorrt as trt_backend
-from quantlab.data import BatchSource, DataOptions, checked_digest, preprocessing
+from quantlab.collect import Statistics
+from quantlab.data import BatchSource, DataOptions, Preprocess, checked_digest, preprocessing
 from quantlab.errors import DataError
 from quantlab.experiment import check_output, read_calibration_record, recorded_path
 from quantlab.gate import CheckOptions, CheckOutcome, check_model  # noqa: F401 (quantlab check)
@@ -43,6 +44,7 @@ from quantlab.planner.evaluate import Checkpoint, resume_fingerprint
 from quantlab.planner.flow import PlanResult, PlanSettings, check_metric_on_model, make_plan
 from quantlab.progress import progress_bar
 from quantlab.report.plan import next_steps
+from quantlab.tasks import Task
 from quantlab.validate import ValidationResult, validate
 
 
@@ -224,12 +226,12 @@ class _PlanInputs:
 
     model: onnx.ModelProto
     source: BatchSource
-    stats: object
+    stats: Statistics | None
     evaluation: BatchSource
-    task: object
-    profile: object
+    task: Task | None
+    profile: dict[str, tuple]  # input name -> (min, opt, max) shapes
     recorded: dict | None
-    preprocess: object
+    preprocess: Preprocess
     digests: tuple[str, str]
 
 
