@@ -345,7 +345,11 @@ def test_an_input_option_contradicting_reused_statistics_is_refused(files, tmp_p
 
 
 def test_f09_an_explicit_option_wins_over_the_recorded_one_even_at_its_default():
-    from quantlab.commands.options import preprocess_from_args
+    from quantlab.commands.options import given_preprocessing
+    from quantlab.data import preprocessing
+
+    def preprocess_from_args(args, recorded=None):  # what every command reads images with
+        return preprocessing(given_preprocessing(args), recorded)
 
     recorded = Preprocess(channel_order="L", scale=1.0, layout="NHWC")
     parser = build_parser()

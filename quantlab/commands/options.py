@@ -53,7 +53,7 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
                         help="input height and width (default: the model input's size)")
     # The preprocessing options default to None: an option left out takes the value a
     # calibration folder recorded (or Preprocess's default), one given always wins, even
-    # when it equals the default (see preprocess_from_args).
+    # when it equals the default (see quantlab.data.preprocessing).
     images.add_argument("--resize-mode",
                         choices=("squash", "letterbox", "pad", "height-pad", "center-crop"),
                         help="squash: stretch to H x W; letterbox: fit inside, keep the aspect "
@@ -148,14 +148,6 @@ def given_preprocessing(args: argparse.Namespace) -> dict:
               for field, option in PREPROCESS_OPTIONS.items()}
     return {field: tuple(value) if isinstance(value, list) else value
             for field, value in values.items() if value is not None}
-
-
-def preprocess_from_args(args: argparse.Namespace, recorded=None):
-    """The Preprocess the options give; options left out take `recorded` values
-    (:func:`quantlab.data.preprocessing`)."""
-    from quantlab.data import preprocessing
-
-    return preprocessing(given_preprocessing(args), recorded)
 
 
 def data_options(args: argparse.Namespace):
