@@ -2,8 +2,8 @@
 notebooks call.
 
 :func:`calibrate_model` is `quantlab calibrate`, :func:`plan_model` `quantlab plan`,
-:func:`validate_model` `quantlab validate`, :func:`check_model` (:mod:`quantlab.gate`)
-`quantlab check`;
+:func:`validate_model` `quantlab validate`, :func:`sweep_model` `quantlab sweep`,
+:func:`check_model` (:mod:`quantlab.gate`) `quantlab check`;
 the commands in :mod:`quantlab.commands` only map their options onto these calls and print
 what they return. Each takes the model, the data, one settings value and the output folder,
 and writes the folder the command writes.
@@ -21,16 +21,17 @@ from pathlib import Path
 
 import onnx
 
-from quantlab import cache, choices, graph, qdq
+from quantlab import cache, calibrate, choices, graph, qdq, sweep, sweep_folder
 from quantlab.backends import tensorrt as trt_backend
 from quantlab.collect import Statistics
 from quantlab.data import BatchSource, DataOptions, Preprocess, checked_digest, preprocessing
-from quantlab.errors import DataError
+from quantlab.errors import ConfigError, DataError
 from quantlab.experiment import check_output, read_calibration_record, recorded_path
 from quantlab.gate import CheckOptions, CheckOutcome, check_model  # noqa: F401 (quantlab check)
 from quantlab.pipeline import (
     CALIBRATION_FILES,
     CalibrationResult,
+    equalized,
     prepare_model,
     quantized_inputs,
     run_calibration,
@@ -44,6 +45,7 @@ from quantlab.planner.evaluate import Checkpoint, resume_fingerprint
 from quantlab.planner.flow import PlanResult, PlanSettings, check_metric_on_model, make_plan
 from quantlab.progress import progress_bar
 from quantlab.report.plan import next_steps
+from quantlab.sweep import Config, SweepResult
 from quantlab.tasks import Task
 from quantlab.validate import ValidationResult, validate
 
@@ -148,13 +150,14 @@ class PlanOutcome:
         return lines + [f"next: {step}" for step in self.steps]
 
 
-def plan_fingerprint(model: onnx.ModelProto, model_name: str, options: PlanOptions,
-                     data_options: DataOptions, *parts) -> str:
-    """What identifies a plan run for its checkpoint: the model, every setting, the metric's
-    code and `parts` (the data's content, what the run derived)."""
-    return resume_fingerprint(
-        model, {**options.fingerprinted(), **asdict(data_options), "model": model_name},
-        options.planner.metric, *parts)
+def run_fingerprint(model: onnx.ModelProto, model_name: str,
+                    options: PlanOptions | SweepOptions, data_options: DataOptions,
+                    *parts) -> str:
+    """What identifies a plan's or a sweep's run for its checkpoint: the model, every setting,
+    the metric's code and `parts` (the data's content, what the run derived)."""
+    settings = options.fingerprinted()
+    return resume_fingerprint(model, {**settings, **asdict(data_options), "model": model_name},
+                              settings["metric"], *parts)
 
 
 def plan_model(model: str, data: str, evaluation: str, options: PlanOptions,
@@ -250,7 +253,7 @@ def _planned(inputs: _PlanInputs, model_name: str, data: str, options: PlanOptio
     # Trials and evaluations are checkpointed in `out`: an interrupted run resumes from there,
     # only when the model, the data's content, the preprocessing, the options and the metric's
     # code are the same.
-    checkpoint = Checkpoint(Path(out) / plan_folder.PROGRESS_FILE, plan_fingerprint(
+    checkpoint = Checkpoint(Path(out) / plan_folder.PROGRESS_FILE, run_fingerprint(
         model, model_name, options, data_options, *inputs.digests, source.num_samples,
         evaluation.num_samples, inputs.preprocess.to_dict(),
         sorted(calibration.scales.amax.items()), sorted(calibration.candidates),
@@ -370,3 +373,182 @@ def _engine_stage(engine: str | os.PathLike, model: str | os.PathLike, data: obj
     with warnings.catch_warnings():  # the INT8 model's float-only parts are the FP32 one's
         warnings.simplefilter("ignore")
         return prepare_model(engine, data, data_options.constants, data_options.batch_axes)
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """What `quantlab sweep` sweeps (its defaults): the calibrator `methods`, the
+    `percentiles` of the percentile calibrator and the calibration-set sizes `calib_sizes`
+    (None: quantlab.sweep's defaults), each configuration scored by `metric` against FP32
+    with `resamples` paired bootstrap resamples; an amax moving by less than `tolerance`
+    from n/2 to n samples has converged; the model `equalize`d as calibrate does."""
+
+    metric: str = "sqnr"
+    methods: tuple[str, ...] = choices.METHODS
+    percentiles: tuple[float, ...] | None = None
+    calib_sizes: tuple[int, ...] | None = None
+    tolerance: float | None = None
+    resamples: int = 200
+    equalize: bool = True
+
+    def fingerprinted(self) -> dict:
+        """Every setting by name."""
+        return asdict(self)
+
+
+@dataclass
+class SweepOutcome:
+    """What :func:`sweep_model` swept and wrote: the sweep's `result`, its configurations,
+    the `folder` as given, and the calibrate command that reproduces best/."""
+
+    result: SweepResult
+    configs: list[Config]
+    folder: str
+    metric: str
+    reproduce: str
+
+    def lines(self) -> list[str]:
+        """What `quantlab sweep` prints of it."""
+        best = self.result.best_record
+        return [f"sweep: best {best['label']}: {self.metric} {best['value']:.4g} "
+                f"(FP32 {best['fp32']:.4g}); {len(self.configs)} configurations from one "
+                f"collection pass in {_duration(sum(self.result.seconds.values()))}; wrote "
+                f"{self.folder}/ (best/: what `{self.reproduce}` writes)",
+                *self.result.sentences.values()]
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def sweep_model(model: str, data: str, evaluation: str, options: SweepOptions,
+                out: str | os.PathLike, *, data_options: DataOptions | None = None,
+                force: bool = False, progress: bool = True,
+                allow_long: bool = False) -> SweepOutcome:
+    """`quantlab sweep`: every configuration of `options` (calibrators x parameters x
+    calibration sizes, one collection pass over `data`) scored on `evaluation`, the data's
+    sufficiency judged, written into `out`. A sweep estimated to take over an hour is
+    refused unless `allow_long`; an interrupted one resumes from its checkpoint in `out`."""
+    out, data_options = os.fspath(out), data_options or DataOptions()
+    check_output(out, force=force, produces=sweep_folder.SWEEP_FILES)
+    for method in options.methods:
+        calibrate.check_method(method, {})
+    recorded = prepare.calibration_record(data)
+    preprocess = preprocessing(data_options.preprocess, recorded and recorded.get("preprocess"))
+    prepared = prepare.prepared_model(model, data, evaluation, recorded, data_options)
+    source, folder_stats = prepare.calibration_source(model, data, prepared, recorded,
+                                                      preprocess, data_options, who="sweep")
+    graph.record_data_shapes(prepared, source)
+    sizes = sweep.check_sizes(options.calib_sizes or sweep.default_sizes(source.num_samples),
+                              source.num_samples, source.description,
+                              graph.fixed_batch_size(prepared) or 1)
+    configs = sweep.configurations(options.methods,
+                                   options.percentiles or sweep.DEFAULT_PERCENTILES, sizes)
+    eval_source, task = prepare.evaluation_source(model, evaluation, prepared, preprocess,
+                                                  data_options)
+    # One pass over each: NaN/Inf refused, and the content identifies the run (checkpoint).
+    digests = (checked_digest(source, "--data"), checked_digest(eval_source, "--eval"))
+    estimate = sweep.estimate_seconds(prepared, eval_source, options.metric, task,
+                                      options.resamples, sizes[-1], len(configs))
+    plan_text = (f"{len(configs)} configurations ({len(configs) // len(sizes)} calibrator "
+                 f"settings x {len(sizes)} sizes {sizes}) on {eval_source.num_samples} "
+                 f"evaluation samples, one collection pass over {sizes[-1]} calibration samples")
+    if estimate > sweep.LONG_SWEEP_S and not allow_long:
+        raise ConfigError(
+            f"this sweep runs {plan_text}: about {estimate / 3600:.1f} h on this machine "
+            "(estimated on the first evaluation batch). Pass --allow-long to run it, or cut it "
+            "down: fewer --methods, --percentiles or --calib-sizes, --max-samples, or fewer "
+            "--resamples (a detector's mAP bootstrap takes most of its time).")
+    print(f"sweep: {plan_text}; estimated {_duration(estimate)}.")
+    repairs = {}
+    if recorded is None and options.equalize:
+        # The model `quantlab calibrate` quantizes by default: its inputs equalized from the
+        # calibration data (here the largest size's; a calibration folder's model.onnx is
+        # already as it was calibrated).
+        prepared, repairs = equalized(prepared, source.subset(0, sizes[-1]))
+        applied = repairs.get("depthwise_equalization", {}).get("applied", [])
+        if applied:
+            graph.record_data_shapes(prepared, source)
+            print(f"sweep: equalized {len(applied)} depthwise-conv input(s) as `quantlab "
+                  "calibrate` does (--no-equalize: not).")
+    inputs = _SweepInputs(prepared, qdq.indexed(prepared), source, folder_stats, eval_source,
+                          task, preprocess, digests, recorded, repairs)
+    return _swept(inputs, configs, model, data, evaluation, options, data_options, out, force,
+                  progress)
+
+
+@dataclass
+class _SweepInputs:
+    """What :func:`sweep_model` prepared before the long work: the (equalized) model and its
+    index, the calibration data with a folder's statistics (or None), the evaluation data
+    with its task, the preprocessing, the data's content digests, --data's calibration.json
+    (or None) and the repairs applied."""
+
+    model: onnx.ModelProto
+    index: graph.Graph
+    source: BatchSource
+    stats: Statistics | None
+    evaluation: BatchSource
+    task: Task | None
+    preprocess: Preprocess
+    digests: tuple[str, str]
+    recorded: dict | None
+    repairs: dict
+
+
+def _swept(inputs: _SweepInputs, configs: list[Config], model_name: str, data: str,
+           evaluation: str, options: SweepOptions, data_options: DataOptions, out: str,
+           force: bool, progress: bool) -> SweepOutcome:
+    """The long work of :func:`sweep_model`: statistics, every configuration, the folder."""
+    tensors = qdq.activation_tensors_to_calibrate(inputs.index)
+    known, stats, source = {}, inputs.stats, inputs.source
+    if stats is not None:
+        missing = sorted(set(tensors) - set(stats.tensors))
+        if missing:
+            raise DataError(f"the statistics of {data} lack tensors {missing[:5]} the Q/DQ "
+                            "model quantizes; they were collected on another model. Pass its "
+                            "calibration data with --data instead.")
+        known[stats.num_samples] = Statistics({name: stats.tensors[name] for name in tensors},
+                                              stats.num_samples, stats.num_bins)
+    progress_dir = Path(out) / sweep_folder.PROGRESS_DIR
+    # Statistics and records are reused only for the same model, data content (not paths,
+    # sizes or dates: a file rewritten in place is other data), preprocessing, options and the
+    # metric's code.
+    checkpoint = sweep_folder.SweepCheckpoint(progress_dir, run_fingerprint(
+        inputs.model, model_name, options, data_options, *inputs.digests,
+        source.num_samples, inputs.evaluation.num_samples,
+        inputs.preprocess.to_dict(), tensors,
+        None if stats is None else (stats.num_samples, stats.num_bins)))
+    blocks = checkpoint.blocks()
+    if checkpoint.records or blocks:
+        print(f"sweep: resuming: {len(checkpoint.records)} configuration(s) and "
+              f"{sum(b.num_samples for b in blocks.values())} samples' statistics already in "
+              f"{progress_dir}, of an interrupted sweep of the same model, data (same content), "
+              "preprocessing, options and metric code.")
+    elif checkpoint.ignored:
+        print(f"sweep: {progress_dir} is from a sweep of another model, data, options or "
+              "metric code (or unreadable); starting over.")
+    evaluator = sweep.Evaluator(inputs.model, inputs.evaluation, options.metric, inputs.task,
+                                options.resamples,
+                                partial(progress_bar, leave=False) if progress else None)
+    try:
+        result = sweep.run_sweep(
+            inputs.model, source, evaluator, configs, tensors=tensors, known_stats=known,
+            known_blocks=blocks, done=checkpoint.records, on_block=checkpoint.add_block,
+            on_record=checkpoint.add_record,
+            tolerance=sweep.TOLERANCE if options.tolerance is None else options.tolerance,
+            progress=partial(progress_bar, leave=True) if progress else None,
+            show_collection=progress,
+            **({"num_bins": stats.num_bins} if stats is not None else {}))
+        reproduce = sweep_folder.reproducing_command(model_name, data, configs[result.best],
+                                                     inputs.recorded, options.equalize)
+        sweep_folder.write_sweep_folder(out, force, model_name, options.metric, evaluation,
+                                        inputs.index, source, configs, result, inputs.repairs,
+                                        options.equalize, reproduce)
+    except Exception:
+        # A failed run (a full disk, a metric that fails) leaves nothing in `out`; only an
+        # interrupted one (KeyboardInterrupt, SIGTERM: not Exceptions) keeps its checkpoint.
+        checkpoint.remove()
+        raise
+    checkpoint.remove()
+    return SweepOutcome(result, configs, out, options.metric, reproduce)

@@ -1587,29 +1587,6 @@ def test_plan_command_freezes_npz_scalars_and_refuses_what_it_cannot_plan(tmp_pa
     assert "has no operator quantlab quantizes" in capsys.readouterr().err
 
 
-def test_a_plan_resumes_only_when_every_setting_is_the_same():
-    from dataclasses import fields, replace
-
-    from quantlab.api import PlanOptions, plan_fingerprint
-    from quantlab.data import DataOptions
-
-    model = make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv")],
-                       [("x", ["N", 3, 5, 5])], {"w": weights(4, 3, 1, 1)}).model
-    options, reading = PlanOptions(plan.PlanSettings(max_drop=0.01)), DataOptions()
-    first = plan_fingerprint(model, "m", options, reading, "digests")
-    assert plan_fingerprint(model, "m", options, reading, "digests") == first
-    changed = [plan_fingerprint(model, "m", replace(options, planner=replace(
-                   options.planner, **{f.name: "other"})), reading, "digests")
-               for f in fields(plan.PlanSettings)]
-    changed += [plan_fingerprint(model, "m", replace(options, **{f.name: "other"}), reading,
-                                 "digests") for f in fields(PlanOptions) if f.name != "planner"]
-    changed += [plan_fingerprint(model, "m", options, replace(reading, **{f.name: "other"}),
-                                 "digests") for f in fields(DataOptions)]
-    changed += [plan_fingerprint(model, "other", options, reading, "digests"),
-                plan_fingerprint(model, "m", options, reading, "other digests")]
-    assert first not in changed
-
-
 @pytest.mark.parametrize("trt_version", [None, "10.3.0"])
 def test_plan_completes_reused_statistics_with_what_it_reads(trt_version):
     # x -> Conv (c1) -> swish (s1 = Sigmoid(c1), m1 = c1 * s1) -> Conv (y). A calibration

@@ -276,19 +276,3 @@ def _split(text: str, option: str) -> tuple[str, str]:
     if not sep or not name or not value:
         raise argparse.ArgumentTypeError(f"{option} {text}: expected NAME=VALUE.")
     return name, value
-
-
-# Options that do not change what a resumed run computes: where it writes and what it shows;
-# the data's paths give way to their content's digest.
-NOT_FINGERPRINTED = frozenset({"run", "command", "out", "force", "no_progress", "allow_long",
-                               "data", "eval"})
-
-
-def resume_fingerprint(args: argparse.Namespace, model, *parts) -> str:
-    """The fingerprint of a command's resumable work
-    (:func:`quantlab.planner.evaluate.resume_fingerprint`): every option of `args` but
-    NOT_FINGERPRINTED."""
-    from quantlab.planner.evaluate import resume_fingerprint
-
-    return resume_fingerprint(model, {key: value for key, value in vars(args).items()
-                                      if key not in NOT_FINGERPRINTED}, args.metric, *parts)
