@@ -306,3 +306,28 @@ def test_the_repairs_have_one_default_per_role_and_help_says_where_it_comes_from
     for command in ("plan", "calibrate", "sweep"):
         assert choices.DEFAULT_EQUALIZATION in texts[command], command
     assert "dw-equalize alone by default" in texts["calibrate"]
+
+
+def test_no_library_module_imports_the_command_line():
+    """commands/ maps options onto library calls; nothing below it reaches back up (the demo
+    once ran `quantlab plan` through argparse)."""
+    import ast
+    from pathlib import Path
+
+    import quantlab
+
+    root = Path(quantlab.__file__).parent
+    reaching = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] in ("commands", "cli.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            reaching += [f"{path.relative_to(root)}: {name}" for name in names
+                         if name.startswith(("quantlab.commands", "quantlab.cli"))]
+    assert reaching == []
