@@ -24,6 +24,12 @@ import numpy as np
 from quantlab.errors import ConfigError, DataError
 from quantlab.experiment import write_text
 
+# trtexec's calibrator is an IInt8EntropyCalibrator2 (samples/common/sampleEngines.cpp,
+# RndInt8Calibrator), so it uses only caches with that header; with a cache file present it
+# allocates no calibration input, so a cache it rejects fails the build (TensorRT#3430).
+# Same scales, relabelled header: the file `quantlab plan` and `quantlab build` write beside
+# a calibration.cache of another algorithm.
+TRTEXEC_CACHE = "calibration.trtexec.cache"
 ALGORITHMS = ("EntropyCalibration2", "EntropyCalibration", "MinMaxCalibration",
               "LegacyCalibration")
 _HEADER = re.compile(r"TRT-([0-9A-Za-z]+)-([A-Za-z0-9]+)")

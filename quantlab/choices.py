@@ -27,9 +27,34 @@ WEIGHT_CRITERIA = ("max", "mse")
 # TensorRT runs the least error on the calibration data (quantlab.weights).
 CALIBRATE_WEIGHT_CRITERIA = ("local", *WEIGHT_CRITERIA)
 DEFAULT_WEIGHT_AMAX = "local"
+# Repairs of quantlab.repairs, by name: dw-equalize (per-channel equalization of depthwise-conv
+# inputs), pw-equalize (that and 1x1-conv inputs, repairs.depthwise_equalization(pointwise=True)),
+# cle (cross-layer equalization, data-free), smoothquant (activation outliers into weights).
+# Bias correction changes the INT8 ops alone: on by default in calibrate and plan alike
+# (--no-bias-correction), weighed on its own.
+REPAIRS = ("dw-equalize", "pw-equalize", "cle", "smoothquant")
+# The repairs, one default per role:
+# - DEFAULT_EQUALIZATION is what calibrate applies unless --no-equalize (and sweep, which
+#   quantizes calibrate's model), where the statistics predict >= 1 dB less noise:
+#   pw-equalize since issue 19 (the layout detector's all-INT8 agreement mAP 89.87 -> 94.64
+#   and 90.17 -> 97.64 on two page seeds, against dw-equalize).
+# - DEFAULT_PLAN_REPAIRS are what plan weighs (--repairs), each repaired model's all-INT8 noise
+#   against the model as given: dw-equalize alone. They differ because plan keeps a repair
+#   for its all-INT8 noise, and pw-equalize's all-INT8 model, quieter on the layout detector
+#   (agreement 96.40 / 95.83 against 89.50 / 91.82), led to smaller certified plans there
+#   (0.0 % / 0.0 % of MACs in INT8 against 21.2 % / 5.9 % at a 2-point budget on 16 pages;
+#   benchmarks/README.md, round 3 part 9). A calibration folder's model.onnx comes equalized
+#   as calibrate did it; `plan --repairs pw-equalize` weighs it on a model.
+DEFAULT_EQUALIZATION = "pw-equalize"
+DEFAULT_PLAN_REPAIRS = ("dw-equalize",)
 # Where --help says a default comes from.
 DEFAULTS_FROM = "quantlab/choices.py: one default per role for every command"
 # Image resampling of quantlab.data.Preprocess: Pillow's filters (which antialias when
 # shrinking), area averaging, and OpenCV's cv2.resize INTER_LINEAR (no antialiasing), which
 # packages that preprocess with OpenCV feed their models.
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "area", "opencv-linear")
+# Preprocess field -> the option that sets it.
+PREPROCESS_OPTIONS = {"size": "--resize", "scale": "--scale", "mean": "--mean", "std": "--std",
+                      "channel_order": "--channel-order", "layout": "--layout",
+                      "resize_mode": "--resize-mode", "resize_short": "--resize-short",
+                      "pad_value": "--pad-value", "interpolation": "--interpolation"}

@@ -16,7 +16,7 @@ import mmap
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -195,6 +195,27 @@ class Preprocess:
         top, left = corner
         canvas[top:top + pixels.shape[0], left:left + pixels.shape[1]] = pixels
         return canvas
+
+
+def preprocessing(given: Mapping[str, object], recorded: Preprocess | None = None) -> Preprocess:
+    """The Preprocess of the fields `given` explicitly, the others taken from `recorded` (a
+    calibration folder's ``calibration.json``, so images are read as calibration read them)
+    or Preprocess's defaults; a field given always wins, even when it equals the default."""
+    return replace(recorded or Preprocess(), **given)
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """How a command reads its data (the --data options): samples per batch, the first
+    `max_samples`, the image `preprocess` fields given (:func:`preprocessing`), inputs
+    frozen to `constants` and the sample axes `batch_axes` of
+    :func:`quantlab.pipeline.prepare_model`."""
+
+    batch_size: int = 32
+    max_samples: int | None = None
+    preprocess: Mapping[str, object] = field(default_factory=dict)
+    constants: Mapping[str, object] = field(default_factory=dict)
+    batch_axes: Mapping[str, int | None] = field(default_factory=dict)
 
 
 def opencv_linear_resize(image: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -12,7 +12,6 @@ trtexec commands that build its engine. Writes ``<out>/report.html``
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import os
@@ -29,11 +28,13 @@ from markupsafe import Markup, escape
 from tqdm import tqdm
 
 from quantlab import calibrate, collect, pipeline, plan, qdq, tasks, zoo
+from quantlab.api import PlanOptions, plan_model
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
-from quantlab.data import open_data
+from quantlab.data import DataOptions, open_data
 from quantlab.errors import DataError, OutputExistsError
 from quantlab.experiment import check_output, output_folder, read_record, write_json
 from quantlab.graph import input_specs
+from quantlab.planner.flow import PlanSettings
 from quantlab.progress import progress_bar
 from quantlab.report import Section, figure_html, table_html, write_report
 from quantlab.report.plan import COLUMNS as DECISION_COLUMNS
@@ -262,24 +263,30 @@ def plan_argv(name: str, out: str, methods: Sequence[str], eval_limit: int | Non
             *(["--max-samples", str(eval_limit)] if eval_limit else []), "--out", out]
 
 
+def plan_settings(name: str, methods: Sequence[str], eval_limit: int | None
+                  ) -> tuple[PlanOptions, DataOptions]:
+    """The plan of zoo model `name` as :func:`plan_argv`'s command line gives it."""
+    planner = PlanSettings(metric=tasks.PRIMARY_METRIC[zoo.get(name).task],
+                           max_drop=PLAN_MAX_DROP)
+    calibrators = calibrate.METHODS if set(methods) == set(calibrate.METHODS) else tuple(methods)
+    return PlanOptions(planner, calibrators=calibrators), DataOptions(max_samples=eval_limit)
+
+
 def _plan(name: str, out: Path, methods: Sequence[str], eval_limit: int | None,
           progress: bool) -> dict:
-    """Run `quantlab plan` on `name` into `out` (plan.json, the models, trtexec.txt, its own
-    report) exactly as the command line does, and return its figures for the story."""
-    from quantlab.commands import plan as command
-
+    """Plan `name` into `out` (plan.json, the models, trtexec.txt, its own report) as
+    `quantlab plan` does, and return its figures for the story."""
     folder = f"{name}/plan"  # where it ends up, relative to the demo's folder
     shown = "quantlab plan " + " ".join(plan_argv(name, folder, methods, eval_limit))
     _log(f"[{name}] {shown}")
-    parser = argparse.ArgumentParser(prog="quantlab plan")
-    command.add_arguments(parser)
+    options, reading = plan_settings(name, methods, eval_limit)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):  # its lines name the staging folder
-        command.run(parser.parse_args([*plan_argv(name, str(out), methods, eval_limit),
-                                       *([] if progress else ["--no-progress"])]))
-    for line in printed.getvalue().splitlines():
+        outcome = plan_model(name, "zoo", "zoo", options, out, data_options=reading,
+                             progress=progress)
+    for line in [*printed.getvalue().splitlines(), *outcome.lines(notes=progress)]:
         _log(f"[{name}] {line.replace(str(out), folder)}")
-    summary = read_record(out / "summary.json", "plan summary")
+    summary = outcome.summary
     return {"command": shown, "folder": folder, "max_drop": PLAN_MAX_DROP,
             "int8_mac_share": summary["int8_mac_share"], "certificate": summary["certificate"],
             "model_runs": sum(e["model_run"] for e in summary["evaluations"]),

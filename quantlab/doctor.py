@@ -438,10 +438,9 @@ def _run_trtexec(folder: Path) -> None:
     """Write trtexec.txt with `quantlab build` and run its implicit line in the folder."""
     import shlex
 
-    from quantlab.cli import main
+    from quantlab.build import build_folder
 
-    if main(["build", str(folder), "--max-batch", str(BATCH), "--force"]) != 0:
-        raise QuantlabError(f"quantlab build {folder} failed (see above).")
+    build_folder(folder, max_batch=BATCH, force=True)
     lines = (folder / "trtexec.txt").read_text(encoding="utf-8").splitlines()
     line = next(line for line in lines if line.startswith("trtexec --onnx=model.onnx"))
     run = subprocess.run(shlex.split(line), cwd=folder, capture_output=True, text=True)

@@ -530,3 +530,49 @@ def read_artifact(path: str | os.PathLike, file_format: str, what: str, made_by:
     """A JSON artifact's content, checked to be a dict marked ``"format": file_format``
     (see :func:`read_record`)."""
     return read_record(path, what, file_format=file_format, made_by=made_by)
+
+
+def read_calibration_record(folder) -> dict:
+    """``calibration.json`` of a `quantlab calibrate` folder, its fields checked (a DataError
+    names the file and the field): ``data`` an absolute path (one recorded relative, by
+    an older quantlab, is resolved against the folder), ``preprocess`` a Preprocess or
+    None, ``data_stamp`` (:func:`quantlab.data.files_stamp`) a string or None,
+    ``frozen_inputs`` and ``sample_axes`` dicts."""
+    from quantlab.data import Preprocess
+
+    folder = Path(folder)
+
+    def data_path(value):
+        if not isinstance(value, str) or not value:
+            raise TypeError("expected the path of the calibration data")
+        path = Path(value)
+        if path.is_absolute():
+            return str(path)
+        # An older quantlab recorded the path as typed: against the folder, else the cwd.
+        return str((folder / path if (folder / path).exists() else path).resolve())
+
+    def mapping(value):
+        if value is not None and not isinstance(value, dict):
+            raise TypeError(f"expected a JSON object, not a {type(value).__name__}")
+        return dict(value or {})
+
+    def preprocess(value):
+        if value is None:
+            return None
+        fields = mapping(value)
+        for key in ("size", "mean", "std"):
+            numbers = fields.get(key)
+            if numbers is not None and not (isinstance(numbers, list) and all(
+                    isinstance(n, (int, float)) and not isinstance(n, bool) for n in numbers)):
+                raise TypeError(f"its {key} is {numbers!r}, not a list of numbers")
+        return Preprocess.from_dict(fields)
+
+    def stamp(value):
+        if value is not None and not isinstance(value, str):
+            raise TypeError("expected a hexadecimal digest")
+        return value
+
+    return read_record(folder / "calibration.json", "calibration record",
+                       {"data": data_path, "preprocess": preprocess, "data_stamp": stamp,
+                        "frozen_inputs": mapping, "sample_axes": mapping},
+                       made_by="the folder of a finished `quantlab calibrate` run")

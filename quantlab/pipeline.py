@@ -432,18 +432,19 @@ def run_calibration(
 
 def equalized(model: onnx.ModelProto, source: BatchSource, phases: Phases | None = None,
               ) -> tuple[onnx.ModelProto, dict]:
-    """`model` with its depthwise-conv inputs equalized where that helps
-    (:func:`repairs.depthwise_equalization`, one FP32 pass over `source`), normalized again,
+    """`model` with its conv inputs equalized where that helps (choices.DEFAULT_EQUALIZATION:
+    :func:`repairs.depthwise_equalization`, one FP32 pass over `source`), normalized again,
     and ``{repair name: report}`` for ``calibration.json`` (empty without depthwise convs).
     The pass is shown and recorded in `phases` as "channel ranges"."""
     from quantlab import repairs
 
     phases = phases or Phases(progress=False)
+    pointwise = choices.DEFAULT_EQUALIZATION == "pw-equalize"
     source = decision_share(model, source, CHOICE_SAMPLES)
-    read = sample_count(model, source) if repairs.equalization_inputs(model, True) else 0
+    read = sample_count(model, source) if repairs.equalization_inputs(model, pointwise) else 0
     with phases.record("channel ranges", read):
         model, report = repairs.depthwise_equalization(
-            model, phases.shown(model, source, "channel ranges"), pointwise=True)
+            model, phases.shown(model, source, "channel ranges"), pointwise=pointwise)
     if report.applied:
         model = graph.normalize(model)  # shapes of the renamed tensors
     return model, ({report.repair: report.to_dict()} if report.applied or report.skipped

@@ -282,3 +282,52 @@ def test_every_command_takes_one_default_calibrator_and_says_where_it_comes_from
         block = text[text.index("--method {"):]
         defaults[command] = re.search(r"default: (\w+), from ([\w/.]+)", block).groups()
     assert set(defaults.values()) == {(choices.DEFAULT_METHOD, "quantlab/choices.py")}
+
+
+def test_the_repairs_have_one_default_per_role_and_help_says_where_it_comes_from(capsys):
+    from quantlab import choices
+    from quantlab.cli import build_parser
+
+    plan = build_parser()._subparsers._group_actions[0].choices["plan"]
+    assert plan.parse_args(["m", "--data", "d", "--eval", "e", "--out", "o", "--min-sqnr",
+                            "20"]).repairs == list(choices.DEFAULT_PLAN_REPAIRS)
+    texts = {}
+    for command, option in (("plan", "--repairs [REPAIR"), ("calibrate", "--no-equalize"),
+                            ("sweep", "--no-equalize")):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        # argparse wraps "dw-equalize" after its hyphen
+        text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")
+        texts[command] = text[text.rindex(option):][:700]
+        assert "quantlab/choices.py" in texts[command], command
+    assert f"default: {' '.join(choices.DEFAULT_PLAN_REPAIRS)}, from" in texts["plan"]
+    # calibrate and sweep apply the equalization plan names DEFAULT_EQUALIZATION; plan's
+    # help names it as calibrate's, calibrate's names plan's default.
+    for command in ("plan", "calibrate", "sweep"):
+        assert choices.DEFAULT_EQUALIZATION in texts[command], command
+    assert "dw-equalize alone by default" in texts["calibrate"]
+
+
+def test_no_library_module_imports_the_command_line():
+    """commands/ maps options onto library calls; nothing below it reaches back up (the demo
+    once ran `quantlab plan` through argparse)."""
+    import ast
+    from pathlib import Path
+
+    import quantlab
+
+    root = Path(quantlab.__file__).parent
+    reaching = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] in ("commands", "cli.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            reaching += [f"{path.relative_to(root)}: {name}" for name in names
+                         if name.startswith(("quantlab.commands", "quantlab.cli"))]
+    assert reaching == []

@@ -82,3 +82,17 @@ def test_the_plan_command_of_the_demo_names_calibrators_only_when_some_are_left_
     assert argv[argv.index("--metric") + 1] == "top1"
     assert argv[argv.index("--calibrators"):argv.index("--out")] == [
         "--calibrators", "max", "--max-samples", "64"]
+
+
+def test_the_demo_plans_as_the_command_line_it_shows():
+    import argparse
+
+    from quantlab.commands import plan as command
+    from quantlab.commands.options import data_options
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    for methods, limit in ((["mse", "entropy", "max", "percentile"], None), (["max"], 64)):
+        args = parser.parse_args(demo.plan_argv("digits-cnn", "out", methods, limit))
+        assert (command.plan_options(args), data_options(args)) == demo.plan_settings(
+            "digits-cnn", methods, limit)

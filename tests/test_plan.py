@@ -1592,10 +1592,8 @@ def test_plan_completes_reused_statistics_with_what_it_reads(trt_version):
     # x -> Conv (c1) -> swish (s1 = Sigmoid(c1), m1 = c1 * s1) -> Conv (y). A calibration
     # folder holds the Q/DQ inputs x, m1; the FP16 range rule reads the conv outputs c1, y;
     # a calibration cache (--trt-version) needs s1 too.
-    from argparse import Namespace
-
     from quantlab import collect, data
-    from quantlab.commands import plan as command
+    from quantlab.planner import prepare
 
     g = make_graph([helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1"),
                     helper.make_node("Sigmoid", ["c1"], ["s1"], name="sigmoid"),
@@ -1603,12 +1601,12 @@ def test_plan_completes_reused_statistics_with_what_it_reads(trt_version):
                     helper.make_node("Conv", ["m1", "w2"], ["y"], name="conv2")],
                    [("x", ["N", 3, 5, 5])], {"w1": weights(4, 3, 1, 1), "w2": weights(2, 4, 1, 1)})
     expected = ["x", "c1", "s1", "m1", "y"] if trt_version else ["x", "c1", "m1", "y"]
-    assert command._needed_tensors(g.model, trt_version is not None) == expected
+    implicit = trt_version is not None
+    assert prepare.needed_tensors(g.model, implicit) == expected
     samples = np.random.default_rng(2).standard_normal((10, 3, 5, 5)).astype(np.float32)
     source = data.open_data(samples, g.inputs, batch_size=4)
     reused = collect.collect(g.model, source, ["x", "m1"], progress=False)
-    args = Namespace(trt_version=trt_version, data="calib", no_progress=True)
-    completed = command._statistics(g.model, source, reused, args)
+    completed = prepare.statistics(g.model, source, reused, implicit, "calib", progress=False)
     direct = collect.collect(g.model, source, expected, progress=False)
     assert sorted(completed.tensors) == sorted(expected)
     assert completed.tensors["x"] is reused.tensors["x"]  # reused as they are
@@ -1617,7 +1615,8 @@ def test_plan_completes_reused_statistics_with_what_it_reads(trt_version):
         assert (mine.min, mine.max, mine.count) == (theirs.min, theirs.max, theirs.count)
         assert np.array_equal(mine.hist, theirs.hist), name
     assert completed.num_samples == 10
-    assert command._statistics(g.model, source, completed, args) is completed  # nothing missing
+    assert prepare.statistics(g.model, source, completed, implicit, "calib",
+                              progress=False) is completed  # nothing missing
 
 
 def test_plan_section_escapes_names_from_the_model():

@@ -345,7 +345,11 @@ def test_an_input_option_contradicting_reused_statistics_is_refused(files, tmp_p
 
 
 def test_f09_an_explicit_option_wins_over_the_recorded_one_even_at_its_default():
-    from quantlab.commands.options import preprocess_from_args
+    from quantlab.commands.options import given_preprocessing
+    from quantlab.data import preprocessing
+
+    def preprocess_from_args(args, recorded=None):  # what every command reads images with
+        return preprocessing(given_preprocessing(args), recorded)
 
     recorded = Preprocess(channel_order="L", scale=1.0, layout="NHWC")
     parser = build_parser()
@@ -400,7 +404,7 @@ def test_p16_a_failure_after_the_measurement_leaves_no_folder(files, tmp_path, c
 # 9. P45b: calibration folders record absolute paths.
 
 def test_p45b_calibration_folders_work_from_any_directory(files, tmp_path, monkeypatch):
-    from quantlab.commands.options import read_calibration_record
+    from quantlab.experiment import read_calibration_record
 
     monkeypatch.chdir(files["root"])
     assert main(["calibrate", "planted.onnx", "--data", "calib.npy", "--out",

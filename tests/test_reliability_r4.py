@@ -315,25 +315,37 @@ def test_mt08_mt15_a_metric_that_exits_or_returns_a_bool_fails_the_command(
 # --- rule: one fingerprint of resumable work --------------------------------------------------
 
 def test_the_fingerprint_covers_every_option_and_the_metrics_code(tmp_path, monkeypatch):
+    from quantlab.api import run_fingerprint
+    from quantlab.commands import plan as plan_command
+    from quantlab.commands import sweep as sweep_command
+
     (tmp_path / "r4versioned.py").write_text("def score(o, r):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "r4versioned", raising=False)
     model = planted_model(depth=2).model
-    for command in ("plan", "sweep"):
+    # What does not change what a resumed run computes: where it writes and what it shows;
+    # the data's paths give way to their content's digest.
+    not_fingerprinted = {"run", "command", "out", "force", "no_progress", "allow_long", "data",
+                         "eval"}
+    for command, settings in (("plan", plan_command.plan_options),
+                              ("sweep", sweep_command.sweep_options)):
+        def fingerprint(args, settings=settings):  # as the command's run maps its options
+            return run_fingerprint(model, args.model, settings(args), options.data_options(args))
+
         parser = subparsers()[command]
         budget = ["--min-sqnr", "20"] if command == "plan" else []
         args = parser.parse_args(["m", "--data", "d", "--eval", "e", "--out", "o",
                                   "--metric", "r4versioned:score", *budget])
-        first = options.resume_fingerprint(args, model)
-        assert options.resume_fingerprint(args, model) == first
-        changed = [dest for dest in vars(args) if dest not in options.NOT_FINGERPRINTED
-                   and options.resume_fingerprint(
-                       argparse.Namespace(**{**vars(args), dest: "sqnr" if dest == "metric"
-                                             else ("other", 7)}), model) != first]
-        assert sorted(changed) == sorted(set(vars(args)) - options.NOT_FINGERPRINTED)
+        first = fingerprint(args)
+        assert fingerprint(args) == first
+        other = {"metric": "sqnr", "constants": [("other", 7)], "batch_axes": [("other", 7)]}
+        changed = [dest for dest in vars(args) if dest not in not_fingerprinted
+                   and fingerprint(argparse.Namespace(**{**vars(args), dest: other.get(
+                       dest, ("other", 7))})) != first]
+        assert sorted(changed) == sorted(set(vars(args)) - not_fingerprinted)
         # I06, I07: the metric's code changed, its name did not
         (tmp_path / "r4versioned.py").write_text("def score(o, r):\n    return 2.0\n")
-        assert options.resume_fingerprint(args, model) != first
+        assert fingerprint(args) != first
         (tmp_path / "r4versioned.py").write_text("def score(o, r):\n    return 1.0\n")
 
 
@@ -529,12 +541,12 @@ def test_pp12_pp13_resize_short_below_the_crop_or_without_center_crop(tmp_path):
 
 
 def test_i09_a_failed_sweep_leaves_no_checkpoint(files, tmp_path, monkeypatch, capsys):
-    from quantlab.commands import sweep as sweep_command
+    from quantlab import sweep_folder
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device", str(tmp_path / "s" / "best"))
 
-    monkeypatch.setattr(sweep_command, "_write", full_disk)
+    monkeypatch.setattr(sweep_folder, "write_sweep_folder", full_disk)
     out = tmp_path / "s"
     assert main(["sweep", str(files["a"]), "--data", str(files["calib"]), "--eval",
                  str(files["eval"]), "--methods", "max", "--resamples", "50", "--out", str(out),

@@ -1032,7 +1032,7 @@ def test_build_refuses_a_plan_of_another_model(calibrated_folder, tmp_path, caps
 
 
 def test_read_plan_takes_plan_json_units_and_flat_mappings(tmp_path):
-    from quantlab.commands.build import read_plan
+    from quantlab.planner.folder import read_plan
 
     units = {"units": {"u0": {"precision": "fp16", "nodes": ["a", "b"]},
                        "u1": {"precision": "int8", "nodes": ["c"]}}, "format": "quantlab-plan"}

@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from quantlab.choices import (
         CALIBRATE_METHODS,
         CALIBRATE_WEIGHT_CRITERIA,
+        DEFAULT_EQUALIZATION,
         DEFAULT_METHOD,
         DEFAULT_WEIGHT_AMAX,
         DEFAULTS_FROM,
@@ -110,7 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "into its producer and the depthwise weights, and each 1x1-conv input "
                         "a share of them (SmoothQuant's trade, where its producer takes the "
                         "division), where the statistics predict >= 1 dB less noise; one more "
-                        "FP32 pass)")
+                        f"FP32 pass. This is `plan --repairs {DEFAULT_EQUALIZATION}`, from "
+                        f"{DEFAULTS_FROM}; plan weighs dw-equalize alone by default, "
+                        "choices.py says why)")
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_data_arguments(parser)
@@ -120,33 +123,18 @@ def run(args: argparse.Namespace) -> int:
     """Run the calibration and print a summary of what was written."""
     import sys
 
-    from quantlab.commands.options import (
-        PREPROCESS_OPTIONS,
-        given_preprocessing,
-        input_options,
-        preprocess_from_args,
-    )
-    from quantlab.pipeline import run_calibration
+    from quantlab.api import CalibrateOptions, calibrate_model
+    from quantlab.choices import PREPROCESS_OPTIONS
+    from quantlab.commands.options import data_options, given_preprocessing
 
-    params = {"percentile": args.percentile} if args.percentile is not None else {}
-    result = run_calibration(
-        args.model,
-        args.data,
-        args.out,
+    options = CalibrateOptions(
         method=args.method,
-        method_params=params,
-        batch_size=args.batch_size,
-        max_samples=args.max_samples,
-        preprocess=preprocess_from_args(args),
-        force=args.force,
-        trt_version=args.trt_version,
-        memory_budget=args.memory,
-        progress=not args.no_progress,
-        equalize=not args.no_equalize,
-        weight_criterion=args.weight_amax,
-        bias_correction=not args.no_bias_correction,
-        **input_options(args),
-    )
+        method_params={"percentile": args.percentile} if args.percentile is not None else {},
+        weight_amax=args.weight_amax, bias_correction=not args.no_bias_correction,
+        equalize=not args.no_equalize, trt_version=args.trt_version, memory=args.memory)
+    result = calibrate_model(args.model, args.data, options, args.out,
+                             data_options=data_options(args), force=args.force,
+                             progress=not args.no_progress)
     unused = [PREPROCESS_OPTIONS[field] for field in given_preprocessing(args)]
     if unused and result.preprocess is None:
         print(f"note: {', '.join(unused)} had no effect: {args.data} holds arrays, which are "

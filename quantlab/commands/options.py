@@ -11,7 +11,7 @@ import argparse
 import json
 import math
 
-from quantlab.choices import INTERPOLATIONS
+from quantlab.choices import INTERPOLATIONS, PREPROCESS_OPTIONS
 
 DATA_HELP = """\
 data:
@@ -53,7 +53,7 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = True,
                         help="input height and width (default: the model input's size)")
     # The preprocessing options default to None: an option left out takes the value a
     # calibration folder recorded (or Preprocess's default), one given always wins, even
-    # when it equals the default (see preprocess_from_args).
+    # when it equals the default (see quantlab.data.preprocessing).
     images.add_argument("--resize-mode",
                         choices=("squash", "letterbox", "pad", "height-pad", "center-crop"),
                         help="squash: stretch to H x W; letterbox: fit inside, keep the aspect "
@@ -142,13 +142,6 @@ def check_metric(metric: str, ground_truth: bool, how: str, model: str | None = 
                           f"metric is {PRIMARY_METRIC[task]}.")
 
 
-# Preprocess field -> the option that sets it.
-PREPROCESS_OPTIONS = {"size": "--resize", "scale": "--scale", "mean": "--mean", "std": "--std",
-                      "channel_order": "--channel-order", "layout": "--layout",
-                      "resize_mode": "--resize-mode", "resize_short": "--resize-short",
-                      "pad_value": "--pad-value", "interpolation": "--interpolation"}
-
-
 def given_preprocessing(args: argparse.Namespace) -> dict:
     """The Preprocess fields the options set explicitly (every option left out is None)."""
     values = {field: getattr(args, option[2:].replace("-", "_"))
@@ -157,68 +150,12 @@ def given_preprocessing(args: argparse.Namespace) -> dict:
             for field, value in values.items() if value is not None}
 
 
-def preprocess_from_args(args: argparse.Namespace, recorded=None):
-    """The Preprocess the options give; options left out take `recorded` values.
+def data_options(args: argparse.Namespace):
+    """The quantlab.data.DataOptions the data options give."""
+    from quantlab.data import DataOptions
 
-    `recorded` is the Preprocess a calibration folder's ``calibration.json`` holds
-    (:func:`read_calibration_record`), so `validate --from DIR` reads images as
-    calibration did; an option given explicitly always wins, even when it equals the
-    default.
-    """
-    from dataclasses import replace
-
-    from quantlab.data import Preprocess
-
-    return replace(recorded or Preprocess(), **given_preprocessing(args))
-
-
-def read_calibration_record(folder) -> dict:
-    """``calibration.json`` of a `quantlab calibrate` folder, its fields checked (a DataError
-    names the file and the field): ``data`` an absolute path (one recorded relative, by
-    an older quantlab, is resolved against the folder), ``preprocess`` a Preprocess or
-    None, ``data_stamp`` (:func:`quantlab.data.files_stamp`) a string or None,
-    ``frozen_inputs`` and ``sample_axes`` dicts."""
-    from pathlib import Path
-
-    from quantlab.data import Preprocess
-    from quantlab.experiment import read_record
-
-    folder = Path(folder)
-
-    def data_path(value):
-        if not isinstance(value, str) or not value:
-            raise TypeError("expected the path of the calibration data")
-        path = Path(value)
-        if path.is_absolute():
-            return str(path)
-        # An older quantlab recorded the path as typed: against the folder, else the cwd.
-        return str((folder / path if (folder / path).exists() else path).resolve())
-
-    def mapping(value):
-        if value is not None and not isinstance(value, dict):
-            raise TypeError(f"expected a JSON object, not a {type(value).__name__}")
-        return dict(value or {})
-
-    def preprocess(value):
-        if value is None:
-            return None
-        fields = mapping(value)
-        for key in ("size", "mean", "std"):
-            numbers = fields.get(key)
-            if numbers is not None and not (isinstance(numbers, list) and all(
-                    isinstance(n, (int, float)) and not isinstance(n, bool) for n in numbers)):
-                raise TypeError(f"its {key} is {numbers!r}, not a list of numbers")
-        return Preprocess.from_dict(fields)
-
-    def stamp(value):
-        if value is not None and not isinstance(value, str):
-            raise TypeError("expected a hexadecimal digest")
-        return value
-
-    return read_record(folder / "calibration.json", "calibration record",
-                       {"data": data_path, "preprocess": preprocess, "data_stamp": stamp,
-                        "frozen_inputs": mapping, "sample_axes": mapping},
-                       made_by="the folder of a finished `quantlab calibrate` run")
+    return DataOptions(args.batch_size, args.max_samples, given_preprocessing(args),
+                       **input_options(args))
 
 
 def input_options(args: argparse.Namespace) -> dict:
@@ -339,42 +276,3 @@ def _split(text: str, option: str) -> tuple[str, str]:
     if not sep or not name or not value:
         raise argparse.ArgumentTypeError(f"{option} {text}: expected NAME=VALUE.")
     return name, value
-
-
-# Options that do not change what a resumed run computes: where it writes and what it shows;
-# the data's paths give way to their content's digest.
-NOT_FINGERPRINTED = frozenset({"run", "command", "out", "force", "no_progress", "allow_long",
-                               "data", "eval"})
-
-
-def resume_fingerprint(args: argparse.Namespace, model, *parts) -> str:
-    """The one fingerprint of resumable work (plan's and sweep's checkpoints): the model,
-    `parts` (the data's content digests, what the command derived), every option of `args`
-    but NOT_FINGERPRINTED, and the --metric's code (user_code.metric_code)."""
-    from quantlab.plan import fingerprint
-    from quantlab.user_code import metric_code
-
-    options = sorted((key, str(value)) for key, value in vars(args).items()
-                     if key not in NOT_FINGERPRINTED)
-    return fingerprint(model, *parts, options, metric_code(args.metric))
-
-
-# --- evaluation data of the commands that score a model on --eval (plan, sweep) ---
-
-
-def open_evaluation(args: argparse.Namespace, model, preprocess):
-    """(--eval opened for the normalized `model`, its Task or None): ``--eval zoo`` is the zoo
-    model MODEL's held-out split with its ground truth, anything else data read as --data
-    is (same batch size, --max-samples and preprocessing)."""
-    from quantlab import graph
-    from quantlab.data import open_data
-
-    inputs = graph.input_specs(model)
-    if args.eval != "zoo":
-        return open_data(args.eval, inputs, args.batch_size, args.max_samples, preprocess), None
-    from quantlab import zoo
-    from quantlab.tasks import Task
-
-    entry = zoo.get(args.model)
-    eval_set = entry.eval_set(args.max_samples)
-    return open_data(eval_set.inputs, inputs, args.batch_size), Task.from_zoo(entry, eval_set)

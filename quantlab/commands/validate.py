@@ -27,7 +27,6 @@ examples:
 from __future__ import annotations
 
 import argparse
-import warnings
 from pathlib import Path
 
 from quantlab.commands.options import (
@@ -129,14 +128,12 @@ def load_factory(spec: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `quantlab validate`."""
-    import tempfile
-
-    from quantlab import graph, pipeline
-    from quantlab.commands.options import check_metric, input_options
+    """Run `quantlab validate` (quantlab.api.validate_model) and print its results."""
+    from quantlab import pipeline
+    from quantlab.api import ValidateOptions, validate_model
+    from quantlab.commands.options import check_metric, data_options
     from quantlab.errors import ConfigError
-    from quantlab.experiment import check_output
-    from quantlab.validate import Task, check_threshold, validate
+    from quantlab.validate import Task, check_threshold
 
     # Every option is checked before any long work (export, calibration, validation).
     check_threshold(args.threshold_db, 10.0)
@@ -150,9 +147,8 @@ def run(args: argparse.Namespace) -> int:
         require_tensorrt()
     torch_module, task, data, entry = None, None, args.data, None
     onnx_path, engine_path = args.onnx, args.engine
-    recorded = None
     if args.from_dir:
-        onnx_path, engine_path, recorded = _calibration_folder(Path(args.from_dir), args)
+        onnx_path, engine_path = _calibration_folder(Path(args.from_dir), args)
     calibrate_here = bool(args.zoo) and onnx_path is None and engine_path is None
     if args.zoo:
         from quantlab import zoo
@@ -173,69 +169,17 @@ def run(args: argparse.Namespace) -> int:
             "export and quantize a zoo model here.")
     if data is None:
         raise ConfigError("pass --data (evaluation samples), or --zoo NAME for its eval split.")
-    model = pipeline.prepare_model(onnx_path, data, **input_options(args))
-    source = _open_data(data, model, args, recorded)
-    calibration = None
-    if calibrate_here:
-        calibration_out = Path(args.out) / "calibration"
-        check_output(args.out, force=args.force, produces=["summary.json", "report.html"])
-        check_output(calibration_out, force=args.force, produces=pipeline.CALIBRATION_FILES)
-        # Calibrated aside and written into OUT/calibration only once validation succeeded:
-        # a failed run leaves no partial output.
-        with tempfile.TemporaryDirectory(prefix="quantlab-validate-") as scratch:
-            calibration = pipeline.run_calibration(
-                model, entry.calibration_set(), Path(scratch) / "calibration",
-                method=args.method, batch_size=args.batch_size, progress=not args.no_progress)
-            model, engine = calibration.model, calibration.qdq_model
-            if args.engine_backend == "tensorrt":  # the engine is built from the files here
-                engine = _engine_stage(calibration.folder / "model.int8.onnx",
-                                       calibration.folder / "model.onnx", data, args)
-    else:
-        engine = _engine_stage(engine_path, onnx_path, data, args)
-    # The report names the user's model, not a normalized copy (a calibration folder's
-    # model.onnx records the file it was made from).
-    model_file = args.zoo if calibrate_here else graph.source_model(model) or str(onnx_path)
-    with warnings.catch_warnings():  # shown below with the results instead
-        warnings.simplefilter("ignore")
-        result = validate(model, engine, source, args.out, torch_module=torch_module, task=task,
-                          mode=args.mode, threshold_db=args.threshold_db, force=args.force,
-                          progress=not args.no_progress, memory_budget=args.memory,
-                          metric=args.metric, resamples=args.resamples,
-                          title=f"Validation of {Path(model_file).name}", model_file=model_file,
-                          calibration=str(Path(args.from_dir or calibration_out).resolve())
-                          if args.from_dir or calibrate_here else None)
-    if calibration is not None:
-        pipeline.write_results(calibration, calibration_out, force=args.force)
+    options = ValidateOptions(mode=args.mode, threshold_db=args.threshold_db, metric=args.metric,
+                              resamples=args.resamples, memory=args.memory,
+                              engine_backend=args.engine_backend, method=args.method)
+    result = validate_model(
+        onnx_path, None if calibrate_here else engine_path, data, options, args.out,
+        data_options=data_options(args), torch_module=torch_module, task=task,
+        calibrate_on=entry.calibration_set() if calibrate_here else None,
+        from_folder=args.from_dir, model_file=args.zoo if calibrate_here else None,
+        force=args.force, progress=not args.no_progress)
     _print_result(result)
     return 0
-
-
-def _engine_stage(engine_path, onnx_path, data, args: argparse.Namespace):
-    """The engine stage: the Q/DQ model for ONNX Runtime, or a TensorRT engine backend."""
-    from quantlab import pipeline
-    from quantlab.backends.tensorrt import ENGINE_SUFFIXES, LAYERS, make_engine_backend
-    from quantlab.commands.options import input_options
-
-    if args.engine_backend == "tensorrt":
-        # A prebuilt engine is compared on what it exposes; a built one exposes every tensor it
-        # keeps, the way the installed TensorRT allows (docs/tensorrt.md, per-version strategy).
-        if Path(engine_path).suffix.lower() in ENGINE_SUFFIXES:
-            return make_engine_backend("tensorrt", engine_path, model=onnx_path)
-        return make_engine_backend("tensorrt", engine_path, max_batch=args.batch_size,
-                                   debug_tensors=LAYERS)
-    with warnings.catch_warnings():  # the INT8 model's float-only parts are the FP32 one's
-        warnings.simplefilter("ignore")
-        return pipeline.prepare_model(engine_path, data, **input_options(args))
-
-
-def _open_data(data, model, args: argparse.Namespace, recorded: dict | None):
-    """The evaluation batches for `model`, with the preprocessing of the options given."""
-    from quantlab import graph
-    from quantlab.commands.options import preprocess_from_args
-    from quantlab.data import open_data
-
-    return open_data(data, graph.input_specs(model), args.batch_size, args.max_samples,
-                     preprocess_from_args(args, recorded))
 
 
 def _print_result(result) -> None:
@@ -276,16 +220,14 @@ def _print_result(result) -> None:
     print(f"report: {result.report}")
 
 
-def _calibration_folder(folder: Path, args) -> tuple[Path, Path, object]:
-    """FP32 and INT8 models of a calibration folder, and the Preprocess it recorded."""
-    from quantlab.commands.options import read_calibration_record
+def _calibration_folder(folder: Path, args) -> tuple[Path, Path]:
+    """FP32 and INT8 models of a calibration folder (--onnx, --engine override them)."""
     from quantlab.errors import ConfigError
 
     if not (folder / "calibration.json").is_file():
         raise ConfigError(
             f"--from {folder}: no calibration.json there; point --from at the --out folder of "
             "a finished `quantlab calibrate` run.")
-    record = read_calibration_record(folder)
     onnx_path = Path(args.onnx) if args.onnx else folder / "model.onnx"
     engine_path = Path(args.engine) if args.engine else folder / "model.int8.onnx"
-    return onnx_path, engine_path, record["preprocess"]
+    return onnx_path, engine_path

@@ -99,6 +99,17 @@ def fingerprint(model: onnx.ModelProto, *parts) -> str:
     return digest.hexdigest()
 
 
+def resume_fingerprint(model: onnx.ModelProto, options: Mapping[str, object], metric: str,
+                       *parts) -> str:
+    """The one fingerprint of resumable work (plan's and sweep's checkpoints): the model,
+    `parts` (the data's content digests, what the run derived), every option and the
+    `metric`'s code (user_code.metric_code)."""
+    from quantlab.user_code import metric_code
+
+    return fingerprint(model, *parts, sorted((key, str(value)) for key, value in options.items()),
+                       metric_code(metric))
+
+
 
 @dataclass
 class Evaluation:

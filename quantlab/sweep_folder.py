@@ -1,0 +1,152 @@
+"""A sweep's folder: its checkpoint while it runs, and what it writes when done (sweep.json,
+amax_movement.csv, report.html and best/, the calibration folder of the best configuration,
+with the `quantlab calibrate` command that reproduces it)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from quantlab import collect, pipeline
+from quantlab.data import BatchSource
+from quantlab.errors import DataError
+from quantlab.experiment import output_folder, read_json, write_json, write_text
+from quantlab.sweep import Config, SweepResult
+
+SWEEP_FILES = ("sweep.json", "amax_movement.csv", "report.html", "best")
+# Snapshots and finished configurations of a running sweep, left in the folder when
+# interrupted.
+PROGRESS_DIR = ".sweep-progress"
+PROGRESS_FORMAT = "quantlab.sweep-progress"
+
+
+def reproducing_command(model: str, data: str, best: Config, recorded: dict | None,
+                        equalize: bool) -> str:
+    """The `quantlab calibrate` command whose folder holds the scales and Q/DQ model of the
+    sweep's `best` configuration: its calibrator on the first `best.size` samples, weights at
+    max |w|, no bias correction, equalized as the sweep was (`equalize`). `recorded`:
+    `data`'s calibration.json, when a folder. calibrate takes no `zoo` data: a zoo model's
+    split is named as the .npy to save it to."""
+    data = recorded["data"] if recorded else data
+    if data == "zoo":
+        data = f"{model}-calibration.npy"  # numpy.save(zoo.get(MODEL).calibration_set())
+    parts = ["quantlab calibrate", str(model), "--data", str(data),
+             "--max-samples", str(best.size), "--method", best.method,
+             *(f"--{name} {value:g}" for name, value in best.params),
+             "--weight-amax max --no-bias-correction"]
+    if not equalize:
+        parts.append("--no-equalize")
+    return " ".join([*parts, "--out", "DIR"])
+
+
+def write_sweep_folder(out: str, force: bool, model: str, metric: str, evaluation: str,
+                       index, source: BatchSource, configs: list[Config], result: SweepResult,
+                       repairs: dict, equalize: bool, reproduce: str) -> None:
+    """sweep.json, amax_movement.csv, report.html and best/ into `out`, all or nothing."""
+    import pandas as pd
+
+    from quantlab.report import write_report
+    from quantlab.report.sweep import sweep_section
+
+    best = configs[result.best]
+    calibrated = pipeline.calibrate_from_stats(
+        index, result.snapshots[best.size], source.subset(0, best.size), best.method,
+        dict(best.params))
+    calibrated.repairs = repairs
+    calibrated.repairs_requested = {"depthwise_equalization": equalize, "bias_correction": False}
+    movement = pd.DataFrame([
+        {"setting": setting, "tensor": name, f"amax_{result.half}": half[name],
+         f"amax_{result.full}": full[name], "movement": result.movement[setting][name],
+         "bootstrap_spread": (result.spread.get(name, float("nan"))
+                              if setting == best.setting else float("nan"))}
+        for setting, (half, full) in result.amax.items() for name in full])
+    with output_folder(out, force=force, produces=SWEEP_FILES) as folder:
+        pipeline.write_results(calibrated, folder / "best")
+        write_text(folder / "amax_movement.csv", movement.to_csv(index=False))
+        write_json(folder / "sweep.json", {
+            "format": "quantlab.sweep",
+            "model": str(model),
+            "metric": metric,
+            "calibration": {"data": source.description, "num_samples": source.num_samples},
+            "eval": {"data": evaluation, "num_samples": result.records[0]["samples"]},
+            "sizes": sorted({c.size for c in configs}),
+            "settings": list(result.movement),
+            "tolerance": result.tolerance,
+            "equalized": [entry["tensor"] for entry in
+                          repairs.get("depthwise_equalization", {}).get("applied", [])],
+            "collection_passes": 1,
+            "configurations": result.records,
+            "best": result.best_record["label"],
+            # The calibrate command whose folder is best/ (the same scales and Q/DQ model).
+            "reproduce": reproduce,
+            "runner_up": (result.records[result.runner_up]["label"]
+                          if result.runner_up is not None else None),
+            "separation": result.separation.__dict__ if result.separation else None,
+            "sufficiency": result.sentences,
+            "max_movement": {s: max(m.values(), default=0.0)
+                             for s, m in result.movement.items()},
+            "bootstrap_spread": {"setting": best.setting, "samples": result.spread_samples,
+                                 "blocks": result.spread_blocks,
+                                 "max": max(result.spread.values(), default=None)},
+            "seconds": result.seconds,
+        })
+        write_report(folder / "report.html", f"quantlab sweep: {model}",
+                     [sweep_section(result, metric, reproduce)],
+                     subtitle=f"{len(configs)} configurations, one collection pass")
+
+
+class SweepCheckpoint:
+    """Blocks of statistics (block-START-STOP.npz) and finished configurations (records.json)
+    of a running sweep, in its folder's PROGRESS_DIR; another sweep's (another fingerprint)
+    are deleted."""
+
+    def __init__(self, folder: Path, fingerprint: str):
+        self.folder = folder
+        self.fingerprint = fingerprint
+        self.records: dict[str, dict] = {}
+        # True when a checkpoint of another sweep (or an unreadable one) was found and deleted.
+        self.ignored = False
+        path = folder / "records.json"
+        try:
+            data = read_json(path) if path.is_file() else {}
+        except (OSError, ValueError):
+            data = {}
+        if data.get("format") == PROGRESS_FORMAT and data.get("fingerprint") == fingerprint:
+            self.records = dict(data["records"])
+        else:
+            self.ignored = folder.exists()
+            self.remove()
+
+    def blocks(self) -> dict:
+        """The blocks of statistics saved so far, by (first sample, stop); none, and the
+        checkpoint deleted (``ignored``), when one cannot be read (a run killed while writing
+        it, a damaged disk): the sweep then starts over."""
+        found = {}
+        try:
+            for path in self.folder.glob("block-*.npz"):
+                _, start, stop = path.stem.split("-")
+                found[int(start), int(stop)] = collect.Statistics.load(path)
+        except (DataError, ValueError):
+            self.records, self.ignored = {}, True
+            self.remove()
+            return {}
+        return found
+
+    def add_block(self, start: int, stop: int, stats: collect.Statistics) -> None:
+        """Save the statistics of samples `start:stop`."""
+        self._save()
+        stats.save(self.folder / f"block-{start}-{stop}.npz")
+
+    def add_record(self, record: dict) -> None:
+        """Save one finished configuration."""
+        self.records[record["label"]] = record
+        self._save()
+
+    def _save(self) -> None:
+        write_json(self.folder / "records.json", {"format": PROGRESS_FORMAT,
+                                                  "fingerprint": self.fingerprint,
+                                                  "records": self.records})
+
+    def remove(self) -> None:
+        """Delete the checkpoint (a finished or a different sweep)."""
+        shutil.rmtree(self.folder, ignore_errors=True)
