@@ -529,8 +529,10 @@ def collect(
     progress: bool = True,
     memory_budget: int | str | None = None,
     channels: Sequence[str] = (),
+    desc: str = "collect",
 ) -> Statistics:
-    """Run the FP32 graph once over every sample of `batches`; stream statistics of `tensors`.
+    """Run the FP32 graph once over every sample of `batches`; stream statistics of `tensors`
+    (the progress bar named `desc`).
 
     `channels`, tensors among `tensors` laid out [samples, channels, ...], also get
     statistics per channel (:class:`ChannelStats` of CHANNEL_BINS bins, in
@@ -575,7 +577,7 @@ def collect(
     # Tensors of a run are counted in parallel (the kernel releases the GIL); each
     # TensorStats is updated by one thread at a time, so no locking is needed.
     with (ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool,
-          progress_bar(total=batches.num_samples, unit="sample", desc="collect",
+          progress_bar(total=batches.num_samples, unit="sample", desc=desc,
                        enabled=progress, leave=False) as bar):
         for batch_index, batch in enumerate(batches):
             _check_inputs(batch, specs, batch_index)

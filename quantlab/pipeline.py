@@ -419,7 +419,7 @@ def run_calibration(
         check_cache_names(tensors)
     with phases.record("statistics", source.num_samples):
         stats = collect.collect(index, source, tensors, progress=progress,
-                                memory_budget=memory_budget)
+                                memory_budget=memory_budget, desc="calibrate: statistics")
     result = calibrate_from_stats(index, stats, source, method, method_params,
                                   weight_criterion=weight_criterion, phases=phases,
                                   bias_correction=bias_correction)

@@ -111,17 +111,7 @@ def choose_weight_amax(model: onnx.ModelProto | Graph,
     if not compared:
         return WeightChoice()
     backend = OnnxRuntimeBackend(summed, name="weight errors", memory_pattern=False)
-    noise: dict[str, list[np.ndarray]] = {weight: [] for weight in compared}  # per sample
-    power = dict.fromkeys(compared, 0.0)
-    for batch in batches:
-        values = backend.run(batch)
-        for weight, rows in compared.items():
-            noise[weight].append(np.array([
-                sum(np.atleast_1d(np.asarray(values[sums[row[k]][0]], np.float64))
-                    for row in rows) for k in range(len(candidates))]))  # candidate x channel
-            power[weight] += sum(float(values[sums[row[0]][1]]) for row in rows)
-        if _settled(noise.values()):
-            break
+    noise, power = _measured(backend, batches, compared, sums, len(candidates))
     count = len(next(iter(noise.values())))
     if not count:
         raise DataError("the calibration data holds no batches; choosing weight amax by the "
@@ -149,6 +139,25 @@ def choose_weight_amax(model: onnx.ModelProto | Graph,
                               "chosen": _db(power[weight], picked)},
         }
     return result
+
+
+def _measured(backend, batches: Iterable[Mapping[str, np.ndarray]],
+              compared: Mapping[str, list[list[str]]], sums: Mapping[str, tuple[str, str]],
+              candidates: int) -> tuple[dict[str, list[np.ndarray]], dict[str, float]]:
+    """Per weight tensor, each sample's candidate x channel squared errors and the reference
+    power over the samples read, reading `batches` until the choice is :func:`_settled`."""
+    noise: dict[str, list[np.ndarray]] = {weight: [] for weight in compared}
+    power = dict.fromkeys(compared, 0.0)
+    for batch in batches:
+        values = backend.run(batch)
+        for weight, rows in compared.items():
+            noise[weight].append(np.array([
+                sum(np.atleast_1d(np.asarray(values[sums[row[k]][0]], np.float64))
+                    for row in rows) for k in range(candidates)]))
+            power[weight] += sum(float(values[sums[row[0]][1]]) for row in rows)
+        if _settled(noise.values()):
+            break
+    return noise, power
 
 
 def _settled(noise: Iterable[list[np.ndarray]]) -> bool:

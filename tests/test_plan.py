@@ -1715,7 +1715,7 @@ def test_local_sqnr_singles_out_the_planted_units_in_int8_not_fp16(planted_case)
             assert one_by_one[unit][precision] == pytest.approx(db, abs=1e-4)
 
 
-def test_local_errors_summed_in_the_graph_equal_numpy_float64_sums(planted_case):
+def test_local_errors_summed_in_the_graph_equal_numpy_float64_sums_within_float32(planted_case):
     # The slow reference: run the local error model on the FP32 tensors it reads, have
     # every unit's output back and sum the squared differences in numpy float64.
     from quantlab import qdq
@@ -1743,9 +1743,10 @@ def test_local_errors_summed_in_the_graph_equal_numpy_float64_sums(planted_case)
     for name, tensor in local.outputs.items():
         reference = tensors[tensor].astype(np.float64)
         noise, power = (found[t] for t in sums[name])
-        # Same float32 tensors, float64 sums in another order: 1e-12.
-        assert noise == pytest.approx(((values[name] - reference) ** 2).sum(), rel=1e-12)
-        assert power == pytest.approx((reference ** 2).sum(), rel=1e-12)
+        # Same float32 tensors, summed in float32 by ONNX Runtime (sensitivity._Attached
+        # .reduced) against float64 here: float32's rounding of a blocked sum, 1e-5.
+        assert noise == pytest.approx(((values[name] - reference) ** 2).sum(), rel=1e-5)
+        assert power == pytest.approx((reference ** 2).sum(), rel=1e-5)
     # Each added node comes right after the last node of the FP32 model it reads (through
     # other added nodes): the FP32 pass frees a unit's tensors as it moves on.
     position = {node.name: index for index, node in enumerate(g.model.graph.node)}
