@@ -14,7 +14,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 
 from quantlab import cache, calibrate, choices, collect, folding, graph, qdq, trt_ranges
-from quantlab.backends.onnxruntime import SESSION_CONFIG
+from quantlab.backends.onnxruntime import SESSION_CONFIG, OnnxRuntimeBackend
 from quantlab.data import (
     BatchSource,
     Preprocess,
@@ -580,13 +580,16 @@ def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: Ba
     folds = []
     if half:
         with phases.record("output noise", 0, 3):
+            # FP32 and the model without the shifts are the same in both folds: one session.
+            fp32, without = (OnnxRuntimeBackend(index.model, name="fp32"),
+                             OnnxRuntimeBackend(quantized, name="int8"))
             for measured_on, scored_on in ((0, 1), (1, 0)):
                 shifted = repairs.shift_biases(index, quantized, shifts[measured_on])
                 scored = phases.shown(index.model, halves[scored_on],
                                       f"output noise, {labels[measured_on]}'s shifts",
                                       CHOICE_SAMPLES // 2)
                 folds.append({"measured_on": labels[measured_on],
-                              **_fold_noise(index.model, quantized, shifted, scored)})
+                              **_fold_noise(fp32, without, shifted, scored)})
         read = sum(f["samples_scored"] for f in folds)
         phases.records[-1].update(samples=read, model_runs=3 * read)
     kept = bool(folds) and all(f["output_nsr_with"] < f["output_nsr_without"] for f in folds)
@@ -595,7 +598,9 @@ def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: Ba
     return shifted, {report.repair: report.to_dict()}
 
 
-def _fold_noise(model: onnx.ModelProto, without: onnx.ModelProto, with_it: onnx.ModelProto,
+def _fold_noise(model: onnx.ModelProto | OnnxRuntimeBackend,
+                without: onnx.ModelProto | OnnxRuntimeBackend,
+                with_it: onnx.ModelProto | OnnxRuntimeBackend,
                 samples: Iterable[dict], settled: bool = True) -> dict:
     """One fold's output noise without and with the shifts (:func:`output_nsr`, means over
     the samples scored) and how many were scored: all of `samples`, or with `settled`
@@ -629,17 +634,22 @@ def _fold_settled(ratios: np.ndarray) -> bool:
                 np.sign(change.mean()) == np.sign(difference.mean()))
 
 
-def output_nsr(model: onnx.ModelProto, candidates: list[onnx.ModelProto],
+def output_nsr(model: onnx.ModelProto | OnnxRuntimeBackend,
+               candidates: Sequence[onnx.ModelProto | OnnxRuntimeBackend],
                samples: Iterable[dict]) -> Iterator[list[float]]:
     """Per sample, each candidate Q/DQ model's output noise-to-signal ratio against `model`
     (FP32): |y - r|^2 / |r|^2 of each float output (whatever axis holds the sample: one
     per run), averaged over the outputs. A mean of per-sample ratios, not the pooled
     output NSR the planner and validate use (compare.output_nsr): the folds' verdicts in
-    benchmarks/README.md were measured with this one."""
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    benchmarks/README.md were measured with this one. Each model may be given as a
+    session already made (the folds share FP32's and the unshifted model's)."""
 
-    fp32 = OnnxRuntimeBackend(model, name="fp32")
-    backends = [OnnxRuntimeBackend(candidate, name="int8") for candidate in candidates]
+    def session(given, name: str) -> OnnxRuntimeBackend:
+        return given if isinstance(given, OnnxRuntimeBackend) else \
+            OnnxRuntimeBackend(given, name=name)
+
+    fp32 = session(model, "fp32")
+    backends = [session(candidate, "int8") for candidate in candidates]
     for sample in samples:
         reference = {name: want.astype(np.float64) for name, want in fp32.run(sample).items()
                      if np.issubdtype(want.dtype, np.floating)}
@@ -692,7 +702,6 @@ def _auto_scales(index: graph.Graph, stats: collect.Statistics, samples: list[di
     :func:`calibrate_from_stats`), Concat-joined pairs at their widest member's; and the
     record of the choice (candidates, samples, layer -> the candidate taken)."""
     from quantlab import plan
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 
     candidates = {label: calibrate.calibrate(stats, name, **params).amax
                   for label, (name, params) in AUTO_CANDIDATES.items()}
