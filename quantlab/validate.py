@@ -118,6 +118,9 @@ class ValidationResult:
     metrics: dict[str, dict]
     summary: dict
     report: Path
+    # Tensors inside an op the exporter decomposed -> that op (fusion.decomposed_ops): the
+    # worst-layer lists show such an op as one row (report.validation.worst_tensors).
+    exported: dict = field(default_factory=dict)
 
     @property
     def tables(self) -> dict[tuple[str, str], pd.DataFrame]:
@@ -254,9 +257,9 @@ def validate(
     steps = next_steps(pairs, end_to_end, threshold_db, mode, model_file,
                        recorded_path(data.description), calibration)
     summary["next_steps"] = steps
+    exported = fusion.decomposed_ops(index)
     section = validation_section(pairs, metrics, index.order, threshold_db, notes=notes,
-                                 metric=end_to_end, steps=steps,
-                                 exported=fusion.decomposed_ops(index))
+                                 metric=end_to_end, steps=steps, exported=exported)
     source = f"{model_file}; " if model_file else ""
     with output_folder(out, force=force, produces=produces) as staging:
         for pair in pairs:
@@ -266,7 +269,7 @@ def validate(
         write_report(staging / "report.html", title, [section],
                      subtitle=f"{source}{data.description}, {data.num_samples} samples")
     folder = Path(out)
-    return ValidationResult(folder, pairs, metrics, summary, folder / "report.html")
+    return ValidationResult(folder, pairs, metrics, summary, folder / "report.html", exported)
 
 
 def metric_record(certificate: Certificate, reference: str, test: str) -> dict:

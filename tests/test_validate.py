@@ -921,6 +921,40 @@ def test_worst_tensors_show_a_decomposed_op_as_the_op_a_user_knows(tmp_path):
         t in exported for t in worst_tensors(result.pairs[-1].table, exported)["tensor"])
 
 
+def test_worst_tensors_leave_out_copies_the_console_as_the_report(tmp_path, capsys):
+    """An Identity or an inference Dropout repeats its input's values (PP-OCR's recognizer
+    listed two among its five worst): it leaves the worst-tensors table, and `quantlab
+    validate` prints the same rows as its report's table, grouped the same way."""
+    from helpers import onnx_model
+
+    from quantlab.cli import main
+    from quantlab.report.validation import worst_tensors
+
+    w = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
+    model = graph.normalize(onnx_model([
+        onnx.helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+        onnx.helper.make_node("Dropout", ["m"], ["d"], name="drop"),
+        onnx.helper.make_node("Identity", ["d"], ["i"], name="same"),
+        onnx.helper.make_node("Relu", ["i"], ["y"], name="relu")],
+        [("x", ["N", 6])], ["y"], {"w": w}))
+    x = np.random.default_rng(1).standard_normal((32, 6)).astype(np.float32)
+    amax = {n: float(np.abs(v).max()) for n, v in OnnxRuntimeBackend(model).run(
+        {"x": x}, qdq.activation_tensors_to_calibrate(model)).items()}
+    onnx.save(model, tmp_path / "m.onnx")
+    onnx.save(qdq.quantize_model(model, amax), tmp_path / "q.onnx")
+    np.save(tmp_path / "x.npy", x)
+    assert main(["validate", "--onnx", str(tmp_path / "m.onnx"), "--engine",
+                 str(tmp_path / "q.onnx"), "--data", str(tmp_path / "x.npy"), "--out",
+                 str(tmp_path / "v"), "--no-progress"]) == 0
+    printed = capsys.readouterr().out.split("worst layers")[1].split("next:")[0]
+    table = pd.read_csv(next((tmp_path / "v").glob("layers_*engine_int8*.csv")))
+    assert {"Dropout", "Identity"} <= set(table["op_type"])
+    worst = worst_tensors(table, {})
+    assert not set(worst["op_type"]) & {"Dropout", "Identity"}
+    assert [line.split()[2] for line in printed.strip().splitlines()[1:]] == \
+        list(worst["tensor"][:5])
+
+
 def test_a_metric_bootstrap_shows_progress(four_conv, tmp_path, capsys):
     """MT09 (reliability r4): a user's metric is bootstrapped with a progress line, as the
     passes before it are, instead of minutes of silence after 'validate: done'."""

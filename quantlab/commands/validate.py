@@ -186,7 +186,7 @@ def _print_result(result) -> None:
     """Task metrics, warnings, end-to-end outputs, first divergences and the worst layers."""
     import sys
 
-    from quantlab.report.validation import metric_line, outputs_frame, pair_label
+    from quantlab.report.validation import metric_line, outputs_frame, pair_label, worst_tensors
 
     for stage, values in result.metrics.items():
         shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items() if isinstance(v, float))
@@ -210,7 +210,7 @@ def _print_result(result) -> None:
                  f"none of {len(pair.table)} compared tensor(s)")
         print(f"first divergence {pair.reference} vs {pair.test}: {where}")
     engine_pair = result.pairs[-1]
-    worst = engine_pair.table.sort_values("sqnr_db").head(WORST_ON_CONSOLE)
+    worst = worst_tensors(engine_pair.table, result.exported).head(WORST_ON_CONSOLE)
     if len(worst):
         print(f"worst layers, {pair_label(engine_pair)}:")
         for row in worst.itertuples(index=False):

@@ -21,6 +21,8 @@ from quantlab.fusion import DecomposedOp
 from quantlab.report import _ENV, Section, figure_html, prose_html, table_html
 
 WORST_LAYERS = 10
+# Ops whose output is their input's values at inference: no layer of their own to act on.
+COPIES = ("Identity", "Dropout")
 # Where infinite SQNR (bit-identical tensors) is drawn on plots, above every finite value.
 _PLOT_INF_MARGIN_DB = 10.0
 # An output whose channels' largest |values| span this factor mixes scales: one INT8 scale
@@ -83,8 +85,11 @@ def pair_label(pair: PairResult) -> str:
 def worst_tensors(table: pd.DataFrame, exported: Mapping[str, DecomposedOp]) -> pd.DataFrame:
     """The :data:`WORST_LAYERS` lowest-SQNR rows of a per-tensor table, as a user can act on
     them: a decomposed op (LayerNorm, GELU, Softmax) is one row, its output named by the op,
-    and the tensors inside it (a LayerNorm's Pow, a GELU's Erf) are left out."""
+    and the tensors inside it (a LayerNorm's Pow, a GELU's Erf) are left out, as are copies
+    (:data:`COPIES`: an inference Dropout or an Identity repeats its input's values and
+    figure; PP-OCR's recognizer listed two of them among its five worst)."""
     inside = table["tensor"].map(lambda t: t in exported and exported[t].output != t)
+    inside |= table["op_type"].isin(COPIES)
     rows = table[~inside.astype(bool)].copy()
     ops = rows["tensor"].map(lambda t: exported[t] if t in exported else None)
     named = ops.notna()
