@@ -74,9 +74,11 @@ CHOICE_SAMPLES = 32
 # The decisions measured on a bounded share of the calibration data, its first samples
 # (one pass over all of them stays the rule for the statistics alone; zoo and layout
 # figures before/after in benchmarks/README.md):
-# - the weight amax per channel: CHOICE_SAMPLES, as before. 8 cost digits-vit 0.35 dB
-#   of held-out output SQNR (an 8x8 input: few values per sample), though on the layout
-#   detector the choice on 8 pages differed from the one on 16 on 43 of 13,896 channels;
+# - the weight amax per channel: up to CHOICE_SAMPLES, from 16 on stopping once settled
+#   (weights.SETTLE_*: the expected loss of choosing now under 1 % of every layer's noise).
+#   A fixed 8 cost digits-vit 0.35 dB of held-out output SQNR (an 8x8 input: few values per
+#   sample); on the layout detector the choice on 8 pages differed from the one on 16 on 43
+#   of 13,896 channels;
 # - the equalization's per-channel ranges: CHOICE_SAMPLES. Its decision and factors are
 #   ratios of per-channel 99.99th percentiles, and the statistics of the equalized model
 #   still come from every sample;
