@@ -1,4 +1,6 @@
-"""Bias correction."""
+"""Empirical bias correction (DFQ section 4.2; AIMET's empirical variant) of a Q/DQ model:
+each INT8 linear op's mean output error per channel subtracted from its bias. Not in the
+registry: it shifts the INT8 ops of a plan, and calibrate and plan each run it themselves."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Cross-layer equalization (data-free)."""
+"""Cross-layer equalization (Nagel et al. 2019, DFQ section 4.1): consecutive linear ops'
+channel ranges equalized through homogeneous activations; weights only, no data."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Depthwise and 1x1-input equalization."""
+"""Per-channel equalization of depthwise-conv inputs (and, with `pointwise`, 1x1-conv
+inputs) from their channel ranges: one FP32 pass, none when the statistics pass kept them."""
 
 from __future__ import annotations
 

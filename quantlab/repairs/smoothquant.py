@@ -1,4 +1,5 @@
-"""SmoothQuant."""
+"""SmoothQuant (Xiao et al. 2023): activation outliers of MatMul/Gemm inputs moved into the
+weights; one FP32 pass for the per-channel maxima."""
 
 from __future__ import annotations
 
