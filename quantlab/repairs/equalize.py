@@ -184,61 +184,78 @@ def depthwise_equalization(model: onnx.ModelProto,
         readers = {id(n) for n in index.consumers.get(tensor, [])}
         sole = tensor not in outputs and readers == {id(n) for n in nodes}
         entry = {"tensor": tensor, "readers": names, "spread": _median_spread(r)}
-        path = None
-        if len(nodes) > len(depthwise):  # 1x1 readers: only where the producer takes 1/s
-            alpha, factor, gain = _migration(r, nodes, weights)
-            if gain >= min_gain_db and sole:
-                path = _absorb(index, weights, tensor, factor)
-            if path is not None:
-                entry["alpha"] = alpha
-            elif not depthwise:
-                report.skipped.append({**entry, "gain_db": round(float(gain), 2), "reason": (
-                    f"predicted gain {gain:.2f} dB < {min_gain_db} dB" if gain < min_gain_db
-                    else "read by 1x1 convs only and no producer takes the division "
-                         "(a Mul is inserted for depthwise readers alone)")})
-                continue
-            else:  # the depthwise readers alone, as without `pointwise`
-                nodes, names = depthwise, [n.name for n in depthwise]
-                entry["readers"], sole = names, False
-        if path is None:
-            factor = np.where(r > 0, r / r.max(), 1.0).clip(1 / SCALE_LIMIT, 1.0)
-            energy = np.sum([_channel_energy(n, weights.get(n.input[1]), r.size)
-                             for n in nodes], axis=0)
-            gain = _gain_db(float(np.sum(r.max() ** 2 * energy)), float(np.sum(r ** 2 * energy)))
-            if gain < min_gain_db:
-                report.skipped.append({**entry, "gain_db": round(float(gain), 2),
-                                       "reason": f"predicted gain {gain:.2f} dB < "
-                                                 f"{min_gain_db} dB"})
-                continue
-            path = _absorb(index, weights, tensor, factor) if sole else None
+        chosen = _equalization_of(index, weights, tensor, depthwise, nodes, r, sole,
+                                  min_gain_db, entry)
+        if isinstance(chosen, str):
+            report.skipped.append({**entry, "reason": chosen})
+            continue
+        nodes, factor, gain, path = chosen
         entry["gain_db"] = round(float(gain), 2)
-        if path is None:
-            rank = len(index.shapes.get(tensor) or (0, 0, 0, 0))
-            entry["equalized_tensor"], entry["folded_into"] = _insert_mul(
-                weights, muls, tensor, nodes, (1.0 / factor).reshape(1, -1, *([1] * (rank - 2))),
-                "equalized", "Equalize")
-        else:
-            absorber, changed = path
-            for name in changed:
-                renamed[name] = weights.fresh(f"{name}_equalized")
-            entry["folded_into"] = absorber
-            entry["equalized_tensor"] = renamed[tensor]
-        for node in nodes:
-            name = weights.own(node, 1)
-            weights.values[name] = _scale_in(node, weights.get(name), factor)
+        _divide(index, weights, tensor, nodes, factor, path, muls, renamed, entry)
         entry["spread"] = [entry["spread"], _median_spread(r / factor)]
         report.applied.append(entry)
     for node in result.graph.node:
-        for i, name in enumerate(node.input):
-            node.input[i] = renamed.get(name, name)
-        for i, name in enumerate(node.output):
-            node.output[i] = renamed.get(name, name)
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+        node.output[:] = [renamed.get(name, name) for name in node.output]
     _place_muls(result, muls)
     weights.write()
     report.summary = {"depthwise_inputs": len(groups), "equalized": len(report.applied)}
     if pointwise:
         report.summary["pointwise_inputs"] = len(set(mixing) - set(groups))
     return result, report
+
+
+def _equalization_of(index: Graph, weights: _Weights, tensor: str,
+                     depthwise: list[onnx.NodeProto], nodes: list[onnx.NodeProto],
+                     r: np.ndarray, sole: bool, min_gain_db: float, entry: dict
+                     ) -> tuple[list[onnx.NodeProto], np.ndarray, float, tuple | None] | str:
+    """How input `tensor` (channel ranges `r`, read by `nodes`) is equalized: the readers
+    scaled, the factor s, the predicted gain and the producer that took the division with
+    the tensors it changed (None: a Mul is inserted); or why not. `entry` gains the share
+    (alpha), the depthwise readers alone, or a skipped input's gain."""
+    if len(nodes) > len(depthwise):  # 1x1 readers: only where the producer takes 1/s
+        alpha, factor, gain = _migration(r, nodes, weights)
+        path = _absorb(index, weights, tensor, factor) if gain >= min_gain_db and sole else None
+        if path is not None:
+            entry["alpha"] = alpha
+            return nodes, factor, gain, path
+        if not depthwise:
+            entry["gain_db"] = round(float(gain), 2)
+            return (f"predicted gain {gain:.2f} dB < {min_gain_db} dB" if gain < min_gain_db
+                    else "read by 1x1 convs only and no producer takes the division "
+                         "(a Mul is inserted for depthwise readers alone)")
+        # The depthwise readers alone, as without `pointwise`.
+        nodes, sole = depthwise, False
+        entry["readers"] = [n.name for n in depthwise]
+    factor = np.where(r > 0, r / r.max(), 1.0).clip(1 / SCALE_LIMIT, 1.0)
+    energy = np.sum([_channel_energy(n, weights.get(n.input[1]), r.size) for n in nodes], axis=0)
+    gain = _gain_db(float(np.sum(r.max() ** 2 * energy)), float(np.sum(r ** 2 * energy)))
+    if gain < min_gain_db:
+        entry["gain_db"] = round(float(gain), 2)
+        return f"predicted gain {gain:.2f} dB < {min_gain_db} dB"
+    return nodes, factor, gain, (_absorb(index, weights, tensor, factor) if sole else None)
+
+
+def _divide(index: Graph, weights: _Weights, tensor: str, nodes: list[onnx.NodeProto],
+            factor: np.ndarray, path: tuple | None, muls: dict[str, onnx.NodeProto],
+            renamed: dict[str, str], entry: dict) -> None:
+    """Channel c of `tensor` divided by factor[c] (in its producer, `path`, whose changed
+    tensors get new names in `renamed`; else by an inserted Mul) and the weights of its
+    readers `nodes` multiplied by it; where, in `entry`."""
+    if path is None:
+        rank = len(index.shapes.get(tensor) or (0, 0, 0, 0))
+        entry["equalized_tensor"], entry["folded_into"] = _insert_mul(
+            weights, muls, tensor, nodes, (1.0 / factor).reshape(1, -1, *([1] * (rank - 2))),
+            "equalized", "Equalize")
+    else:
+        absorber, changed = path
+        for name in changed:
+            renamed[name] = weights.fresh(f"{name}_equalized")
+        entry["folded_into"] = absorber
+        entry["equalized_tensor"] = renamed[tensor]
+    for node in nodes:
+        name = weights.own(node, 1)
+        weights.values[name] = _scale_in(node, weights.get(name), factor)
 
 
 def _gain_db(before: float, after: float) -> float:
