@@ -4,7 +4,7 @@ registry: it shifts the INT8 ops of a plan, and calibrate and plan each run it t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -246,8 +246,6 @@ def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
         raise ConfigError(f"mode '{mode}' is not one of {', '.join(BIAS_CORRECTION_MODES)}.")
     if not isinstance(rounds, int) or rounds < 1:
         raise ConfigError(f"rounds must be a whole number >= 1, got {rounds!r}.")
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-
     rounds = rounds if mode == "global" else 1
     _reiterable(batches, rounds)
     result = _copy(qdq_model)
@@ -287,27 +285,8 @@ def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
                                                  run_bytes)
         apply(mean_errors)
     else:
-        fp32 = OnnxRuntimeBackend(fp32_model, name="fp32")
-        names = [t.output for t in targets]
-        fp32_sums = {t.node: np.zeros(t.channels) for t in targets}
-        counts = dict.fromkeys(fp32_sums, 0)
-        for round_index in range(rounds):
-            quantized = OnnxRuntimeBackend(result, name="int8")
-            sums = {t.node: np.zeros(t.channels) for t in targets}
-            for run in _runs(batches, reference, names, run_bytes):
-                if round_index == 0:
-                    reference_values = fp32.run(run, names)
-                    for t in targets:
-                        fp32_sums[t.node] += _channel_reduce(reference_values[t.output], t.axis,
-                                                             t.output, "sum")
-                        counts[t.node] += reference_values[t.output].size // t.channels
-                    reference_values = None
-                values = quantized.run(run, names)
-                for t in targets:
-                    sums[t.node] += _channel_reduce(values[t.output], t.axis, t.output, "sum")
-                del values
-            apply({t.node: (sums[t.node] - fp32_sums[t.node]) / max(counts[t.node], 1)
-                   for t in targets})
+        counts = _global_rounds(fp32_model, result, reference, targets, batches, rounds,
+                                run_bytes, apply)
     for t in targets:
         report.applied.append({
             "node": t.node, "tensor": t.output, "channels": t.channels, "bias_added": t.added,
@@ -317,6 +296,38 @@ def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     report.passes = 2 if local is not None else 1 + rounds
     report.summary.update({"mode": mode, "rounds": rounds})
     return result, report, corrections, counts
+
+
+def _global_rounds(fp32_model: onnx.ModelProto, result: onnx.ModelProto, reference: Graph,
+                   targets: Sequence[_Target], batches: Iterable[Mapping[str, np.ndarray]],
+                   rounds: int, run_bytes: int,
+                   apply: Callable[[Mapping[str, np.ndarray]], None]) -> dict[str, float]:
+    """Global mode: `rounds` Q/DQ passes of `result` (corrected in place by `apply` after
+    each) against one FP32 pass; the elements per channel of each op's mean error."""
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+    fp32 = OnnxRuntimeBackend(fp32_model, name="fp32")
+    names = [t.output for t in targets]
+    fp32_sums = {t.node: np.zeros(t.channels) for t in targets}
+    counts = dict.fromkeys(fp32_sums, 0)
+    for round_index in range(rounds):
+        quantized = OnnxRuntimeBackend(result, name="int8")
+        sums = {t.node: np.zeros(t.channels) for t in targets}
+        for run in _runs(batches, reference, names, run_bytes):
+            if round_index == 0:
+                reference_values = fp32.run(run, names)
+                for t in targets:
+                    fp32_sums[t.node] += _channel_reduce(reference_values[t.output], t.axis,
+                                                         t.output, "sum")
+                    counts[t.node] += reference_values[t.output].size // t.channels
+                reference_values = None
+            values = quantized.run(run, names)
+            for t in targets:
+                sums[t.node] += _channel_reduce(values[t.output], t.axis, t.output, "sum")
+            del values
+        apply({t.node: (sums[t.node] - fp32_sums[t.node]) / max(counts[t.node], 1)
+               for t in targets})
+    return counts
 
 
 def _local_mean_errors(reference: Graph, local, cut: Mapping[str, str],

@@ -100,10 +100,7 @@ def smooth_quant(model: onnx.ModelProto,
     result = _copy(model)
     weights = _Weights(result)
     index = Graph(result)
-    groups: dict[str, list[onnx.NodeProto]] = {}
-    for node in result.graph.node:
-        if _smoothable(node, weights, index):
-            groups.setdefault(node.input[0], []).append(node)
+    groups = _smoothable_inputs(index, weights)
     report = RepairReport("smooth_quant")
     if not groups:
         return result, report
@@ -129,11 +126,7 @@ def smooth_quant(model: onnx.ModelProto,
             report.skipped.append({"tensor": tensor, "readers": names, "spread": spread,
                                    "reason": f"channel maxima spread {spread:.2f} < {min_spread}"})
             continue
-        w_max = np.max([np.abs(r).max(axis=(1, 3)).reshape(-1) for r in ranges], axis=0)
-        live = (act > 0) & (w_max > 0)
-        factor = np.ones(channels)
-        factor[live] = act[live] ** alpha / w_max[live] ** (1.0 - alpha)
-        factor = np.clip(factor, 1 / SCALE_LIMIT, SCALE_LIMIT)
+        factor, w_max = _smoothing_factor(act, ranges, alpha)
         sole = tensor not in outputs and {id(n) for n in index.consumers.get(tensor, [])} == \
             {id(n) for n in nodes}
         folded = _fold_into_producer(index, weights, tensor, factor) if sole else None
@@ -159,6 +152,26 @@ def smooth_quant(model: onnx.ModelProto,
     _place_muls(result, muls)
     weights.write()
     return result, report
+
+
+def _smoothable_inputs(index: Graph, weights: _Weights) -> dict[str, list[onnx.NodeProto]]:
+    """Activation tensor -> the MatMul/Gemm ops with constant 2-D weights reading it."""
+    groups: dict[str, list[onnx.NodeProto]] = {}
+    for node in index.model.graph.node:
+        if _smoothable(node, weights, index):
+            groups.setdefault(node.input[0], []).append(node)
+    return groups
+
+
+def _smoothing_factor(act: np.ndarray, ranges: list[np.ndarray], alpha: float
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """SmoothQuant's s_j = a_j**alpha / w_j**(1 - alpha) (eq. 4; 1 for a dead channel, within
+    SCALE_LIMIT) and w_j, the readers' max |W| of input channel j."""
+    w_max = np.max([np.abs(r).max(axis=(1, 3)).reshape(-1) for r in ranges], axis=0)
+    live = (act > 0) & (w_max > 0)
+    factor = np.ones(act.size)
+    factor[live] = act[live] ** alpha / w_max[live] ** (1.0 - alpha)
+    return np.clip(factor, 1 / SCALE_LIMIT, SCALE_LIMIT), w_max
 
 
 def _fold_into_producer(index: Graph, weights: _Weights, tensor: str,
