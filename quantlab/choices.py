@@ -27,9 +27,11 @@ WEIGHT_CRITERIA = ("max", "mse")
 # TensorRT runs the least error on the calibration data (quantlab.weights).
 CALIBRATE_WEIGHT_CRITERIA = ("local", *WEIGHT_CRITERIA)
 DEFAULT_WEIGHT_AMAX = "local"
-# Repairs of quantlab.repairs, by name: dw-equalize (per-channel equalization of depthwise-conv
-# inputs), pw-equalize (that and 1x1-conv inputs, repairs.depthwise_equalization(pointwise=True)),
-# cle (cross-layer equalization, data-free), smoothquant (activation outliers into weights).
+# Repairs of quantlab.repairs, by name (each a Repair in quantlab.repairs.REGISTRY, which
+# tests/test_repairs.py checks against this tuple): dw-equalize (per-channel equalization of
+# depthwise-conv inputs), pw-equalize (that and 1x1-conv inputs,
+# repairs.depthwise_equalization(pointwise=True)), cle (cross-layer equalization, data-free),
+# smoothquant (activation outliers into weights).
 # Bias correction changes the INT8 ops alone: on by default in calibrate and plan alike
 # (--no-bias-correction), weighed on its own.
 REPAIRS = ("dw-equalize", "pw-equalize", "cle", "smoothquant")

@@ -434,21 +434,19 @@ def run_calibration(
 
 def equalized(model: onnx.ModelProto, source: BatchSource, phases: Phases | None = None,
               ) -> tuple[onnx.ModelProto, dict]:
-    """`model` with its conv inputs equalized where that helps (choices.DEFAULT_EQUALIZATION:
-    :func:`repairs.depthwise_equalization`, one FP32 pass over `source`), normalized again,
+    """`model` with its conv inputs equalized where that helps (choices.DEFAULT_EQUALIZATION
+    of :data:`repairs.REGISTRY`: :func:`repairs.depthwise_equalization`, one FP32 pass over
+    `source`), normalized again,
     and ``{repair name: report}`` for ``calibration.json`` (empty without depthwise convs).
     The pass is shown and recorded in `phases` as "channel ranges"."""
     from quantlab import repairs
 
     phases = phases or Phases(progress=False)
-    pointwise = choices.DEFAULT_EQUALIZATION == "pw-equalize"
+    repair = repairs.REGISTRY[choices.DEFAULT_EQUALIZATION]
     source = decision_share(model, source, CHOICE_SAMPLES)
-    read = sample_count(model, source) if repairs.equalization_inputs(model, pointwise) else 0
+    read = sample_count(model, source) if repair.channel_inputs(model) else 0
     with phases.record("channel ranges", read):
-        model, report = repairs.depthwise_equalization(
-            model, phases.shown(model, source, "channel ranges"), pointwise=pointwise)
-    if report.applied:
-        model = graph.normalize(model)  # shapes of the renamed tensors
+        model, report = repair.apply(model, phases.shown(model, source, "channel ranges"), {})
     return model, ({report.repair: report.to_dict()} if report.applied or report.skipped
                    else {})
 
@@ -594,7 +592,8 @@ def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: Ba
                               **_fold_noise(fp32, without, shifted, scored)})
         read = sum(f["samples_scored"] for f in folds)
         phases.records[-1].update(samples=read, model_runs=3 * read)
-    kept = bool(folds) and all(f["output_nsr_with"] < f["output_nsr_without"] for f in folds)
+    kept = bool(folds) and all(repairs.lowers_noise(f["output_nsr_without"], f["output_nsr_with"])
+                               for f in folds)
     report.summary.update({"kept": kept, "folds": folds})
     shifted = repairs.shift_biases(index, quantized, pooled) if kept else quantized
     return shifted, {report.repair: report.to_dict()}

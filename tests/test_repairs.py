@@ -602,7 +602,7 @@ def test_pointwise_equalization_keeps_fp32_picks_its_share_and_raises_int8_sqnr(
     # measured; what it picks is far above the model as it is.
     measured = {}
     for alpha in repairs.MIGRATION_ALPHAS:
-        monkeypatch.setattr(repairs, "MIGRATION_ALPHAS", (alpha,))
+        monkeypatch.setattr(repairs.equalize, "MIGRATION_ALPHAS", (alpha,))
         alone, _ = repairs.depthwise_equalization(model, [{"x": x}], min_gain_db=-np.inf,
                                                   pointwise=True)
         measured[alpha] = int8_sqnr(graph.normalize(alone), x, before)
@@ -647,3 +647,52 @@ def test_cle_reports_every_linear_op_it_leaves_alone():
     reasons = {entry["first"]: entry["reason"] for entry in report.skipped}
     assert set(reasons) == {"pw", "dw"}
     assert "2 readers (Add, Mul)" in reasons["pw"] and "graph output" in reasons["dw"]
+
+
+# ------------------------------------------------------------- registry and keep rule
+
+
+def test_registry_holds_the_command_lines_repairs_and_applies_each_as_its_function():
+    """Reference: each repair's own function on the same model (and graph.normalize after an
+    equalization that renamed tensors); with the ranges given, no pass is run."""
+    from quantlab import choices
+
+    assert tuple(repairs.REGISTRY) == choices.REPAIRS
+    model = hardswish_dw_model(activation="relu")
+    x = RNG.standard_normal((16, 3, 8, 8)).astype(np.float32)
+    for name, pointwise in (("dw-equalize", False), ("pw-equalize", True)):
+        repair = repairs.REGISTRY[name]
+        inputs = repair.channel_inputs(model)
+        assert inputs == repairs.equalization_inputs(model, pointwise) and repair.renames
+        ranges = repairs.channel_ranges(model, [{"x": x}], inputs)
+        direct, _ = repairs.depthwise_equalization(model, ranges, pointwise=pointwise)
+        via, report = repair.apply(model, None, {**ranges, "unread": np.ones(3)})
+        assert report.passes == 0 and report.applied
+        assert via.SerializeToString() == graph.normalize(direct).SerializeToString()
+        # Ranges missing an input: one pass over the data instead.
+        assert repair.apply(model, [{"x": x}], {})[1].passes == 1
+    w1 = RNG.standard_normal((4, 3, 1, 1)).astype(np.float32)
+    w2 = RNG.standard_normal((5, 4, 1, 1)).astype(np.float32)
+    convs = two_conv_model(w1, np.zeros(4, np.float32), w2, np.zeros(5, np.float32))
+    cle = repairs.REGISTRY["cle"]
+    assert not cle.needs_data and cle.channel_inputs(convs) == []
+    assert cle.apply(convs, None, {})[0].SerializeToString() == \
+        repairs.cross_layer_equalization(convs)[0].SerializeToString()
+    smooth, feeds = attention_input_model()[0], [{"x": RNG.standard_normal((4, 5, 16))}]
+    smooth_quant = repairs.REGISTRY["smoothquant"]
+    assert smooth_quant.needs_data and not smooth_quant.renames
+    assert smooth_quant.apply(smooth, feeds, {})[0].SerializeToString() == \
+        repairs.smooth_quant(smooth, feeds)[0].SerializeToString()
+
+
+def test_keep_rule_keeps_only_a_strictly_lower_noise_and_chooses_as_min_does():
+    """Reference: Python's min over the options in order (the planner's choice before the
+    rule was written once), on random noise with ties and NaN."""
+    assert repairs.lowers_noise(1.0, 0.5) and not repairs.lowers_noise(1.0, 1.0)
+    assert not repairs.lowers_noise(1.0, np.nan) and not repairs.lowers_noise(np.nan, 0.5)
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        values = rng.integers(0, 4, 5).astype(float)
+        values[rng.random(5) < 0.1] = np.nan
+        noise = {name: float(v) for name, v in zip("nabcd", values, strict=True)}
+        assert repairs.quietest(noise) == min(noise, key=noise.get)

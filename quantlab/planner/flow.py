@@ -90,6 +90,7 @@ from quantlab.planner.trials import (
     plan_nsr,
 )
 from quantlab.planner.units import Unit, find_units, read_back, share_scales
+from quantlab.repairs import lowers_noise, quietest
 from quantlab.scoring import Metric, PairedScore, Reference, metric_for
 
 # Front plans measured per round of checks before any evaluation.
@@ -705,7 +706,7 @@ def _weigh_repairs(context: _Context, original: CalibratedModel,
     options = {"none": original, **repairs}
     weighed = all_int8_nsr(options, context.first, context.fp32_run(context.first),
                            context.runs)
-    repair = min(weighed, key=weighed.get)
+    repair = quietest(weighed)
     return options[repair], repair, {
         name: {"repair": name, "chosen": name == repair, "all_int8_nsr_first_batch": nsr,
                **_repair_summary(options[name].report)} for name, nsr in weighed.items()}
@@ -754,7 +755,7 @@ def _weigh_bias(runner: _Runner, hard: Mapping[str, np.ndarray],
     # orientation model's plan peaked 0.25 GB higher), for a few tenths of a second (two
     # all-INT8 passes over 8 layout pages: 2.0 s side by side, 2.3-2.5 s one by one).
     (with_shifts, with_parts), (without, without_parts) = measured(shifts), measured({})
-    chosen = with_shifts < without
+    chosen = lowers_noise(without, with_shifts)
     runner.shifts = dict(shifts) if chosen else {}
     outputs = joined(with_parts if chosen else without_parts) if keep else None
     return {"repair": "bias_correction", "chosen": bool(chosen), "hard_nsr_before": without,

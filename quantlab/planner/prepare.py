@@ -23,10 +23,6 @@ from quantlab.data import BatchSource, DataOptions, Preprocess, open_data
 from quantlab.errors import ConfigError, DataError
 from quantlab.planner.measure import CalibratedModel
 
-# The repairs of quantlab.choices.REPAIRS that equalize conv inputs per channel from their
-# statistics (and rename every tensor whose values they change).
-EQUALIZATIONS = ("dw-equalize", "pw-equalize")
-
 
 def calibration_record(data: str) -> dict | None:
     """``calibration.json`` of `data` when it is a calibration folder (with ``stats.npz``),
@@ -291,11 +287,10 @@ def prepare(model: onnx.ModelProto, source: BatchSource, stats: collect.Statisti
     each of `repair_names` makes, recalibrated; a repair that changes nothing is said and
     left out (`recorded`: --data's calibration.json, which may have applied it already)."""
     started = time.perf_counter()
-    equalizations = [name for name in repair_names if name in EQUALIZATIONS]
-    stats = statistics(model, source, stats, implicit, data, progress,
-                       channels=repairs.equalization_inputs(
-                           model, pointwise="pw-equalize" in equalizations)
-                       if equalizations else ())
+    chosen = [repairs.REGISTRY[name] for name in repair_names]
+    # The inputs whose channel ranges the repairs read (in the order first read).
+    channels = list(dict.fromkeys(t for repair in chosen for t in repair.channel_inputs(model)))
+    stats = statistics(model, source, stats, implicit, data, progress, channels=channels)
     # The equalizations' per-channel ranges; their statistics (8 KB a channel) let go of
     # before the planner's peak.
     kept_ranges = repairs.channel_percentiles(stats.channels)
@@ -304,19 +299,11 @@ def prepare(model: onnx.ModelProto, source: BatchSource, stats: collect.Statisti
     phases = {"statistics": time.perf_counter() - started}
     started = time.perf_counter()
     repaired = {}
-    for name in repair_names:
-        renames = name in equalizations
-        if renames:
-            # The statistics pass kept its inputs' channel ranges (else: a pass of its own).
-            inputs = repairs.equalization_inputs(model, pointwise=name == "pw-equalize")
-            changed, report = repairs.depthwise_equalization(
-                model, {n: kept_ranges[n] for n in inputs}
-                if all(n in kept_ranges for n in inputs) else source,
-                pointwise=name == "pw-equalize")
-            changed = graph.normalize(changed) if report.applied else changed
-        else:
-            changed, report = (repairs.cross_layer_equalization(model) if name == "cle"
-                               else repairs.smooth_quant(model, source))
+    for repair in chosen:
+        name, renames = repair.name, repair.renames
+        # The statistics pass kept the inputs' channel ranges (else: a pass of its own).
+        changed, report = repair.apply(model, source if repair.needs_data else None,
+                                       kept_ranges)
         if not report.applied:
             done = equalized_by_calibrate(recorded) if renames else []
             print(f"repair {name}: " + (
