@@ -208,11 +208,11 @@ class CalibrationRecord(FolderRecord):
     data: str
     # Size and mtime of its files: `plan --data DIR` reuses stats.npz only while unchanged.
     data_stamp: str | None = None
-    num_samples: int = 0
+    num_samples: int
     batch_size: int | None = None
-    method: str = ""
-    params: dict = field(default_factory=dict)
-    tensors: int = 0
+    method: str
+    params: dict
+    tensors: int
     trt_version: str | None = None
     # How the images were read (Preprocess.to_dict), null where none was applied.
     preprocess: dict | None = None
@@ -233,13 +233,15 @@ class CalibrationRecord(FolderRecord):
 
     @classmethod
     def read(cls, folder: str | os.PathLike) -> CalibrationRecord:
-        """The record, ``data`` made absolute: one recorded relative by an older quantlab is
-        resolved against the folder, else the working directory."""
+        """The record, ``data`` made absolute where an older quantlab recorded it relative
+        (as typed): against the folder, else the working directory. A description that is
+        no path ("arrays") stays as recorded."""
         record = super().read(folder)
-        path = Path(record.data)
-        if not path.is_absolute():
-            found = Path(folder) / path
-            record.data = str((found if found.exists() else path).resolve())
+        recorded = Path(record.data)
+        if not recorded.is_absolute():
+            found = next((p for p in (Path(folder) / recorded, recorded) if p.exists()), None)
+            if found is not None:
+                record.data = str(found.resolve())
         return record
 
     def preprocessing(self):
@@ -349,17 +351,17 @@ class ValidationSummary(FolderRecord):
     samples: int
     data: str
     # The calibration folder validated (--from): compare and report find this run by it.
-    calibration: str | None
+    calibration: str | None = None
     mode: str
     stages: dict  # stage name -> what it runs
-    task: str | None
+    task: str | None = None
     metrics: dict  # stage -> task metrics
     # --metric: the engine against FP32 end to end, with its paired bootstrap interval.
-    metric: dict | None
-    divergence_rule: dict  # threshold_db, min_drop_db
-    tolerance: dict  # atol, rtol
-    memory: dict
-    notes: list
+    metric: dict | None = None
+    divergence_rule: dict = field(default_factory=dict)  # threshold_db, min_drop_db
+    tolerance: dict = field(default_factory=dict)  # atol, rtol
+    memory: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
     # Per stage pair: its layers csv, first divergence, output errors (validate._pair_record).
     pairs: list
     next_steps: list = field(default_factory=list)
@@ -439,6 +441,15 @@ class SweepRecord(FolderRecord):
                 "eval": self.eval["data"], "eval_samples": self.eval["num_samples"],
                 "sizes": self.sizes, "settings": self.settings,
                 "tolerance": self.tolerance}
+
+    def figures(self, folder: Path) -> dict[str, object]:
+        best = self.best_configuration()
+        return {"best": best["label"], self.metric: best["value"], "interval": best["interval"],
+                "configurations": len(self.configurations),
+                **{f"sufficiency.{k}": v for k, v in self.sufficiency.items()}}
+
+    def accuracy(self) -> dict[str, object]:
+        return {self.metric: self.best_configuration()["value"]}
 
 
 @dataclass(kw_only=True)
