@@ -198,22 +198,10 @@ def validate(
     # A user's metric may be slow: its bootstrap shows progress like the passes before it.
     paired = PairedScore(metric, task, resamples, progress=partial(
         progress_bar, unit="resample", enabled=progress)) if metric is not None else None
-    if mode not in MODES:
-        raise ConfigError(f"mode '{mode}' is not one of {', '.join(MODES)}.")
     check_threshold(threshold_db, min_drop_db)
-    fp32 = _stage(onnx_model, FP32)
-    engine = _stage(engine_model, ENGINE)
-    if task is not None:
-        task.check_samples(data.num_samples)
-    torch_stage = _torch_stage(torch_module, fp32, data)
-    names = [s.name for s in (torch_stage, fp32, engine) if s is not None]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"stage names must differ; got {names}.")
-    pair_files = [layers_file(fp32.name, engine.name, mode)]
-    if torch_stage is not None:
-        pair_files.insert(0, layers_file(torch_stage.name, fp32.name))
+    torch_stage, fp32, engine, pair_files = _stages(onnx_model, engine_model, torch_module,
+                                                    data, task, mode)
     check_output(out, force=force, produces=[*pair_files, *ValidationSummary.FILES])
-
     streamed = run_stages(fp32, engine, data, torch_stage=torch_stage, task=task, mode=mode,
                           atol=atol, rtol=rtol, progress=progress, memory_budget=memory_budget,
                           paired=paired)
@@ -225,19 +213,13 @@ def validate(
     metrics = {name: score.result() for name, score in streamed.scores.items()}
     end_to_end = metric_record(paired.certificate(), fp32.name, engine.name) if paired else None
     summary = ValidationSummary(
-        samples=data.num_samples,
-        data=recorded_path(data.description),
-        calibration=calibration,
-        mode=mode,
+        samples=data.num_samples, data=recorded_path(data.description),
+        calibration=calibration, mode=mode,
         stages={s.name: STAGE_DESCRIPTIONS.get(s.name, type(s).__name__)
                 for s in (torch_stage, fp32, engine) if s is not None},
-        task=task.kind if task else None,
-        metrics=metrics,
-        metric=end_to_end,
+        task=task.kind if task else None, metrics=metrics, metric=end_to_end,
         divergence_rule={"threshold_db": threshold_db, "min_drop_db": min_drop_db},
-        tolerance={"atol": atol, "rtol": rtol},
-        memory=streamed.memory,
-        notes=notes,
+        tolerance={"atol": atol, "rtol": rtol}, memory=streamed.memory, notes=notes,
         pairs=[_pair_record(p) for p in pairs],
         next_steps=next_steps(pairs, end_to_end, threshold_db, mode, model_file,
                               recorded_path(data.description), calibration))
@@ -245,16 +227,39 @@ def validate(
     section = validation_section(pairs, metrics, index.order, threshold_db, notes=notes,
                                  metric=end_to_end, steps=summary.next_steps, exported=exported)
     source = f"{model_file}; " if model_file else ""
-
-    def files(staging: Path) -> None:
-        for pair in pairs:
-            atomic_write(staging / layers_file(pair.reference, pair.test, pair.mode),
-                         lambda tmp, t=pair.table: t.to_csv(tmp, index=False))
-        write_report(staging / "report.html", title, [section],
-                     subtitle=f"{source}{data.description}, {data.num_samples} samples")
-
-    folder = summary.write(out, force, files, produces=pair_files)
+    folder = summary.write(out, force, partial(
+        _write_pairs, pairs, title, section, f"{source}{data.description}, "
+                                             f"{data.num_samples} samples"), produces=pair_files)
     return ValidationResult(folder, pairs, metrics, summary, folder / "report.html", exported)
+
+
+def _stages(onnx_model, engine_model, torch_module, data: BatchSource, task: Task | None,
+            mode: str) -> tuple:
+    """(torch stage or None, FP32 stage, engine stage, their pairs' layers csv files) of
+    validate's arguments, checked: a known `mode`, `task` fits `data`, stage names differ."""
+    if mode not in MODES:
+        raise ConfigError(f"mode '{mode}' is not one of {', '.join(MODES)}.")
+    if task is not None:
+        task.check_samples(data.num_samples)
+    fp32 = _stage(onnx_model, FP32)
+    engine = _stage(engine_model, ENGINE)
+    torch_stage = _torch_stage(torch_module, fp32, data)
+    names = [s.name for s in (torch_stage, fp32, engine) if s is not None]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"stage names must differ; got {names}.")
+    pair_files = [layers_file(fp32.name, engine.name, mode)]
+    if torch_stage is not None:
+        pair_files.insert(0, layers_file(torch_stage.name, fp32.name))
+    return torch_stage, fp32, engine, pair_files
+
+
+def _write_pairs(pairs: list[PairResult], title: str, section, subtitle: str,
+                 staging: Path) -> None:
+    """A validation folder's files besides summary.json: each pair's layers csv, the report."""
+    for pair in pairs:
+        atomic_write(staging / layers_file(pair.reference, pair.test, pair.mode),
+                     lambda tmp, t=pair.table: t.to_csv(tmp, index=False))
+    write_report(staging / "report.html", title, [section], subtitle=subtitle)
 
 
 def _pair_record(pair: PairResult) -> dict:

@@ -48,9 +48,17 @@ class Checkpoint(experiment.Checkpoint):
     def trials(self) -> dict[int, float]:
         return self.sections["trials"]
 
+    @trials.setter
+    def trials(self, trials: dict[int, float]) -> None:
+        self.sections["trials"] = trials
+
     @property
     def evaluations(self) -> dict[str, Evaluation]:
         return self.sections["evaluations"]
+
+    @evaluations.setter
+    def evaluations(self, evaluations: dict[str, Evaluation]) -> None:
+        self.sections["evaluations"] = evaluations
 
     def add_trial(self, index: int, nsr: float) -> None:
         """Record one trial (a plan run on the hardest samples)."""
