@@ -44,7 +44,7 @@ from quantlab.planner.decisions import Plan
 from quantlab.planner.evaluate import Checkpoint, resume_fingerprint
 from quantlab.planner.flow import PlanResult, PlanSettings, check_metric_on_model, make_plan
 from quantlab.progress import progress_bar
-from quantlab.records import UNCERTIFIED, PlanSummary, SweepRecord, read_calibration_record
+from quantlab.records import UNCERTIFIED, CalibrationRecord, PlanSummary, SweepRecord
 from quantlab.report.plan import next_steps
 from quantlab.sweep import Config, SweepResult
 from quantlab.tasks import Task
@@ -319,7 +319,7 @@ def validate_model(model: str | os.PathLike, engine: str | os.PathLike | None, d
     from quantlab import data as batches  # at call time: tests watch what it opens
 
     data_options = data_options or DataOptions()
-    recorded = read_calibration_record(from_folder)["preprocess"] if from_folder else None
+    recorded = CalibrationRecord.read(from_folder).preprocessing() if from_folder else None
     fp32 = prepare_model(model, data, data_options.constants, data_options.batch_axes)
     source = batches.open_data(data, graph.input_specs(fp32), data_options.batch_size,
                                data_options.max_samples,

@@ -38,6 +38,7 @@ class FolderRecord:
     KIND: ClassVar[str]  # the run's kind in the index (runs.Run.kind)
     COMMAND: ClassVar[str]  # the command that writes the folder
     FILE: ClassVar[str]  # the record's file in the folder
+    WHAT: ClassVar[str]  # what messages call it
     FILES: ClassVar[tuple[str, ...]]  # what a run replaces in its --out (output_folder)
     VERSION: ClassVar[int] = 1
     # The "format" the file is written with, where it has one (sweep.json).
@@ -105,7 +106,7 @@ class FolderRecord:
         if not path.is_file():
             raise DataError(f"{folder} holds no {cls.FILE}, so it is not {made_by}"
                             f"{_holding(folder)}. Pass {made_by}.")
-        data = read_record(path, f"{cls.KIND} record", made_by=made_by)
+        data = read_record(path, cls.WHAT, made_by=made_by)
         version = data.pop(VERSION_KEY, 1)
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise DataError(f"{path}: field '{VERSION_KEY}' ({version!r}) is not a record "
@@ -195,6 +196,7 @@ class CalibrationRecord(FolderRecord):
     KIND: ClassVar[str] = "calibrate"
     COMMAND: ClassVar[str] = "quantlab calibrate"
     FILE: ClassVar[str] = "calibration.json"
+    WHAT: ClassVar[str] = "calibration record"
     FILES: ClassVar[tuple[str, ...]] = (
         "model.onnx", "model.int8.onnx", "scales.json", "calibration.cache", "stats.npz",
         "calibration.json")
@@ -269,6 +271,7 @@ class PlanSummary(FolderRecord):
     KIND: ClassVar[str] = "plan"
     COMMAND: ClassVar[str] = "quantlab plan"
     FILE: ClassVar[str] = "summary.json"
+    WHAT: ClassVar[str] = "plan summary"
     FILES: ClassVar[tuple[str, ...]] = (
         "plan.json", "model.onnx", "model.int8.onnx", "calibration.cache",
         "calibration.trtexec.cache", "trtexec.txt", "summary.json", "report.html", UNCERTIFIED)
@@ -346,6 +349,7 @@ class ValidationSummary(FolderRecord):
     KIND: ClassVar[str] = "validate"
     COMMAND: ClassVar[str] = "quantlab validate"
     FILE: ClassVar[str] = "summary.json"
+    WHAT: ClassVar[str] = "validation summary"
     FILES: ClassVar[tuple[str, ...]] = ("summary.json", "report.html")
 
     samples: int
@@ -409,6 +413,7 @@ class SweepRecord(FolderRecord):
     KIND: ClassVar[str] = "sweep"
     COMMAND: ClassVar[str] = "quantlab sweep"
     FILE: ClassVar[str] = "sweep.json"
+    WHAT: ClassVar[str] = "sweep record"
     FILES: ClassVar[tuple[str, ...]] = ("sweep.json", "amax_movement.csv", "report.html", "best")
     FORMAT: ClassVar[str | None] = "quantlab.sweep"
 
@@ -459,6 +464,7 @@ class DemoSummary(FolderRecord):
     KIND: ClassVar[str] = "demo"
     COMMAND: ClassVar[str] = "quantlab demo"
     FILE: ClassVar[str] = "summary.json"
+    WHAT: ClassVar[str] = "demo summary"
     FILES: ClassVar[tuple[str, ...]] = ("report.html", "summary.json")
 
     generator: str = DEMO_GENERATOR

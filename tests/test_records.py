@@ -134,7 +134,7 @@ def test_a_newer_version_is_refused(kind, tmp_path):
 def test_a_missing_damaged_or_emptied_record_is_named(tmp_path):
     folder = _main_folder(ValidationSummary, tmp_path / "v")
     (folder / "summary.json").write_text('{"samples": 3, "pairs": [')
-    with pytest.raises(DataError, match="summary.json is not a readable validate record file"):
+    with pytest.raises(DataError, match="summary.json is not a readable validation summary file"):
         ValidationSummary.read(folder)
     (folder / "summary.json").write_text('{"samples": 3, "pairs": []}')
     with pytest.raises(DataError, match="lacks the field.s. data, mode, stages, metrics;"):
