@@ -26,7 +26,7 @@ from quantlab.backends import tensorrt as trt_backend
 from quantlab.collect import Statistics
 from quantlab.data import BatchSource, DataOptions, Preprocess, checked_digest, preprocessing
 from quantlab.errors import ConfigError, DataError
-from quantlab.experiment import check_output, read_calibration_record, recorded_path
+from quantlab.experiment import check_output, recorded_path
 from quantlab.gate import CheckOptions, CheckOutcome, check_model  # noqa: F401 (quantlab check)
 from quantlab.pipeline import (
     CALIBRATION_FILES,
@@ -44,6 +44,7 @@ from quantlab.planner.decisions import Plan
 from quantlab.planner.evaluate import Checkpoint, resume_fingerprint
 from quantlab.planner.flow import PlanResult, PlanSettings, check_metric_on_model, make_plan
 from quantlab.progress import progress_bar
+from quantlab.records import UNCERTIFIED, CalibrationRecord, PlanSummary, SweepRecord
 from quantlab.report.plan import next_steps
 from quantlab.sweep import Config, SweepResult
 from quantlab.tasks import Task
@@ -109,7 +110,7 @@ class PlanOutcome:
     summary.json (`summary`), the `folder` as given and the next steps."""
 
     result: PlanResult
-    summary: dict
+    summary: PlanSummary
     folder: str
     steps: list[str]
 
@@ -123,7 +124,7 @@ class PlanOutcome:
 
     def lines(self, notes: bool = True) -> list[str]:
         """What `quantlab plan` prints of it (`notes`: the evaluations' notes too)."""
-        result, certificate, metric = self.result, self.result.certificate, self.summary["metric"]
+        result, certificate, metric = self.result, self.result.certificate, self.summary.metric
         lines = [f"plan: evaluation {number}: {evaluation.note}"
                  for number, evaluation in enumerate(result.evaluations, 1)
                  if evaluation.note and notes]
@@ -145,7 +146,7 @@ class PlanOutcome:
                 f"plan: a plan with {share:.1%} of MACs in INT8 scored "
                 f"{kept.certificate.value:.4g} (limit {kept.certificate.limit:.4g}) but could "
                 f"not be certified on {kept.certificate.samples} samples; written to "
-                f"{self.folder}/{plan_folder.UNCERTIFIED}/ (plan.json, model.int8.onnx) beside "
+                f"{self.folder}/{UNCERTIFIED}/ (plan.json, model.int8.onnx) beside "
                 "the certified one.")
         return lines + [f"next: {step}" for step in self.steps]
 
@@ -172,7 +173,7 @@ def plan_model(model: str, data: str, evaluation: str, options: PlanOptions,
     `out` as it was.
     """
     out, data_options = os.fspath(out), data_options or DataOptions()
-    check_output(out, force=force, produces=plan_folder.PLAN_FILES)
+    check_output(out, force=force, produces=PlanSummary.FILES)
     if options.trt_version is not None:
         cache.implicit_int8_version(options.trt_version)
     options.planner.check()
@@ -272,7 +273,7 @@ def _planned(inputs: _PlanInputs, model_name: str, data: str, options: PlanOptio
     result.phases = {**prepared.phases, **result.phases}
     # Titled with the user's model, not a calibration folder's normalized copy of it.
     model_file = graph.source_model(model) or model_name
-    steps = next_steps(result, out, plan_folder.UNCERTIFIED)
+    steps = next_steps(result, out, UNCERTIFIED)
     run = plan_folder.PlanRun(
         model_file, settings.metric, settings.max_drop, settings.min_sqnr,
         recorded_path(source.description), calibration.scales.method,
@@ -318,7 +319,7 @@ def validate_model(model: str | os.PathLike, engine: str | os.PathLike | None, d
     from quantlab import data as batches  # at call time: tests watch what it opens
 
     data_options = data_options or DataOptions()
-    recorded = read_calibration_record(from_folder)["preprocess"] if from_folder else None
+    recorded = CalibrationRecord.read(from_folder).preprocessing() if from_folder else None
     fp32 = prepare_model(model, data, data_options.constants, data_options.batch_axes)
     source = batches.open_data(data, graph.input_specs(fp32), data_options.batch_size,
                                data_options.max_samples,
@@ -430,7 +431,7 @@ def sweep_model(model: str, data: str, evaluation: str, options: SweepOptions,
     sufficiency judged, written into `out`. A sweep estimated to take over an hour is
     refused unless `allow_long`; an interrupted one resumes from its checkpoint in `out`."""
     out, data_options = os.fspath(out), data_options or DataOptions()
-    check_output(out, force=force, produces=sweep_folder.SWEEP_FILES)
+    check_output(out, force=force, produces=SweepRecord.FILES)
     for method in options.methods:
         calibrate.check_method(method, {})
     recorded = prepare.calibration_record(data)

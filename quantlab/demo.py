@@ -31,11 +31,12 @@ from quantlab import calibrate, collect, pipeline, plan, qdq, tasks, zoo
 from quantlab.api import PlanOptions, plan_model
 from quantlab.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
 from quantlab.data import DataOptions, open_data
-from quantlab.errors import DataError, OutputExistsError
-from quantlab.experiment import check_output, output_folder, read_record, write_json
+from quantlab.errors import OutputExistsError
+from quantlab.experiment import check_output, output_folder
 from quantlab.graph import input_specs
 from quantlab.planner.flow import PlanSettings
 from quantlab.progress import progress_bar
+from quantlab.records import DemoSummary
 from quantlab.report import Section, figure_html, table_html, write_report
 from quantlab.report.plan import COLUMNS as DECISION_COLUMNS
 from quantlab.report.plan import (
@@ -46,10 +47,6 @@ from quantlab.report.plan import (
 )
 from quantlab.validate import validate
 
-DEMO_MARKER = "quantlab demo"
-# What the demo writes into its folder, besides one folder per zoo model; nothing else there
-# is replaced, even with --force.
-DEMO_FILES = ("report.html", "summary.json")
 # Integer kernels ONNX Runtime substitutes for Q/DQ groups; their presence in the
 # optimized graph is the evidence that the INT8 model really runs in int8.
 INTEGER_OPS = (
@@ -87,16 +84,12 @@ def _log(message: str) -> None:
 def _demo_folder(out: Path, force: bool) -> AbstractContextManager[Path]:
     """The staging folder of the demo's output (see experiment.output_folder).
 
-    Only the demo's own files are replaced (DEMO_FILES and a folder per zoo model):
+    Only the demo's own files are replaced (DemoSummary.FILES and a folder per zoo model):
     an earlier demo's without force, the same names in any other folder with force.
     Nothing else in `out` (the user's notes, projects, other folders) is ever touched.
     """
-    try:
-        is_old_demo = read_record(out / "summary.json", "demo summary").get(
-            "generator") == DEMO_MARKER
-    except DataError:
-        is_old_demo = False
-    produces = (*DEMO_FILES, *zoo.names())
+    is_old_demo = DemoSummary.holds(out)
+    produces = (*DemoSummary.FILES, *zoo.names())
     try:
         check_output(out, force=force or is_old_demo, produces=produces)
     except OutputExistsError as exc:
@@ -288,9 +281,9 @@ def _plan(name: str, out: Path, methods: Sequence[str], eval_limit: int | None,
         _log(f"[{name}] {line.replace(str(out), folder)}")
     summary = outcome.summary
     return {"command": shown, "folder": folder, "max_drop": PLAN_MAX_DROP,
-            "int8_mac_share": summary["int8_mac_share"], "certificate": summary["certificate"],
-            "model_runs": sum(e["model_run"] for e in summary["evaluations"]),
-            "repairs": [r["repair"] for r in summary["repairs"]
+            "int8_mac_share": summary.int8_mac_share, "certificate": summary.certificate,
+            "model_runs": sum(e["model_run"] for e in summary.evaluations),
+            "repairs": [r["repair"] for r in summary.repairs
                         if r["chosen"] and r["repair"] != "none"]}
 
 
@@ -607,7 +600,7 @@ def run_demo(
     eval_limit: int | None = None,
     force: bool = False,
     progress: bool = True,
-) -> dict:
+) -> DemoSummary:
     """Run the demo for `models` (default: every zoo model) and write report and summary."""
     out = Path(out)
     names = list(models or zoo.names())
@@ -619,13 +612,9 @@ def run_demo(
             records.append(record)
             story += [s for s in sections if s.anchor == "story"]
             details += [s for s in sections if s.anchor != "story"]
-        summary = {
-            "generator": DEMO_MARKER,
-            "methods": list(methods),
-            "seconds": round(time.perf_counter() - started, 1),
-            "models": records,
-        }
-        write_json(staging / "summary.json", summary)
+        summary = DemoSummary(methods=list(methods),
+                              seconds=round(time.perf_counter() - started, 1), models=records)
+        summary.save(staging)
         write_report(
             staging / "report.html",
             "quantlab demo: calibrate, validate and plan INT8 for TensorRT",
@@ -633,7 +622,7 @@ def run_demo(
             subtitle=f"Every zoo model exported, calibrated ({', '.join(methods)}), quantized "
             f"to Q/DQ INT8 and evaluated in ONNX Runtime; {PLANNED} validated layer by layer "
             f"and planned under a {100 * PLAN_MAX_DROP:g}-point budget. "
-            f"{summary['seconds']:.0f} s on {os.cpu_count()} CPU cores.",
+            f"{summary.seconds:.0f} s on {os.cpu_count()} CPU cores.",
         )
-    _log(f"wrote {out / 'report.html'} and {out / 'summary.json'} in {summary['seconds']:.0f} s")
+    _log(f"wrote {out / 'report.html'} and {out / 'summary.json'} in {summary.seconds:.0f} s")
     return summary

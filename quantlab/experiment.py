@@ -10,6 +10,7 @@ user asks (``force``), and then only after the new results are complete.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -514,7 +515,15 @@ def read_record(path: str | os.PathLike, what: str,
     if file_format is not None and data.get("format") != file_format:
         raise DataError(f"{path} is not a quantlab {what} file (no \"format\": "
                         f"\"{file_format}\"); pass {made_by or 'another file'}.")
-    for name, convert in (fields or {}).items():
+    check_fields(path, data, fields or {}, fix)
+    return data
+
+
+def check_fields(path: Path, data: dict, fields: Mapping[str, Callable[[Any], Any]],
+                 fix: str) -> None:
+    """Replace each of `fields` in `data` (read from `path`) by ``fields[name](value)``; a
+    DataError names `path`, the field and `fix` when that raises (a missing field is None)."""
+    for name, convert in fields.items():
         value = data.get(name)
         try:
             data[name] = convert(value)
@@ -523,7 +532,6 @@ def read_record(path: str | os.PathLike, what: str,
             holds = f" ({shown})" if len(shown) <= 60 else ""
             raise DataError(f"{path}: field '{name}'{holds} cannot be used: "
                             f"{str(exc).rstrip('.')}.{fix}") from None
-    return data
 
 
 def read_artifact(path: str | os.PathLike, file_format: str, what: str, made_by: str) -> dict:
@@ -532,47 +540,63 @@ def read_artifact(path: str | os.PathLike, file_format: str, what: str, made_by:
     return read_record(path, what, file_format=file_format, made_by=made_by)
 
 
-def read_calibration_record(folder) -> dict:
-    """``calibration.json`` of a `quantlab calibrate` folder, its fields checked (a DataError
-    names the file and the field): ``data`` an absolute path (one recorded relative, by
-    an older quantlab, is resolved against the folder), ``preprocess`` a Preprocess or
-    None, ``data_stamp`` (:func:`quantlab.data.files_stamp`) a string or None,
-    ``frozen_inputs`` and ``sample_axes`` dicts."""
-    from quantlab.data import Preprocess
 
-    folder = Path(folder)
+def read_calibration_record(folder: str | os.PathLike) -> dict:
+    """``calibration.json`` of a `quantlab calibrate` folder as a dict, its fields checked
+    (:class:`quantlab.records.CalibrationRecord`), ``preprocess`` a
+    :class:`quantlab.data.Preprocess` or None."""
+    from quantlab.records import CalibrationRecord  # records builds on this module
 
-    def data_path(value):
-        if not isinstance(value, str) or not value:
-            raise TypeError("expected the path of the calibration data")
-        path = Path(value)
-        if path.is_absolute():
-            return str(path)
-        # An older quantlab recorded the path as typed: against the folder, else the cwd.
-        return str((folder / path if (folder / path).exists() else path).resolve())
+    record = CalibrationRecord.read(folder)
+    return {**record.values(), "preprocess": record.preprocessing()}
 
-    def mapping(value):
-        if value is not None and not isinstance(value, dict):
-            raise TypeError(f"expected a JSON object, not a {type(value).__name__}")
-        return dict(value or {})
 
-    def preprocess(value):
-        if value is None:
-            return None
-        fields = mapping(value)
-        for key in ("size", "mean", "std"):
-            numbers = fields.get(key)
-            if numbers is not None and not (isinstance(numbers, list) and all(
-                    isinstance(n, (int, float)) and not isinstance(n, bool) for n in numbers)):
-                raise TypeError(f"its {key} is {numbers!r}, not a list of numbers")
-        return Preprocess.from_dict(fields)
+class Checkpoint:
+    """The finished work of an interrupted run, in one JSON file, so that a re-run resumes.
 
-    def stamp(value):
-        if value is not None and not isinstance(value, str):
-            raise TypeError("expected a hexadecimal digest")
-        return value
+    The file holds ``format``, the run's `fingerprint` (a hash of the model, the data's
+    content and every setting) and one JSON object per section of finished work (a plan's
+    trials and evaluations, a sweep's configurations). `sections` maps each section's
+    name to the function that turns its JSON object back into entries. A file of
+    another run, or one that cannot be read, is ignored (``ignored``) and replaced; every
+    update is written atomically. A kind of checkpoint is a subclass naming its sections.
+    """
 
-    return read_record(folder / "calibration.json", "calibration record",
-                       {"data": data_path, "preprocess": preprocess, "data_stamp": stamp,
-                        "frozen_inputs": mapping, "sample_axes": mapping},
-                       made_by="the folder of a finished `quantlab calibrate` run")
+    def __init__(self, path: str | os.PathLike, file_format: str, fingerprint: str,
+                 sections: Mapping[str, Callable[[dict], dict]]):
+        self.path = Path(path)
+        self.file_format, self.fingerprint = file_format, fingerprint
+        self.sections: dict[str, dict] = {name: {} for name in sections}
+        # A file was there but of another run (or unreadable): it is replaced.
+        self.ignored = False
+        if not self.path.is_file():
+            return
+        try:
+            data = read_record(self.path, "checkpoint", file_format=file_format)
+            if data.get("fingerprint") != fingerprint:
+                self.ignored = True
+                return
+            self.sections = {name: dict(load(data[name])) for name, load in sections.items()}
+        except (DataError, ValueError, KeyError, TypeError, AttributeError):
+            self.sections = {name: {} for name in sections}  # unreadable: start over
+            self.ignored = True
+
+    def add(self, section: str, key: object, entry: object) -> None:
+        """Record one finished `entry` of `section` and save the file."""
+        self.sections[section][key] = entry
+        self.save()
+
+    def save(self) -> None:
+        """Write the file (a dataclass entry as its fields)."""
+        write_json(self.path, {"format": self.file_format, "fingerprint": self.fingerprint,
+                               **{name: {key: _entry_json(entry) for key, entry in entries.items()}
+                                  for name, entries in self.sections.items()}})
+
+    def discard(self) -> None:
+        """Forget every entry and delete the file (a finished run, or unusable work)."""
+        self.sections = {name: {} for name in self.sections}
+        self.path.unlink(missing_ok=True)
+
+
+def _entry_json(entry: object) -> object:
+    return dataclasses.asdict(entry) if dataclasses.is_dataclass(entry) else entry

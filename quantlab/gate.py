@@ -8,7 +8,6 @@ baseline was (its calibration.json: method, parameters, preprocessing, frozen in
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from quantlab.data import DataOptions, Preprocess, checked_digest, open_data, pr
 from quantlab.errors import ConfigError, DataError
 from quantlab.experiment import read_calibration_record
 from quantlab.planner.decisions import Plan
+from quantlab.records import PlanSummary, SweepRecord
 from quantlab.runs import Run, load_run
 from quantlab.scoring import Certificate, output_sqnr
 from quantlab.sweep import Evaluator
@@ -181,8 +181,8 @@ def _check_like_with_like(candidate: str, baseline: str, baseline_run: Run, base
             f"{graph.source_model(candidate_fp32)} (content digest {digests[1]}), whose ops or "
             "shapes differ; check compares a new calibration, plan or build of the baseline's "
             "network (its weights may differ). Make a baseline of this model first.")
-    record = {"plan": "summary.json", "sweep": "sweep.json"}.get(baseline_run.kind)
-    recorded = record and json.loads((baseline_run.path / record).read_text()).get("metric")
+    record = {"plan": PlanSummary, "sweep": SweepRecord}.get(baseline_run.kind)
+    recorded = record and record.read(baseline_run.path).metric
     if recorded and recorded != metric:
         raise ConfigError(f"--baseline {baseline} was made with --metric {recorded}; "
                           f"check it with --metric {recorded}, not {metric}.")

@@ -33,19 +33,13 @@ from quantlab.data import (
     scalar_arrays,
 )
 from quantlab.errors import ConfigError, ModelError
-from quantlab.experiment import check_output, output_folder, recorded_path, write_json
+from quantlab.experiment import check_output, output_folder, recorded_path
 from quantlab.progress import progress_bar
+from quantlab.records import CalibrationRecord
 from quantlab.zoo_names import ZOO_NAMES
 
 # Files a calibration run writes; a folder holding any of them is refused unless forced.
-CALIBRATION_FILES = (
-    "model.onnx",
-    "model.int8.onnx",
-    "scales.json",
-    "calibration.cache",
-    "stats.npz",
-    "calibration.json",
-)
+CALIBRATION_FILES = CalibrationRecord.FILES
 # TensorRT names the algorithm in the cache header; max/percentile/mse/auto caches are
 # written with the min-max header because TensorRT has no calibrator of those names.
 CACHE_ALGORITHM = {
@@ -761,9 +755,8 @@ def write_results(
                 trt_version=trt_version,
             )
         graph.save_model(result.qdq_model, folder / "model.int8.onnx")
-        write_json(
-            folder / "calibration.json",
-            {
+        CalibrationRecord(
+            **{
                 # The user's model file (absolute) or zoo name; model.onnx is its normalized copy.
                 "model": graph.source_model(result.model),
                 # Absolute: a later command (plan --data DIR) may run from anywhere.
@@ -801,7 +794,7 @@ def write_results(
                 # one per sample and graph, whole model or cut-out).
                 "phases": result.phases,
             },
-        )
+        ).save(folder)
     result.folder = Path(out)
     return result.folder
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,13 +20,18 @@ import numpy as np
 import pandas as pd
 
 from quantlab.errors import ConfigError, DataError
-from quantlab.experiment import is_leftover, read_json
+from quantlab.experiment import is_leftover
+from quantlab.records import (
+    KINDS,
+    CalibrationRecord,
+    FolderRecord,
+    PlanSummary,
+    ValidationSummary,
+    record_kind,
+)
 
-# The file that marks each kind of run, in the order they are recognized (a sweep's
-# folder holds no calibration.json of its own; a plan's has no scales.json).
-MARKERS = {"sweep": "sweep.json", "plan": "plan.json", "calibrate": "calibration.json",
-           "validate": "summary.json", "demo": "summary.json"}
-ENGINE_STAGE = "engine_int8"
+# The file that marks each kind of run (records.KINDS: the order they are recognized in).
+MARKERS = {kind.KIND: "plan.json" if kind is PlanSummary else kind.FILE for kind in KINDS}
 
 
 @dataclass
@@ -60,29 +65,14 @@ class Run:
 
 def run_kind(folder: str | os.PathLike) -> str | None:
     """The kind of run `folder` holds, or None when it is not an experiment folder."""
-    folder = Path(folder)
-    for kind, marker in MARKERS.items():
-        path = folder / marker
-        if not path.is_file():
-            continue
-        if kind == "calibrate" and not (folder / "scales.json").is_file():
-            continue
-        if kind in ("validate", "demo"):
-            try:
-                summary = read_json(path)
-            except (OSError, ValueError):
-                continue
-            is_demo = isinstance(summary, dict) and summary.get("generator") == "quantlab demo"
-            if (kind == "demo") != is_demo or (kind == "validate" and "pairs" not in summary):
-                continue
-        return kind
-    return None
+    kind = record_kind(folder)
+    return kind.KIND if kind is not None else None
 
 
 def load_run(folder: str | os.PathLike) -> Run:
     """The run in `folder`; ConfigError naming what an experiment folder holds if it is none."""
     folder = Path(folder)
-    kind = run_kind(folder)
+    kind = record_kind(folder)
     if kind is None:
         raise ConfigError(
             f"{folder} is not a quantlab experiment folder: it holds none of calibration.json "
@@ -90,60 +80,35 @@ def load_run(folder: str | os.PathLike) -> Run:
             "(`quantlab plan`) or a summary.json of `quantlab validate` / `quantlab demo`. "
             "Pass the --out folder of one of those commands.")
     try:
-        data = read_json(folder / MARKERS[kind])
-        settings, figures = _READERS[kind](folder, data)
-        accuracy, source = _accuracy(folder, kind, data)
+        record = kind.read(folder)
+        settings, figures = record.index_settings(), record.figures(folder)
+        accuracy, source = _accuracy(folder, record)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise DataError(f"{folder / MARKERS[kind]} is damaged or was edited ({exc!r}); run "
+        raise DataError(f"{folder / kind.FILE} is damaged or was edited ({exc!r}); run "
                         "the command again to rewrite it.") from None
-    return Run(folder, kind, (folder / MARKERS[kind]).stat().st_mtime, settings, figures,
-               accuracy, source)
+    return Run(folder, kind.KIND, (folder / MARKERS[kind.KIND]).stat().st_mtime, settings,
+               figures, accuracy, source)
 
 
 def validations(folder: str | os.PathLike) -> list[Path]:
     """The validate runs of a calibration `folder`, newest first: those inside it, and those
     beside it that were run with ``--from`` it (their summary.json's ``calibration``)."""
     folder = Path(folder).resolve()
-    inside = [p for p in folder.iterdir() if p.is_dir() and run_kind(p) == "validate"]
+    inside = [p for p in folder.iterdir() if p.is_dir() and ValidationSummary.holds(p)]
     beside = [p for p in folder.parent.iterdir()
-              if p.is_dir() and p != folder and run_kind(p) == "validate"
-              and read_json(p / MARKERS["validate"]).get("calibration") == str(folder)]
-    return sorted(inside + beside, key=lambda p: -(p / MARKERS["validate"]).stat().st_mtime)
+              if p.is_dir() and p != folder and ValidationSummary.holds(p)
+              and ValidationSummary.read(p).calibration == str(folder)]
+    return sorted(inside + beside, key=lambda p: -(p / ValidationSummary.FILE).stat().st_mtime)
 
 
-def validation_accuracy(summary: Mapping) -> dict[str, object]:
-    """The INT8 engine against FP32 in a validate run's summary.json: output SQNR (dB) and,
-    with --metric, the metric's INT8 value, its change and the change's interval."""
-    accuracy = {}
-    for pair in summary["pairs"]:
-        if pair["test"] == ENGINE_STAGE and pair["output_sqnr_db"] is not None:
-            accuracy["output_sqnr_db"] = pair["output_sqnr_db"]
-    metric = summary.get("metric")
-    if metric:
-        name = metric["name"]
-        accuracy[name] = metric[ENGINE_STAGE]
-        if metric.get("change") is not None:
-            accuracy[f"{name}.change"] = metric["change"]
-            accuracy[f"{name}.interval"] = metric["interval"]
-    return accuracy
-
-
-def _accuracy(folder: Path, kind: str, data: dict) -> tuple[dict, Path | None]:
-    """(accuracy, the folder holding it) of a run of `kind` whose record is `data`."""
-    if kind == "validate":
-        return validation_accuracy(data), folder
-    if kind == "calibrate":
+def _accuracy(folder: Path, record: FolderRecord) -> tuple[dict, Path | None]:
+    """(accuracy, the folder holding it) of the run in `folder` whose record is `record`: a
+    calibration's is its newest validation's."""
+    if isinstance(record, CalibrationRecord):
         for validation in validations(folder):
-            return validation_accuracy(read_json(validation / MARKERS["validate"])), validation
+            return ValidationSummary.read(validation).accuracy(), validation
         return {}, None
-    if kind == "plan":
-        certificate = read_json(folder / "summary.json")["certificate"]
-        return {certificate["metric"]: certificate["value"],
-                "fp32": certificate["reference"]}, folder
-    if kind == "sweep":
-        best = next(r for r in data["configurations"] if r["label"] == data["best"])
-        return {data["metric"]: best["value"]}, folder
-    return {f"{m['name']}.{m['metric']}": m["int8"] for m in data["models"]}, folder
+    return record.accuracy(), folder
 
 
 def accuracy_text(run: Run) -> str:
@@ -155,101 +120,6 @@ def accuracy_text(run: Run) -> str:
     return (f"none recorded: `quantlab validate --from {run.path} --data {data} --metric "
             f"agreement --out {run.path / 'validate'}` measures it (or --metric top1/map "
             "with --zoo, or your module:function)")
-
-
-def _calibrate(folder: Path, data: dict) -> tuple[dict, dict]:
-    method = " ".join([data["method"], *(f"{v:g}" for v in data["params"].values())])
-    return record_settings(data), {"method": method, "samples": data["num_samples"],
-                                   "tensors": data["tensors"]}
-
-
-# Fields of a record that are results or fingerprints rather than something the user chose.
-NOT_SETTINGS = frozenset({"data_stamp", "tensors", "phases"})
-
-
-def record_settings(record: Mapping, prefix: str = "") -> dict[str, object]:
-    """Every field of a run's record (calibration.json, summary.json) as a dotted name ->
-    value, so that an option a command starts recording shows up without code here: scalars
-    and lists of scalars as they are, a record one level down flattened, one deeper (a
-    repair's report) summarized as its scalars and the lengths of its lists."""
-    settings = {}
-    for key, value in record.items():
-        name = f"{prefix}{key}"
-        if key in NOT_SETTINGS:
-            continue
-        if isinstance(value, Mapping) and not prefix:
-            settings.update(record_settings(value, f"{name}."))
-        elif isinstance(value, Mapping):
-            settings[name] = _summary(value)
-        elif _plain(value):
-            settings[name] = value
-        else:
-            settings[name] = f"{len(value)} entries"
-    return settings
-
-
-def _plain(value: object) -> bool:
-    """A scalar, or a list of scalars."""
-    if isinstance(value, (list, tuple)):
-        return all(not isinstance(v, (Mapping, list, tuple)) for v in value)
-    return not isinstance(value, Mapping)
-
-
-def _summary(record: Mapping) -> str:
-    """A nested record in one line: its scalars, and the length of its lists."""
-    parts = [f"{k} {v}" if not isinstance(v, (Mapping, list, tuple)) else f"{k} {len(v)}"
-             for k, v in record.items() if not isinstance(v, Mapping)]
-    return ", ".join(parts) or f"{len(record)} entries"
-
-
-def _sweep(folder: Path, data: dict) -> tuple[dict, dict]:
-    best = next(r for r in data["configurations"] if r["label"] == data["best"])
-    settings = {"model": data["model"], "metric": data["metric"],
-                "data": data["calibration"]["data"], "eval": data["eval"]["data"],
-                "eval_samples": data["eval"]["num_samples"], "sizes": data["sizes"],
-                "settings": data["settings"], "tolerance": data["tolerance"]}
-    figures = {"best": best["label"], data["metric"]: best["value"],
-               "interval": best["interval"], "configurations": len(data["configurations"]),
-               **{f"sufficiency.{k}": v for k, v in data["sufficiency"].items()}}
-    return settings, figures
-
-
-def _plan(folder: Path, data: dict) -> tuple[dict, dict]:
-    summary = read_json(folder / "summary.json")
-    certificate = summary["certificate"]
-    settings = {"metric": summary["metric"], **{f"budget.{k}": v for k, v in
-                                                summary["budget"].items()},
-                "data": summary["calibration"]["data"], "method": summary["calibration"]["method"],
-                "eval": summary["eval"]["data"], "eval_samples": summary["eval"]["num_samples"]}
-    figures = {"int8_mac_share": summary["int8_mac_share"], summary["metric"]: certificate["value"],
-               "fp32": certificate["reference"], "certified": certificate["certified"],
-               "margin_interval": certificate["interval"]}
-    if not summary["int8_mac_share"]:
-        # No plan with INT8 certified: the planner fell back to the high-precision model.
-        precisions = sorted({u["precision"] for u in data["units"].values()})
-        figures = {"plan": f"fallback: all-{'/'.join(p.upper() for p in precisions)}, no INT8",
-                   **figures}
-    return settings, figures
-
-
-def _validate(folder: Path, data: dict) -> tuple[dict, dict]:
-    settings = {"data": data["data"], "samples": data["samples"], "mode": data["mode"],
-                "stages": sorted(data["stages"])}
-    figures = {f"{stage}.{name}": value for stage, metrics in data["metrics"].items()
-               for name, value in metrics.items() if not isinstance(value, Mapping)}
-    for pair in data["pairs"]:
-        if pair["test"] == ENGINE_STAGE and pair["first_divergence"]:
-            figures["first_divergence"] = pair["first_divergence"].get("tensor")
-    return settings, figures
-
-
-def _demo(folder: Path, data: dict) -> tuple[dict, dict]:
-    return ({"methods": data["methods"]},
-            {f"{m['name']}.{m['metric']}": m["int8"] for m in data["models"]})
-
-
-_READERS = {"calibrate": _calibrate, "sweep": _sweep, "plan": _plan, "validate": _validate,
-            "demo": _demo}
 
 
 def find_runs(roots: Iterable[str | os.PathLike]) -> list[Run]:
@@ -272,12 +142,11 @@ def find_runs(roots: Iterable[str | os.PathLike]) -> list[Run]:
 def validation_table(run: Run) -> pd.DataFrame | None:
     """The FP32-vs-INT8 per-layer table of `run`, or of its newest validate run (inside the
     folder, or beside it: :func:`validations`)."""
-    candidates = [run.path] if run.kind == "validate" else validations(run.path)
+    candidates = [run.path] if run.kind == ValidationSummary.KIND else validations(run.path)
     for candidate in candidates:
-        summary = read_json(candidate / MARKERS["validate"])
-        for pair in summary["pairs"]:
-            if pair["test"] == ENGINE_STAGE:
-                return pd.read_csv(candidate / pair["layers_csv"])
+        pair = ValidationSummary.read(candidate).engine_pair()
+        if pair is not None:
+            return pd.read_csv(candidate / pair["layers_csv"])
     return None
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 from quantlab import collect, pipeline
 from quantlab.data import BatchSource
 from quantlab.errors import DataError
-from quantlab.experiment import output_folder, read_json, write_json, write_text
+from quantlab.experiment import Checkpoint, write_text
+from quantlab.records import SweepRecord
 from quantlab.sweep import Config, SweepResult
 
-SWEEP_FILES = ("sweep.json", "amax_movement.csv", "report.html", "best")
 # Snapshots and finished configurations of a running sweep, left in the folder when
 # interrupted.
 PROGRESS_DIR = ".sweep-progress"
@@ -42,7 +42,8 @@ def reproducing_command(model: str, data: str, best: Config, recorded: dict | No
 def write_sweep_folder(out: str, force: bool, model: str, metric: str, evaluation: str,
                        index, source: BatchSource, configs: list[Config], result: SweepResult,
                        repairs: dict, equalize: bool, reproduce: str) -> None:
-    """sweep.json, amax_movement.csv, report.html and best/ into `out`, all or nothing."""
+    """sweep.json (:class:`quantlab.records.SweepRecord`), amax_movement.csv, report.html and
+    best/ into `out`, all or nothing."""
     import pandas as pd
 
     from quantlab.report import write_report
@@ -60,62 +61,57 @@ def write_sweep_folder(out: str, force: bool, model: str, metric: str, evaluatio
          "bootstrap_spread": (result.spread.get(name, float("nan"))
                               if setting == best.setting else float("nan"))}
         for setting, (half, full) in result.amax.items() for name in full])
-    with output_folder(out, force=force, produces=SWEEP_FILES) as folder:
+    record = SweepRecord(
+        model=str(model),
+        metric=metric,
+        calibration={"data": source.description, "num_samples": source.num_samples},
+        eval={"data": evaluation, "num_samples": result.records[0]["samples"]},
+        sizes=sorted({c.size for c in configs}),
+        settings=list(result.movement),
+        tolerance=result.tolerance,
+        equalized=[entry["tensor"] for entry in
+                   repairs.get("depthwise_equalization", {}).get("applied", [])],
+        collection_passes=1,
+        configurations=result.records,
+        best=result.best_record["label"],
+        reproduce=reproduce,
+        runner_up=(result.records[result.runner_up]["label"]
+                   if result.runner_up is not None else None),
+        separation=result.separation.__dict__ if result.separation else None,
+        sufficiency=result.sentences,
+        max_movement={s: max(m.values(), default=0.0) for s, m in result.movement.items()},
+        bootstrap_spread={"setting": best.setting, "samples": result.spread_samples,
+                          "blocks": result.spread_blocks,
+                          "max": max(result.spread.values(), default=None)},
+        seconds=result.seconds)
+
+    def files(folder: Path) -> None:
         pipeline.write_results(calibrated, folder / "best")
         write_text(folder / "amax_movement.csv", movement.to_csv(index=False))
-        write_json(folder / "sweep.json", {
-            "format": "quantlab.sweep",
-            "model": str(model),
-            "metric": metric,
-            "calibration": {"data": source.description, "num_samples": source.num_samples},
-            "eval": {"data": evaluation, "num_samples": result.records[0]["samples"]},
-            "sizes": sorted({c.size for c in configs}),
-            "settings": list(result.movement),
-            "tolerance": result.tolerance,
-            "equalized": [entry["tensor"] for entry in
-                          repairs.get("depthwise_equalization", {}).get("applied", [])],
-            "collection_passes": 1,
-            "configurations": result.records,
-            "best": result.best_record["label"],
-            # The calibrate command whose folder is best/ (the same scales and Q/DQ model).
-            "reproduce": reproduce,
-            "runner_up": (result.records[result.runner_up]["label"]
-                          if result.runner_up is not None else None),
-            "separation": result.separation.__dict__ if result.separation else None,
-            "sufficiency": result.sentences,
-            "max_movement": {s: max(m.values(), default=0.0)
-                             for s, m in result.movement.items()},
-            "bootstrap_spread": {"setting": best.setting, "samples": result.spread_samples,
-                                 "blocks": result.spread_blocks,
-                                 "max": max(result.spread.values(), default=None)},
-            "seconds": result.seconds,
-        })
         write_report(folder / "report.html", f"quantlab sweep: {model}",
                      [sweep_section(result, metric, reproduce)],
                      subtitle=f"{len(configs)} configurations, one collection pass")
 
+    record.write(out, force, files)
 
-class SweepCheckpoint:
-    """Blocks of statistics (block-START-STOP.npz) and finished configurations (records.json)
-    of a running sweep, in its folder's PROGRESS_DIR; another sweep's (another fingerprint)
-    are deleted."""
+
+class SweepCheckpoint(Checkpoint):
+    """A running sweep's finished configurations (records.json, a
+    :class:`quantlab.experiment.Checkpoint`) and blocks of statistics (block-START-STOP.npz)
+    in its folder's PROGRESS_DIR; another sweep's (another fingerprint) are deleted."""
 
     def __init__(self, folder: Path, fingerprint: str):
         self.folder = folder
-        self.fingerprint = fingerprint
-        self.records: dict[str, dict] = {}
-        # True when a checkpoint of another sweep (or an unreadable one) was found and deleted.
-        self.ignored = False
-        path = folder / "records.json"
-        try:
-            data = read_json(path) if path.is_file() else {}
-        except (OSError, ValueError):
-            data = {}
-        if data.get("format") == PROGRESS_FORMAT and data.get("fingerprint") == fingerprint:
-            self.records = dict(data["records"])
-        else:
+        super().__init__(folder / "records.json", PROGRESS_FORMAT, fingerprint,
+                         {"records": dict})
+        if self.ignored or not self.path.is_file():
+            # Another sweep's, unreadable, or none: blocks beside it are not this sweep's.
             self.ignored = folder.exists()
             self.remove()
+
+    @property
+    def records(self) -> dict[str, dict]:
+        return self.sections["records"]
 
     def blocks(self) -> dict:
         """The blocks of statistics saved so far, by (first sample, stop); none, and the
@@ -127,26 +123,21 @@ class SweepCheckpoint:
                 _, start, stop = path.stem.split("-")
                 found[int(start), int(stop)] = collect.Statistics.load(path)
         except (DataError, ValueError):
-            self.records, self.ignored = {}, True
+            self.ignored = True
             self.remove()
             return {}
         return found
 
     def add_block(self, start: int, stop: int, stats: collect.Statistics) -> None:
         """Save the statistics of samples `start:stop`."""
-        self._save()
+        self.save()
         stats.save(self.folder / f"block-{start}-{stop}.npz")
 
     def add_record(self, record: dict) -> None:
         """Save one finished configuration."""
-        self.records[record["label"]] = record
-        self._save()
-
-    def _save(self) -> None:
-        write_json(self.folder / "records.json", {"format": PROGRESS_FORMAT,
-                                                  "fingerprint": self.fingerprint,
-                                                  "records": self.records})
+        self.add("records", record["label"], record)
 
     def remove(self) -> None:
         """Delete the checkpoint (a finished or a different sweep)."""
+        self.discard()
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -52,13 +52,12 @@ from quantlab.errors import ConfigError, DataError, InternalRunError
 from quantlab.experiment import (
     atomic_write,
     check_output,
-    output_folder,
     recorded_path,
-    write_json,
 )
 from quantlab.fusion import fused_activation
 from quantlab.planner.measure import output_sample_axes
 from quantlab.progress import progress_bar
+from quantlab.records import ValidationSummary
 from quantlab.report import write_report
 from quantlab.report.validation import next_steps, validation_section
 from quantlab.scoring import Certificate, PairedScore
@@ -116,11 +115,16 @@ class ValidationResult:
     folder: Path
     pairs: list[PairResult]
     metrics: dict[str, dict]
-    summary: dict
+    record: ValidationSummary
     report: Path
     # Tensors inside an op the exporter decomposed -> that op (fusion.decomposed_ops): the
     # worst-layer lists show such an op as one row (report.validation.worst_tensors).
     exported: dict = field(default_factory=dict)
+
+    @property
+    def summary(self) -> dict:
+        """summary.json's content."""
+        return self.record.to_json()
 
     @property
     def tables(self) -> dict[tuple[str, str], pd.DataFrame]:
@@ -194,23 +198,10 @@ def validate(
     # A user's metric may be slow: its bootstrap shows progress like the passes before it.
     paired = PairedScore(metric, task, resamples, progress=partial(
         progress_bar, unit="resample", enabled=progress)) if metric is not None else None
-    if mode not in MODES:
-        raise ConfigError(f"mode '{mode}' is not one of {', '.join(MODES)}.")
     check_threshold(threshold_db, min_drop_db)
-    fp32 = _stage(onnx_model, FP32)
-    engine = _stage(engine_model, ENGINE)
-    if task is not None:
-        task.check_samples(data.num_samples)
-    torch_stage = _torch_stage(torch_module, fp32, data)
-    names = [s.name for s in (torch_stage, fp32, engine) if s is not None]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"stage names must differ; got {names}.")
-    pair_files = [layers_file(fp32.name, engine.name, mode)]
-    if torch_stage is not None:
-        pair_files.insert(0, layers_file(torch_stage.name, fp32.name))
-    produces = [*pair_files, "summary.json", "report.html"]
-    check_output(out, force=force, produces=produces)
-
+    torch_stage, fp32, engine, pair_files = _stages(onnx_model, engine_model, torch_module,
+                                                    data, task, mode)
+    check_output(out, force=force, produces=[*pair_files, *ValidationSummary.FILES])
     streamed = run_stages(fp32, engine, data, torch_stage=torch_stage, task=task, mode=mode,
                           atol=atol, rtol=rtol, progress=progress, memory_budget=memory_budget,
                           paired=paired)
@@ -221,55 +212,74 @@ def validate(
              for p in streamed.pairs]
     metrics = {name: score.result() for name, score in streamed.scores.items()}
     end_to_end = metric_record(paired.certificate(), fp32.name, engine.name) if paired else None
-    summary = {
-        "samples": data.num_samples,
-        "data": recorded_path(data.description),
-        # The calibration folder validated (--from): compare and report find this run by it.
-        "calibration": calibration,
-        "mode": mode,
-        "stages": {s.name: STAGE_DESCRIPTIONS.get(s.name, type(s).__name__)
-                   for s in (torch_stage, fp32, engine) if s is not None},
-        "task": task.kind if task else None,
-        "metrics": metrics,
-        # --metric: the engine against FP32 end to end, with its paired bootstrap interval.
-        "metric": end_to_end,
-        "divergence_rule": {"threshold_db": threshold_db, "min_drop_db": min_drop_db},
-        "tolerance": {"atol": atol, "rtol": rtol},
-        "memory": streamed.memory,
-        "notes": notes,
-        "pairs": [{
-            "reference": p.reference,
-            "test": p.test,
-            "mode": p.mode,
-            "layers_csv": layers_file(p.reference, p.test, p.mode),
-            "tensors_compared": len(p.table),
-            "tensors_not_compared": p.not_compared,
-            "warnings": p.warnings,
-            "first_divergence": p.divergence.to_dict() if p.divergence else None,
-            # Over the float outputs, pooled over the samples: plan's --min-sqnr figure.
-            "output_sqnr_db": p.output_sqnr_db,
-            "outputs": p.outputs,
-            # Per output, on the axis whose channels' max |value| span most: that span and
-            # the worst channel's SQNR (an output mixing scales, compare.ChannelError).
-            "output_channels": p.channels,
-        } for p in pairs],
-    }
-    steps = next_steps(pairs, end_to_end, threshold_db, mode, model_file,
-                       recorded_path(data.description), calibration)
-    summary["next_steps"] = steps
+    summary = ValidationSummary(
+        samples=data.num_samples, data=recorded_path(data.description),
+        calibration=calibration, mode=mode,
+        stages={s.name: STAGE_DESCRIPTIONS.get(s.name, type(s).__name__)
+                for s in (torch_stage, fp32, engine) if s is not None},
+        task=task.kind if task else None, metrics=metrics, metric=end_to_end,
+        divergence_rule={"threshold_db": threshold_db, "min_drop_db": min_drop_db},
+        tolerance={"atol": atol, "rtol": rtol}, memory=streamed.memory, notes=notes,
+        pairs=[_pair_record(p) for p in pairs],
+        next_steps=next_steps(pairs, end_to_end, threshold_db, mode, model_file,
+                              recorded_path(data.description), calibration))
     exported = fusion.decomposed_ops(index)
     section = validation_section(pairs, metrics, index.order, threshold_db, notes=notes,
-                                 metric=end_to_end, steps=steps, exported=exported)
+                                 metric=end_to_end, steps=summary.next_steps, exported=exported)
     source = f"{model_file}; " if model_file else ""
-    with output_folder(out, force=force, produces=produces) as staging:
-        for pair in pairs:
-            atomic_write(staging / layers_file(pair.reference, pair.test, pair.mode),
-                         lambda tmp, t=pair.table: t.to_csv(tmp, index=False))
-        write_json(staging / "summary.json", summary)
-        write_report(staging / "report.html", title, [section],
-                     subtitle=f"{source}{data.description}, {data.num_samples} samples")
-    folder = Path(out)
+    folder = summary.write(out, force, partial(
+        _write_pairs, pairs, title, section, f"{source}{data.description}, "
+                                             f"{data.num_samples} samples"), produces=pair_files)
     return ValidationResult(folder, pairs, metrics, summary, folder / "report.html", exported)
+
+
+def _stages(onnx_model, engine_model, torch_module, data: BatchSource, task: Task | None,
+            mode: str) -> tuple:
+    """(torch stage or None, FP32 stage, engine stage, their pairs' layers csv files) of
+    validate's arguments, checked: a known `mode`, `task` fits `data`, stage names differ."""
+    if mode not in MODES:
+        raise ConfigError(f"mode '{mode}' is not one of {', '.join(MODES)}.")
+    if task is not None:
+        task.check_samples(data.num_samples)
+    fp32 = _stage(onnx_model, FP32)
+    engine = _stage(engine_model, ENGINE)
+    torch_stage = _torch_stage(torch_module, fp32, data)
+    names = [s.name for s in (torch_stage, fp32, engine) if s is not None]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"stage names must differ; got {names}.")
+    pair_files = [layers_file(fp32.name, engine.name, mode)]
+    if torch_stage is not None:
+        pair_files.insert(0, layers_file(torch_stage.name, fp32.name))
+    return torch_stage, fp32, engine, pair_files
+
+
+def _write_pairs(pairs: list[PairResult], title: str, section, subtitle: str,
+                 staging: Path) -> None:
+    """A validation folder's files besides summary.json: each pair's layers csv, the report."""
+    for pair in pairs:
+        atomic_write(staging / layers_file(pair.reference, pair.test, pair.mode),
+                     lambda tmp, t=pair.table: t.to_csv(tmp, index=False))
+    write_report(staging / "report.html", title, [section], subtitle=subtitle)
+
+
+def _pair_record(pair: PairResult) -> dict:
+    """summary.json's record of one stage pair (ValidationSummary.pairs)."""
+    return {
+        "reference": pair.reference,
+        "test": pair.test,
+        "mode": pair.mode,
+        "layers_csv": layers_file(pair.reference, pair.test, pair.mode),
+        "tensors_compared": len(pair.table),
+        "tensors_not_compared": pair.not_compared,
+        "warnings": pair.warnings,
+        "first_divergence": pair.divergence.to_dict() if pair.divergence else None,
+        # Over the float outputs, pooled over the samples: plan's --min-sqnr figure.
+        "output_sqnr_db": pair.output_sqnr_db,
+        "outputs": pair.outputs,
+        # Per output, on the axis whose channels' max |value| span most: that span and the
+        # worst channel's SQNR (an output mixing scales, compare.ChannelError).
+        "output_channels": pair.channels,
+    }
 
 
 def metric_record(certificate: Certificate, reference: str, test: str) -> dict:

@@ -191,8 +191,8 @@ def _print_result(result) -> None:
     for stage, values in result.metrics.items():
         shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items() if isinstance(v, float))
         print(f"{stage:12s} {shown}")
-    if result.summary["metric"]:
-        print(metric_line(result.summary["metric"]))
+    if result.record.metric:
+        print(metric_line(result.record.metric))
     for pair in result.pairs:
         for warning in pair.warnings:
             print(f"warning: {warning}", file=sys.stderr)
@@ -215,7 +215,7 @@ def _print_result(result) -> None:
         print(f"worst layers, {pair_label(engine_pair)}:")
         for row in worst.itertuples(index=False):
             print(f"  {row.sqnr_db:6.1f} dB  {row.tensor} ({row.op_type} {row.node})")
-    for step in result.summary["next_steps"]:
+    for step in result.record.next_steps:
         print(f"next: {step}")
     print(f"report: {result.report}")
 

@@ -13,14 +13,12 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 
-from quantlab.errors import DataError
-from quantlab.experiment import read_record, write_json
+from quantlab import experiment
 from quantlab.planner.certify import Certificate, certify_paired, pooled_sqnr
 from quantlab.planner.measure import Draw
 from quantlab.planner.search import FrontPoint
@@ -35,56 +33,40 @@ MIN_GAIN = 1e-4
 MOST_EVALUATIONS = 8
 
 
-class Checkpoint:
-    """What an interrupted plan run already measured, in a JSON file, so a re-run resumes.
+class Checkpoint(experiment.Checkpoint):
+    """What an interrupted plan run already measured (:class:`quantlab.experiment.Checkpoint`):
+    its trials (index -> nsr) and evaluations (plan key, :func:`plan_key` ->
+    :class:`Evaluation`)."""
 
-    Holds the trials (index -> nsr) and the evaluations (plan key, :func:`plan_key`
-    -> :class:`Evaluation`) of a run identified by `fingerprint` (a hash of the model,
-    the data, the scales and the settings); a file of another run is ignored and
-    replaced. Every update is written atomically.
-    """
+    def __init__(self, path: str | os.PathLike, fingerprint: str):
+        super().__init__(path, "quantlab.plan-progress", fingerprint, {
+            "trials": lambda trials: {int(t): float(v) for t, v in trials.items()},
+            "evaluations": lambda evaluations: {str(i): Evaluation.from_json(e)
+                                                for i, e in evaluations.items()}})
 
-    def __init__(self, path: str | os.PathLike | None, fingerprint: str):
-        self.path = Path(path) if path is not None else None
-        self.fingerprint = fingerprint
-        self.trials: dict[int, float] = {}
-        self.evaluations: dict[str, Evaluation] = {}
-        # A file was there but of another run (or unreadable): it is replaced.
-        self.ignored = False
-        if self.path is None or not self.path.is_file():
-            return
-        try:
-            data = read_record(self.path, "plan checkpoint")
-            if data.get("fingerprint") != fingerprint:
-                self.ignored = True
-                return
-            self.trials = {int(t): float(v) for t, v in data["trials"].items()}
-            self.evaluations = {str(i): Evaluation(
-                e["int8_mac_share"], e["predicted"],
-                Certificate(**{**e["certificate"],
-                               "interval": tuple(e["certificate"]["interval"])}),
-                e["seconds"], e.get("model_run", True), e.get("screened", False))
-                for i, e in data["evaluations"].items()}
-        except (DataError, ValueError, KeyError, TypeError, AttributeError):
-            self.trials, self.evaluations = {}, {}  # unreadable: start over
-            self.ignored = True
+    @property
+    def trials(self) -> dict[int, float]:
+        return self.sections["trials"]
+
+    @trials.setter
+    def trials(self, trials: dict[int, float]) -> None:
+        self.sections["trials"] = trials
+
+    @property
+    def evaluations(self) -> dict[str, Evaluation]:
+        return self.sections["evaluations"]
+
+    @evaluations.setter
+    def evaluations(self, evaluations: dict[str, Evaluation]) -> None:
+        self.sections["evaluations"] = evaluations
 
     def add_trial(self, index: int, nsr: float) -> None:
         """Record one trial (a plan run on the hardest samples)."""
-        self.trials[index] = nsr
-        self._save()
+        self.add("trials", index, nsr)
 
     def add_evaluation(self, key: str, evaluation: Evaluation) -> None:
         """Record one evaluation of the plan `key` (:func:`plan_key`)."""
-        self.evaluations[key] = evaluation
-        self._save()
-
-    def _save(self) -> None:
-        if self.path is not None:
-            write_json(self.path, {"format": "quantlab.plan-progress",
-                                   "fingerprint": self.fingerprint, "trials": self.trials,
-                                   "evaluations": {i: asdict(e) for i, e in
-                                                   self.evaluations.items()}})
+        self.add("evaluations", key, evaluation)
 
 
 def plan_key(precisions: Mapping[str, str]) -> str:
@@ -127,6 +109,14 @@ class Evaluation:
     # What the search learnt from it: the law of the metric's shortfall against the
     # predicted noise refitted, and where it aims next (:func:`search`).
     note: str = ""
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Evaluation:
+        """An evaluation as a checkpoint holds it (its fields; an older one lacks the last)."""
+        certificate = Certificate(**{**data["certificate"],
+                                     "interval": tuple(data["certificate"]["interval"])})
+        return cls(data["int8_mac_share"], data["predicted"], certificate, data["seconds"],
+                   data.get("model_run", True), data.get("screened", False))
 
 
 def search(front: Callable[[], list[FrontPoint]],

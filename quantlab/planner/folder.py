@@ -1,9 +1,9 @@
 """A plan's folder: its file names, its writer, and the readers `quantlab build` uses.
 
-Written all or nothing (:func:`quantlab.experiment.output_folder`): plan.json, model.onnx,
-model.int8.onnx, trtexec.txt, summary.json, report.html, with a TensorRT version also
-calibration.cache (and its trtexec copy), and uncertified/ where a better plan could not
-be certified.
+Written all or nothing through its record, :class:`quantlab.records.PlanSummary`
+(summary.json), which names its files: plan.json, model.onnx, model.int8.onnx,
+trtexec.txt, summary.json, report.html, with a TensorRT version also calibration.cache
+(and its trtexec copy), and uncertified/ where a better plan could not be certified.
 """
 
 from __future__ import annotations
@@ -14,17 +14,10 @@ from pathlib import Path
 
 from quantlab.errors import DataError
 from quantlab.experiment import read_record
+from quantlab.records import UNCERTIFIED, PlanSummary
 
-# summary.json's "generator": `quantlab build` reads the plan's batch from such a folder.
-GENERATOR = "quantlab plan"
 # The checkpoint of a running plan, left in the folder when it is interrupted.
 PROGRESS_FILE = ".plan-progress.json"
-# Where a plan that scored inside the budget but could not be certified is written, beside
-# the certified one (its plan.json and model.int8.onnx; model.onnx is the folder's).
-UNCERTIFIED = "uncertified"
-PLAN_FILES = ("plan.json", "model.onnx", "model.int8.onnx", "calibration.cache",
-              "calibration.trtexec.cache", "trtexec.txt", "summary.json", "report.html",
-              UNCERTIFIED)
 
 
 @dataclass
@@ -63,49 +56,30 @@ def read_plan(path: str | os.PathLike) -> dict[str, str]:
 def planned_batch(folder: Path) -> int | None:
     """The batch a `quantlab plan` folder's trtexec.txt was written for (its summary.json),
     or None for another folder."""
-    if not (folder / "summary.json").is_file():
-        return None
-
-    def batch(value):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError("expected a whole number of at least 1")
-        return value
-
-    summary = read_record(folder / "summary.json", "plan summary", {"max_batch": batch},
-                          made_by="the summary.json written by `quantlab plan`")
-    return summary["max_batch"] if summary.get("generator") == GENERATOR else None
+    return PlanSummary.read(folder).max_batch if PlanSummary.has_record(folder) else None
 
 
 def write_plan_folder(out: str | os.PathLike, result, run: PlanRun, profile,
-                      trt_version: str | None, force: bool, steps: list[str]) -> dict:
+                      trt_version: str | None, force: bool, steps: list[str]) -> PlanSummary:
     """Write `result` (a :class:`quantlab.planner.flow.PlanResult`) into `out`, trtexec.txt
     for the TensorRT `profile` and, with `trt_version`, the calibration cache without the
     pinned units' tensors; `steps` are the next steps the report and summary name. Returns
-    summary.json's content."""
+    summary.json's record."""
     from quantlab import graph, trtexec
     from quantlab.backends import tensorrt as trt_backend
-    from quantlab.experiment import output_folder, write_json, write_text
+    from quantlab.experiment import write_text
     from quantlab.report import write_report
     from quantlab.report.plan import plan_section
 
-    with output_folder(out, force=force, produces=PLAN_FILES) as folder:
+    def files(folder: Path) -> None:
         result.plan.save(folder / "plan.json")
         graph.save_model(result.model, folder / "model.onnx")  # repaired when plan.json says
         graph.save_model(result.qdq_model, folder / "model.int8.onnx")
-        uncertified = None
         if result.uncertified is not None:
-            kept_plan, kept_model, kept_eval = result.uncertified
+            kept_plan, kept_model, _ = result.uncertified
             (folder / UNCERTIFIED).mkdir()
             kept_plan.save(folder / UNCERTIFIED / "plan.json")
             graph.save_model(kept_model, folder / UNCERTIFIED / "model.int8.onnx")
-            uncertified = {"folder": UNCERTIFIED, "certified": False,
-                           "int8_mac_share": kept_eval.int8_mac_share,
-                           "value": kept_eval.certificate.value,
-                           "limit": kept_eval.certificate.limit,
-                           "margin_interval": list(kept_eval.certificate.interval),
-                           "samples": kept_eval.certificate.samples,
-                           "needed_samples": (kept_eval.certificate.needed_samples or
-                                              kept_eval.certificate.samples_to_certify())}
         cache_name, header = (None, None) if trt_version is None else _write_cache(
             folder, result, run.method, trt_version)
         write_text(folder / "trtexec.txt", trtexec.trtexec_text(
@@ -113,10 +87,23 @@ def write_plan_folder(out: str | os.PathLike, result, run: PlanRun, profile,
             cache_name, header and str(header), trt_backend.explicit_build_pins(result.qdq_model)))
         write_report(folder / "report.html", f"Plan of {Path(run.model_file).name}",
                      [plan_section(result, steps)], subtitle=run.model_file)
-        summary = summary_record(result, run, uncertified, steps)
-        write_json(folder / "summary.json", summary)
+
+    summary = summary_record(result, run, steps)
+    summary.write(out, force, files)
     (Path(out) / PROGRESS_FILE).unlink(missing_ok=True)
     return summary
+
+
+def _uncertified(result) -> dict | None:
+    """summary.json's ``uncertified``: the better plan written to uncertified/, or None."""
+    if result.uncertified is None:
+        return None
+    certificate = result.uncertified[2].certificate
+    return {"folder": UNCERTIFIED, "certified": False,
+            "int8_mac_share": result.uncertified[2].int8_mac_share,
+            "value": certificate.value, "limit": certificate.limit,
+            "margin_interval": list(certificate.interval), "samples": certificate.samples,
+            "needed_samples": certificate.needed_samples or certificate.samples_to_certify()}
 
 
 def _write_cache(folder: Path, result, method: str, trt_version: str):
@@ -140,52 +127,42 @@ def _write_cache(folder: Path, result, method: str, trt_version: str):
     return cache_name, header
 
 
-def summary_record(result, run: PlanRun, uncertified: dict | None, steps: list[str]) -> dict:
+def summary_record(result, run: PlanRun, steps: list[str]) -> PlanSummary:
     """summary.json of a plan folder: the certificate, the evaluation ledger, the predicted
     front, seconds per step, the noise model's checks, and what `run` records."""
     from quantlab.planner.trials import DISAGREEMENT
 
-    return {
-        "model": run.model_file,
-        "metric": run.metric,
-        "budget": {"max_drop": run.max_drop, "min_sqnr": run.min_sqnr},
-        "int8_mac_share": result.plan.int8_mac_share(),
-        "certificate": result.certificate.__dict__,
-        # "all-FP16" or "FP32" when no plan with INT8 certified and this is the fallback.
-        "fallback": result.fallback,
-        # Tensors quantized with every unit out of INT8 (none: every drop is the units').
-        "quantized_outside_units": result.outside_units,
-        "evaluations": [{"int8_mac_share": e.int8_mac_share, "predicted": e.predicted,
-                         "value": e.certificate.value, "certified": e.certificate.certified,
-                         "interval": e.certificate.interval, "seconds": e.seconds,
-                         "model_run": e.model_run, "screened": e.screened,
-                         "note": e.note}
-                        for e in result.evaluations],
-        "front": [{"int8_mac_share": p.int8_mac_share, "predicted": p.predicted}
-                  for p in result.front],
-        "trials": len(result.sensitivity.nsr),
-        # Seconds per step of the planning flow (docs/planner.md).
-        "phases": result.phases,
-        # A trial's median seconds against a warm FP32 pass over the same samples.
-        "trial_cost": result.trial_cost,
-        # The noise model checked: plans measured against its prediction (front checks,
-        # localization) and every evaluated plan's prediction on the hardest samples.
-        "noise_model": {"disagreement_factor": DISAGREEMENT,
-                        "largest_disagreement": result.largest_disagreement(),
-                        # Plans the search chose, found noisier than predicted on the
-                        # hardest samples before their evaluation: refitted, chosen again.
-                        "refits": result.refits,
-                        "checks": result.sensitivity.checks,
-                        "evaluated": result.noise_checks},
-        "hard_samples": result.hard_samples,
-        "calibration": {"data": run.calibration_data, "method": run.method,
-                        "calibrators": run.calibrators},
-        "eval": {"data": run.eval_data, "num_samples": run.eval_samples},
-        # `quantlab build DIR` reads these: trtexec.txt's profile is for this batch.
-        "generator": GENERATOR, "max_batch": run.max_batch,
-        "repairs": result.plan.repairs,
-        # The certified plan is this folder's; a better one that could not be certified
-        # on this evaluation set is in uncertified/ (null: none).
-        "uncertified": uncertified,
-        "next_steps": steps,
-    }
+    return PlanSummary(
+        model=run.model_file,
+        metric=run.metric,
+        budget={"max_drop": run.max_drop, "min_sqnr": run.min_sqnr},
+        int8_mac_share=result.plan.int8_mac_share(),
+        certificate=result.certificate.__dict__,
+        fallback=result.fallback,
+        quantized_outside_units=result.outside_units,
+        evaluations=[{"int8_mac_share": e.int8_mac_share, "predicted": e.predicted,
+                      "value": e.certificate.value, "certified": e.certificate.certified,
+                      "interval": e.certificate.interval, "seconds": e.seconds,
+                      "model_run": e.model_run, "screened": e.screened, "note": e.note}
+                     for e in result.evaluations],
+        front=[{"int8_mac_share": p.int8_mac_share, "predicted": p.predicted}
+               for p in result.front],
+        trials=len(result.sensitivity.nsr),
+        phases=result.phases,
+        trial_cost=result.trial_cost,
+        noise_model={"disagreement_factor": DISAGREEMENT,
+                     "largest_disagreement": result.largest_disagreement(),
+                     # Plans the search chose, found noisier than predicted on the hardest
+                     # samples before their evaluation: refitted, chosen again.
+                     "refits": result.refits,
+                     "checks": result.sensitivity.checks,
+                     "evaluated": result.noise_checks},
+        hard_samples=result.hard_samples,
+        calibration={"data": run.calibration_data, "method": run.method,
+                     "calibrators": run.calibrators},
+        eval={"data": run.eval_data, "num_samples": run.eval_samples},
+        max_batch=run.max_batch,
+        repairs=result.plan.repairs,
+        uncertified=_uncertified(result),
+        next_steps=steps,
+    )
