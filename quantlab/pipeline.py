@@ -24,6 +24,7 @@ import onnx
 
 from quantlab import cache, calibrate, choices, collect, folding, graph, qdq, trt_ranges
 from quantlab.backends.onnxruntime import SESSION_CONFIG, OnnxRuntimeBackend
+from quantlab.choices import AUTO_CANDIDATES, AUTO_DEFAULT
 from quantlab.data import (
     BatchSource,
     Preprocess,
@@ -56,18 +57,6 @@ CACHE_ALGORITHM = {
     "auto": "MinMaxCalibration",
 }
 AUTO = choices.AUTO_METHOD
-# The amax each layer chooses from with method "auto" (label -> calibrator, parameters):
-# the four calibrators and a percentile a decade further out, the best single calibrator
-# on the equalized layout detector with plain weights (20.5 / 17.1 dB on its two page
-# seeds, benchmarks/README.md).
-AUTO_CANDIDATES = {
-    "percentile": ("percentile", {}),
-    "percentile 99.999": ("percentile", {"percentile": 99.999}),
-    "entropy": ("entropy", {}),
-    "max": ("max", {}),
-    "mse": ("mse", {}),
-}
-AUTO_DEFAULT = "percentile"  # for tensors no layer chooses
 # Samples the per-layer choices (method "auto", weight amax "local") measure on: the
 # planner chooses on 8; more steady the choice, each a local pass per candidate.
 CHOICE_SAMPLES = 32
