@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -139,6 +139,10 @@ class Calibrator:
     whose fields are its parameters (``float`` or ``int`` numbers of bins, with defaults) and
     is registered in :data:`CALIBRATORS` under the name choices.METHODS spells."""
 
+    # The header of a TensorRT calibration cache of its scales: TensorRT names its calibrator
+    # there, and has none by the name of ours but entropy's, so they take the min-max one.
+    cache_algorithm: ClassVar[str] = "MinMaxCalibration"
+
     def amax(self, hist: np.ndarray, top: float) -> float:
         """The amax of a tensor whose |x| histogram (TensorRT's: equal bins) spans [0, top]."""
         raise NotImplementedError
@@ -165,6 +169,7 @@ class EntropyCalibrator(Calibrator):
     """TensorRT's EntropyCalibration2: the threshold of least KL divergence
     (:func:`entropy_threshold_bin`)."""
 
+    cache_algorithm: ClassVar[str] = "EntropyCalibration2"
     start_bin: int = 128
     num_levels: int = 128
 

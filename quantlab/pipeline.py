@@ -47,15 +47,11 @@ CALIBRATION_FILES = (
     "stats.npz",
     "calibration.json",
 )
-# TensorRT names the algorithm in the cache header; max/percentile/mse/auto caches are
-# written with the min-max header because TensorRT has no calibrator of those names.
-CACHE_ALGORITHM = {
-    "entropy": "EntropyCalibration2",
-    "max": "MinMaxCalibration",
-    "percentile": "MinMaxCalibration",
-    "mse": "MinMaxCalibration",
-    "auto": "MinMaxCalibration",
-}
+# TensorRT names the algorithm in the cache header: each calibrator's (calibrate.Calibrator);
+# auto's with the min-max header, as TensorRT has no calibrator of that name.
+CACHE_ALGORITHM = {**{name: calibrator.cache_algorithm
+                      for name, calibrator in calibrate.CALIBRATORS.items()},
+                   choices.AUTO_METHOD: calibrate.Calibrator.cache_algorithm}
 AUTO = choices.AUTO_METHOD
 # Samples the per-layer choices (method "auto", weight amax "local") measure on: the
 # planner chooses on 8; more steady the choice, each a local pass per candidate.

@@ -386,6 +386,12 @@ def test_calibrator_registry_matches_the_methods_the_command_line_offers():
     for name, cls in CALIBRATORS.items():
         assert issubclass(cls, Calibrator)
         assert check_method(name, {}) == cls().params  # the class's fields are the defaults
+    # TensorRT has a calibrator of our entropy's name alone: other caches get min-max's header.
+    from quantlab import pipeline
+
+    assert pipeline.CACHE_ALGORITHM == {**dict.fromkeys(choices.CALIBRATE_METHODS,
+                                                        "MinMaxCalibration"),
+                                        "entropy": "EntropyCalibration2"}
 
 
 def test_calibrator_classes_choose_the_reference_bins():
