@@ -93,7 +93,7 @@ class PlanOptions:
 
     planner: PlanSettings = field(default_factory=PlanSettings)
     method: str = choices.DEFAULT_METHOD
-    calibrators: tuple[str, ...] = choices.METHODS
+    calibrators: tuple[str, ...] = choices.DEFAULT_PLAN_CALIBRATORS
     repairs: tuple[str, ...] = choices.DEFAULT_PLAN_REPAIRS
 
     trt_version: str | None = None

@@ -13,9 +13,9 @@ import os
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -88,16 +88,13 @@ class Scales:
             ) from None
 
 
-def calibrate(stats: Statistics, method: str = "entropy", **params: Any) -> Scales:
-    """Choose an amax for every tensor in `stats` with `method`.
-
-    Parameters: entropy ``start_bin`` (128), ``num_levels`` (128); percentile
-    ``percentile`` (99.99); mse ``start_bin`` (128).
-    """
-    params = check_method(method, params, stats.num_bins)
+def calibrate(stats: Statistics, method: str = DEFAULT_METHOD, **params: Any) -> Scales:
+    """Choose an amax for every tensor in `stats` with the calibrator `method` is the name of
+    (:data:`CALIBRATORS`), its parameters `params` (the class's fields, defaults filled in)."""
+    calibrator = make_calibrator(method, params, stats.num_bins)
 
     def one(name: str) -> tuple[float, tuple[str, bool] | None]:
-        return _tensor_amax(name, stats.tensors[name], method, params, stats.num_bins)
+        return _tensor_amax(name, stats.tensors[name], calibrator, stats.num_bins)
 
     # The searches are numpy over whole histograms and numba without the GIL: one per core.
     names = list(stats.tensors)
@@ -114,12 +111,12 @@ def calibrate(stats: Statistics, method: str = "entropy", **params: Any) -> Scal
         )
     if outliers:
         warnings.warn(_outlier_message(outliers, method), stacklevel=2)
-    return Scales(amax, method, params, stats.num_samples)
+    return Scales(amax, method, calibrator.params, stats.num_samples)
 
 
-def _tensor_amax(name: str, tensor: TensorStats, method: str, params: Mapping[str, Any],
+def _tensor_amax(name: str, tensor: TensorStats, calibrator: Calibrator,
                  num_bins: int) -> tuple[float, tuple[str, bool] | None]:
-    """`tensor`'s amax by `method` and its outlier note, if any (:func:`calibrate`)."""
+    """`tensor`'s amax by `calibrator` and its outlier note, if any (:func:`calibrate`)."""
     # Finite first: max(|min|, |max|) of a NaN range is 0 and would pass as "all zeros".
     if tensor.count and not (math.isfinite(tensor.min) and math.isfinite(tensor.max)):
         raise DataError(
@@ -132,20 +129,103 @@ def _tensor_amax(name: str, tensor: TensorStats, method: str, params: Mapping[st
         # positive amax represents them.
         return SAFE_AMAX, None
     hist, top = tensor.histogram(num_bins)
-    width = top / num_bins
-    if method == "max":
-        amax = tensor.amax
-    elif method == "entropy":
+    amax = calibrator.amax(hist, top)
+    return amax, _outlier_note(name, tensor, hist, top / num_bins, amax)
+
+
+class Calibrator:
+    """Decides one tensor's amax from its statistics, as a torch.ao observer's
+    ``calculate_qparams`` does (quantlab.collect accumulates them). A subclass is a dataclass
+    whose fields are its parameters (``float`` or ``int`` numbers of bins, with defaults) and
+    is registered in :data:`CALIBRATORS` under the name choices.METHODS spells."""
+
+    # The header of a TensorRT calibration cache of its scales: TensorRT names its calibrator
+    # there, and has none by the name of ours but entropy's, so they take the min-max one.
+    cache_algorithm: ClassVar[str] = "MinMaxCalibration"
+
+    def amax(self, hist: np.ndarray, top: float) -> float:
+        """The amax of a tensor whose |x| histogram (TensorRT's: equal bins) spans [0, top]."""
+        raise NotImplementedError
+
+    def check(self, num_bins: int) -> None:
+        """ConfigError when a parameter is out of its range for `num_bins` bins."""
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The parameters, as ``scales.json`` records them."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MaxCalibrator(Calibrator):
+    """max |x| (TensorRT's MinMaxCalibration of a symmetric range)."""
+
+    def amax(self, hist: np.ndarray, top: float) -> float:
+        return top
+
+
+@dataclass(frozen=True)
+class EntropyCalibrator(Calibrator):
+    """TensorRT's EntropyCalibration2: the threshold of least KL divergence
+    (:func:`entropy_threshold_bin`)."""
+
+    cache_algorithm: ClassVar[str] = "EntropyCalibration2"
+    start_bin: int = 128
+    num_levels: int = 128
+
+    def amax(self, hist: np.ndarray, top: float) -> float:
         # TensorRT puts the threshold in the middle of the bin after the kept
         # ones: (i + 0.5) * width (GTC 2017; TensorRT-written caches show
         # amax = 2048.5/2048 * max for unclipped tensors, e.g. 3c010a14 for max 1).
-        amax = (entropy_threshold_bin(hist, params["start_bin"], params["num_levels"]) + 0.5) \
-            * width
-    elif method == "percentile":
-        amax = percentile_threshold_bin(hist, params["percentile"]) * width
-    else:
-        amax = mse_threshold_bin(hist, params["start_bin"]) * width
-    return amax, _outlier_note(name, tensor, hist, width, amax)
+        return (entropy_threshold_bin(hist, self.start_bin, self.num_levels) + 0.5) \
+            * (top / len(hist))
+
+    def check(self, num_bins: int) -> None:
+        _check_start_bin(self.start_bin, num_bins)
+        if not 1 <= self.num_levels <= num_bins:
+            raise ConfigError(f"num_levels must be in [1, {num_bins}], got {self.num_levels}.")
+
+
+@dataclass(frozen=True)
+class PercentileCalibrator(Calibrator):
+    """The upper edge of the bin where `percentile` % of |x| is reached."""
+
+    percentile: float = 99.99
+
+    def amax(self, hist: np.ndarray, top: float) -> float:
+        return percentile_threshold_bin(hist, self.percentile) * (top / len(hist))
+
+    def check(self, num_bins: int) -> None:
+        if not 0.0 < self.percentile <= 100.0:
+            raise ConfigError(f"percentile must be in (0, 100], got {self.percentile}.")
+
+
+@dataclass(frozen=True)
+class MseCalibrator(Calibrator):
+    """The amax of least int8 squared error over the histogram (:func:`mse_threshold_bin`)."""
+
+    start_bin: int = 128
+
+    def amax(self, hist: np.ndarray, top: float) -> float:
+        return mse_threshold_bin(hist, self.start_bin) * (top / len(hist))
+
+    def check(self, num_bins: int) -> None:
+        _check_start_bin(self.start_bin, num_bins)
+
+
+# The calibrator of each method name the command line spells (choices.METHODS, which
+# tests/test_calibrate.py checks against these keys): a new calibrator is a class and a line.
+CALIBRATORS: dict[str, type[Calibrator]] = {
+    "entropy": EntropyCalibrator,
+    "max": MaxCalibrator,
+    "percentile": PercentileCalibrator,
+    "mse": MseCalibrator,
+}
+
+
+def _check_start_bin(start_bin: int, num_bins: int) -> None:
+    if not 1 <= start_bin <= num_bins:
+        raise ConfigError(f"start_bin must be in [1, {num_bins}], got {start_bin}.")
 
 
 def _outlier_note(name: str, tensor: TensorStats, hist: np.ndarray, width: float,
@@ -185,38 +265,38 @@ def _outlier_message(notes: list[tuple[str, bool]], method: str) -> str:
             f"which rounds most of their values to 0: {shown}{more}. {advice}")
 
 
-def check_method(method: str, params: Mapping[str, Any], num_bins: int = 2048) -> dict[str, Any]:
-    """The full parameter set of `method` (defaults filled in); ConfigError if anything is wrong.
-
-    Cheap, so callers can validate options before a long collection.
-    """
-    if method not in METHODS:
+def make_calibrator(method: str, params: Mapping[str, Any], num_bins: int = 2048
+                    ) -> Calibrator:
+    """The calibrator `method` names with `params` (defaults filled in); ConfigError if
+    anything is wrong. Cheap, so callers can validate options before a long collection."""
+    if method not in CALIBRATORS:
         raise ConfigError(f"calibration method '{method}' is not one of {', '.join(METHODS)}.")
-    defaults = {"entropy": {"start_bin": 128, "num_levels": 128}, "max": {},
-                "percentile": {"percentile": 99.99}, "mse": {"start_bin": 128}}[method]
-    unknown = sorted(set(params) - set(defaults))
+    kinds = {f.name: f.type for f in fields(CALIBRATORS[method])}
+    unknown = sorted(set(params) - set(kinds))
     if unknown:
         raise ConfigError(
             f"calibration method '{method}' has no parameter(s) {unknown}; it takes "
-            f"{sorted(defaults) or 'none'}."
+            f"{sorted(kinds) or 'none'}."
         )
-    merged = {**defaults, **params}
-    for name, value in merged.items():
-        if name == "percentile":
+    numbers = {}
+    for name, value in params.items():
+        if kinds[name] == "float":
             if not _is_real(value):
-                raise ConfigError(f"percentile must be a number, got {value!r}.")
-            merged[name] = float(value)
+                raise ConfigError(f"{name} must be a number, got {value!r}.")
+            numbers[name] = float(value)
         elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise ConfigError(f"{name} must be an integer number of bins, got {value!r}.")
         else:
-            merged[name] = int(value)
-    if method == "percentile" and not 0.0 < merged["percentile"] <= 100.0:
-        raise ConfigError(f"percentile must be in (0, 100], got {merged['percentile']}.")
-    if method in ("entropy", "mse") and not 1 <= merged["start_bin"] <= num_bins:
-        raise ConfigError(f"start_bin must be in [1, {num_bins}], got {merged['start_bin']}.")
-    if method == "entropy" and not 1 <= merged["num_levels"] <= num_bins:
-        raise ConfigError(f"num_levels must be in [1, {num_bins}], got {merged['num_levels']}.")
-    return merged
+            numbers[name] = int(value)
+    calibrator = CALIBRATORS[method](**numbers)
+    calibrator.check(num_bins)
+    return calibrator
+
+
+def check_method(method: str, params: Mapping[str, Any], num_bins: int = 2048) -> dict[str, Any]:
+    """The full parameter set of `method` (defaults filled in); ConfigError if anything is
+    wrong (:func:`make_calibrator`)."""
+    return make_calibrator(method, params, num_bins).params
 
 
 def _is_real(value: Any) -> bool:

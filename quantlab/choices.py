@@ -5,20 +5,36 @@ import the numeric stack (a second and over 100 MB); the modules that act on
 these names import them from here. The zoo's names live in :mod:`quantlab.zoo_names`.
 """
 
-# Calibrators of quantlab.calibrate.
+# Calibrators of quantlab.calibrate, by name (each a class in quantlab.calibrate.CALIBRATORS,
+# which tests/test_calibrate.py checks against this tuple).
 METHODS = ("entropy", "max", "percentile", "mse")
 # The defaults of every command, one per role, here alone (each --help names this module):
-# the calibrator of activations (calibrate --method, plan's starting scales, validate --zoo),
+# the calibrator of activations (calibrate --method, plan's starting scales, validate --zoo,
+# quantlab.calibrate.calibrate),
 # the weight amax (calibrate --weight-amax, validate --zoo). mse since issue 19 (with the
 # weight amax by layer error and bias correction), by benchmarks/default_method.py's rule:
 # behind the best on 1 of 7 models (silero-vad), auto on 2, percentile on 3; plan's default
 # followed in issue 44 (the demo's shapes-det plan: 100% INT8, mAP 0.6652 vs FP32 0.6657,
 # certified on 500 images, as with percentile).
 DEFAULT_METHOD = "mse"
+# The calibrators each planner unit chooses from (plan --calibrators): all of them.
+DEFAULT_PLAN_CALIBRATORS = METHODS
 # The calibrate command's own method: per layer, the calibrator whose amax gives the layer
 # the least error on the calibration data (quantlab.pipeline.calibrate_from_stats).
 AUTO_METHOD = "auto"
 CALIBRATE_METHODS = (*METHODS, AUTO_METHOD)
+# The amax each layer chooses from with method "auto" (label -> calibrator, parameters):
+# the four calibrators and a percentile a decade further out, the best single calibrator
+# on the equalized layout detector with plain weights (20.5 / 17.1 dB on its two page
+# seeds, benchmarks/README.md).
+AUTO_CANDIDATES = {
+    "percentile": ("percentile", {}),
+    "percentile 99.999": ("percentile", {"percentile": 99.999}),
+    "entropy": ("entropy", {}),
+    "max": ("max", {}),
+    "mse": ("mse", {}),
+}
+AUTO_DEFAULT = "percentile"  # for tensors no layer chooses
 # Validation modes of quantlab.validate: stages end to end, or each INT8 layer fed FP32 inputs.
 MODES = ("global", "local")
 # How quantlab.qdq chooses a weight channel's amax: max |w|, or least int8 squared error.

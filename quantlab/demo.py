@@ -23,8 +23,6 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
-from markupsafe import Markup, escape
 from tqdm import tqdm
 
 from quantlab import calibrate, collect, pipeline, plan, qdq, tasks, zoo
@@ -37,13 +35,14 @@ from quantlab.graph import input_specs
 from quantlab.planner.flow import PlanSettings
 from quantlab.progress import progress_bar
 from quantlab.records import DemoSummary
-from quantlab.report import Section, figure_html, table_html, write_report
-from quantlab.report.plan import COLUMNS as DECISION_COLUMNS
-from quantlab.report.plan import (
-    decisions_frame,
-    reason_codes_html,
-    reasons_legend,
-    unit_strip_html,
+from quantlab.report import Section, write_report
+from quantlab.report.demo import (
+    calibration_html,
+    latency_section,
+    layer_text,
+    overview_section,
+    plan_html,
+    story_section,
 )
 from quantlab.validate import validate
 
@@ -127,15 +126,15 @@ def run_model(
     """Calibrate and evaluate `name` with every method (:func:`_calibrations`); for PLANNED
     also validate and plan. Returns the model's summary record and its report sections."""
     record, best = _calibrations(name, out, methods, eval_limit, progress)
-    sections = [Section(name, _calibration_html(record), anchor=name)]
+    sections = [Section(name, calibration_html(record), anchor=name)]
     if name == PLANNED:
         record["validation"] = _validate(zoo.get(name), best, out / name / "validate",
                                          progress)
         del best  # the plan runs in its own memory budget
         record["plan"] = _plan(name, out / name / "plan", methods, eval_limit, progress)
         decided = plan.Plan.load(out / name / "plan" / "plan.json")
-        sections.insert(0, _story_section(record, decided, out / name / "plan"))
-        sections.append(Section(f"{name}: precision plan", _plan_html(record["plan"], decided),
+        sections.insert(0, story_section(record, decided, out / name / "plan"))
+        sections.append(Section(f"{name}: precision plan", plan_html(record["plan"], decided),
                                 anchor="plan"))
     return record, sections
 
@@ -226,17 +225,9 @@ def _validate(entry, result: pipeline.CalibrationResult, out: Path, progress: bo
               "divergence": found and layer(found.tensor, found.node, found.op_type,
                                             found.sqnr_db),
               "worst": worst}
-    _log(f"[{entry.name}] first divergence: {_layer_text(record['divergence'])}; largest "
-         f"errors: {'; '.join(_layer_text(w) for w in worst)}")
+    _log(f"[{entry.name}] first divergence: {layer_text(record['divergence'])}; largest "
+         f"errors: {'; '.join(layer_text(w) for w in worst)}")
     return record
-
-
-def _layer_text(layer: dict | None) -> str:
-    """``tensor (depthwise Conv node, 0.9 dB)``."""
-    if layer is None:
-        return "none"
-    kind = "depthwise Conv" if layer["depthwise"] else layer["op_type"]
-    return f"{layer['tensor']} ({kind} {layer['node']}, {layer['sqnr_db']:.1f} dB)"
 
 
 def _is_depthwise(model, node) -> bool:
@@ -287,312 +278,6 @@ def _plan(name: str, out: Path, methods: Sequence[str], eval_limit: int | None,
                         if r["chosen"] and r["repair"] != "none"]}
 
 
-def _story_section(record: dict, decided: plan.Plan, folder: Path) -> Section:
-    """The first screen: FP32, all-INT8 and planned INT8 of PLANNED in numbers, the layer
-    the validator names, the units the plan pins and why, the command that builds it."""
-    label = tasks.METRIC_LABELS[record["metric"]]
-    planned = record["plan"]
-    certificate = planned["certificate"]
-    budget = 100 * planned["max_drop"]
-    lost = 100 * (record["fp32"] - record["int8"])
-    rows = pd.DataFrame({
-        "model": ["FP32", f"all INT8 ({record['method']}, the best of "
-                          f"{len(record['methods'])} calibrators)",
-                  "planned INT8" + (f" ({', '.join(planned['repairs'])})"
-                                    if planned["repairs"] else "")],
-        "INT8 share of MACs": ["0 %", "100 %", f"{planned['int8_mac_share']:.1%}"],
-        label: [record["fp32"], record["int8"], certificate["value"]],
-        "vs FP32, points": ["", f"{-lost:+.2f}",
-                            f"{100 * (certificate['value'] - certificate['reference']):+.2f}"],
-        f"within {budget:g} point": [
-            "reference", "no" if lost > budget else "yes, not certified",
-            f"certified: {certificate['confidence']:.0%} bound of the margin "
-            f"{100 * certificate['interval'][0]:+.2f} points" if certificate["certified"]
-            else "NOT certified"],
-    })
-    checked = record["validation"]
-    where = Markup("the first layer below 30 dB SQNR is <code>{}</code>; the largest errors "
-                   "are {}").format(
-        _layer_text(checked["divergence"]),
-        Markup(", ").join(Markup("<code>{}</code>").format(_layer_text(w))
-                          for w in checked["worst"]))
-    total = sum(d.macs for d in decided.units.values()) or 1
-    pinned = {unit: d for unit, d in decided.units.items() if d.precision != "int8"}
-    # The units a rule spoke about, whatever the measurement then decided, and the pins.
-    shown = {unit: d for unit, d in decided.units.items() if d.reasons or unit in pinned}
-    pins = pd.DataFrame({
-        "unit": list(shown),
-        "runs in": [d.precision.upper() for d in shown.values()],
-        "share of MACs": [f"{d.macs / total:.2%}" for d in shown.values()],
-        "reasons (hover a code)": [reason_codes_html(d.reasons) for d in shown.values()],
-        "local INT8 SQNR, dB": [d.evidence.get("local_sqnr_int8_db", float("nan"))
-                                for d in shown.values()],
-        "output-noise rank": [d.evidence.get("output_rank") for d in shown.values()],
-    })
-    commands = [line for line in (folder / "trtexec.txt").read_text().splitlines()
-                if line.startswith("trtexec")]
-    build = next((line for line in commands if "--stronglyTyped" in line), commands[0])
-    html = Markup("<p><b>{}</b>: {}. {} on its {} held-out images; INT8 is the Q/DQ model on "
-                  "ONNX Runtime's integer kernels.</p>").format(
-        record["name"], record["description"].rstrip("."), label, record["eval_samples"])
-    html += Markup(table_html(rows, caption=f"FP32, all INT8 and the plan under a {budget:g}-"
-                                            f"point {label} budget", columns={
-        "model": ("name", "which model: FP32, every unit INT8, or the plan's mix"),
-        "INT8 share of MACs": ("%", "share of the linear ops' multiply-accumulates run in INT8"),
-        label: ("0-1", f"{label} on the held-out images"),
-        "vs FP32, points": ("points", f"{label} minus FP32's, x 100"),
-        f"within {budget:g} point": ("verdict", "whether the drop stays inside the budget; "
-                                         "certified: the paired-bootstrap lower bound of the "
-                                         "margin to the limit is above 0"),
-    }))
-    html += Markup("<ol><li><b>Calibrate</b>: one statistics pass, {} calibrators ({}); the best "
-                   "all-INT8 model loses {:.1f} points.</li>").format(
-        len(record["methods"]),
-        ", ".join(f"{m} {v[record['metric']]:.3f}" for m, v in record["methods"].items()), lost)
-    html += Markup("<li><b>Validate</b> layer by layer, each INT8 layer fed the FP32 inputs "
-                   "(local mode, {} images): {} (<a href=\"{}/report.html\">"
-                   "validation report</a>).</li>").format(
-        record["validation"]["samples"], where, record["validation"]["folder"])
-    repaired = (Markup(" with the repair(s) <code>{}</code>").format(", ".join(planned["repairs"]))
-                if planned["repairs"] else "")
-    kept = (Markup("{} of the {} units leave INT8, {:.1%} of the MACs").format(
-        len(pinned), len(decided.units), 1 - planned["int8_mac_share"]) if pinned else
-        Markup("every one of the {} units stays in INT8").format(len(decided.units)))
-    unit_of = {node: d for d in decided.units.values() for node in d.nodes}
-    after = [(w, unit_of[w["node"]]) for w in checked["worst"] if w["node"] in unit_of]
-    remeasured = Markup("; the planner measures {} on their own in its plan").format(
-        Markup(", ").join(Markup("<code>{}</code> {} at {:.1f} dB").format(
-            w["node"], d.precision.upper(), d.evidence.get(f"local_sqnr_{d.precision}_db",
-                                                            float("inf")))
-            for w, d in after)) if after else ""
-    html += Markup("<li><b>Plan</b> (<code>{}</code>): {}{}{}; certified on {} held-out images "
-                   "after {} evaluation(s) of the real INT8 model (<a href=\"#plan\">the plan"
-                   "</a>).</li>").format(planned["command"], kept, repaired, remeasured,
-                                         certificate["samples"], planned["model_runs"])
-    html += Markup("<li><b>Build</b> the engine in <code>{}/</code>, strongly typed from the "
-                   "plan's Q/DQ model (TensorRT 10; the commands for other versions are in its "
-                   "<code>trtexec.txt</code>, <code>quantlab build</code> runs them):<pre>{}</pre>"
-                   "</li></ol>").format(
-        planned["folder"], build)
-    html += Markup(table_html(pins, caption="Units a rule flagged or the plan keeps out of "
-                                            "INT8: reasons, and what was measured", columns={
-        "unit": ("name", "a linear op (with what TensorRT fuses into it) the plan decides"),
-        "runs in": ("precision", "what the plan runs it in"),
-        "share of MACs": ("%", "its share of the linear ops' multiply-accumulates"),
-        "reasons (hover a code)": ("codes", "rules and measurements that decided it (legend "
-                                            "below)"),
-        "local INT8 SQNR, dB": ("dB", "its output with INT8 inputs and weights against FP32, "
-                                      "fed FP32 inputs, on the calibration samples"),
-        "output-noise rank": ("1 = worst", "its rank by the output noise the planner "
-                                           "predicts it adds in INT8"),
-    }))
-    html += reasons_legend(r for d in shown.values() for r in d.reasons)
-    return Section(f"{record['name']}: from FP32 to a certified INT8 plan", html, anchor="story")
-
-
-def _plan_html(planned: dict, decided: plan.Plan) -> str:
-    """The plan in the demo's report: the strip of units and every unit's decision; its own
-    report (front, evaluations, noise waterfall) is linked."""
-    return (Markup("<p><code>{}</code> wrote <code>{}/</code>: plan.json, model.int8.onnx, "
-                   "trtexec.txt and <a href=\"{}/report.html\">its report</a> (the predicted "
-                   "front, every evaluation, the noise each pin removes).</p>").format(
-        planned["command"], planned["folder"], planned["folder"])
-        + unit_strip_html(decided)
-        + Markup(table_html(decisions_frame(decided), caption="Decision per unit",
-                            columns=DECISION_COLUMNS))
-        + reasons_legend(r for d in decided.units.values() for r in d.reasons))
-
-
-# Unit and one-line meaning of each column of the zoo's summary and latency tables.
-SUMMARY_COLUMNS = {
-    "model": ("name", "zoo model (quantlab zoo)"),
-    "task": ("name", "what the model does, which sets its metric"),
-    "metric": ("name", "the task metric on the held-out split"),
-    "FP32": ("0-1", "the FP32 model's metric"),
-    "INT8": ("0-1", "the all-INT8 model's metric (its best calibrator)"),
-    "INT8 calibration": ("name", "that calibrator"),
-    "delta": ("0-1", "INT8 minus FP32"),
-}
-LATENCY_COLUMNS = {
-    "model": ("name", "zoo model"),
-    f"FP32 ms / batch {LATENCY_BATCH}": ("ms", "median ONNX Runtime CPU time of one batch, FP32"),
-    f"INT8 ms / batch {LATENCY_BATCH}": ("ms", "the same for the all-INT8 Q/DQ model"),
-    "INT8 speed-up": ("x", "FP32 time / INT8 time"),
-    "INT8 kernels in ORT": ("op x count", "integer kernels ONNX Runtime ran (QLinearConv, "
-                                          "MatMulInteger, ...)"),
-}
-
-
-def _summary_frame(records: Sequence[dict]) -> pd.DataFrame:
-    return pd.DataFrame(
-        {
-            "model": [r["name"] for r in records],
-            "task": [r["task"] for r in records],
-            "metric": [tasks.METRIC_LABELS[r["metric"]] for r in records],
-            "FP32": [r["fp32"] for r in records],
-            "INT8": [r["int8"] for r in records],
-            "INT8 calibration": [r["method"] for r in records],
-            "delta": [r["delta"] for r in records],
-        }
-    )
-
-
-def _latency_frame(records: Sequence[dict]) -> pd.DataFrame:
-    return pd.DataFrame(
-        {
-            "model": [r["name"] for r in records],
-            f"FP32 ms / batch {LATENCY_BATCH}": [r["fp32_latency_ms"] for r in records],
-            f"INT8 ms / batch {LATENCY_BATCH}": [r["int8_latency_ms"] for r in records],
-            "INT8 speed-up": [r["speedup"] for r in records],
-            "INT8 kernels in ORT": [
-                ", ".join(f"{op} x{n}" for op, n in r["int8_kernels"].items()) or "none"
-                for r in records
-            ],
-        }
-    )
-
-
-def _bars(axis, records: Sequence[dict], key: str, fmt: str | None = None) -> None:
-    """FP32 and INT8 bars of `key` (``{}`` the precision) side by side per model."""
-    x = np.arange(len(records))
-    for offset, precision, color in ((-0.2, "fp32", "#5b6575"), (0.2, "int8", "#76b900")):
-        bars = axis.bar(x + offset, [r[key.format(precision)] for r in records], 0.4,
-                        label=precision.upper(), color=color)
-        if fmt:
-            axis.bar_label(bars, fmt=fmt, fontsize=8)
-
-
-def _accuracy_figure(records: Sequence[dict]):
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 3.4))
-    _bars(axis, records, "{}", "%.3f")
-    axis.set_xticks(np.arange(len(records)),
-                    [f"{r['name']}\n({tasks.METRIC_LABELS[r['metric']]})" for r in records])
-    axis.set_ylim(0, 1.08)
-    axis.set_title("Task metric on the held-out split, all INT8 (best calibrator)")
-    axis.legend(loc="lower right")
-    figure.tight_layout()
-    return figure
-
-
-def _latency_figure(records: Sequence[dict], machine: str):
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 3.2))
-    _bars(axis, records, "{}_latency_ms")
-    axis.set_xticks(np.arange(len(records)), [r["name"] for r in records])
-    axis.set_ylabel(f"ms per batch of {LATENCY_BATCH} (median)")
-    axis.set_title(f"ONNX Runtime on this CPU ({machine}): not TensorRT", fontsize=10)
-    axis.legend()
-    figure.tight_layout()
-    return figure
-
-
-def int8_dot_product() -> str | None:
-    """The int8 dot-product instructions this CPU has (VNNI, ARM dotprod), '' for none,
-    None where /proc/cpuinfo cannot be read."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return None
-    return ", ".join(f for f in ("avx512_vnni", "avx_vnni", "asimddp") if f in flags)
-
-
-def _per_class_figure(record: dict):
-    import matplotlib.pyplot as plt
-
-    classes = list(record["metrics_fp32"]["per_class"])
-    figure, axis = plt.subplots(figsize=(6, 3.2))
-    x = np.arange(len(classes))
-    for offset, key, color in ((-0.2, "fp32", "#5b6575"), (0.2, "int8", "#76b900")):
-        values = [record[f"metrics_{key}"]["per_class"][c] for c in classes]
-        axis.bar(x + offset, values, 0.4, label=key.upper(), color=color)
-    axis.set_xticks(x, classes)
-    axis.set_ylabel("AP@[.5:.95]")
-    axis.set_title(f"{record['name']}: per-class AP")
-    axis.legend(loc="lower right")
-    figure.tight_layout()
-    return figure
-
-
-def _calibration_html(record: dict) -> str:
-    """A model's calibration methods and metrics, FP32 vs the best method's INT8."""
-    # COCO scores -1 where the split has no object of a size (map_large of 128 px images).
-    shown = [k for k, v in record["metrics_fp32"].items() if not isinstance(v, dict) and v != -1]
-    metrics = pd.DataFrame(
-        {
-            "metric": [tasks.METRIC_LABELS.get(k, k) for k in shown],
-            "FP32": [record["metrics_fp32"][k] for k in shown],
-            "INT8": [record["metrics_int8"][k] for k in shown],
-        }
-    )
-    label = tasks.METRIC_LABELS[record["metric"]]
-    by_method = pd.DataFrame(
-        {
-            "calibration method": list(record["methods"]),
-            f"INT8 {label}": [m[record["metric"]] for m in record["methods"].values()],
-            "delta vs FP32": [
-                m[record["metric"]] - record["fp32"] for m in record["methods"].values()
-            ],
-        }
-    )
-    body = (
-        f"<p>{escape(record['description'].rstrip('.'))}. Statistics collected once on "
-        f"{record['calibration_samples']} calibration samples; every calibration method "
-        f"computed its scales from them; evaluated on {record['eval_samples']} held-out "
-        f"samples. The best method, <code>{record['method']}</code>, wrote the artifacts "
-        f"in <code>{record['name']}/</code> (model.onnx, model.int8.onnx, scales.json, "
-        "stats.npz; <code>quantlab calibrate --trt-version</code> adds a TensorRT "
-        "calibration cache).</p>"
-        + table_html(by_method, caption="INT8 metric by calibration method", columns={
-            "calibration method": ("name", "calibrator of every activation scale "
-                                           "(docs/calibration.md)"),
-            f"INT8 {label}": ("0-1", f"the all-INT8 model's {label} on the held-out samples"),
-            "delta vs FP32": ("0-1", "INT8 minus FP32 on the same samples")})
-        + table_html(metrics, caption=f"All metrics, FP32 vs INT8 ({record['method']})",
-                     columns={"metric": ("name", "task metric on the held-out samples"),
-                              "FP32": ("0-1", "the FP32 model's value"),
-                              "INT8": ("0-1", f"the all-INT8 model's value ({record['method']})")})
-    )
-    if record["task"] == "detection":
-        body += figure_html(_per_class_figure(record), "Per-class AP, FP32 vs INT8")
-    return body
-
-
-def _overview_section(records: Sequence[dict]) -> Section:
-    summary = table_html(
-        _summary_frame(records), columns=SUMMARY_COLUMNS,
-        caption=(
-            "Metrics computed on each model's held-out evaluation split; INT8 = the Q/DQ model "
-            "run by ONNX Runtime (CPU) with integer kernels, every layer in INT8."
-        ),
-    )
-    return Section("Every zoo model, all INT8", summary + figure_html(
-        _accuracy_figure(records), "FP32 vs all-INT8 task metric per model"), anchor="zoo")
-
-
-def _latency_section(records: Sequence[dict]) -> Section:
-    found = int8_dot_product()
-    machine = ("int8 dot-product instructions unknown" if found is None
-               else f"with {found}" if found else "no int8 dot-product instructions")
-    html = (
-        "<p>A sanity check, not a deployment figure: the deployment latency is the TensorRT "
-        "engine's (<code>quantlab build</code>). On CPU, ONNX Runtime's int8 kernels pay for "
-        "quantize/dequantize and NCHW-to-NHWC layout changes, which dominate models this "
-        "small; "
-        + ("and this CPU lacks int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI), so "
-           "they also widen to 16 bits.</p>" if found == "" else
-           f"this CPU's int8 dot-product instructions: {found or 'unknown'}.</p>")
-        + table_html(_latency_frame(records), caption="ONNX Runtime CPU latency, all INT8",
-                     columns=LATENCY_COLUMNS)
-        + figure_html(_latency_figure(records, machine),
-                      f"ONNX Runtime CPU latency per batch of {LATENCY_BATCH} on this machine")
-    )
-    return Section("CPU latency in ONNX Runtime (not a TensorRT figure)", html,
-                   anchor="latency")
-
-
 def run_demo(
     out: str | os.PathLike = "reports/demo",
     models: Sequence[str] | None = None,
@@ -618,7 +303,7 @@ def run_demo(
         write_report(
             staging / "report.html",
             "quantlab demo: calibrate, validate and plan INT8 for TensorRT",
-            [*story, _overview_section(records), *details, _latency_section(records)],
+            [*story, overview_section(records), *details, latency_section(records, LATENCY_BATCH)],
             subtitle=f"Every zoo model exported, calibrated ({', '.join(methods)}), quantized "
             f"to Q/DQ INT8 and evaluated in ONNX Runtime; {PLANNED} validated layer by layer "
             f"and planned under a {100 * PLAN_MAX_DROP:g}-point budget. "

@@ -24,6 +24,7 @@ import onnx
 
 from quantlab import cache, calibrate, choices, collect, folding, graph, qdq, trt_ranges
 from quantlab.backends.onnxruntime import SESSION_CONFIG, OnnxRuntimeBackend
+from quantlab.choices import AUTO_CANDIDATES, AUTO_DEFAULT
 from quantlab.data import (
     BatchSource,
     Preprocess,
@@ -40,28 +41,12 @@ from quantlab.zoo_names import ZOO_NAMES
 
 # Files a calibration run writes; a folder holding any of them is refused unless forced.
 CALIBRATION_FILES = CalibrationRecord.FILES
-# TensorRT names the algorithm in the cache header; max/percentile/mse/auto caches are
-# written with the min-max header because TensorRT has no calibrator of those names.
-CACHE_ALGORITHM = {
-    "entropy": "EntropyCalibration2",
-    "max": "MinMaxCalibration",
-    "percentile": "MinMaxCalibration",
-    "mse": "MinMaxCalibration",
-    "auto": "MinMaxCalibration",
-}
+# TensorRT names the algorithm in the cache header: each calibrator's (calibrate.Calibrator);
+# auto's with the min-max header, as TensorRT has no calibrator of that name.
+CACHE_ALGORITHM = {**{name: calibrator.cache_algorithm
+                      for name, calibrator in calibrate.CALIBRATORS.items()},
+                   choices.AUTO_METHOD: calibrate.Calibrator.cache_algorithm}
 AUTO = choices.AUTO_METHOD
-# The amax each layer chooses from with method "auto" (label -> calibrator, parameters):
-# the four calibrators and a percentile a decade further out, the best single calibrator
-# on the equalized layout detector with plain weights (20.5 / 17.1 dB on its two page
-# seeds, benchmarks/README.md).
-AUTO_CANDIDATES = {
-    "percentile": ("percentile", {}),
-    "percentile 99.999": ("percentile", {"percentile": 99.999}),
-    "entropy": ("entropy", {}),
-    "max": ("max", {}),
-    "mse": ("mse", {}),
-}
-AUTO_DEFAULT = "percentile"  # for tensors no layer chooses
 # Samples the per-layer choices (method "auto", weight amax "local") measure on: the
 # planner chooses on 8; more steady the choice, each a local pass per candidate.
 CHOICE_SAMPLES = 32

@@ -7,7 +7,7 @@ model). Adjacent stages are compared per tensor (:mod:`quantlab.compare`) and
 every stage is scored on the task end to end (:mod:`quantlab.tasks`) — like
 Polygraphy's ``Comparator.run(runners)`` followed by ``compare_accuracy``.
 
-Modes for the FP32-vs-engine pair:
+Modes for the FP32-vs-engine pair (each a test stage of :mod:`quantlab.validate_modes`):
 
 * ``global``: both graphs run end to end; a tensor's error includes the error of
   every layer before it. The engine runs twice: once with the compared tensors
@@ -48,21 +48,20 @@ from quantlab.choices import MODES
 from quantlab.collect import parse_memory
 from quantlab.compare import PairResult
 from quantlab.data import BatchSource
-from quantlab.errors import ConfigError, DataError, InternalRunError
+from quantlab.errors import ConfigError, DataError
 from quantlab.experiment import (
     atomic_write,
     check_output,
     recorded_path,
 )
-from quantlab.fusion import fused_activation
 from quantlab.planner.measure import output_sample_axes
 from quantlab.progress import progress_bar
 from quantlab.records import ValidationSummary
 from quantlab.report import write_report
 from quantlab.report.validation import next_steps, validation_section
 from quantlab.scoring import Certificate, PairedScore
-from quantlab.sensitivity import LocalErrorModel, local_error_model
 from quantlab.tasks import Task, TaskScore
+from quantlab.validate_modes import TEST_STAGES, SegmentedRun, TestStage, drop, last_use
 
 __all__ = ["ENGINE", "FP32", "MODES", "TORCH", "Task", "ValidationResult", "layers_file",
            "validate"]
@@ -80,31 +79,9 @@ MEMORY_BUDGET = 2 << 30
 EXPOSED_SHARE = 0.5
 # Below this share of float tensors compared, the torch pair is flagged as partial.
 TORCH_MAPPED_WARNING = 0.5
-NOTES = {
-    "global": (
-        "Global mode runs the INT8 model twice per sample: once with every compared tensor "
-        "exposed as a graph output — ONNX Runtime then keeps the Q/DQ graph in float, so the "
-        "layer rows measure fake quantization — and once unexposed, with its integer kernels, "
-        "for the end-to-end outputs and the task metrics."),
-    "local": (
-        "Local mode feeds each quantized node of the INT8 model the FP32 run's inputs, so a "
-        "layer row is the error that node's own quantization adds, taken where TensorRT's "
-        "fused layer ends: after the folded BatchNorm, the bias and the activation TensorRT "
-        "fuses into a Conv/Gemm/MatMul (column fused_activation); the end-to-end outputs and "
-        "the task metrics come from an unexposed run of the INT8 model (integer kernels)."),
-    # An engine stage that exposes only some tensors (TensorRT): N19 of trt-review-r2.
-    "exposing": (
-        "The engine stage runs once per slice and returns its outputs and the intermediate "
-        "tensors it exposes (column obtained); the tensors it does not expose are listed as not "
-        "compared. The slice is at most the engine's profile batch, and every tensor the engine "
-        "exposes counts against the memory budget: TensorRT's debug listener copies all of them "
-        "on every run, whichever are asked for."),
-}
-
-
 def layers_file(reference: str, test: str, mode: str = "global") -> str:
     """File name of a pair's per-tensor table, e.g. ``layers_onnx_fp32_vs_engine_int8.csv``."""
-    suffix = "_local" if mode == "local" else ""
+    suffix = "" if mode == "global" else f"_{mode}"
     return f"layers_{reference}_vs_{test}{suffix}.csv"
 
 
@@ -206,7 +183,7 @@ def validate(
                           atol=atol, rtol=rtol, progress=progress, memory_budget=memory_budget,
                           paired=paired)
     index = streamed.index
-    notes = [NOTES["exposing" if hasattr(engine, "available") else mode]]
+    notes = [streamed.note]
     info = index.tensor_info()
     pairs = [_pair_result(p, info, index.order, threshold_db, min_drop_db, index.floats)
              for p in streamed.pairs]
@@ -355,47 +332,7 @@ class StageRuns:
     pairs: list[_Pair]
     scores: dict[str, TaskScore]
     memory: dict
-
-
-class _Segmented:
-    """A stage run segment by segment: one backend per segment of its graph.
-
-    `uncut` says whether `stage` runs on the slice's graph inputs (then a failed segment
-    is told from failing data by running it whole) and `hint` how to cut less.
-    """
-
-    def __init__(self, stage: Backend, plan: list[segments.Segment], uncut: bool = True,
-                 hint: str = ""):
-        self.stage = stage
-        self.plan = plan
-        self.uncut, self.hint = uncut, hint
-        if isinstance(stage, OnnxRuntimeBackend):
-            # Segment sessions run one after another and share ONNX Runtime's process-wide
-            # arena: memory peaks at the largest segment's, not at the sum over segments.
-            # Comparisons run between the runs: ORT's threads must not spin-wait on the cores.
-            self.backends = [
-                OnnxRuntimeBackend(s.model, name=stage.name, providers=stage.providers,
-                                   threads=stage.threads, optimization=stage.optimization,
-                                   check_inputs=False, shared_arena=True, spinning=False)
-                if s.outputs else None for s in plan]
-        else:
-            self.backends = None  # any other backend runs whole, exposing what is asked
-
-    def run(self, number: int, live: Mapping[str, np.ndarray],
-            batch: Mapping[str, np.ndarray], samples: str) -> dict[str, np.ndarray]:
-        """Outputs of segment `number`, its inputs read from `live` (graph inputs from `batch`);
-        `samples` names the slice in an error."""
-        segment = self.plan[number]
-        if not segment.outputs:
-            return {}
-        if self.backends is None:
-            return self.stage.run(batch, segment.outputs)
-        try:
-            return self.backends[number].run({name: live[name] for name in segment.inputs})
-        except InternalRunError as error:
-            whole = (lambda: self.stage.run(batch)) if self.uncut else None
-            raise segments.run_failure(error, whole, f"'{self.stage.name}'", number, len(self.plan),
-                                       samples, self.hint) from None
+    note: str  # how the test stage ran (summary.json's notes)
 
 
 def run_stages(
@@ -418,55 +355,22 @@ def run_stages(
     except the outputs `paired` keeps for a metric other than output SQNR.
     """
     index = graph.Graph(fp32.model)
-    engine_index = graph.Graph(engine.model)
-    shared = index.common_tensors(engine_index)
-    exposing = hasattr(engine, "available")  # TensorRT returns only its outputs and debug tensors
-    if exposing:
-        shared = engine.available(shared)
-        if mode == "local":
-            raise ConfigError(
-                f"--mode local measures each node on cut-outs of the Q/DQ model run in ONNX "
-                f"Runtime, so its layer rows would not come from the engine '{engine.name}' "
-                "(trt-review-r2 N5); validate a TensorRT engine with --mode global, or the Q/DQ "
-                "model with --engine-backend onnxruntime for local rows.")
-    local = local_error_model(engine_index, index) if mode == "local" else None
+    test = TEST_STAGES[mode](engine, index, graph.Graph(engine.model))
     pairs: list[_Pair] = []
     if torch_stage is not None:
         pairs.append(_torch_pair(torch_stage, fp32.name, index, atol, rtol))
-    if local is None:
-        engine_tensors = shared
-        upstream = index.upstream(shared)
-    else:
-        engine_tensors = [t for t in index.order if t in set(local.outputs.values())]
-        upstream = {}  # fed the FP32 inputs, a node's only error is its own: judged against +inf
-    extra = {"quantized_inputs": local.quantized_inputs} if local else {}
-    layers: dict[str, str] = {}
-    if local is not None:
-        # A linear op is compared at the end of the activation fused into its layer: its row
-        # names the op, and the activation nodes measured with it.
-        nodes = {node.name: node for node in index.model.graph.node}
-        for name, tensor in local.outputs.items():
-            node = nodes[local.nodes[name]]
-            if tensor not in node.output:
-                layers[tensor] = node.output[0]
-                extra.setdefault("fused_activation", {})[tensor] = [
-                    n.name for n in fused_activation(index, node)]
-    sources = getattr(engine, "tensor_sources", None)  # TensorRT: how each tensor was obtained
-    if sources:
-        extra["obtained"] = {t: [sources[t]] for t in engine_tensors if t in sources}
+    compared = set(test.tensors)
     pairs.append(_Pair(
-        fp32.name, engine.name, mode,
-        compare.Comparison(engine_tensors, fp32.name, engine.name, atol, rtol),
+        fp32.name, engine.name, test.mode,
+        compare.Comparison(test.tensors, fp32.name, engine.name, atol, rtol),
         compare.Comparison(index.outputs, fp32.name, engine.name, atol, rtol),
-        upstream, [t for t in index.order if t in index.floats and t not in set(engine_tensors)],
-        extra, list(getattr(engine, "notes", [])), layers=layers))
+        test.upstream(), [t for t in index.order if t in index.floats and t not in compared],
+        test.extra, list(getattr(engine, "notes", [])), layers=test.layers))
     scores = {s.name: task.score() for s in (torch_stage, fp32, engine) if s is not None} \
         if task is not None else {}
     torch_tensors = pairs[0].comparison.tensors if torch_stage is not None else []
-    layout = _Layout.plan(index, data, next(iter(data)), engine_tensors, torch_tensors, local,
-                          memory_budget, segmentable=isinstance(fp32, OnnxRuntimeBackend),
-                          engine_whole=list(engine.tensor_sources) if exposing else (),
-                          engine_index=engine_index)
+    layout = _Layout.plan(index, data, next(iter(data)), test, torch_tensors, memory_budget,
+                          segmentable=isinstance(fp32, OnnxRuntimeBackend))
     # A TensorRT engine takes at most its optimization profile's batch (trt-review-r2 N2).
     engine_batch = getattr(engine, "max_batch", None)
     if engine_batch is not None and layout.fixed and layout.slice_size > engine_batch:
@@ -476,7 +380,7 @@ def run_stages(
             "(quantlab build) so that its profile matches.")
     if engine_batch is not None:
         layout.slice_size = min(layout.slice_size, engine_batch)
-    stream = _Stream(index, engine_index, fp32, engine, torch_stage, local, layout, pairs, scores)
+    stream = _Stream(index, fp32, test, torch_stage, layout, pairs, scores)
     if paired is not None:  # outputs samples first, as the planner's metrics read them
         stream.paired = paired
         stream.output_axes = output_sample_axes(fp32.model, fp32.run, next(iter(data)), data)
@@ -503,7 +407,7 @@ def run_stages(
     memory = {"budget_bytes": memory_budget, "slice_samples": layout.slice_size,
               "fixed_batch": layout.fixed, "segments": len(layout.groups),
               "exposed_bytes_per_sample": layout.sample_bytes}
-    return StageRuns(index, pairs, scores, memory)
+    return StageRuns(index, pairs, scores, memory, test.note)
 
 
 def _torch_pair(torch_stage: Backend, reference: str, index: graph.Graph, atol: float,
@@ -541,35 +445,32 @@ class _Layout:
     slice_size: int
     fixed: bool
     groups: list[list[str]]
-    local_groups: list[list[str]]
     fp32_extra: list[str]
     sample_bytes: int
 
     @classmethod
     def plan(cls, index: graph.Graph, data: BatchSource, first: Mapping[str, np.ndarray],
-             engine_tensors: Sequence[str], torch_tensors: Sequence[str],
-             local: LocalErrorModel | None, budget: int, segmentable: bool,
-             engine_whole: Sequence[str] = (), engine_index: graph.Graph | None = None
+             test: TestStage, torch_tensors: Sequence[str], budget: int, segmentable: bool
              ) -> _Layout:
         """Slices shrink to one sample (or the model's fixed batch) before the graph is cut.
 
-        `engine_whole`: the tensors of `engine_index` one engine run holds whatever is asked
-        of it (TensorRT's debug listener copies every exposed tensor); their bytes come off
-        the budget first, and the engine's values are not counted again per segment.
+        The tensors `test` holds whole (TensorRT's debug listener copies every exposed
+        tensor) come off the budget first, and the engine's values are not counted again per
+        segment; the FP32 tensors it is fed are exposed where they are produced.
         """
         fixed = graph.fixed_batch_size(index.model) is not None
         unit = first if fixed else data.slice(first, 0, 1)
         shapes = {name: np.shape(value) for name, value in unit.items()}
         sizes = index.sample_bytes(shapes)
         engine_held = 0
-        if engine_whole:
-            held = engine_index.sample_bytes(shapes)
-            engine_held = sum(held.get(t, 0) for t in engine_whole)
-        engine_set, torch_set = set(engine_tensors), set(torch_tensors)
+        if test.whole:
+            held = test.engine_index.sample_bytes(shapes)
+            engine_held = sum(held.get(t, 0) for t in test.whole)
+        engine_set, torch_set = set(test.tensors), set(torch_tensors)
         compared = engine_set | torch_set
         # The engine's values are counted in engine_held already when it runs whole.
-        per_segment = set() if engine_whole else engine_set
-        extra = [t for t in (local.feeds if local else []) if t not in compared]
+        per_segment = set() if test.whole else engine_set
+        extra = [t for t in test.feeds if t not in compared]
         exposed_names = [t for t in index.order if t in compared or t in extra
                          or t in index.outputs]
         # Bytes held per tensor: the FP32 value plus each stage's value compared with it.
@@ -596,13 +497,7 @@ class _Layout:
             slice_size = graph.fixed_batch_size(index.model)
         groups = [[t for t in group if t not in skipped] for group in cut]
         groups[-1] = list(dict.fromkeys([*groups[-1], *index.outputs]))
-        group_of = {t: k for k, group in enumerate(groups) for t in group}
-        local_groups: list[list[str]] = [[] for _ in groups]
-        if local is not None:
-            by_tensor = {v: k for k, v in local.outputs.items()}
-            for tensor in engine_tensors:
-                local_groups[group_of[tensor]].append(by_tensor[tensor])
-        return cls(slice_size, fixed, groups, local_groups, extra, per_unit + engine_held)
+        return cls(slice_size, fixed, groups, extra, per_unit + engine_held)
 
     def hint(self) -> str:
         """How to run with fewer cuts: the memory budget that exposes one sample uncut."""
@@ -615,40 +510,24 @@ class _Layout:
 class _Stream:
     """Runs slices through the stages segment by segment and folds what they produce."""
 
-    def __init__(self, index: graph.Graph, engine_index: graph.Graph, fp32: Backend,
-                 engine: Backend, torch_stage: Backend | None, local: LocalErrorModel | None,
-                 layout: _Layout, pairs: list[_Pair], scores: dict[str, TaskScore]):
-        self.index, self.fp32, self.engine, self.torch = index, fp32, engine, torch_stage
-        self.local, self.layout, self.scores = local, layout, scores
+    def __init__(self, index: graph.Graph, fp32: Backend, test: TestStage,
+                 torch_stage: Backend | None, layout: _Layout, pairs: list[_Pair],
+                 scores: dict[str, TaskScore]):
+        self.index, self.fp32, self.test, self.torch = index, fp32, test, torch_stage
+        self.engine = test.engine
+        self.layout, self.scores = layout, scores
         self.torch_pair = pairs[0] if torch_stage is not None else None
         self.pool: ThreadPoolExecutor | None = None
         self.engine_pair = pairs[-1]
         self.outputs = list(index.outputs)
         self.engine_pair.channels = {o: compare.ChannelError() for o in self.outputs}
         hint = layout.hint()
-        self.fp32_run = _Segmented(fp32, segments.plan_segments(index, layout.groups,
-                                                                extra=layout.fp32_extra),
-                                   hint=hint)
-        # An engine that exposes only some tensors (TensorRT) runs whole, once per slice, asked
-        # only for what it exposes (trt-review-r2 N1, N9); None: the engine runs segment by segment.
-        self.exposed = (list(self.engine_pair.comparison.tensors)
-                        if hasattr(engine, "available") else None)
-        if self.exposed is not None:
-            self.test_run = None
-        elif local is None:
-            self.test_run = _Segmented(engine, segments.plan_segments(engine_index,
-                                                                      layout.groups), hint=hint)
-        else:
-            # Local mode is defined on the Q/DQ ONNX graph: its cut-out nodes run in ONNX Runtime,
-            # fed the FP32 run's tensors (so it cannot be run uncut on the slice's inputs).
-            local_index = graph.Graph(local.model)
-            self.test_run = _Segmented(OnnxRuntimeBackend(local.model, name=engine.name),
-                                       segments.plan_segments(local_index, layout.local_groups),
-                                       uncut=False, hint=hint)
-        steps = len(layout.groups)
-        self.fp32_last = _last_use(self.fp32_run.plan, self.test_run.plan if local else [])
-        self.fp32_last.update(dict.fromkeys(self.outputs, steps))  # read after the last step
-        self.test_last = _last_use(self.test_run.plan) if local is None and self.test_run else {}
+        self.fp32_run = SegmentedRun(fp32, segments.plan_segments(index, layout.groups,
+                                                                  extra=layout.fp32_extra),
+                                     hint=hint)
+        fed = test.start(layout.groups, hint)
+        self.fp32_last = last_use(self.fp32_run.plan, fed)
+        self.fp32_last.update(dict.fromkeys(self.outputs, len(layout.groups)))  # read at the end
         self.inputs = set(index.input_names)
         self.paired: PairedScore | None = None
         self.output_axes: dict[str, int] = {}
@@ -659,26 +538,12 @@ class _Stream:
         torch_values = None
         if self.torch is not None:
             torch_values = self.torch.run(part, [*self.torch_pair.comparison.tensors, *outputs])
-        engine_values: dict[str, np.ndarray] = {}
-        if self.exposed is not None:
-            engine_values = self.engine.run(part, list(dict.fromkeys([*self.exposed, *outputs])))
-            engine_outputs = {o: engine_values[o] for o in outputs}
-        else:
-            # The engine's end-to-end outputs come from its own unexposed run (integer kernels).
-            engine_outputs = self.engine.run(part)
+        engine_outputs = self.test.begin(part)
         fp32_live = {name: part[name] for name in self.index.input_names}
-        test_live = dict(fp32_live)
         samples = f"samples {start}..{stop - 1}"
         for number, group in enumerate(self.layout.groups):
             fp32_live.update(self.fp32_run.run(number, fp32_live, part, samples))
-            if self.exposed is not None:
-                test_values = {t: engine_values[t] for t in group if t in engine_values}
-            elif self.local is None:
-                test_live.update(self.test_run.run(number, test_live, part, samples))
-                test_values = test_live
-            else:
-                test_values = {self.local.outputs[k]: v for k, v in
-                               self.test_run.run(number, fp32_live, part, samples).items()}
+            test_values = self.test.values(number, group, fp32_live, part, samples)
             # The comparison kernel counts NaN/Inf as it folds; only then are they searched.
             flagged = self.engine_pair.comparison.update(
                 fp32_live, test_values, [t for t in group if t in test_values], self.pool)
@@ -692,11 +557,9 @@ class _Stream:
             if flagged:
                 self._blame(fp32_live, torch_values or {}, test_values, group,
                             f" ({self.engine_pair.mode} mode)")
-            for name in [t for t in engine_values if t in group and t not in outputs]:
-                del engine_values[name]
             del test_values
-            _drop(fp32_live, self.fp32_last, number, self.inputs)
-            _drop(test_live, self.test_last, number, self.inputs)
+            drop(fp32_live, self.fp32_last, number, self.inputs)
+            self.test.done(number)
         stage_outputs = {self.fp32.name: {o: fp32_live[o] for o in outputs},
                          self.engine.name: engine_outputs}
         flagged = self.engine_pair.outputs.update(stage_outputs[self.fp32.name], engine_outputs)
@@ -729,22 +592,3 @@ class _Stream:
                 raise DataError(
                     f"{stage}: tensor '{bad}' contains NaN or Inf. It is the first such tensor "
                     "in topological order; check the input data and the layer that produces it.")
-
-
-def _last_use(*plans: Sequence[segments.Segment]) -> dict[str, int]:
-    """For each tensor the segments of `plans` expose or read, the last step that reads it."""
-    last: dict[str, int] = {}
-    for plan in plans:
-        for segment in plan:
-            for name, step in segment.last_use.items():
-                last[name] = max(last.get(name, step), step)
-            for name in segment.inputs:
-                last[name] = max(last.get(name, segment.index), segment.index)
-    return last
-
-
-def _drop(live: dict[str, np.ndarray], last_use: Mapping[str, int], step: int,
-          keep: set[str]) -> None:
-    """Forget the tensors no step after `step` reads, except `keep` (the slice's inputs)."""
-    for name in [n for n in live if n not in keep and last_use.get(n, step + 1) <= step]:
-        del live[name]

@@ -6,14 +6,17 @@ import numpy as np
 import pytest
 from helpers import zoo_params
 
-from quantlab import graph, qdq, zoo
+from quantlab import choices, graph, qdq, zoo
 from quantlab.calibrate import (
+    CALIBRATORS,
     KL_TIE_TOLERANCE,
     SAFE_AMAX,
+    Calibrator,
     Scales,
     calibrate,
     check_method,
     entropy_threshold_bin,
+    make_calibrator,
     mse_threshold_bin,
     percentile_threshold_bin,
 )
@@ -371,3 +374,34 @@ def test_scales_load_refuses_non_finite_or_non_numeric_amax(tmp_path, amax):
         Scales.load(path)
 
 
+
+
+def test_calibrator_registry_matches_the_methods_the_command_line_offers():
+    assert tuple(CALIBRATORS) == choices.METHODS
+    assert choices.DEFAULT_METHOD in CALIBRATORS
+    assert set(choices.DEFAULT_PLAN_CALIBRATORS) <= set(CALIBRATORS)
+    for label, (name, params) in choices.AUTO_CANDIDATES.items():
+        assert isinstance(make_calibrator(name, params), CALIBRATORS[name]), label
+    assert choices.AUTO_DEFAULT in choices.AUTO_CANDIDATES
+    for name, cls in CALIBRATORS.items():
+        assert issubclass(cls, Calibrator)
+        assert check_method(name, {}) == cls().params  # the class's fields are the defaults
+    # TensorRT has a calibrator of our entropy's name alone: other caches get min-max's header.
+    from quantlab import pipeline
+
+    assert pipeline.CACHE_ALGORITHM == {**dict.fromkeys(choices.CALIBRATE_METHODS,
+                                                        "MinMaxCalibration"),
+                                        "entropy": "EntropyCalibration2"}
+
+
+def test_calibrator_classes_choose_the_reference_bins():
+    rng = np.random.default_rng(5)
+    hist = np.histogram(np.abs(rng.standard_t(3, 50_000)), bins=256)[0].astype(np.float64)
+    top, width = 8.0, 8.0 / 256
+    assert CALIBRATORS["max"]().amax(hist, top) == top
+    assert CALIBRATORS["entropy"](start_bin=32, num_levels=16).amax(hist, top) == (
+        reference_entropy_bin(hist, 32, 16) + 0.5) * width
+    assert CALIBRATORS["percentile"](99.0).amax(hist, top) == (
+        reference_percentile_bin(hist, 99.0) * width)
+    assert CALIBRATORS["mse"](start_bin=64).amax(hist, top) == (
+        reference_mse_bin(hist, 64) * width)

@@ -331,3 +331,45 @@ def test_no_library_module_imports_the_command_line():
             reaching += [f"{path.relative_to(root)}: {name}" for name in names
                          if name.startswith(("quantlab.commands", "quantlab.cli"))]
     assert reaching == []
+
+
+def test_no_import_circle_in_the_package():
+    """No module of quantlab/ reaches itself through imports, function-level ones included.
+    ``from package import name`` counts as importing the package (its ``__init__`` runs
+    first), as an import-graph drawing shows it: zoo/__init__.py once imported shapes_det.py,
+    which imported ``shapes`` from the zoo package."""
+    import ast
+    from pathlib import Path
+
+    import quantlab
+
+    root = Path(quantlab.__file__).parent
+    files = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    imports = {}
+    for module, path in files.items():
+        named = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                named |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                named |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        imports[module] = sorted(named & set(files) - {module})
+
+    def circle_from(start):
+        """A path of imports from `start` back to it, or None (depth first)."""
+        seen, todo = set(), [(start, [start])]
+        while todo:
+            module, path = todo.pop()
+            for target in imports[module]:
+                if target == start:
+                    return [*path, start]
+                if target not in seen:
+                    seen.add(target)
+                    todo.append((target, [*path, target]))
+        return None
+
+    circles = [circle_from(module) for module in sorted(files)]
+    assert [c for c in circles if c] == []

@@ -9,6 +9,7 @@ from helpers import assert_every_column_explained
 from quantlab import demo
 from quantlab.plan import Plan, Reason, UnitDecision
 from quantlab.report import render_report
+from quantlab.report.demo import story_section
 
 
 def _record(certified: bool = True) -> dict:
@@ -46,7 +47,7 @@ def test_story_tells_fp32_all_int8_and_the_plan_with_pins_explained(tmp_path):
     (tmp_path / "trtexec.txt").write_text("# TensorRT 8.6 - 10.x\ntrtexec --onnx=model.int8.onnx "
                                           "--int8\n# TensorRT 10.x\ntrtexec --onnx=model.int8"
                                           ".onnx --stronglyTyped\n")
-    section = demo._story_section(_record(), _plan(), tmp_path)
+    section = story_section(_record(), _plan(), tmp_path)
     page = render_report("demo", [section])
     # The three rows of the first screen, in numbers.
     for text in ("0.6657", "0.5497", "0.6615", "98.1%", "-11.60", "-0.42",
@@ -70,7 +71,7 @@ def test_story_says_when_the_plan_is_not_certified_and_nothing_is_pinned(tmp_pat
     (tmp_path / "trtexec.txt").write_text("trtexec --onnx=model.int8.onnx\n")
     plan = _plan()
     plan.units["dw<1>"].precision = "int8"
-    page = render_report("demo", [demo._story_section(_record(certified=False), plan, tmp_path)])
+    page = render_report("demo", [story_section(_record(certified=False), plan, tmp_path)])
     assert "NOT certified" in page and "every one of the 2 units stays in INT8" in page
 
 

@@ -964,3 +964,14 @@ def test_a_metric_bootstrap_shows_progress(four_conv, tmp_path, capsys):
     lines = capsys.readouterr().err.splitlines()
     assert "agreement: bootstrap: started, 30 resample" in lines
     assert any(line.startswith("agreement: bootstrap: done, 30 resample") for line in lines)
+
+
+def test_test_stage_registry_matches_the_modes_the_command_line_offers():
+    from quantlab import choices
+    from quantlab.validate import layers_file
+    from quantlab.validate_modes import TEST_STAGES
+
+    assert tuple(TEST_STAGES) == choices.MODES
+    # The global table keeps its name; every other mode's table is told apart by a suffix.
+    assert layers_file(FP32, ENGINE, "global") == f"layers_{FP32}_vs_{ENGINE}.csv"
+    assert len({layers_file(FP32, ENGINE, mode) for mode in choices.MODES}) == len(choices.MODES)

@@ -67,7 +67,7 @@ EPILOG = DATA_HELP
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `quantlab plan`."""
     from quantlab import choices
-    from quantlab.choices import DEFAULT_METHOD, DEFAULTS_FROM, METHODS
+    from quantlab.choices import DEFAULT_METHOD, DEFAULT_PLAN_CALIBRATORS, DEFAULTS_FROM, METHODS
 
     parser.add_argument("model", metavar="MODEL", help=".onnx file or zoo model name")
     parser.add_argument("--eval", required=True, metavar="EVAL",
@@ -89,8 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="calibrator of the tensors no unit quantizes (TensorRT <= 10 "
                              "cache ranges) and the starting scales (default: %(default)s, "
                              f"from {DEFAULTS_FROM}: calibrate's)")
-    parser.add_argument("--calibrators", nargs="+", default=list(METHODS), choices=METHODS,
-                        metavar="METHOD",
+    parser.add_argument("--calibrators", nargs="+", default=list(DEFAULT_PLAN_CALIBRATORS),
+                        choices=METHODS, metavar="METHOD",
                         help="methods each unit chooses its input scales from, by local INT8 "
                              "error (a repair tried before pins; default: all of "
                              f"{', '.join(METHODS)}; give --method alone to keep one)")

@@ -114,18 +114,7 @@ def plan_section(result: PlanResult, steps: Iterable[str] = ()) -> Section:
                         f"calibration samples ({_screened_on(result)}) it scored "
                         f"{e.certificate.value:.4g} against a limit of "
                         f"{e.certificate.limit:.4g}, its whole bootstrap interval below it.")
-    models = [r for r in result.plan.repairs if "all_int8_nsr_first_batch" in r]
-    if models:
-        weighed = ", ".join(f"{r['repair']} {r['all_int8_nsr_first_batch']:.3g}" for r in models)
-        chosen = next(r["repair"] for r in models if r["chosen"])
-        summary += (f" Repairs weighed before pins by all-INT8 output NSR on the first "
-                    f"calibration batch: {weighed}; planned: {chosen}.")
-    for r in result.plan.repairs:
-        if r["repair"] == "bias_correction":
-            summary += (f" Bias correction ({r['applied']} INT8 ops, measured in one pass on "
-                        f"the calibration data) {'applied' if r['chosen'] else 'not applied'}: "
-                        f"all-INT8 output NSR on the hardest samples {r['hard_nsr_before']:.3g} "
-                        f"without, {r['hard_nsr_after']:.3g} with.")
+    summary += _repairs_text(result.plan.repairs)
     too_small = certificate.too_small_message()
     too_small = too_small[:1].upper() + too_small[1:]
     html = _ENV.get_template("plan.html").render(
@@ -149,6 +138,24 @@ def plan_section(result: PlanResult, steps: Iterable[str] = ()) -> Section:
         legend=reasons_legend(r for d in result.plan.units.values() for r in d.reasons),
     )
     return Section("Precision plan", html, anchor="plan")
+
+
+def _repairs_text(repairs: list[dict]) -> str:
+    """The plan summary's sentences on the repairs weighed (plan.json's ``repairs``)."""
+    text = ""
+    models = [r for r in repairs if "all_int8_nsr_first_batch" in r]
+    if models:
+        weighed = ", ".join(f"{r['repair']} {r['all_int8_nsr_first_batch']:.3g}" for r in models)
+        chosen = next(r["repair"] for r in models if r["chosen"])
+        text += (f" Repairs weighed before pins by all-INT8 output NSR on the first "
+                 f"calibration batch: {weighed}; planned: {chosen}.")
+    for r in repairs:
+        if r["repair"] == "bias_correction":
+            text += (f" Bias correction ({r['applied']} INT8 ops, measured in one pass on "
+                     f"the calibration data) {'applied' if r['chosen'] else 'not applied'}: "
+                     f"all-INT8 output NSR on the hardest samples {r['hard_nsr_before']:.3g} "
+                     f"without, {r['hard_nsr_after']:.3g} with.")
+    return text
 
 
 def _screened_on(result: PlanResult) -> str:

@@ -79,7 +79,7 @@ COLUMNS = {
 
 def pair_label(pair: PairResult) -> str:
     """``onnx_fp32 vs engine_int8 (local)``."""
-    return f"{pair.reference} vs {pair.test}" + (" (local)" if pair.mode == "local" else "")
+    return f"{pair.reference} vs {pair.test}" + ("" if pair.mode == "global" else f" ({pair.mode})")
 
 
 def worst_tensors(table: pd.DataFrame, exported: Mapping[str, DecomposedOp]) -> pd.DataFrame:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from quantlab.zoo import shapes
+from quantlab.zoo.shapes import CATEGORIES, IMAGE_SIZE
 
 STRIDE = 4
-INPUT_SHAPE = (3, shapes.IMAGE_SIZE, shapes.IMAGE_SIZE)
+INPUT_SHAPE = (3, IMAGE_SIZE, IMAGE_SIZE)
 OUTPUT_NAMES = ("scores", "boxes")
 MEAN, STD = 0.5, 0.25
 # Box distances are predicted in units of this many pixels (TTFNet uses 16).
@@ -95,7 +95,7 @@ def classwise_nms(xyxy: np.ndarray, classes: np.ndarray, iou_threshold: float) -
 
 
 def targets(objects_per_image: list[list[dict]], height: int, width: int,
-            num_classes: int = len(shapes.CATEGORIES), alpha: float = 0.54
+            num_classes: int = len(CATEGORIES), alpha: float = 0.54
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Training targets (TTFNet): Gaussian heatmaps, box targets and box-loss weights.
 

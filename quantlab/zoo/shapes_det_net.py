@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from quantlab.zoo import shapes
+from quantlab.zoo.shapes import CATEGORIES
 from quantlab.zoo.shapes_det import BOX_SCALE, cell_centers
 
 
@@ -72,7 +72,7 @@ class Neck(nn.Module):
 class Head(nn.Module):
     """Detection head: a class-heatmap branch and a box-distance branch."""
 
-    def __init__(self, width: int = 64, num_classes: int = len(shapes.CATEGORIES)) -> None:
+    def __init__(self, width: int = 64, num_classes: int = len(CATEGORIES)) -> None:
         super().__init__()
         self.cls_tower = nn.Sequential(DepthwiseSeparable(width, width),
                                        DepthwiseSeparable(width, width))
