@@ -540,17 +540,6 @@ def read_artifact(path: str | os.PathLike, file_format: str, what: str, made_by:
     return read_record(path, what, file_format=file_format, made_by=made_by)
 
 
-
-def read_calibration_record(folder: str | os.PathLike) -> dict:
-    """``calibration.json`` of a `quantlab calibrate` folder as a dict, its fields checked
-    (:class:`quantlab.records.CalibrationRecord`), ``preprocess`` a
-    :class:`quantlab.data.Preprocess` or None."""
-    from quantlab.records import CalibrationRecord  # records builds on this module
-
-    record = CalibrationRecord.read(folder)
-    return {**record.values(), "preprocess": record.preprocessing()}
-
-
 class Checkpoint:
     """The finished work of an interrupted run, in one JSON file, so that a re-run resumes.
 

@@ -17,9 +17,8 @@ import numpy as np
 from quantlab import collect, graph, pipeline
 from quantlab.data import DataOptions, Preprocess, checked_digest, open_data, preprocessing
 from quantlab.errors import ConfigError, DataError
-from quantlab.experiment import read_calibration_record
 from quantlab.planner.decisions import Plan
-from quantlab.records import PlanSummary, SweepRecord
+from quantlab.records import PlanSummary, SweepRecord, read_calibration_record
 from quantlab.runs import Run, load_run
 from quantlab.scoring import Certificate, output_sqnr
 from quantlab.sweep import Evaluator

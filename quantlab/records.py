@@ -538,3 +538,11 @@ def _summary(record: Mapping) -> str:
              for k, v in record.items() if not isinstance(v, Mapping)]
     return ", ".join(parts) or f"{len(record)} entries"
 
+
+def read_calibration_record(folder: str | os.PathLike) -> dict:
+    """``calibration.json`` of a `quantlab calibrate` folder as a dict, its fields checked
+    (:class:`CalibrationRecord`), ``preprocess`` a
+    :class:`quantlab.data.Preprocess` or None."""
+    record = CalibrationRecord.read(folder)
+    return {**record.values(), "preprocess": record.preprocessing()}
+

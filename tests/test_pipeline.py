@@ -324,7 +324,7 @@ def test_calibration_json_records_only_the_preprocessing_applied_and_validate_re
 
     from quantlab import data
     from quantlab.cli import main
-    from quantlab.experiment import read_calibration_record
+    from quantlab.records import read_calibration_record
 
     path = tmp_path / "small.onnx"
     graph.save_model(small_model(), path)

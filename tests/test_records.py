@@ -11,7 +11,7 @@ import pytest
 
 from quantlab import runs
 from quantlab.errors import DataError
-from quantlab.experiment import Checkpoint, read_calibration_record, read_json, write_json
+from quantlab.experiment import Checkpoint, read_json, write_json
 from quantlab.records import (
     KINDS,
     CalibrationRecord,
@@ -19,6 +19,7 @@ from quantlab.records import (
     PlanSummary,
     SweepRecord,
     ValidationSummary,
+    read_calibration_record,
     record_kind,
 )
 

@@ -404,7 +404,7 @@ def test_p16_a_failure_after_the_measurement_leaves_no_folder(files, tmp_path, c
 # 9. P45b: calibration folders record absolute paths.
 
 def test_p45b_calibration_folders_work_from_any_directory(files, tmp_path, monkeypatch):
-    from quantlab.experiment import read_calibration_record
+    from quantlab.records import read_calibration_record
 
     monkeypatch.chdir(files["root"])
     assert main(["calibrate", "planted.onnx", "--data", "calib.npy", "--out",

@@ -26,8 +26,8 @@ from quantlab.planner.measure import CalibratedModel
 
 def calibration_record(data: str) -> dict | None:
     """``calibration.json`` of `data` when it is a calibration folder (with ``stats.npz``),
-    read and checked by :func:`quantlab.experiment.read_calibration_record`."""
-    from quantlab.experiment import read_calibration_record
+    read and checked by :func:`quantlab.records.read_calibration_record`."""
+    from quantlab.records import read_calibration_record
 
     folder = Path(data)
     if (folder / "stats.npz").is_file() and (folder / "calibration.json").is_file():
