@@ -1,8 +1,11 @@
-"""Evaluations of plans on the evaluation set: the ledger, its checkpoint, and the search.
+"""Evaluations of plans on the evaluation set: the evaluator, the ledger, its checkpoint, and
+the search.
 
-The search (:func:`search`) evaluates plans of the front on the real INT8 model
-(ONNX Runtime integer kernels) and certifies each on held-out data; the ledger
-(:class:`Evaluation`) and the checkpoint of an interrupted run live here with it.
+The :class:`Evaluator` runs plans on the real INT8 model (ONNX Runtime integer kernels)
+over the evaluation set and certifies each on held-out data; the search
+(:func:`search`, :func:`evaluate_front` with the fallback) chooses the plans of the front
+it runs; the ledger (:class:`Evaluation`) and the checkpoint of an interrupted run live
+here with it.
 """
 
 from __future__ import annotations

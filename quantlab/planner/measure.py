@@ -1,4 +1,5 @@
-"""Measurements (Stage B): output noise, hardest samples, bounded runs, local errors.
+"""Measurements below the stages: output noise, hardest samples, bounded runs, local errors,
+and the runner that builds and runs each plan's Q/DQ model (:class:`Runner`).
 
 Every measurement is a fixed number of passes, whatever the number of units: one
 pass for the hardest samples, one local pass for every unit's INT8 and FP16 error
@@ -482,7 +483,8 @@ def choose_calibrators(g: Graph, candidates: Mapping[str, Mapping[str, float]],
 @dataclass
 class CalibratedModel:
     """An FP32 model and its calibration: what the planner plans, and each repaired option
-    it weighs before any pin (Stage C; :mod:`quantlab.repairs` makes them).
+    it weighs before any pin (:func:`quantlab.planner.prepare.weigh_repairs`;
+    :mod:`quantlab.repairs` makes them).
 
     `amax` are the calibrated scales' amax, `ranges` max |x| and `p9999` the 99.99th
     percentile per tensor (for the rules), `candidates` (method -> amax) the

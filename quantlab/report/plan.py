@@ -152,7 +152,7 @@ def plan_section(result: PlanResult, steps: Iterable[str] = ()) -> Section:
 
 
 def _screened_on(result: PlanResult) -> str:
-    """Which calibration samples all-INT8 was screened on (quantlab.planner.hard_samples._hardest)."""
+    """Which calibration samples all-INT8 was screened on (planner.hard_samples._hardest)."""
     if result.certificate.metric == "sqnr":
         return "every one, its noise measured in the pass that found the hardest"
     return (f"a random draw, or all of them when they are no more than the "
