@@ -11,6 +11,7 @@ held-out data (``evaluate``, ``certify``), and the plan as plain data
 
 from quantlab.planner.certify import (  # noqa: F401 (public API)
     METRICS,
+    Budget,
     Certificate,
     Outputs,
     argmax_agreement,
