@@ -7,23 +7,27 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 
 from quantlab import qdq
 from quantlab.errors import DataError
 from quantlab.experiment import read_artifact, write_json
 from quantlab.graph import Graph
-from quantlab.planner.certify import floor_record
-from quantlab.planner.choose import Search
-from quantlab.planner.evaluate import Evaluation
-from quantlab.planner.hard_samples import HardSamples
-from quantlab.planner.prepare import Prepared
-from quantlab.planner.rules import Reason, Rules, allowed_precisions
-from quantlab.planner.scales import Calibrated
-from quantlab.planner.trials import NoiseModel
+from quantlab.planner.rules import Reason, allowed_precisions
 from quantlab.planner.units import Unit
+
+if TYPE_CHECKING:  # the stages' records, for the last stage's signature: `Plan` stays light
+    import onnx  # (gate.py and plan.json's readers import it without the planner's stages)
+
+    from quantlab.planner.choose import Search
+    from quantlab.planner.evaluate import Evaluation
+    from quantlab.planner.hard_samples import HardSamples
+    from quantlab.planner.prepare import Prepared
+    from quantlab.planner.rules import Rules
+    from quantlab.planner.scales import Calibrated
+    from quantlab.planner.trials import NoiseModel
 
 PLAN_FORMAT = "quantlab.plan"
 
@@ -141,7 +145,10 @@ def decide(prepared: Prepared, rules: Rules, calibrated: Calibrated, hard: HardS
         decision.reasons.extend(_search_reasons(unit, decision, rules, hard, noise, search,
                                                 prepared.context.settings.high_precision))
     decided.metric, decided.budget = budget.metric, budget.amount
-    decided.floor = None if search.floor is None else floor_record(search.floor.certificate)
+    if search.floor is not None:
+        from quantlab.planner.certify import floor_record
+
+        decided.floor = floor_record(search.floor.certificate)
     decided.repairs = [*prepared.repair_records.values(),
                        *([hard.shift_record] if hard.shift_record else [])]
     return decided

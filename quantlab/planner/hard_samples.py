@@ -45,7 +45,7 @@ class HardSamples:
     fp32_seconds: float
     drawn: Draw | None
     shift_record: dict | None
-    local: dict
+    local: dict[str, dict[str, float]]  # unit -> precision -> local SQNR (dB)
 
 
 def hard_samples(prepared: Prepared, rules: Rules, calibrated: Calibrated) -> HardSamples:

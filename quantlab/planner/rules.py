@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import onnx
@@ -18,9 +18,10 @@ from quantlab import qdq
 from quantlab.errors import ModelError
 from quantlab.graph import Graph
 from quantlab.metadata import attribute
-from quantlab.planner.prepare import Prepared
-from quantlab.planner.search import fallback_precision
 from quantlab.planner.units import Unit, find_units
+
+if TYPE_CHECKING:  # the first stage's record: the rules stay light for plan.json's readers
+    from quantlab.planner.prepare import Prepared
 
 # Largest finite float16 (IEEE 754 binary16).
 FP16_MAX = 65504.0
@@ -306,6 +307,7 @@ def unit_rules(prepared: Prepared) -> Rules:
     """Units (MACs per sample: shapes inference misses, so one sample runs) and their rules;
     timed as "rules"."""
     from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.planner.search import fallback_precision
 
     context, chosen, g = prepared.context, prepared.chosen, prepared.g
     with context.phases("rules"):
