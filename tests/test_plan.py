@@ -1315,6 +1315,29 @@ def test_shortfall_power_through_the_two_largest_drops():
     assert evaluate._shortfall_power([(0.1, 1.0), (0.1, 2.0)]) == 0.5  # same noise: no fit
 
 
+def test_budget_limit_and_margin_are_the_certificates():
+    """A Budget's limit and margin are those scoring's certificate computes with the same
+    drop or floor; its shortfall is the drop from FP32, or the noise power under a floor."""
+    rng = np.random.default_rng(0)
+    candidate, fp32 = rng.random(300) < 0.9, rng.random(300) < 0.93
+    score = lambda pick: (float(candidate[pick].mean()), float(fp32[pick].mean()))  # noqa: E731
+    for budget in (Budget("top1", drop=0.05), Budget("top1", floor=0.8)):
+        scored = plan.certify_paired("top1", score, 300, max_drop=budget.drop,
+                                     floor=budget.floor)
+        assert budget.limit(scored.reference) == scored.limit
+        assert budget.margin(scored.value, scored.reference) == scored.value - scored.limit
+    drop = plan.certify_paired("top1", score, 300, max_drop=0.05)
+    assert Budget("top1", drop=0.05).shortfall(drop) == pytest.approx(
+        fp32.mean() - candidate.mean())
+    assert Budget("top1", drop=0.05).amount == 0.05 and Budget("sqnr", floor=20.0).amount == 20.0
+    floor = Budget("sqnr", floor=20.0)
+    assert floor.shortfall(plan.Certificate("sqnr", np.inf, 30.0, 20.0, (9.0, 11.0), 0.95, 64,
+                                            True, False, None)) == pytest.approx(1e-3)
+    # Under a floor the spread raises it in dB: 20 dB + 1 dB of spread is an NSR of 10**-2.1.
+    assert floor.allowed_shortfall(1e-3, 1.0) == pytest.approx(10 ** -2.1)
+    assert Budget("m", drop=1.0).allowed_shortfall(0.25, 0.5) == certifiable_drop(1.0, 0.25, 0.5)
+
+
 def test_certifiable_drop_leaves_room_for_the_sampling_spread():
     # d + a sqrt(d) = 1 with a = 0.5 / sqrt(0.25) = 1: sqrt(d) = (sqrt(5) - 1) / 2.
     d = certifiable_drop(1.0, 0.25, 0.5)
