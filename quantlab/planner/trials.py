@@ -552,8 +552,7 @@ def noise_model(prepared: Prepared, rules: Rules, calibrated: Calibrated, hard: 
                     [u.name for u in rules.units], rules.fixed,
                     checkpoint.trials if checkpoint else {},
                     checkpoint.add_trial if checkpoint else None)
-    noise = NoiseModel(*_all_int8_first(prepared, rules, calibrated, hard, trials, checkpoint),
-                       trials)
+    noise = _all_int8_first(prepared, rules, calibrated, hard, trials, checkpoint)
     _weigh_repair_on_hard(prepared, rules, hard, float(noise.model_fit.sensitivity.nsr[0]))
     if noise.first.certificate.certified:
         return noise
@@ -574,10 +573,10 @@ def noise_model(prepared: Prepared, rules: Rules, calibrated: Calibrated, hard: 
 
 def _all_int8_first(prepared: Prepared, rules: Rules, calibrated: Calibrated,
                     hard: HardSamples, trials: Trials, checkpoint: Checkpoint | None
-                    ) -> tuple[ModelFit, Evaluation, Evaluator]:
+                    ) -> NoiseModel:
     """All-INT8, the search's first plan in any case, judged before the other trials: a plan
     whose all-INT8 certifies needs none of them (their fit could not change it). The noise
-    model of that one trial, all-INT8's evaluation, and the evaluator that made it."""
+    model of that one trial, with all-INT8's evaluation and the evaluator that made it."""
     context, local = prepared.context, hard.local
     local_nsr = {u: 10.0 ** (-f["int8"] / 10.0) for u, f in local.items() if "int8" in f}
     evaluator = Evaluator(context, calibrated.runner, checkpoint)
@@ -594,7 +593,7 @@ def _all_int8_first(prepared: Prepared, rules: Rules, calibrated: Calibrated,
     message = unreachable(first, context.budget)
     if message:  # before the trials, which could not change it
         warnings.warn(message, stacklevel=4)
-    return model_fit, first, evaluator
+    return NoiseModel(model_fit, first, evaluator, trials)
 
 
 def _weigh_repair_on_hard(prepared: Prepared, rules: Rules, hard: HardSamples,
