@@ -11,6 +11,7 @@ held-out data (``evaluate``, ``certify``), and the plan as plain data
 
 from quantlab.planner.certify import (  # noqa: F401 (public API)
     METRICS,
+    Budget,
     Certificate,
     Outputs,
     argmax_agreement,
@@ -28,15 +29,13 @@ from quantlab.planner.certify import (  # noqa: F401 (public API)
 from quantlab.planner.decisions import (  # noqa: F401 (public API)
     PLAN_FORMAT,
     PLAN_VERSION,
+    SEARCH_CODE,
     Plan,
     UnitDecision,
     pinned_tensors,
 )
 from quantlab.planner.evaluate import Checkpoint, Evaluation, fingerprint, plan_key  # noqa: F401
 from quantlab.planner.flow import (  # noqa: F401 (public API)
-    FRONT_CHECKS,
-    MAX_REFITS,
-    SEARCH_CODE,
     PlanResult,
     PlanSettings,
     check_metric_on_model,
@@ -82,6 +81,8 @@ from quantlab.planner.search import (  # noqa: F401 (public API)
 )
 from quantlab.planner.trials import (  # noqa: F401 (public API)
     DISAGREEMENT,
+    FRONT_CHECKS,
+    MAX_REFITS,
     OutputSensitivity,
     Trials,
     check_fit,

@@ -15,7 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 from quantlab import graph, plan
 from quantlab.errors import ConfigError, DataError, ModelError
 from quantlab.planner import evaluate, flow
-from quantlab.planner.flow import _front_masks
+from quantlab.planner.certify import Budget, certifiable_drop
+from quantlab.planner.trials import front_masks, least_random_trials
 
 
 def make_graph(nodes, inputs, initializers, outputs=("y",)) -> graph.Graph:
@@ -524,7 +525,7 @@ def test_all_samples_are_the_hardest_when_no_more_are_wanted(planted_case):
 ])
 def test_random_trials_may_stop_early_where_the_budget_lies_far_below_their_noise(
         budget, value, trials, expected):
-    """flow._least_random_trials against the noise the budget allows, worked out by hand from
+    """least_random_trials against the noise the budget allows, worked out by hand from
     all-INT8's evaluation (predicted noise N = 4.86e-3, as on the layout detector): None
     (every trial runs) or the least number that runs."""
     max_drop, min_sqnr = budget
@@ -535,7 +536,7 @@ def test_random_trials_may_stop_early_where_the_budget_lies_far_below_their_nois
         False, False, None), 1.0)
     settings = flow.PlanSettings(metric="m" if min_sqnr is None else "sqnr",
                                  max_drop=max_drop, min_sqnr=min_sqnr, trials=trials)
-    assert flow._least_random_trials(settings, first) == expected
+    assert least_random_trials(settings, first) == expected
 
 
 def test_random_trials_stop_once_predicted_and_go_on_while_they_surprise_the_fit(capsys):
@@ -726,7 +727,7 @@ def test_front_checks_measure_front_plans_the_trials_could_not_and_the_refit_lea
     fit = fit.with_trials(np.zeros((0, 10), bool), np.zeros(0))  # the fit of these trials
     assert fit.contribution[1:].min() > 2 * true[1]
     points = plan.front(units, {}, dict(zip(names, fit.contribution, strict=True)), "fp32")
-    checks = _front_masks(points, fit)
+    checks = front_masks(points, fit)
     assert 0 < len(checks) <= plan.FRONT_CHECKS
     assert not any((c == m).all() for c in checks for m in masks)  # only plans not yet run
     measured = np.minimum(checks @ true, 0.3)
@@ -958,7 +959,7 @@ def test_all_int8_that_certifies_first_needs_no_other_trial(planted_case):
     assert "trials" in tight.phases
     # The first trials are group_test's draws (seed 0, row 0 all-INT8), all-INT8 not
     # repeated: all 8, or from 2 where the floor lies far below their noise
-    # (flow._least_random_trials).
+    # (least_random_trials).
     count = tight.trial_cost["random_trials"]
     assert 2 <= count <= 8
     drawn = np.random.default_rng(0).random((8, len(tight.sensitivity.units))) < 0.5
@@ -1248,14 +1249,14 @@ def test_a_search_the_noise_law_mispredicts_still_certifies_int8(planted_case, m
     assert len(ran) > 2 and not any(e.certificate.certified for e in ran[:-1])
     assert all("drop ~ noise^" in e.note and "against the limit" in e.note
                for e in result.evaluations)
-    monkeypatch.setattr(flow, "CHEAP_PASSES", 0)
-    monkeypatch.setattr(flow, "CHEAP_SECONDS", 0.0)
+    monkeypatch.setattr(evaluate, "CHEAP_PASSES", 0)
+    monkeypatch.setattr(evaluate, "CHEAP_SECONDS", 0.0)
     held = planned(g.model, source, source, amax, amax, amax, metric="flat", max_drop=0.13,
                    trials=8, hard_count=16)
     assert held.plan.int8_mac_share() == 0 and held.fallback == "all-FP16"
 
 
-class CertifiedByNoise(flow.PairedScore):
+class CertifiedByNoise(evaluate.PairedScore):
     """A stand-in for the planner's scorer deciding by output noise: FP32 certifies, noisy
     plans (under 15 dB) fail outright, the others score inside the budget but are
     inconclusive (their interval reaches below the limit; 400 samples needed)."""
@@ -1285,7 +1286,7 @@ def test_make_plan_warns_when_a_better_plan_was_only_inconclusive(planted_case, 
     amax = {n: float(np.abs(v).max()) for n, v in fp32.run(
         next(iter(source)), qdq.activation_tensors_to_calibrate(g.model)).items()}
 
-    monkeypatch.setattr(flow, "PairedScore", CertifiedByNoise)
+    monkeypatch.setattr(evaluate, "PairedScore", CertifiedByNoise)
     with pytest.warns(UserWarning, match=r"scored .* but could not be certified: the "
                       r"evaluation set is too small.* The plan written keeps 0.0% in INT8 "
                       r"\([0-9.]+ points of the MACs fewer\)"):
@@ -1314,13 +1315,36 @@ def test_shortfall_power_through_the_two_largest_drops():
     assert evaluate._shortfall_power([(0.1, 1.0), (0.1, 2.0)]) == 0.5  # same noise: no fit
 
 
+def test_budget_limit_and_margin_are_the_certificates():
+    """A Budget's limit and margin are those scoring's certificate computes with the same
+    drop or floor; its shortfall is the drop from FP32, or the noise power under a floor."""
+    rng = np.random.default_rng(0)
+    candidate, fp32 = rng.random(300) < 0.9, rng.random(300) < 0.93
+    score = lambda pick: (float(candidate[pick].mean()), float(fp32[pick].mean()))  # noqa: E731
+    for budget in (Budget("top1", drop=0.05), Budget("top1", floor=0.8)):
+        scored = plan.certify_paired("top1", score, 300, max_drop=budget.drop,
+                                     floor=budget.floor)
+        assert budget.limit(scored.reference) == scored.limit
+        assert budget.margin(scored.value, scored.reference) == scored.value - scored.limit
+    drop = plan.certify_paired("top1", score, 300, max_drop=0.05)
+    assert Budget("top1", drop=0.05).shortfall(drop) == pytest.approx(
+        fp32.mean() - candidate.mean())
+    assert Budget("top1", drop=0.05).amount == 0.05 and Budget("sqnr", floor=20.0).amount == 20.0
+    floor = Budget("sqnr", floor=20.0)
+    assert floor.shortfall(plan.Certificate("sqnr", np.inf, 30.0, 20.0, (9.0, 11.0), 0.95, 64,
+                                            True, False, None)) == pytest.approx(1e-3)
+    # Under a floor the spread raises it in dB: 20 dB + 1 dB of spread is an NSR of 10**-2.1.
+    assert floor.allowed_shortfall(1e-3, 1.0) == pytest.approx(10 ** -2.1)
+    assert Budget("m", drop=1.0).allowed_shortfall(0.25, 0.5) == certifiable_drop(1.0, 0.25, 0.5)
+
+
 def test_certifiable_drop_leaves_room_for_the_sampling_spread():
     # d + a sqrt(d) = 1 with a = 0.5 / sqrt(0.25) = 1: sqrt(d) = (sqrt(5) - 1) / 2.
-    d = evaluate._certifiable_drop(1.0, 0.25, 0.5)
+    d = certifiable_drop(1.0, 0.25, 0.5)
     assert d == pytest.approx(((5 ** 0.5 - 1) / 2) ** 2)
     assert d + 0.5 * np.sqrt(d / 0.25) == pytest.approx(1.0)  # the margin's lower end is 0
-    assert evaluate._certifiable_drop(1.0, 0.25, 0.0) == 1.0  # no spread: the whole budget
-    assert evaluate._certifiable_drop(1.0, 0.0, 0.3) == 1.0  # no drop to scale the spread from
+    assert certifiable_drop(1.0, 0.25, 0.0) == 1.0  # no spread: the whole budget
+    assert certifiable_drop(1.0, 0.0, 0.3) == 1.0  # no drop to scale the spread from
 
 
 @pytest.fixture
@@ -1353,7 +1377,7 @@ def test_search_on_the_layout_run_certifies_the_plan_below_the_inconclusive_one(
                       r"\(limit 99\) but could not be certified: the evaluation set is too "
                       r"small.* The plan written keeps 28.6% in INT8 \(14 points"):
         found, chosen = evaluate.search(lambda: points, lambda p: outcomes[points.index(p)],
-                                        4, 1.0, None)
+                                        4, Budget("m", 1.0))
         evaluate.warn_undecided([e for _, e in found], found[chosen][1])
     assert [points.index(p) for p, _ in found] == [7, 3, 2]
     assert points.index(found[chosen][0]) == 2
@@ -1389,7 +1413,7 @@ def test_search_spends_no_evaluation_on_a_plan_a_hair_above_the_certified_one():
             return plan.Evaluation(shares[index], predicted[index], plan.Certificate(
                 "m", 100.0, value, 99.0, interval, 0.95, 500, interval[0] >= 0, False, None),
                 1.0)
-        found, chosen = evaluate.search(lambda: points, outcome, 4, 1.0, None)
+        found, chosen = evaluate.search(lambda: points, outcome, 4, Budget("m", 1.0))
         return [points.index(p) for p, _ in found], points.index(found[chosen][0])
 
     assert run([0.0, 0.4, 0.4 + 1e-6, 0.6, 1.0]) == ([4, 3, 1], 1)
@@ -1417,7 +1441,7 @@ def test_search_chooses_again_on_the_new_front_when_a_plan_is_refitted_away():
             "m", 100.0, 99.5 if good else 50.0, 99.0, (0.1, 1.0) if good else (-50, -40), 0.95,
             500, good, False, None), 1.0)
 
-    found, chosen = evaluate.search(lambda: next(fronts), outcome, 2, 1.0, None)
+    found, chosen = evaluate.search(lambda: next(fronts), outcome, 2, Budget("m", 1.0))
     assert asked[0] == 1.0 and asked[2] in (0.3, 0.6) and len(found) == 2
     assert found[0][1].int8_mac_share == 1.0 and found[chosen][0] in new
 
@@ -1430,16 +1454,16 @@ def test_next_guess_below_a_plan_inside_the_budget_aims_at_a_certifiable_drop(la
     law (power 0.51 through the two drops) gives 3.0e-5 of noise: plan 2."""
     points, evaluation, evaluated = layout_front
     inside = {**evaluated, 3: evaluation(3, 99.533, (-0.162, 1.0))}
-    assert evaluate._next_guess(points, inside, -1, 3, 1.0, None) == 2
+    assert evaluate._next_guess(points, inside, -1, 3, Budget("m", 1.0)) == 2
     # A spread so wide that only a drop of 0.001 could certify: only plan 0 (no INT8) is
     # predicted to, which the fallback gives without a model run; the bracket is bisected
     # by share (0 to 3/7: plan 1 of the two as near), not stepped down one plan at a time.
     wide = {**evaluated, 3: evaluation(3, 99.533, (-30.0, 1.0))}
-    assert evaluate._certifiable_drop(1.0, 0.467, 30.533) < 0.001
-    assert evaluate._next_guess(points, wide, -1, 3, 1.0, None) == 1
+    assert certifiable_drop(1.0, 0.467, 30.533) < 0.001
+    assert evaluate._next_guess(points, wide, -1, 3, Budget("m", 1.0)) == 1
     # Scored outside (drop 3): the law through it, drop ~ noise ** 0.5, aims lower.
     outside = {**evaluated, 3: evaluation(3, 97.0, (-2.6, -1.3))}
-    assert evaluate._next_guess(points, outside, -1, 3, 1.0, None) == 1
+    assert evaluate._next_guess(points, outside, -1, 3, Budget("m", 1.0)) == 1
 
 
 def test_next_guess_below_a_plan_aimed_at_the_budget_that_failed_leaves_room_for_its_spread():
@@ -1463,10 +1487,10 @@ def test_next_guess_below_a_plan_aimed_at_the_budget_that_failed_leaves_room_for
 
     first = {4: evaluation(4, 91.82, (-7.35, -4.15))}
     # 4.69e-3 * (2 / 8.18) ** 2 = 2.8e-4: the budget's own aim, plan 3.
-    assert evaluate._next_guess(points, first, -1, 4, 2.0, None) == 3
+    assert evaluate._next_guess(points, first, -1, 4, Budget("m", 2.0)) == 3
     failed = {**first, 3: evaluation(3, 97.05, (-2.47, 0.82))}
-    assert 1.0 < evaluate._certifiable_drop(2.0, 2.95, 1.52) < 1.2
-    assert evaluate._next_guess(points, failed, -1, 3, 2.0, None) == 1
+    assert 1.0 < certifiable_drop(2.0, 2.95, 1.52) < 1.2
+    assert evaluate._next_guess(points, failed, -1, 3, Budget("m", 2.0)) == 1
 
 
 def test_next_guess_below_a_plan_over_an_sqnr_floor_raises_the_floor_by_the_spread():
@@ -1481,7 +1505,7 @@ def test_next_guess_below_a_plan_over_an_sqnr_floor_raises_the_floor_by_the_spre
     value = -10 * np.log10(8.9e-3)  # 20.506 dB
     above = plan.Evaluation(0.8, 8.9e-3, plan.Certificate(
         "sqnr", float("inf"), value, 20.0, (-0.3, 1.2), 0.95, 64, False, False, None), 1.0)
-    assert evaluate._next_guess(points, {4: above}, -1, 4, None, 20.0) == 2
+    assert evaluate._next_guess(points, {4: above}, -1, 4, Budget("sqnr", floor=20.0)) == 2
 
 
 def test_plan_command_writes_the_plan_folder(tmp_path, capsys):
@@ -1655,7 +1679,7 @@ def test_interrupted_plan_resumes_from_its_checkpoint(planted_case, tmp_path, mo
     first = planned(g.model, source, source, amax, amax, amax,
                     checkpoint=plan.Checkpoint(path, key), **run)
     saved = plan.Checkpoint(path, key)
-    # The random trials (flow._least_random_trials), then the front checks (trials of front plans),
+    # The random trials (least_random_trials), then the front checks (trials of front plans),
     # maybe a localization.
     total = len(first.sensitivity.nsr)
     assert first.trial_cost["random_trials"] < total
@@ -2079,7 +2103,7 @@ def max_calibrated(g, x, batch_size):
 def test_single_units_measure_the_amplified_unit_the_local_error_misses():
     """Issue 25, and the layout detector (issue 19): on the amplifier the local-error prior
     under-predicts the head by more than 40 dB. Before the trials the planner runs each
-    unit alone in INT8 on a few of the hardest samples (flow._single_units). Each figure
+    unit alone in INT8 on a few of the hardest samples (trials.single_units). Each figure
     equals the output NSR of that unit's own Q/DQ model, built and run apart from the
     planner on the same samples (the same float32 model in ONNX Runtime, the sums in
     float64: rel 1e-6). The fit starts from them: the head's contribution stays within a
@@ -2255,7 +2279,7 @@ def test_plan_command_writes_the_uncertified_better_plan_beside_the_certified(tm
     and summary.json says which is which."""
     from quantlab.cli import main
 
-    monkeypatch.setattr(flow, "PairedScore", CertifiedByNoise)
+    monkeypatch.setattr(evaluate, "PairedScore", CertifiedByNoise)
     g = planted_model()
     graph.save_model(g.model, tmp_path / "planted.onnx")
     rng = np.random.default_rng(1)
@@ -2362,9 +2386,9 @@ def test_an_evaluation_set_too_small_for_any_int8_plan_is_said_before_the_trials
         return plan.Evaluation(1.0, 0.01, plan.Certificate(
             "f1", 1.0, 0.95, 0.97, (low, 0.1), 0.95, 128, False, False, None), 1.0)
 
-    message = evaluate.unreachable(first(-0.2), 0.03)
+    message = evaluate.unreachable(first(-0.2), Budget("m", 0.03))
     spread = 0.95 - 0.97 + 0.2
     needed = math.ceil(128 * (spread * math.sqrt(0.015 / 0.05) / 0.015) ** 2)
     assert "too small to certify a plan with INT8" in message and f"About {needed} samples" \
         in message
-    assert evaluate.unreachable(first(-0.021), 0.03) == ""
+    assert evaluate.unreachable(first(-0.021), Budget("m", 0.03)) == ""

@@ -1,9 +1,11 @@
-"""The planner's budget (Stage E): what a budget needs of the metric and the data, and the
-noise floor of all-FP16. Metrics and the paired bootstrap live below the planner, in
+"""The planner's budget: one :class:`Budget` value, what it needs of the metric and the data,
+and the noise floor of all-FP16. Metrics and the paired bootstrap live below the planner, in
 :mod:`quantlab.scoring` (one scorer for plan, validate, sweep and check); their names are
 importable from here too."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,6 +50,67 @@ def check_budget(metric: str, max_drop: float | None, min_sqnr: float | None) ->
                           "which is the reference every plan is compared with.")
 
 
+@dataclass(frozen=True)
+class Budget:
+    """How much accuracy a plan may cost: `metric` may drop by `drop` from FP32's value, or
+    (output SQNR) stay at `floor` dB or above; exactly one of them is set."""
+
+    metric: str
+    drop: float | None = None
+    floor: float | None = None
+
+    def check(self) -> None:
+        check_budget(self.metric, self.drop, self.floor)
+
+    @property
+    def amount(self) -> float:
+        """The drop or the floor, as plan.json's ``budget`` records it."""
+        return self.drop if self.drop is not None else self.floor
+
+    def limit(self, reference: float) -> float:
+        """The least score that holds the budget, FP32 scoring `reference`."""
+        return reference - self.drop if self.drop is not None else self.floor
+
+    def margin(self, value: float, reference: float) -> float:
+        """How far a score `value` lies above the limit (below: negative)."""
+        return value - self.limit(reference)
+
+    def certificate(self, scored: PairedScore) -> Certificate:
+        """`scored`'s certificate against this budget."""
+        return scored.certificate(self.drop, self.floor)
+
+    def shortfall(self, certificate: Certificate) -> float:
+        """What the budget limits: the noise power for an SQNR floor (dB -> NSR), else the
+        metric's drop from FP32."""
+        if self.floor is not None:
+            return 10 ** (-certificate.value / 10)
+        return certificate.reference - certificate.value
+
+    def allowed_shortfall(self, shortfall: float, spread: float) -> float:
+        """The largest shortfall a plan can show and still be certified, its bootstrap
+        `spread` measured where it showed `shortfall`: the floor raised by the spread in
+        dB, or :func:`certifiable_drop`."""
+        if self.floor is not None:
+            return 10 ** (-(self.floor + spread) / 10)
+        return certifiable_drop(self.drop, shortfall, spread)
+
+
+def certifiable_drop(budget: float, drop: float, spread: float) -> float:
+    """The largest drop d that a plan can show and still be certified within `budget`.
+
+    Certification needs the margin's lower end, ``budget - d - spread(d)``, at or
+    above 0. A drop is made of changed predictions (boxes, labels), and the
+    bootstrap spread of a count grows as its square root, so the spread measured
+    at `drop` is scaled as ``spread * sqrt(d / drop)``; d solves
+    ``d + spread * sqrt(d / drop) = budget`` (a quadratic in sqrt(d)). The whole
+    budget when there is no spread, or no drop to scale it from.
+    """
+    if drop <= 0 or spread <= 0:
+        return budget
+    a = spread / np.sqrt(drop)
+    return float(((np.sqrt(a * a + 4 * budget) - a) / 2) ** 2)
+
+
 def data_shortfalls(calibration_samples: int, evaluation_samples: int, hard_count: int,
                     metric: str, max_drop: float | None, task=None) -> list[str]:
     """What the data cannot do for this plan, known before any model run (one message each).
@@ -87,10 +150,11 @@ def floor_record(certificate: Certificate) -> dict:
             "certified": certificate.certified}
 
 
-def floor_message(certificate: Certificate, metric: str, max_drop: float | None) -> str:
-    """A warning when FP16 alone (no INT8) uses half the budget or more, counting the
+def floor_message(certificate: Certificate, budget: Budget) -> str:
+    """A warning when FP16 alone (no INT8) uses half the `budget` or more, counting the
     evaluation set's resolution (the bootstrap half-width); '' otherwise."""
     half = (certificate.interval[1] - certificate.interval[0]) / 2
+    metric, max_drop = budget.metric, budget.drop
     if max_drop is not None:
         drop = certificate.reference - certificate.value
         if drop + half < max_drop / 2:

@@ -1,4 +1,5 @@
-"""The plan as plain data: unit name -> precision with its reasons and evidence (plan.json)."""
+"""The plan as plain data: unit name -> precision with its reasons and evidence (plan.json);
+the planner's last stage makes it from the records of the others (:func:`decide`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from quantlab import qdq
 from quantlab.errors import DataError
@@ -14,10 +18,25 @@ from quantlab.graph import Graph
 from quantlab.planner.rules import Reason, allowed_precisions
 from quantlab.planner.units import Unit
 
+if TYPE_CHECKING:  # the stages' records, for the last stage's signature: `Plan` stays light
+    import onnx  # (gate.py and plan.json's readers import it without the planner's stages)
+
+    from quantlab.planner.choose import Search
+    from quantlab.planner.evaluate import Evaluation
+    from quantlab.planner.hard_samples import HardSamples
+    from quantlab.planner.prepare import Prepared
+    from quantlab.planner.rules import Rules
+    from quantlab.planner.scales import Calibrated
+    from quantlab.planner.trials import NoiseModel
+
 PLAN_FORMAT = "quantlab.plan"
 
 
 PLAN_VERSION = 1
+# The reason of a unit the search (not a rule) keeps out of INT8.
+SEARCH_CODE = "M-SEARCH"
+SEARCH_SOURCE = ("quantlab: trials on the hardest samples, MILP front, certified on held-out "
+                 "data (docs/planner.md)")
 
 
 
@@ -104,3 +123,95 @@ def pinned_tensors(plan: Plan, g: Graph) -> set[str]:
     names = {name for decision in plan.units.values() if decision.precision != "int8"
              for node in decision.nodes for name in [*nodes[node].input, *nodes[node].output]}
     return {name for name in names if name in g.floats}
+
+
+def decide(prepared: Prepared, rules: Rules, calibrated: Calibrated, hard: HardSamples,
+           noise: NoiseModel, search: Search) -> Plan:
+    """The plan as plain data: each unit's precision (the search's choice), its evidence
+    (fitted contributions, rank, local SQNR, noise alone in INT8, calibrator, bias shift)
+    and its reasons, and the repairs weighed."""
+    budget = prepared.context.budget
+    fit = noise.model_fit.fitted
+    decided = Plan.from_rules(rules.units, rules.reasons)
+    applied = calibrated.shifts if calibrated.runner.shifts else {}
+    for unit in rules.units:
+        decision = decided.units[unit.name]
+        decision.precision = search.point.precisions[unit.name]
+        decision.predicted = fit.contribution.get(unit.name, 0.0)
+        decision.evidence.update(_evidence(unit, rules, calibrated, hard, noise))
+        if decision.precision == "int8" and any(n in applied for n in unit.linear):
+            decision.evidence["bias_shift_max"] = max(float(np.abs(applied[n]).max())
+                                                      for n in unit.linear if n in applied)
+        decision.reasons.extend(_search_reasons(unit, decision, rules, hard, noise, search,
+                                                prepared.context.settings.high_precision))
+    decided.metric, decided.budget = budget.metric, budget.amount
+    if search.floor is not None:
+        from quantlab.planner.certify import floor_record
+
+        decided.floor = floor_record(search.floor.certificate)
+    decided.repairs = [*prepared.repair_records.values(),
+                       *([hard.shift_record] if hard.shift_record else [])]
+    return decided
+
+
+def _evidence(unit: Unit, rules: Rules, calibrated: Calibrated, hard: HardSamples,
+              noise: NoiseModel) -> dict:
+    """A unit's measured figures for plan.json, in plan.json's order."""
+    sensitivity, fit = noise.model_fit.sensitivity, noise.model_fit.fitted
+    rank = sensitivity.ranking().index(unit.name) + 1
+    evidence = {"output_nsr_contribution": fit.contribution.get(unit.name, 0.0),
+                "output_rank": rank}
+    for precision, figure in hard.local.get(unit.name, {}).items():
+        evidence[f"local_sqnr_{precision}_db"] = figure
+    if unit.name in noise.alone:
+        evidence["output_nsr_alone"] = noise.alone[unit.name]
+    if unit.name in fit.fp16_contribution:
+        evidence["fp16_nsr_contribution"] = fit.fp16_contribution[unit.name]
+    if unit.name in calibrated.calibrators:
+        evidence["calibrator"] = calibrated.calibrators[unit.name]
+    return evidence
+
+
+def _search_reasons(unit: Unit, decision: UnitDecision, rules: Rules, hard: HardSamples,
+                    noise: NoiseModel, search: Search, high_precision: str) -> list[Reason]:
+    """Why the search (not a rule) keeps a unit out of INT8, and out of FP16."""
+    reasons = []
+    fit, units = noise.model_fit.fitted, len(rules.units)
+    if decision.precision != "int8" and not any(r.hard for r in decision.reasons):
+        all_int8 = noise.model_fit.sensitivity.predicted_nsr(fit.contribution)
+        reasons.append(Reason(
+            SEARCH_CODE, False, (decision.precision,),
+            f"rank {decision.evidence['output_rank']} of {units} by output-noise contribution "
+            f"{decision.predicted:.3g} (all INT8: {all_int8:.3g}); " + (
+                "the certified plan of the front keeps it out of INT8"
+                if search.point.int8_mac_share > 0 else
+                f"no plan with INT8 held the budget ({len(search.done)} evaluated)"),
+            SEARCH_SOURCE))
+    if decision.precision == "fp32" and "fp16" in rules.allowed[unit.name] and \
+            high_precision == "fp16":
+        if search.floor is None:
+            why = (f"FP16 would add predicted output NSR "
+                   f"{fit.fp16_contribution.get(unit.name, 0.0):.3g} (local FP16 SQNR "
+                   f"{hard.local.get(unit.name, {}).get('fp16', float('nan')):.3g} dB); the "
+                   "budget left by the INT8 units does not hold it")
+        else:
+            floor = search.floor.certificate
+            why = (f"all-FP16 scored {floor.value:.4g} against the limit {floor.limit:.4g} and "
+                   "could not be certified, so the plan of last resort is the FP32 model")
+        reasons.append(Reason(SEARCH_CODE, False, ("fp32",), why, SEARCH_SOURCE))
+    return reasons
+
+
+def uncertified_plan(prepared: Prepared, rules: Rules, calibrated: Calibrated, search: Search
+                     ) -> tuple[Plan, onnx.ModelProto, Evaluation] | None:
+    """The search's uncertified plan (:attr:`Search.uncertified`) as plain data, with its Q/DQ
+    model and evaluation; None when there is none."""
+    if search.uncertified is None:
+        return None
+    point, evaluation = search.uncertified
+    kept = Plan.from_rules(rules.units, rules.reasons)
+    for unit in rules.units:
+        kept.units[unit.name].precision = point.precisions[unit.name]
+    budget = prepared.context.budget
+    kept.metric, kept.budget = budget.metric, budget.amount
+    return kept, calibrated.runner.quantized(kept.node_precisions()), evaluation

@@ -1,8 +1,11 @@
-"""Evaluations of plans on the evaluation set: the ledger, its checkpoint, and the search.
+"""Evaluations of plans on the evaluation set: the evaluator, the ledger, its checkpoint, and
+the search.
 
-The search (:func:`search`) evaluates plans of the front on the real INT8 model
-(ONNX Runtime integer kernels) and certifies each on held-out data; the ledger
-(:class:`Evaluation`) and the checkpoint of an interrupted run live here with it.
+The :class:`Evaluator` runs plans on the real INT8 model (ONNX Runtime integer kernels)
+over the evaluation set and certifies each on held-out data; the search
+(:func:`search`, :func:`evaluate_front` with the fallback) chooses the plans of the front
+it runs; the ledger (:class:`Evaluation`) and the checkpoint of an interrupted run live
+here with it.
 """
 
 from __future__ import annotations
@@ -14,15 +17,25 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import onnx
 
 from quantlab import experiment
-from quantlab.planner.certify import Certificate, certify_paired, pooled_sqnr
-from quantlab.planner.measure import Draw
-from quantlab.planner.search import FrontPoint
-from quantlab.scoring import Metric, PairedScore
+from quantlab.planner.certify import (
+    Budget,
+    Certificate,
+    certifiable_drop,
+    certify_paired,
+    floor_message,
+    pooled_sqnr,
+)
+from quantlab.planner.context import Context
+from quantlab.planner.measure import Draw, Runner
+from quantlab.planner.rules import Rules
+from quantlab.planner.search import FrontPoint, fallback_precision
+from quantlab.scoring import Metric, PairedScore, Reference
 
 # The least INT8 (share of MACs) an evaluation must be able to add over the certified plan.
 MIN_GAIN = 1e-4
@@ -31,6 +44,10 @@ MIN_GAIN = 1e-4
 # budget: on a 416 px YOLOX at a 0.03 F1 drop, 2 evaluations ended on all-FP16 after a
 # 86 % plan scored inside the budget uncertified; 6 certified 76 %.
 MOST_EVALUATIONS = 8
+# An evaluation is cheap (the search may spend more, MOST_EVALUATIONS) when it takes at most
+# this many FP32 passes over the evaluation set plus this many seconds.
+CHEAP_PASSES = 4
+CHEAP_SECONDS = 1.0
 
 
 class Checkpoint(experiment.Checkpoint):
@@ -121,8 +138,7 @@ class Evaluation:
 
 def search(front: Callable[[], list[FrontPoint]],
            evaluate: Callable[[FrontPoint], Evaluation | None], max_evaluations: int,
-           max_drop: float | None, min_sqnr: float | None,
-           cheap: Callable[[float], bool] = lambda seconds: False,
+           budget: Budget, cheap: Callable[[float], bool] = lambda seconds: False,
            ) -> tuple[list[tuple[FrontPoint, Evaluation]], int]:
     """Evaluate plans of the front; the (plan, evaluation) pairs in order, and the chosen's
     position among them.
@@ -151,7 +167,7 @@ def search(front: Callable[[], list[FrontPoint]],
             points = front()
             continue
         done.append((points[-1], result))
-        _learn(done, max_drop, min_sqnr)
+        _learn(done, budget)
         if result.certificate.inconclusive:  # said now, not after the other evaluations
             warnings.warn(result.certificate.too_small_message(), stacklevel=3)
     while _more(done, max_evaluations, cheap):
@@ -165,11 +181,11 @@ def search(front: Callable[[], list[FrontPoint]],
             points[i].int8_mac_share < points[low].int8_mac_share + MIN_GAIN))
         if floor >= high - 1:
             break
-        guess = _next_guess(points, evaluated, floor, high, max_drop, min_sqnr)
+        guess = _next_guess(points, evaluated, floor, high, budget)
         result = evaluate(points[guess])
         if result is not None:
             done.append((points[guess], result))
-            _learn(done, max_drop, min_sqnr)
+            _learn(done, budget)
     certified = [k for k, (_, e) in enumerate(done) if e.certificate.certified]
     chosen = (max(certified, key=lambda k: done[k][1].int8_mac_share) if certified else
               min(range(len(done)), key=lambda k: done[k][1].int8_mac_share))
@@ -190,16 +206,14 @@ def _more(done: list[tuple[FrontPoint, Evaluation]], max_evaluations: int,
                               for _, e in done)
 
 
-def _learn(done: list[tuple[FrontPoint, Evaluation]], max_drop: float | None,
-           min_sqnr: float | None) -> None:
+def _learn(done: list[tuple[FrontPoint, Evaluation]], budget: Budget) -> None:
     """The last evaluation's ``note`` (:func:`_lesson`), on the evaluations made so far."""
     evaluation = done[-1][1]
     if not evaluation.note:
-        evaluation.note = _lesson(evaluation, [e for _, e in done], max_drop, min_sqnr)
+        evaluation.note = _lesson(evaluation, [e for _, e in done], budget)
 
 
-def _lesson(evaluation: Evaluation, evaluated: list[Evaluation], max_drop: float | None,
-            min_sqnr: float | None) -> str:
+def _lesson(evaluation: Evaluation, evaluated: list[Evaluation], budget: Budget) -> str:
     """What one evaluation says: its score against the limit, the verdict, and the law of
     the shortfall against the predicted noise fitted on the evaluations made so far."""
     c = evaluation.certificate
@@ -210,26 +224,26 @@ def _lesson(evaluation: Evaluation, evaluated: list[Evaluation], max_drop: float
     head = (f"{evaluation.int8_mac_share:.1%} INT8 (predicted noise {evaluation.predicted:.3g}) "
             f"scored {c.value:.4g} against the limit {c.limit:.4g} on {where}, margin interval "
             f"[{c.interval[0]:+.3g}, {c.interval[1]:+.3g}]: {verdict}")
-    if min_sqnr is not None:
+    if budget.floor is not None:
         return head
-    power = _shortfall_power([(e.predicted, _shortfall(e, None)) for e in evaluated])
-    aim = allowed_noise(evaluation, evaluated, max_drop, None)
+    power = _shortfall_power([(e.predicted, budget.shortfall(e.certificate)) for e in evaluated])
+    aim = allowed_noise(evaluation, evaluated, budget)
     law = f"; drop ~ noise^{power:.2f} fitted on {len(evaluated)} evaluation(s)"
     return head + law + ("" if aim is None else
                          f", the budget's drop expected at predicted noise {aim:.3g}")
 
 
-def unreachable(first: Evaluation, max_drop: float | None) -> str:
+def unreachable(first: Evaluation, budget: Budget) -> str:
     """A message when the evaluation set is too small to certify any plan with INT8, known
     from all-INT8's evaluation `first`: the largest drop it could certify
-    (:func:`_certifiable_drop`) is under a tenth of the budget. Says how many samples would
-    certify a plan at half the budget. '' otherwise."""
-    c = first.certificate
+    (:func:`quantlab.planner.certify.certifiable_drop`) is under a tenth of the budget. Says
+    how many samples would certify a plan at half the budget. '' otherwise."""
+    c, max_drop = first.certificate, budget.drop
     drop = c.reference - c.value
-    spread = max(c.value - c.limit - c.interval[0], 0.0)
+    spread = max(budget.margin(c.value, c.reference) - c.interval[0], 0.0)
     if max_drop is None or first.screened or c.certified or drop <= 0 or spread <= 0:
         return ""
-    if _certifiable_drop(max_drop, drop, spread) >= max_drop / 10:
+    if certifiable_drop(max_drop, drop, spread) >= max_drop / 10:
         return ""
     half = max_drop / 2
     needed = int(np.ceil(c.samples * (spread * np.sqrt(half / drop) / half) ** 2))
@@ -275,8 +289,7 @@ def warn_undecided(evaluations: list[Evaluation], chosen: Evaluation) -> None:
                       stacklevel=4)
 
 
-def screen(point: FrontPoint, run: Callable, draw: Draw, metric: Metric,
-           max_drop: float | None, min_sqnr: float | None,
+def screen(point: FrontPoint, run: Callable, draw: Draw, metric: Metric, budget: Budget,
            resamples: int) -> Evaluation | None:
     """The all-INT8 `point` judged on calibration samples, if it fails there beyond doubt.
 
@@ -294,14 +307,14 @@ def screen(point: FrontPoint, run: Callable, draw: Draw, metric: Metric,
     if draw.energies is not None:
         score = pooled_sqnr(*draw.energies)
         certificate = certify_paired(metric.name, lambda pick: (score(pick), np.inf),
-                                     len(draw.energies[0]), floor=min_sqnr,
+                                     len(draw.energies[0]), floor=budget.floor,
                                      resamples=resamples)
     else:
         known = draw.outputs is not None and draw.outputs_of == plan_key(point.precisions)
         outputs = draw.outputs if known else run(draw.inputs)
         scored = PairedScore(metric, resamples=resamples, what="random calibration samples")
         scored.update(outputs, draw.references)
-        certificate = scored.certificate(max_drop, min_sqnr)
+        certificate = budget.certificate(scored)
     if certificate.interval[1] >= 0:
         return None
     return Evaluation(point.int8_mac_share, point.predicted, certificate,
@@ -309,7 +322,7 @@ def screen(point: FrontPoint, run: Callable, draw: Draw, metric: Metric,
 
 
 def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], low: int,
-                high: int, max_drop: float | None, min_sqnr: float | None) -> int:
+                high: int, budget: Budget) -> int:
     """The front index to evaluate next, strictly between `low` and `high`.
 
     The metric's shortfall is taken to grow as a power of the predicted noise
@@ -324,7 +337,7 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
     of 51.5 %, 48.4 % and 48.2 % INT8, each scoring the limit (98.0 of a 2-point AP50
     budget, uncertifiable on 16 pages), with 30.3 % certified below them. The aim is the
     largest shortfall that can still be certified, the budget less the fitted evaluation's
-    spread (:func:`_certifiable_drop`; for a floor, the
+    spread (:meth:`Budget.allowed_shortfall`; for a floor, the
     floor raised by the spread in dB), where that evaluation was near the budget: inside
     it, or a plan the search aimed at it. Only all-INT8's spread, measured wherever
     all-INT8 falls, is not used: the first aim is the budget itself. On the layout
@@ -342,11 +355,11 @@ def _next_guess(points: list[FrontPoint], evaluated: Mapping[int, Evaluation], l
     # last, all-INT8, which is evaluated first whatever the budget).
     if inside or index < len(points) - 1:
         c = nearest.certificate
-        spread = max(c.value - c.limit - c.interval[0], 0.0)
-    budget = allowed_noise(nearest, evaluated.values(), max_drop, min_sqnr, spread)
-    if budget is not None:
+        spread = max(budget.margin(c.value, c.reference) - c.interval[0], 0.0)
+    aim = allowed_noise(nearest, evaluated.values(), budget, spread)
+    if aim is not None:
         fitting = [i for i, p in enumerate(points)
-                   if p.predicted <= budget and p.int8_mac_share > 0]
+                   if p.predicted <= aim and p.int8_mac_share > 0]
         if fitting and low < fitting[-1] < high:
             guess = fitting[-1]
     return min(max(guess, low + 1), high - 1)
@@ -364,43 +377,20 @@ def _middle_share(points: list[FrontPoint], low: int, high: int) -> int:
     return min(inside, key=lambda i: (abs(shares[i] - middle), i)) if inside else low + 1
 
 
-def allowed_noise(nearest: Evaluation, evaluated: Iterable[Evaluation], max_drop: float | None,
-                  min_sqnr: float | None, spread: float = 0.0) -> float | None:
+def allowed_noise(nearest: Evaluation, evaluated: Iterable[Evaluation], budget: Budget,
+                  spread: float = 0.0) -> float | None:
     """The predicted noise at which a plan is expected to score the largest shortfall that
     can still be certified, extrapolated from the evaluation `nearest` (see
     :func:`_next_guess`: the shortfall a power of the noise, :func:`_shortfall_power`
     fitted on `evaluated`; `spread`, the bootstrap spread measured near the budget); None
     when `nearest` has no shortfall or no predicted noise to scale."""
-    measured = _shortfall(nearest, min_sqnr)
+    measured = budget.shortfall(nearest.certificate)
     if not (measured > 0 and nearest.predicted > 0):
         return None
-    allowed = (10 ** (-(min_sqnr + spread) / 10) if min_sqnr is not None
-               else _certifiable_drop(max_drop, measured, spread))
-    power = 1.0 if min_sqnr is not None else _shortfall_power(
-        [(e.predicted, _shortfall(e, min_sqnr)) for e in evaluated])
+    allowed = budget.allowed_shortfall(measured, spread)
+    power = 1.0 if budget.floor is not None else _shortfall_power(
+        [(e.predicted, budget.shortfall(e.certificate)) for e in evaluated])
     return nearest.predicted * (allowed / measured) ** (1.0 / power)
-
-
-def _shortfall(evaluation: Evaluation, min_sqnr: float | None) -> float:
-    """The noise power for an SQNR floor (dB -> NSR), else the metric's drop from FP32."""
-    c = evaluation.certificate
-    return 10 ** (-c.value / 10) if min_sqnr is not None else c.reference - c.value
-
-
-def _certifiable_drop(budget: float, drop: float, spread: float) -> float:
-    """The largest drop d that a plan can show and still be certified within `budget`.
-
-    Certification needs the margin's lower end, ``budget - d - spread(d)``, at or
-    above 0. A drop is made of changed predictions (boxes, labels), and the
-    bootstrap spread of a count grows as its square root, so the spread measured
-    at `drop` is scaled as ``spread * sqrt(d / drop)``; d solves
-    ``d + spread * sqrt(d / drop) = budget`` (a quadratic in sqrt(d)). The whole
-    budget when there is no spread, or no drop to scale it from.
-    """
-    if drop <= 0 or spread <= 0:
-        return budget
-    a = spread / np.sqrt(drop)
-    return float(((np.sqrt(a * a + 4 * budget) - a) / 2) ** 2)
 
 
 def _shortfall_power(measured: list[tuple[float, float]]) -> float:
@@ -417,3 +407,146 @@ def _shortfall_power(measured: list[tuple[float, float]]) -> float:
         if n1 != n2:
             return float(np.clip(np.log(d1 / d2) / np.log(n1 / n2), 0.5, 1.0))
     return 0.5
+
+
+class Evaluator:
+    """Whole evaluation-set passes of plans against FP32's outputs, each kept in the checkpoint.
+
+    FP32's pass runs once, with the first plan evaluated: its records (:class:`Reference`)
+    and, for a metric that reads them, its outputs. A plan's outputs stream through its
+    :class:`PairedScore` batch by batch and are dropped once recorded: a user's two-part
+    metric decodes each sample once per evaluation, and the bootstrap reduces records.
+    """
+
+    def __init__(self, context: Context, runner: Runner, checkpoint: Checkpoint | None):
+        self.context, self.runner, self.checkpoint = context, runner, checkpoint
+        self.reference: Reference | None = None
+        self.fp32_outputs: list[dict[str, np.ndarray]] = []
+        self.fp32_seconds = 0.0  # FP32's pass over the evaluation set
+
+    def cheap(self, seconds: float) -> bool:
+        """Whether an evaluation taking `seconds` is cheap: at most CHEAP_PASSES FP32 passes
+        over the evaluation set, plus CHEAP_SECONDS to build the plan's model and session.
+        A metric decoded once per sample keeps it so (a YOLOX's F1 called on every
+        bootstrap resample took 20-40 forward passes' time)."""
+        return seconds <= CHEAP_PASSES * self.fp32_seconds + CHEAP_SECONDS
+
+    def _fp32(self) -> Reference:
+        """FP32's records on the evaluation set (and its outputs where the metric reads
+        them), made when first needed: not where every evaluation is in the checkpoint."""
+        context = self.context
+        if self.reference is None:
+            self.reference = Reference(context.metric)
+            start = time.perf_counter()
+            for batch in context.step(context.evaluation, desc="FP32 evaluation"):
+                outputs = context.fp32_run(batch)
+                self.reference.update(outputs)
+                if not context.metric.labels:
+                    self.fp32_outputs.append(outputs)
+            self.fp32_seconds = time.perf_counter() - start
+        return self.reference
+
+    def _scored(self, precisions: Mapping[str, str], model_run: bool) -> PairedScore:
+        """The plan's records on the evaluation set (FP32's own when it runs no model). Not
+        side by side with FP32's pass: held with the plan's, the second session's memory came
+        on top (the orientation model's plan peaked 250 MB higher)."""
+        context = self.context
+        reference = self._fp32()
+        if not model_run:
+            return PairedScore.of_reference(reference, context.settings.resamples)
+        scored = PairedScore(context.metric, resamples=context.settings.resamples,
+                             reference=reference)
+        run = self.runner(precisions, "int8")
+        batches = context.step(context.evaluation, desc="INT8 evaluation")
+        if context.metric.labels:
+            for batch in batches:
+                scored.update(run(batch), {})
+        else:
+            for batch, fp32 in zip(batches, self.fp32_outputs, strict=True):
+                scored.update(run(batch), fp32)
+        return scored
+
+    def __call__(self, point: FrontPoint) -> Evaluation:
+        settings = self.context.settings
+        key = plan_key(point.precisions)
+        if self.checkpoint and key in self.checkpoint.evaluations:
+            return self.checkpoint.evaluations[key]
+        start = time.perf_counter()
+        model_run = any(p != "fp32" for p in point.precisions.values())
+        certificate = settings.budget.certificate(self._scored(point.precisions, model_run))
+        result = Evaluation(point.int8_mac_share, point.predicted, certificate,
+                            time.perf_counter() - start, model_run)
+        if self.checkpoint:
+            self.checkpoint.add_evaluation(key, result)
+        return result
+
+    def first(self, point: FrontPoint, drawn: Draw | None) -> Evaluation:
+        """The all-INT8 `point`: screened out on `drawn` (calibration samples that are not
+        only the hardest, for a label-free metric) when it fails there beyond doubt, else
+        evaluated."""
+        settings = self.context.settings
+        if drawn is not None:
+            screened = screen(point, self.runner(point.precisions), drawn,
+                              self.context.metric, settings.budget, settings.resamples)
+            if screened is not None:
+                return screened
+        return self(point)
+
+
+class NoiseFit(Protocol):
+    """What the search asks of the noise model (:class:`quantlab.planner.trials.ModelFit`)."""
+
+    def front(self) -> list[FrontPoint]: ...
+
+    def verified(self, point: FrontPoint) -> bool: ...
+
+    def fp16_noise(self) -> float: ...
+
+
+def evaluate_front(evaluator: Evaluator, rules: Rules, fit: NoiseFit, first: Evaluation
+                   ) -> tuple[list[tuple[FrontPoint, Evaluation]], int, Evaluation | None]:
+    """The search over the front on the evaluation set, all-INT8 judged already (`first`;
+    each other plan checked against the noise model first, :meth:`NoiseFit.verified`),
+    then the fallback when no plan with INT8 certifies: all-FP16 (where units may run
+    FP16), then the FP32 model. Returns the (plan, evaluation) pairs, the chosen one's
+    position and the all-FP16 evaluation (or None)."""
+    settings = evaluator.context.settings
+    all_int8 = plan_key(fit.front()[-1].precisions)
+
+    def checked(point: FrontPoint) -> Evaluation | None:
+        if plan_key(point.precisions) == all_int8:
+            return first
+        return evaluator(point) if fit.verified(point) else None
+
+    done, chosen = search(fit.front, checked, settings.max_evaluations, settings.budget,
+                          evaluator.cheap)
+    if done[chosen][1].certificate.certified:
+        return done, chosen, None
+    # No plan with INT8 certified: FP16 everywhere it may run, then the FP32 model.
+    all_fp16 = FrontPoint(0.0, fit.fp16_noise(), 0.0, {
+        u.name: fallback_precision(rules.allowed[u.name], settings.high_precision)
+        for u in rules.units})
+    floor = None
+    if any(p == "fp16" for p in all_fp16.precisions.values()):
+        floor = evaluator(all_fp16)
+        done.append((all_fp16, floor))
+        message = floor_message(floor.certificate, settings.budget)
+        if message:
+            warnings.warn(message, stacklevel=3)
+        if floor.certificate.certified:
+            return done, len(done) - 1, floor
+    all_fp32 = FrontPoint(0.0, 0.0, 0.0, {u.name: fallback_precision(rules.allowed[u.name],
+                                                                     "fp32")
+                                          for u in rules.units})
+    done.append((all_fp32, evaluator(all_fp32)))
+    return done, len(done) - 1, floor
+
+
+def uncertified(done: list[tuple[FrontPoint, Evaluation]], chosen: FrontPoint
+                ) -> tuple[FrontPoint, Evaluation] | None:
+    """The evaluated plan with the most INT8 (more than the `chosen`) that scored inside the
+    budget but could not be certified (too few samples for a drop, or a score too near an
+    SQNR floor), with its evaluation; None when there is none."""
+    promising = [(p, e) for p, e in done if not e.screened and e.certificate.near_miss and
+                 p.int8_mac_share > chosen.int8_mac_share]
+    return max(promising, key=lambda pair: pair[0].int8_mac_share, default=None)

@@ -1,4 +1,5 @@
-"""Measurements (Stage B): output noise, hardest samples, bounded runs, local errors.
+"""Measurements below the stages: output noise, hardest samples, bounded runs, local errors,
+and the runner that builds and runs each plan's Q/DQ model (:class:`Runner`).
 
 Every measurement is a fixed number of passes, whatever the number of units: one
 pass for the hardest samples, one local pass for every unit's INT8 and FP16 error
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -481,7 +483,8 @@ def choose_calibrators(g: Graph, candidates: Mapping[str, Mapping[str, float]],
 @dataclass
 class CalibratedModel:
     """An FP32 model and its calibration: what the planner plans, and each repaired option
-    it weighs before any pin (Stage C; :mod:`quantlab.repairs` makes them).
+    it weighs before any pin (:func:`quantlab.planner.prepare.weigh_repairs`;
+    :mod:`quantlab.repairs` makes them).
 
     `amax` are the calibrated scales' amax, `ranges` max |x| and `p9999` the 99.99th
     percentile per tensor (for the rules), `candidates` (method -> amax) the
@@ -517,3 +520,56 @@ def all_int8_nsr(options: Mapping[str, CalibratedModel], batch: Mapping[str, np.
             batch, references)
     return result
 
+
+
+class Runner:
+    """Builds and runs a plan's Q/DQ model (unit -> precision), bias shifts applied to INT8.
+
+    One ONNX Runtime session per plan run, dropped after it: a trial costs one forward
+    pass of the plan's model plus building it.
+    """
+
+    def __init__(self, model: onnx.ModelProto, g: Graph, units: list[Unit],
+                 amax: Mapping[str, float], high_precision: str, runs: Callable):
+        self.model, self.g, self.units, self.amax = model, g, units, amax
+        self.high_precision, self.runs = high_precision, runs
+        self.shifts: dict[str, np.ndarray] = {}
+
+    def quantized(self, precisions: Mapping[str, str], g: Graph | None = None,
+                  shifts: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
+        """The plan's Q/DQ model of the model, or of `g`, a part of it cut from it
+        (:func:`quantlab.segments.tail_model`), with `shifts` (default: the runner's)."""
+        from quantlab.repairs import shift_biases
+
+        g = g or self.g
+        shifts = self.shifts if shifts is None else shifts
+        present = {node.name for node in g.model.graph.node}
+        nodes = {n: precisions[u.name] for u in self.units for n in u.nodes if n in present}
+        built = qdq.quantize_model(g, self.amax, nodes, high_precision=self.high_precision)
+        return shift_biases(g, built, shifts) if shifts else built
+
+    def __call__(self, precisions: Mapping[str, str], name: str = "trial",
+                 threads: int | None = None,
+                 shifts: Mapping[str, np.ndarray] | None = None) -> Callable:
+        from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+
+        # Without ONNX Runtime's memory pattern: a session runs a few times, and its planned
+        # block stayed on top of the hardest samples (a 640 px detector's trials peaked higher).
+        return self.runs(OnnxRuntimeBackend(self.quantized(precisions, shifts=shifts),
+                                            name=name, memory_pattern=False,
+                                            threads=threads).run)
+
+    def outside_units(self) -> list[str]:
+        """The tensors the Q/DQ model of the plan with every unit in FP32 still quantizes: what
+        TensorRT would run in INT8 outside the units the plan decides. A warning names them;
+        none is the rule (Q/DQ pairs are placed for the units' linear ops and their shared
+        scales, docs/qdq.md)."""
+        built = self.quantized({u.name: "fp32" for u in self.units}, shifts={})
+        quantized = sorted({n.input[0] for n in built.graph.node
+                            if n.op_type == "QuantizeLinear"})
+        if quantized:
+            warnings.warn(f"with every unit out of INT8, {len(quantized)} tensor(s) stay "
+                          f"quantized ({', '.join(quantized[:5])}): their INT8 error is in "
+                          "every plan, the FP32 fallback's too; this is a bug of the placement, "
+                          "please report it with the model.", stacklevel=3)
+        return quantized

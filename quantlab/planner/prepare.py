@@ -1,6 +1,7 @@
 """The planner's first steps (docs/planner.md, statistics and repairs): the model and the data
 as a plan (or a sweep) is given them, the statistics, their calibration, and the repaired
-copies of the model the planner weighs.
+copies of the model the planner weighs (:class:`RepairOptions`); then, in the planning flow,
+the first stage: the options weighed and one chosen (:func:`weigh_repairs` -> :class:`Prepared`).
 
 --data may be a calibration folder written by `quantlab calibrate`: its ``stats.npz`` is
 reused, its ``model.onnx`` planned, and its data re-read with the recorded preprocessing.
@@ -9,7 +10,7 @@ reused, its ``model.onnx`` planned, and its data re-read with the recorded prepr
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -21,7 +22,9 @@ from quantlab import calibrate, collect, graph, qdq, repairs, trt_ranges
 from quantlab.choices import PREPROCESS_OPTIONS
 from quantlab.data import BatchSource, DataOptions, Preprocess, open_data
 from quantlab.errors import ConfigError, DataError
-from quantlab.planner.measure import CalibratedModel
+from quantlab.planner.context import Context
+from quantlab.planner.measure import CalibratedModel, all_int8_nsr
+from quantlab.repairs import quietest
 
 
 def calibration_record(data: str) -> dict | None:
@@ -270,7 +273,7 @@ def calibrated(stats: collect.Statistics, method: str, calibrators: Sequence[str
 
 
 @dataclass
-class Prepared:
+class RepairOptions:
     """The model with its calibration, and each repaired copy the planner weighs (by repair
     name), with the seconds of the statistics and repairs steps."""
 
@@ -282,7 +285,7 @@ class Prepared:
 
 def prepare(model: onnx.ModelProto, source: BatchSource, stats: collect.Statistics | None,
             method: str, calibrators: Sequence[str], repair_names: Sequence[str],
-            implicit: bool, data: str, recorded: dict | None, progress: bool) -> Prepared:
+            implicit: bool, data: str, recorded: dict | None, progress: bool) -> RepairOptions:
     """Statistics (`stats` reused and completed), their calibration, and the copies of `model`
     each of `repair_names` makes, recalibrated; a repair that changes nothing is said and
     left out (`recorded`: --data's calibration.json, which may have applied it already)."""
@@ -320,4 +323,43 @@ def prepare(model: onnx.ModelProto, source: BatchSource, stats: collect.Statisti
                                     calibration if renames else None
                                     ).calibrated_model(changed, report.to_dict())
     phases["repairs"] = time.perf_counter() - started
-    return Prepared(calibration, calibration.calibrated_model(model), repaired, phases)
+    return RepairOptions(calibration, calibration.calibrated_model(model), repaired, phases)
+
+
+@dataclass
+class Prepared:
+    """The planner's first record: its context, the model as given and the option planned
+    (the model as given, or the quietest repaired copy) with its graph, and a record per
+    option weighed for plan.json."""
+
+    context: Context
+    original: CalibratedModel
+    chosen: CalibratedModel
+    repair: str  # "none": the model as given
+    repair_records: dict[str, dict]
+    g: graph.Graph
+
+
+def weigh_repairs(context: Context, original: CalibratedModel,
+                  repairs: Mapping[str, CalibratedModel]) -> Prepared:
+    """The option (the model as given, or a repair) whose all-INT8 model has the least output
+    noise on the first batch, with a record per option; timed as "weigh repairs"."""
+    with context.phases("weigh repairs"):
+        chosen, repair, records = original, "none", {}
+        if repairs:
+            options = {"none": original, **repairs}
+            weighed = all_int8_nsr(options, context.first, context.fp32_run(context.first),
+                                   context.runs)
+            repair = quietest(weighed)
+            chosen = options[repair]
+            records = {name: {"repair": name, "chosen": name == repair,
+                              "all_int8_nsr_first_batch": nsr,
+                              **repair_summary(options[name].report)}
+                       for name, nsr in weighed.items()}
+    return Prepared(context, original, chosen, repair, records, graph.Graph(chosen.model))
+
+
+def repair_summary(report: Mapping) -> dict:
+    """The plain figures of a RepairReport dict that plan.json keeps: places changed, skipped."""
+    return {"applied": len(report.get("applied", [])), "skipped": len(report.get("skipped", [])),
+            "passes": report.get("passes", 0), **report.get("summary", {})}

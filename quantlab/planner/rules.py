@@ -1,4 +1,4 @@
-"""Rules (the planner's first step, docs/planner.md): graph and ranges only.
+"""Rules (the planner's second stage, docs/planner.md): graph and ranges only.
 
 Each rule returns a :class:`Reason` naming its code, the precisions it allows and
 its source. Hard reasons restrict a unit's precisions; soft ones only seed the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import onnx
@@ -18,7 +18,10 @@ from quantlab import qdq
 from quantlab.errors import ModelError
 from quantlab.graph import Graph
 from quantlab.metadata import attribute
-from quantlab.planner.units import Unit
+from quantlab.planner.units import Unit, find_units
+
+if TYPE_CHECKING:  # the first stage's record: the rules stay light for plan.json's readers
+    from quantlab.planner.prepare import Prepared
 
 # Largest finite float16 (IEEE 754 binary16).
 FP16_MAX = 65504.0
@@ -283,3 +286,37 @@ def allowed_precisions(reasons: Sequence[Reason]) -> tuple[str, ...]:
         raise ModelError(f"rules {codes} leave no precision for one unit; this is a bug in the "
                          "rules, please report it with the model.")
     return tuple(p for p in qdq.PRECISIONS if p in allowed)
+
+
+@dataclass
+class Rules:
+    """The planner's second record: the units of the model planned, the rules' reasons,
+    the precisions each unit may take, and the hard pins (unit -> precision)."""
+
+    units: list[Unit]
+    reasons: dict[str, list[Reason]]
+    allowed: dict[str, tuple[str, ...]]
+    fixed: dict[str, str]
+
+    def all_int8(self) -> dict[str, str]:
+        """The plan with every unit in INT8 but the pinned ones."""
+        return {u.name: self.fixed.get(u.name, "int8") for u in self.units}
+
+
+def unit_rules(prepared: Prepared) -> Rules:
+    """Units (MACs per sample: shapes inference misses, so one sample runs) and their rules;
+    timed as "rules"."""
+    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.planner.search import fallback_precision
+
+    context, chosen, g = prepared.context, prepared.chosen, prepared.g
+    with context.phases("rules"):
+        one = context.calibration.slice(context.first, 0, 1)
+        fp32 = OnnxRuntimeBackend(chosen.model, name="fp32")
+        units = find_units(g, {name: np.shape(value) for name, value in one.items()},
+                           lambda names: {n: a.shape for n, a in fp32.run(one, names).items()})
+        reasons = apply_rules(units, RuleContext(g, chosen.ranges, chosen.p9999))
+        allowed = {u.name: allowed_precisions(reasons.get(u.name, [])) for u in units}
+        fixed = {n: fallback_precision(a, context.settings.high_precision)
+                 for n, a in allowed.items() if "int8" not in a}
+    return Rules(units, reasons, allowed, fixed)

@@ -1,4 +1,5 @@
-"""The search (Stage D): the most INT8 MACs within a predicted-noise budget, and the front."""
+"""The MILP front: the most INT8 MACs within a predicted-noise budget, plan by plan (the
+Search stage, :mod:`quantlab.planner.choose`, evaluates its plans)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Trials: plans run on the hardest samples, the additive noise model fitted from them, and
-its check.
+its check; the planner's fifth stage (:func:`noise_model` -> :class:`NoiseModel`).
 
 A trial is one plan (unit -> precision) built as its own Q/DQ model, the model an
 evaluation would run, and run once over the hardest calibration samples in ONNX
@@ -14,13 +14,38 @@ the additive model misses is found and measured alone (:func:`localize`).
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from scipy import optimize
 
-from quantlab.planner.measure import BoundedRun, concurrently, side_by_side
+from quantlab.planner.context import Context, PlanSettings
+from quantlab.planner.evaluate import (
+    Checkpoint,
+    Evaluation,
+    Evaluator,
+    allowed_noise,
+    unreachable,
+)
+from quantlab.planner.hard_samples import HardSamples
+from quantlab.planner.measure import (
+    BoundedRun,
+    FromCuts,
+    Runner,
+    all_int8_nsr,
+    choose_cuts,
+    concurrently,
+    fp16_contributions,
+    side_by_side,
+    unit_starts,
+)
+from quantlab.planner.prepare import Prepared
+from quantlab.planner.rules import Rules
+from quantlab.planner.scales import Calibrated
+from quantlab.planner.search import FrontPoint, front, most_int8
 
 # Bound of the log-gains of the fitted contributions (exp(30) ~ 1e13 either way).
 LOG_GAIN_LIMIT = 30.0
@@ -149,7 +174,7 @@ def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: 
     (``ridge * trials``) so that a few trials still give a unique answer. The
     all-INT8 plan is always one of the trials.
     The prior: with `prior_nsr` (unit -> a noise-to-signal ratio: its output noise alone
-    in INT8 on a few samples, :func:`quantlab.planner.flow._single_units`, or its local
+    in INT8 on a few samples, :func:`single_units`, or its local
     INT8 error, :func:`quantlab.planner.measure.local_sqnr`, which takes every unit's
     noise to reach the output alike) each unit's figure scaled by one gain so that the
     priors add up to the all-INT8 trial's noise, else that noise split evenly. With fewer
@@ -164,7 +189,7 @@ def group_test(trials: Trials, count: int = 24, int8_share: float = 0.5, ridge: 
     With `least`, the trials after the first `least` stop once PREDICTED_IN_A_ROW trials in a
     row were each predicted within DISAGREEMENT by the fit of the trials before them: more
     of the same draw would not change the fit
-    (:func:`quantlab.planner.flow._least_random_trials` says when).
+    (:func:`least_random_trials` says when).
     """
     units = trials.units
     rng = np.random.default_rng(seed)
@@ -351,3 +376,318 @@ def _prior(units: Sequence[str], fixed: Mapping[str, str], prior_nsr: Mapping[st
                         for u, f in zip(units, free, strict=True)], dtype=np.float64)
     figures[~(figures >= 0) | ~np.isfinite(figures)] = typical
     return figures * (all_int8 / figures.sum())
+
+
+# Front plans measured per round of checks before any evaluation.
+FRONT_CHECKS = 4
+# Times the noise model may be refitted during the search, when a plan it chose for an
+# evaluation measured noisier than predicted on the hardest samples.
+MAX_REFITS = 3
+# The share of `trials` that run at least when the budget lies far below their noise (see
+# least_random_trials).
+FAR_TRIALS_SHARE = 0.25
+# The single-unit measurements (single_units) run each free unit alone on a few of the
+# hardest samples: as many sample passes in all as this many trials, on at least
+# SINGLES_LEAST_SAMPLES samples.
+SINGLES_COST_IN_TRIALS = 4
+SINGLES_LEAST_SAMPLES = 2
+
+
+class Fit(NamedTuple):
+    """A noise model's contributions per unit (INT8 and FP16) and the front they give."""
+
+    contribution: dict[str, float]
+    fp16_contribution: dict[str, float]
+    front: list[FrontPoint]
+
+
+def _contributions(rules: Rules, local: Mapping, sensitivity: OutputSensitivity
+                   ) -> tuple[dict[str, float], dict[str, float]]:
+    """Each unit's fitted INT8 contribution and its FP16 one."""
+    contribution = dict(zip(sensitivity.units, sensitivity.contribution, strict=True))
+    return contribution, fp16_contributions(contribution, local, rules.fixed)
+
+
+def fitted(rules: Rules, local: Mapping, sensitivity: OutputSensitivity,
+           high_precision: str) -> Fit:
+    """The noise model's contributions per unit and the front they give (`local`: each
+    unit's local SQNR per precision, for the FP16 contributions)."""
+    contribution, fp16_contribution = _contributions(rules, local, sensitivity)
+    return Fit(contribution, fp16_contribution, front(
+        rules.units, rules.allowed, contribution, high_precision=high_precision,
+        fp16_contribution=fp16_contribution))
+
+
+def check_front(context: Context, rules: Rules, local: Mapping,
+                sensitivity: OutputSensitivity, trials: Trials
+                ) -> tuple[OutputSensitivity, Fit]:
+    """Up to ``verify_rounds`` rounds: FRONT_CHECKS plans of the front measured against the
+    fit (:func:`check_fit`) and refitted, until every one is within DISAGREEMENT of its
+    prediction. Random half-and-half trials cannot tell many small contributors apart, and
+    a fit that calls them free puts them all in INT8. Returns the refitted noise model and
+    its :func:`fitted` figures and front."""
+    high_precision = context.settings.high_precision
+    fit = fitted(rules, local, sensitivity, high_precision)
+    for _ in context.step(range(context.settings.verify_rounds), desc="front checks"):
+        masks = front_masks(fit.front, sensitivity)
+        if not len(masks):
+            break
+        checked = len(sensitivity.checks)
+        sensitivity = check_fit(sensitivity, trials, masks, "front check")
+        fit = fitted(rules, local, sensitivity, high_precision)
+        if all(c["factor"] <= DISAGREEMENT for c in sensitivity.checks[checked:]):
+            break
+    return sensitivity, fit
+
+
+def front_masks(points: list[FrontPoint], sensitivity: OutputSensitivity,
+                count: int = FRONT_CHECKS) -> np.ndarray:
+    """INT8 masks of up to `count` front plans no trial ran yet, evenly spread, strictly
+    between no INT8 and all INT8."""
+    seen = {mask.tobytes() for mask in sensitivity.masks}
+    masks = []
+    for point in points:
+        mask = np.array([point.precisions.get(u) == "int8" for u in sensitivity.units])
+        if mask.any() and not mask.all() and mask.tobytes() not in seen:
+            seen.add(mask.tobytes())
+            masks.append(mask)
+    picked = np.unique(np.linspace(0, len(masks) - 1, min(count, len(masks))).astype(int))
+    return np.array([masks[i] for i in picked]).reshape(-1, len(sensitivity.units))
+
+
+class ModelFit:
+    """The noise model during the search: its fit, the front it gives, and its check before
+    each evaluation (:meth:`verified`); the search's :class:`quantlab.planner.evaluate.NoiseFit`."""
+
+    def __init__(self, rules: Rules, local: Mapping, sensitivity: OutputSensitivity,
+                 trials: Trials, high_precision: str, fit: Fit | None = None):
+        self.rules, self.local, self.trials = rules, local, trials
+        self.sensitivity, self.high_precision = sensitivity, high_precision
+        self._fitted = fit  # of `sensitivity`, when made already
+        self.refits = 0
+
+    @property
+    def fitted(self) -> Fit:
+        """The fit's contributions and its front, made when first asked for (a hundred MILPs:
+        2 s on a 100-unit detector)."""
+        if self._fitted is None:
+            self._fitted = fitted(self.rules, self.local, self.sensitivity, self.high_precision)
+        return self._fitted
+
+    def front(self) -> list[FrontPoint]:
+        return self.fitted.front
+
+    def fp16_noise(self) -> float:
+        """The predicted output noise of every unit in FP16."""
+        return sum(self.fitted.fp16_contribution.values())
+
+    def most_int8(self) -> FrontPoint:
+        """The front's last plan, without the rest of the front."""
+        contribution, fp16_contribution = _contributions(self.rules, self.local,
+                                                         self.sensitivity)
+        return most_int8(self.rules.units, self.rules.allowed, contribution,
+                         self.high_precision, fp16_contribution)
+
+    def mask(self, point: FrontPoint) -> np.ndarray:
+        return np.array([point.precisions.get(u) == "int8" for u in self.sensitivity.units])
+
+    def verified(self, point: FrontPoint) -> bool:
+        """False when `point`, run as a trial (unless one ran it), was noisier than predicted
+        by more than DISAGREEMENT: the noise model was then localized and refitted, and the
+        front changed (at most MAX_REFITS times; after that, True)."""
+        mask = self.mask(point)
+        seen = {m.tobytes() for m in self.sensitivity.masks}
+        if self.refits >= MAX_REFITS or not mask.any() or mask.tobytes() in seen:
+            return True
+        checked = len(self.sensitivity.checks)
+        self.sensitivity = check_fit(self.sensitivity, self.trials, mask[None],
+                                     "before evaluation")
+        if self.sensitivity.checks[checked]["measured"] <= \
+                DISAGREEMENT * self.sensitivity.checks[checked]["predicted"]:
+            return True
+        self.refits += 1
+        self._fitted = None
+        return False
+
+
+@dataclass
+class NoiseModel:
+    """The planner's fifth record: all-INT8 judged first (`first`) and, where it did not
+    certify, the noise model of the trials (single units alone, random trials, front
+    checks); the evaluator, which goes on with the search."""
+
+    model_fit: ModelFit
+    first: Evaluation
+    evaluator: Evaluator
+    trials: Trials
+    # Each free unit's output noise alone in INT8 (single_units), on how many samples.
+    alone: dict[str, float] = field(default_factory=dict)
+    alone_samples: int = 0
+    random_trials: int = 0
+
+    def trial_cost(self, fp32_seconds: float) -> dict:
+        """Median seconds of a trial (building its Q/DQ model and session, one run over the
+        hardest samples; trials measured side by side share their run's seconds) against one
+        warm FP32 pass over the same samples (`fp32_seconds`); how many of the trials were
+        random plans (all-INT8 included); how many units were measured alone, on how many
+        samples."""
+        if not self.trials.seconds:
+            return {}
+        median = float(np.median(self.trials.seconds))
+        return {"trials_run": len(self.trials.seconds), "random_trials": self.random_trials,
+                "single_units": len(self.alone), "single_unit_samples": self.alone_samples,
+                "trial_seconds_median": median,
+                "fp32_pass_seconds": fp32_seconds,
+                "ratio": median / fp32_seconds if fp32_seconds > 0 else float("inf")}
+
+
+def noise_model(prepared: Prepared, rules: Rules, calibrated: Calibrated, hard: HardSamples,
+                checkpoint: Checkpoint | None) -> NoiseModel:
+    """All-INT8 first ("all-INT8 first"), then, where it did not certify, the single units,
+    the trials and the front checks. `checkpoint` (an interrupted run of the same plan)
+    skips the trials and evaluations it holds."""
+    context, runner, local = prepared.context, calibrated.runner, hard.local
+    settings = context.settings
+    trials = Trials(plan_nsr(runner, hard.inputs, hard.references),
+                    [u.name for u in rules.units], rules.fixed,
+                    checkpoint.trials if checkpoint else {},
+                    checkpoint.add_trial if checkpoint else None)
+    noise = _all_int8_first(prepared, rules, calibrated, hard, trials, checkpoint)
+    _weigh_repair_on_hard(prepared, rules, hard, float(noise.model_fit.sensitivity.nsr[0]))
+    if noise.first.certificate.certified:
+        return noise
+    with context.phases("single units"):
+        noise.alone, noise.alone_samples = single_units(context, runner, rules, hard.inputs,
+                                                        hard.references)
+    with context.phases("trials"):
+        sensitivity = group_test(
+            trials, settings.trials, progress=lambda r: context.step(r, desc="trials"),
+            prior_nsr=noise.alone, all_int8=float(noise.model_fit.sensitivity.nsr[0]),
+            least=least_random_trials(settings, noise.first))
+    noise.random_trials = len(sensitivity.nsr)
+    with context.phases("front checks"):
+        sensitivity, fit = check_front(context, rules, local, sensitivity, trials)
+    noise.model_fit = ModelFit(rules, local, sensitivity, trials, settings.high_precision, fit)
+    return noise
+
+
+def _all_int8_first(prepared: Prepared, rules: Rules, calibrated: Calibrated,
+                    hard: HardSamples, trials: Trials, checkpoint: Checkpoint | None
+                    ) -> NoiseModel:
+    """All-INT8, the search's first plan in any case, judged before the other trials: a plan
+    whose all-INT8 certifies needs none of them (their fit could not change it). The noise
+    model of that one trial, with all-INT8's evaluation and the evaluator that made it."""
+    context, local = prepared.context, hard.local
+    local_nsr = {u: 10.0 ** (-f["int8"] / 10.0) for u, f in local.items() if "int8" in f}
+    evaluator = Evaluator(context, calibrated.runner, checkpoint)
+    with context.phases("all-INT8 first"):
+        # Bias correction measured it already (the same plan, samples and references).
+        record = hard.shift_record
+        known = None if record is None else trials.measured(record[
+            "hard_nsr_after" if record["chosen"] else "hard_nsr_before"])
+        model_fit = ModelFit(rules, local,
+                             group_test(trials, 1, prior_nsr=local_nsr, all_int8=known),
+                             trials, context.settings.high_precision)
+        first = evaluator.first(model_fit.most_int8(), hard.drawn)
+    hard.drawn = None  # the screen's samples, read by all-INT8 alone
+    message = unreachable(first, context.budget)
+    if message:  # before the trials, which could not change it
+        warnings.warn(message, stacklevel=4)
+    return NoiseModel(model_fit, first, evaluator, trials)
+
+
+def _weigh_repair_on_hard(prepared: Prepared, rules: Rules, hard: HardSamples,
+                          after: float) -> None:
+    """The chosen repair's effect where the pins' is measured, on the hardest samples: the
+    unrepaired model's all-INT8 noise (`after`: the repaired one's) in its record."""
+    if prepared.repair == "none":
+        return
+    fixed_nodes = {n: rules.fixed[u.name] for u in rules.units if u.name in rules.fixed
+                   for n in u.nodes}
+    before = all_int8_nsr({"none": prepared.original}, hard.inputs, hard.references,
+                          prepared.context.runs, fixed_nodes)
+    prepared.repair_records[prepared.repair].update(hard_nsr_before=before["none"],
+                                                    hard_nsr_after=after)
+
+
+def least_random_trials(settings: PlanSettings, first: Evaluation) -> int | None:
+    """None (all ``settings.trials`` random trials run), or, when the budget lies far below
+    the noise they measure or all-INT8 itself scored inside the budget (uncertified), the
+    least number that run before they may stop
+    (:func:`group_test`'s `least`: once PREDICTED_IN_A_ROW in a
+    row were predicted by the fit of those before): a quarter of them, at least 1.
+
+    A random trial runs about half the units in INT8, so its noise is about half the
+    all-INT8 plan's. When the noise the budget allows, extrapolated from all-INT8's
+    evaluation `first` (:func:`quantlab.planner.evaluate.allowed_noise`), is below that
+    by more than DISAGREEMENT, the trials describe plans noisier than any the search will
+    weigh. Measured with the local-error prior (before :func:`single_units`): where the
+    noise is spread evenly over the units (the layout detector, 10 agreement points down
+    at a 2-point budget), the fit predicted them after a few and 24 gave 5.9 % INT8 in
+    118 s where 6 gave 18.0 % in 66-90 s: the front checks, which measure the front's own
+    plans, do the fitting there. Where a few units wreck all-INT8 (a 640 px SSDlite at
+    0.8 dB against a 20 dB floor), a draw that left them out was over-predicted 17-358x
+    until the fit had seen several: 6 trials gave 70.6 % where 24 gave 73.6 %, so they go
+    on while they surprise the fit (19 ran, 73.6 %; with the single-unit prior the fit
+    predicts them from the start, 6 run, 73.7 %). Near the budget (a floor all-INT8 misses
+    by a few dB) every trial counts: 6 instead of 24 lost 2.3 % of the MACs on a
+    face-landmark net.
+    """
+    least = max(1, round(settings.trials * FAR_TRIALS_SHARE))
+    if first.certificate.near_miss:
+        # All-INT8 scored inside the budget: the plans that matter keep all but a few units
+        # in INT8, which the single-unit figures order; random half-and-half trials describe
+        # plans twice as noisy as any the search weighs (nudenet's YOLOv8n at a 0.03 F1 drop:
+        # all-INT8 0.974 against 0.97, 24 trials and 8 front checks were 450 of 880 s).
+        return least
+    allowed = allowed_noise(first, [first], settings.budget)
+    if allowed is None or allowed * DISAGREEMENT >= first.predicted / 2:
+        return None
+    return least
+
+
+def single_unit_samples(length: int, units: int) -> int:
+    """How many of `length` hardest samples the single-unit step runs `units` units on: as
+    many sample passes in all as SINGLES_COST_IN_TRIALS trials over all of them, at least
+    SINGLES_LEAST_SAMPLES."""
+    return min(length, max(SINGLES_LEAST_SAMPLES,
+                           round(length * SINGLES_COST_IN_TRIALS / max(1, units))))
+
+
+def single_units(context: Context, runner: Runner, rules: Rules,
+                  hard: Mapping[str, np.ndarray], references: Mapping[str, np.ndarray]
+                  ) -> tuple[dict[str, float], int]:
+    """Each free unit's output noise alone in INT8 (every other unit FP32, pins kept) on the
+    first few of the `hard` samples (FP32's outputs on them: `references`): the trials'
+    prior (:func:`group_test`'s `prior_nsr`).
+
+    How much a unit's local error is amplified on its way to the outputs differs from unit
+    to unit: on the layout detector the local error ranked the units by their noise alone
+    with a rank correlation of 0.43, and the fit of 16 random trials did no better. Alone on
+    2 of its 16 hardest pages the rank correlation with the same figure on all 16 was 0.96.
+    The samples: :func:`single_unit_samples`. Returns the figures and how many samples
+    they were measured on.
+    """
+    free = [u.name for u in rules.units if u.name not in rules.fixed]
+    length = context.calibration.length(hard)
+    count = single_unit_samples(length, len(free))
+    batch = hard if count == length else context.calibration.slice(hard, 0, count)
+    references = {name: value[:count] for name, value in references.items()}
+    measure = plan_nsr(runner, batch, references)
+    others = {u.name: rules.fixed.get(u.name, "fp32") for u in rules.units}
+    starts = unit_starts(runner.g, rules.units)
+    cuts = choose_cuts(runner.g, starts, {u.name: u.macs for u in rules.units},
+                       runner.g.sample_bytes({name: np.shape(value) for name, value in
+                                              context.calibration.slice(batch, 0, 1).items()}),
+                       count)
+    tails = FromCuts(runner.g, runner.quantized, context.runs, others, cuts, batch) if cuts \
+        else None
+
+    def alone(name: str, threads: int | None) -> float:
+        position = max((p for p in cuts if p <= starts[name]), default=None)
+        precisions = {**others, name: "int8"}
+        return measure(precisions, threads) if position is None else \
+            tails.nsr(precisions, position, references, threads)
+
+    figures = concurrently(alone, free)
+    return {name: next(figures) for name in context.step(free, desc="single units")}, count

@@ -159,7 +159,7 @@ def _repairs_text(repairs: list[dict]) -> str:
 
 
 def _screened_on(result: PlanResult) -> str:
-    """Which calibration samples all-INT8 was screened on (quantlab.planner.flow._draw)."""
+    """Which calibration samples all-INT8 was screened on (planner.hard_samples._hardest)."""
     if result.certificate.metric == "sqnr":
         return "every one, its noise measured in the pass that found the hardest"
     return (f"a random draw, or all of them when they are no more than the "
