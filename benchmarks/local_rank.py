@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     from quantlab.calibrate import Scales
     from quantlab.data import Preprocess, open_data
     from quantlab.experiment import read_json
-    from quantlab.planner.flow import single_unit_samples
     from quantlab.planner.measure import in_runs, output_sample_axes
+    from quantlab.planner.trials import single_unit_samples
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", help="a calibration folder (quantlab calibrate --out)")

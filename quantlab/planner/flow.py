@@ -45,12 +45,7 @@ from quantlab.planner.prepare import Prepared, weigh_repairs
 from quantlab.planner.rules import Rules, unit_rules
 from quantlab.planner.scales import Calibrated, calibrate_units
 from quantlab.planner.search import FrontPoint
-from quantlab.planner.trials import (  # noqa: F401 (single_unit_samples: benchmarks/local_rank.py)
-    NoiseModel,
-    OutputSensitivity,
-    noise_model,
-    single_unit_samples,
-)
+from quantlab.planner.trials import NoiseModel, OutputSensitivity, noise_model
 from quantlab.planner.units import read_back
 from quantlab.scoring import metric_for
 from quantlab.tasks import Task
