@@ -254,7 +254,13 @@ class CalibrationRecord(FolderRecord):
 
     def figures(self, folder: Path) -> dict[str, object]:
         method = " ".join([self.method, *(f"{v:g}" for v in self.params.values())])
-        return {"method": method, "samples": self.num_samples, "tensors": self.tensors}
+        figures = {"method": method, "samples": self.num_samples, "tensors": self.tensors}
+        if self.phases:  # what each phase cost: the index and the comparison page show it
+            figures["seconds"] = round(sum(p["seconds"] for p in self.phases), 1)
+            figures["phases"] = "; ".join(
+                f"{p['phase']} {p['seconds']:.1f} s ({p['samples']} samples, "
+                f"{p['model_runs']} runs)" for p in self.phases)
+        return figures
 
 
 # summary.json's "generator" of a plan folder: `quantlab build` reads its batch from it.
