@@ -224,7 +224,7 @@ def test_a_plan_without_int8_is_named_a_fallback(tmp_path):
 
 def test_the_index_and_the_comparison_show_each_calibration_phase(plain_and_default, tmp_path):
     """Issue 41: each phase's seconds, samples and model runs, as calibration.json records
-    them, on the index page and the comparison page (the plain options run two phases, the
+    them, on the index page and the comparison page (the plain options run the statistics alone, the
     defaults five, the channel ranges reading none on digits-cnn: nothing to equalize)."""
     root = plain_and_default
     out = tmp_path / "index.html"
