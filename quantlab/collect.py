@@ -559,7 +559,6 @@ def collect(
     names = sorted(dict.fromkeys(tensors),
                    key=lambda n: index.position.get(n, len(index.position)))
     specs = index.inputs
-    axes = sample_axes(specs)
     fixed = graph.fixed_batch_size(model)
     tensor_axes = tensor_sample_axes(model, names, fixed)
     stats = {name: TensorStats.empty(num_bins * OVERSAMPLE) for name in names}
@@ -568,54 +567,16 @@ def collect(
         raise ConfigError(f"channels {unknown[:5]} are not among the tensors to collect; "
                           "per-channel statistics are kept of collected tensors only.")
     by_channel = ChannelFold(channels)
-    runs: list[Run] = []
-    groups: list[list[str]] = []
-    sizes: dict[str, int] = {}
-    run_size = 1
-    measure = False
     num_samples = 0
     # Tensors of a run are counted in parallel (the kernel releases the GIL); each
     # TensorStats is updated by one thread at a time, so no locking is needed.
     with (ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool,
           progress_bar(total=batches.num_samples, unit="sample", desc=desc,
                        enabled=progress, leave=False) as bar):
+        runs = _Runs(index, names, cap, fixed, stats, tensor_axes, by_channel, pool)
         for batch_index, batch in enumerate(batches):
             _check_inputs(batch, specs, batch_index)
-            size = batch_length(batch, axes)
-            if not runs:
-                unit = size if fixed else 1
-                known = activation_bytes(model, names, batch, specs, unit)
-                measure = any(known[name] is None for name in names)
-                # A size inference left open counts as the largest known one until the
-                # first run (a single sample) has measured it.
-                guess = max([b for b in known.values() if b is not None], default=RUN_BYTES)
-                sizes = {name: guess if b is None else b for name, b in known.items()}
-                groups, runs, run_size = _plan(index, names, sizes, cap, fixed)
-            start = 0
-            while start < size:
-                stop = size if fixed else min(size, start + (1 if measure else run_size))
-                part = batch if fixed else slice_batch(batch, axes, start, stop)
-                try:
-                    measured = _run_segments(runs, part, pool, stats, tensor_axes,
-                                             (num_samples + start, stop - start), batch_index,
-                                             by_channel)
-                except _SegmentFailed as failed:
-                    uncut = math.ceil(2 * sum(sizes.values()) / (1 << 20))
-                    raise segments.run_failure(
-                        failed.error, lambda feeds=part: OnnxRuntimeBackend(model).run(feeds),
-                        "the model",
-                        failed.number, len(runs), f"samples {num_samples + start}.."
-                        f"{num_samples + stop - 1}", "Until then, pass a larger --memory so "
-                        f"the graph is cut less: --memory {uncut}M or more runs it uncut."
-                    ) from None
-                if measure:
-                    measure = False
-                    sizes.update(measured)
-                    # Sessions are made again only if the measured sizes move a cut.
-                    if plan_groups(index, names, sizes, cap) != groups:
-                        runs = []
-                    groups, runs, run_size = _plan(index, names, sizes, cap, fixed, runs)
-                start = stop
+            size = runs.feed(batch, batch_index, num_samples)
             num_samples += size
             bar.update(size)
             bar.set_postfix_str(f"batch {batch_index + 1}/{len(batches)}")
@@ -627,6 +588,73 @@ def collect(
             stacklevel=2,
         )
     return Statistics(stats, num_samples, num_bins, by_channel.stats)
+
+
+class _Runs:
+    """The runs of one collection: the graph's segments and the samples a run takes, sized
+    to `cap` on the first batch, and again once the first sample has measured the sizes
+    shape inference left open (sessions are made again only if that moves a cut)."""
+
+    def __init__(self, index: graph.Graph, names: Sequence[str], cap: int, fixed: int | None,
+                 stats: dict[str, TensorStats], tensor_axes: Mapping[str, int],
+                 by_channel: ChannelFold, pool: ThreadPoolExecutor):
+        self.index, self.names, self.cap, self.fixed = index, names, cap, fixed
+        self.stats, self.tensor_axes, self.by_channel, self.pool = (stats, tensor_axes,
+                                                                    by_channel, pool)
+        self.axes = sample_axes(index.inputs)
+        self.runs: list[Run] = []
+        self.groups: list[list[str]] = []
+        self.sizes: dict[str, int] = {}
+        self.run_size = 1
+        self.measure = False
+
+    def _plan(self, batch: Mapping[str, np.ndarray], size: int) -> None:
+        unit = size if self.fixed else 1
+        known = activation_bytes(self.index.model, self.names, batch, self.index.inputs, unit)
+        self.measure = any(known[name] is None for name in self.names)
+        # A size inference left open counts as the largest known one until the first run
+        # (a single sample) has measured it.
+        guess = max([b for b in known.values() if b is not None], default=RUN_BYTES)
+        self.sizes = {name: guess if b is None else b for name, b in known.items()}
+        self.groups, self.runs, self.run_size = _plan(self.index, self.names, self.sizes,
+                                                      self.cap, self.fixed)
+
+    def feed(self, batch: Mapping[str, np.ndarray], batch_index: int, first: int) -> int:
+        """Fold the batch (its first sample the `first` of the data) into the statistics;
+        its sample count."""
+        size = batch_length(batch, self.axes)
+        if not self.runs:
+            self._plan(batch, size)
+        start = 0
+        while start < size:
+            stop = size if self.fixed else min(size, start + (1 if self.measure
+                                                              else self.run_size))
+            part = batch if self.fixed else slice_batch(batch, self.axes, start, stop)
+            measured = self._run(part, batch_index, first + start, first + stop)
+            if self.measure:
+                self.measure = False
+                self.sizes.update(measured)
+                if plan_groups(self.index, self.names, self.sizes, self.cap) != self.groups:
+                    self.runs = []
+                self.groups, self.runs, self.run_size = _plan(
+                    self.index, self.names, self.sizes, self.cap, self.fixed, self.runs)
+            start = stop
+        return size
+
+    def _run(self, part: Mapping[str, np.ndarray], batch_index: int, start: int,
+             stop: int) -> dict[str, int]:
+        try:
+            return _run_segments(self.runs, part, self.pool, self.stats, self.tensor_axes,
+                                 (start, stop - start), batch_index, self.by_channel)
+        except _SegmentFailed as failed:
+            model = self.index.model
+            uncut = math.ceil(2 * sum(self.sizes.values()) / (1 << 20))
+            raise segments.run_failure(
+                failed.error, lambda feeds=part: OnnxRuntimeBackend(model).run(feeds),
+                "the model", failed.number, len(self.runs), f"samples {start}..{stop - 1}",
+                "Until then, pass a larger --memory so "
+                f"the graph is cut less: --memory {uncut}M or more runs it uncut."
+            ) from None
 
 
 def _plan(index: graph.Graph, names: Sequence[str], sizes: Mapping[str, int], cap: int,

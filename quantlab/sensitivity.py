@@ -107,104 +107,128 @@ def local_error_model(qdq: Graph | Sequence[Graph], reference: Graph,
         graphs = [_without_activation_pairs(index) for index in graphs]
     if labels is not None and len(labels) != len(graphs):
         raise ValueError(f"{len(labels)} labels for {len(graphs)} Q/DQ graphs")
-    known = set(reference.order)
-    reference_nodes = {node.name: node for node in reference.model.graph.node}
-    combined: list[onnx.NodeProto] = []
-    initializers: dict[str, onnx.TensorProto] = {}
-    feeds: dict[str, None] = {}
-    seen: set[tuple[str, str]] = set()
-    result = LocalErrorModel(onnx.ModelProto(), [], {})
-    reference_stored = {init.name: init for init in reference.model.graph.initializer}
+    local = _LocalGraph(reference, fuse_activations)
     for number, index in enumerate(graphs):
         stored = {init.name: init for init in index.model.graph.initializer}
-        chain = _chains(index, known, reference_nodes, weights_only)
+        chain = _chains(index, local.known, local.reference_nodes, weights_only)
         fused: set[str] = set()  # activation nodes measured with their linear op
         for node in index.model.graph.node:
             if node.op_type in ("QuantizeLinear", "DequantizeLinear", "Constant", "Cast") or \
-                    node.op_type in PASS_THROUGH_OPS or node.name not in reference_nodes or \
-                    node.name in fused:
+                    node.op_type in PASS_THROUGH_OPS or node.name not in local.reference_nodes \
+                    or node.name in fused:
                 continue
-            inputs = [i for i in node.input if i]
-            parts = [chain(i) for i in inputs]
+            parts = [chain(i) for i in node.input if i]
             precisions = {p.precision for p in parts if p is not None} - {None}
             if any(p is None for p in parts) or len(precisions) != 1:
                 continue
             precision = precisions.pop()
-            label = labels[number] if labels is not None else precision
-            twin = reference_nodes[node.name]
-            activation = fused_activation(reference, twin) \
-                if fuse_activations and node.op_type in LINEAR_OPS else []
-            ends = [activation[-1].output[0]] if activation else list(twin.output)
-            compared = {out: ref for out, ref in zip(node.output, ends, strict=False)
-                        if ref in known and ref in reference.floats}
-            needed = list(dict.fromkeys(t for p in parts for t in p.fed))
-            if not compared or any(t not in known for t in needed) or \
-                    (node.name, label) in seen:
-                continue
-            seen.add((node.name, label))
-            fused.update(n.name for n in activation)
-            suffix = f"{LOCAL_SUFFIX}{label}::{node.name}"
-            copied = list({id(n): n for p in parts for n in p.nodes}.values())
-            renamed = {out: out + suffix for n in copied for out in n.output}
-            renamed.update({out: out + suffix for out in node.output})
-            for sub in [*copied, node]:
-                for name in sub.input:
-                    if name not in stored:
-                        continue
-                    if name in initializers and initializers[name] != stored[name]:
-                        # Same name, other content in an earlier Q/DQ graph: keep both.
-                        renamed[name] = name + suffix
-                    initializers[renamed.get(name, name)] = _named(stored[name],
-                                                                   renamed.get(name, name))
-                combined.append(_renamed_copy(sub, suffix, renamed))
-            if precision == "fp16":
-                combined += _widened(combined.pop(), {renamed[out] for out in compared})
-            if activation:
-                # The fused activation in FP32 on the op's output, constants from `reference`.
-                renamed[twin.output[0]] = renamed[node.output[0]]
-                for sub in activation:
-                    renamed.update({out: out + suffix for out in sub.output})
-                    for name in sub.input:
-                        if name in reference_stored and name not in renamed:
-                            if name in initializers and \
-                                    initializers[name] != reference_stored[name]:
-                                renamed[name] = name + suffix
-                            initializers[renamed.get(name, name)] = _named(
-                                reference_stored[name], renamed.get(name, name))
-                        elif name and name not in renamed:  # a Constant node's output
-                            renamed[name] = name + suffix
-                            combined.append(_renamed_copy(reference.producers[name], suffix,
-                                                          renamed))
-                    combined.append(_renamed_copy(sub, suffix, renamed))
-                renamed[node.output[0]] = renamed[ends[0]]
-            feeds.update(dict.fromkeys(needed))
-            for out, ref in compared.items():
-                result.outputs[renamed[out]] = ref
-                result.precisions[renamed[out]] = precision
-                result.nodes[renamed[out]] = node.name
-                result.labels[renamed[out]] = label
-                result.quantized_inputs.setdefault(
-                    ref, sorted({t for p in parts for t in p.sources}))
-    if not result.outputs:
-        raise ModelError(
-            "the INT8 model has no compute node reading a QuantizeLinear/DequantizeLinear pair "
-            "(or a float16 Cast) on a tensor of the FP32 model; local mode needs a Q/DQ model "
-            "made from the FP32 model passed as reference (same tensor names). Use --mode "
-            "global otherwise."
+            local.add(node, parts, precision, labels[number] if labels is not None else precision,
+                      stored, fused)
+    return local.model(graphs[0].model)
+
+
+class _LocalGraph:
+    """A local error model as :func:`local_error_model` builds it: the copied nodes, their
+    initializers and FP32 feeds, and the record of what each output approximates."""
+
+    def __init__(self, reference: Graph, fuse_activations: bool):
+        self.reference, self.fuse_activations = reference, fuse_activations
+        self.known = set(reference.order)
+        self.reference_nodes = {node.name: node for node in reference.model.graph.node}
+        self.reference_stored = {init.name: init for init in reference.model.graph.initializer}
+        self.combined: list[onnx.NodeProto] = []
+        self.initializers: dict[str, onnx.TensorProto] = {}
+        self.feeds: dict[str, None] = {}
+        self.seen: set[tuple[str, str]] = set()
+        self.result = LocalErrorModel(onnx.ModelProto(), [], {})
+
+    def add(self, node: onnx.NodeProto, parts: list[_Chain], precision: str, label: str,
+            stored: Mapping[str, onnx.TensorProto], fused: set[str]) -> None:
+        """`node` of a Q/DQ graph (initializers `stored`) cut out with the chains making its
+        inputs, once per (node, label), compared where TensorRT's layer ends; the activation
+        nodes it fuses join `fused`."""
+        reference = self.reference
+        twin = self.reference_nodes[node.name]
+        activation = fused_activation(reference, twin) \
+            if self.fuse_activations and node.op_type in LINEAR_OPS else []
+        ends = [activation[-1].output[0]] if activation else list(twin.output)
+        compared = {out: ref for out, ref in zip(node.output, ends, strict=False)
+                    if ref in self.known and ref in reference.floats}
+        needed = list(dict.fromkeys(t for p in parts for t in p.fed))
+        if not compared or any(t not in self.known for t in needed) or \
+                (node.name, label) in self.seen:
+            return
+        self.seen.add((node.name, label))
+        fused.update(n.name for n in activation)
+        suffix = f"{LOCAL_SUFFIX}{label}::{node.name}"
+        copied = list({id(n): n for p in parts for n in p.nodes}.values())
+        renamed = {out: out + suffix for n in copied for out in n.output}
+        renamed.update({out: out + suffix for out in node.output})
+        for sub in [*copied, node]:
+            for name in sub.input:
+                if name in stored:
+                    self._initializer(name, stored[name], suffix, renamed)
+            self.combined.append(_renamed_copy(sub, suffix, renamed))
+        if precision == "fp16":
+            self.combined += _widened(self.combined.pop(), {renamed[out] for out in compared})
+        if activation:
+            renamed[twin.output[0]] = renamed[node.output[0]]
+            self._activation(activation, suffix, renamed)
+            renamed[node.output[0]] = renamed[ends[0]]
+        self.feeds.update(dict.fromkeys(needed))
+        for out, ref in compared.items():
+            self.result.outputs[renamed[out]] = ref
+            self.result.precisions[renamed[out]] = precision
+            self.result.nodes[renamed[out]] = node.name
+            self.result.labels[renamed[out]] = label
+            self.result.quantized_inputs.setdefault(
+                ref, sorted({t for p in parts for t in p.sources}))
+
+    def _initializer(self, name: str, value: onnx.TensorProto, suffix: str,
+                     renamed: dict[str, str]) -> None:
+        """`value` stored under `name`, or under `name` + `suffix` where an earlier Q/DQ graph
+        holds other content under that name (both kept)."""
+        if name in self.initializers and self.initializers[name] != value:
+            renamed[name] = name + suffix
+        self.initializers[renamed.get(name, name)] = _named(value, renamed.get(name, name))
+
+    def _activation(self, activation: list[onnx.NodeProto], suffix: str,
+                    renamed: dict[str, str]) -> None:
+        """The fused `activation` in FP32 on the copied op's output (`renamed` maps the
+        reference op's output to it), its constants from the reference."""
+        for sub in activation:
+            renamed.update({out: out + suffix for out in sub.output})
+            for name in sub.input:
+                if name in self.reference_stored and name not in renamed:
+                    self._initializer(name, self.reference_stored[name], suffix, renamed)
+                elif name and name not in renamed:  # a Constant node's output
+                    renamed[name] = name + suffix
+                    self.combined.append(_renamed_copy(self.reference.producers[name], suffix,
+                                                       renamed))
+            self.combined.append(_renamed_copy(sub, suffix, renamed))
+
+    def model(self, first: onnx.ModelProto) -> LocalErrorModel:
+        """The record with its model (opset and IR version of `first`)."""
+        result = self.result
+        if not result.outputs:
+            raise ModelError(
+                "the INT8 model has no compute node reading a QuantizeLinear/DequantizeLinear "
+                "pair (or a float16 Cast) on a tensor of the FP32 model; local mode needs a Q/DQ "
+                "model made from the FP32 model passed as reference (same tensor names). Use "
+                "--mode global otherwise."
+            )
+        result.model = helper.make_model(
+            helper.make_graph(
+                self.combined, "local_errors",
+                [_feed_value(self.reference, f) for f in self.feeds],
+                [helper.make_tensor_value_info(name, _FLOAT, None) for name in result.outputs],
+                list(self.initializers.values()),
+            ),
+            opset_imports=first.opset_import,
         )
-    first = graphs[0].model
-    result.model = helper.make_model(
-        helper.make_graph(
-            combined, "local_errors",
-            [_feed_value(reference, f) for f in feeds],
-            [helper.make_tensor_value_info(name, _FLOAT, None) for name in result.outputs],
-            list(initializers.values()),
-        ),
-        opset_imports=first.opset_import,
-    )
-    result.model.ir_version = first.ir_version
-    result.feeds = list(feeds)
-    return result
+        result.model.ir_version = first.ir_version
+        result.feeds = list(self.feeds)
+        return result
 
 
 def _without_activation_pairs(qdq: Graph) -> Graph:
