@@ -688,17 +688,18 @@ def _auto_scales(index: graph.Graph, stats: collect.Statistics, samples: list[di
     """Method "auto": per layer the candidate amax with the least local error (see
     :func:`calibrate_from_stats`), Concat-joined pairs at their widest member's; and the
     record of the choice (candidates, samples, layer -> the candidate taken)."""
-    from quantlab import plan
+    from quantlab.planner.measure import choose_calibrators
+    from quantlab.planner.units import find_units, share_scales
 
     candidates = {label: calibrate.calibrate(stats, name, **params).amax
                   for label, (name, params) in AUTO_CANDIDATES.items()}
     first = samples[0]
     fp32 = OnnxRuntimeBackend(index.model, name="fp32")
-    units = plan.find_units(index, {name: np.shape(value) for name, value in first.items()},
-                            lambda names: {n: a.shape for n, a in fp32.run(first, names).items()})
-    amax, chosen = plan.choose_calibrators(index, candidates, units, samples,
-                                           candidates[AUTO_DEFAULT])
-    amax = plan.share_scales(index, amax)
+    units = find_units(index, {name: np.shape(value) for name, value in first.items()},
+                       lambda names: {n: a.shape for n, a in fp32.run(first, names).items()})
+    amax, chosen = choose_calibrators(index, candidates, units, samples,
+                                      candidates[AUTO_DEFAULT])
+    amax = share_scales(index, amax)
     return calibrate.Scales(amax, AUTO, {}, stats.num_samples), {
         "candidates": list(AUTO_CANDIDATES), "samples": len(samples), "chosen": chosen}
 
