@@ -80,7 +80,7 @@ def run_quantlab(model: str, calib: str, val: str, root: Path, metric: str | Non
                  keep: Path | None = None) -> dict:
     """Calibrate with the tree's defaults; time it, read its phases, score it held out."""
     sys.path.insert(0, str(root))
-    from quantlab import pipeline
+    from quantlab.calibration import pipeline
 
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()

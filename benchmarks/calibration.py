@@ -27,7 +27,7 @@ ratios the issue asks about and PASS/FAIL per target are printed and written to
     python benchmarks/calibration.py                  # 64, 256, 512 samples, both models
     python benchmarks/calibration.py --quick          # 64 samples only (smoke check)
 
-Modules only the parent process needs (torch, the zoo, quantlab.compare/tasks with
+Modules only the parent process needs (torch, the zoo, quantlab.evaluation.compare/tasks with
 pandas) are imported inside the functions that use them, so the measured children
 do not carry them.
 """
@@ -83,7 +83,7 @@ SPEEDUP_PEER = "Entropy"
 # Imported by a child before its clock starts, so import time is not calibration time.
 TOOL_MODULES = {
     "floor": "onnxruntime",
-    "quantlab": "quantlab.pipeline",
+    "quantlab": "quantlab.calibration.pipeline",
     "onnxruntime": "onnxruntime.quantization",
 }
 SEED = 0
@@ -173,7 +173,7 @@ def run_floor(spec: Mapping) -> dict[str, float]:
 
 def run_quantlab(spec: Mapping) -> dict[str, float]:
     """``pipeline.run_calibration``; returns the seconds spent collecting and calibrating."""
-    from quantlab import calibrate, collect, pipeline
+    from quantlab.calibration import calibrate, collect, pipeline
     from quantlab.data import BatchSource
 
     data = Path(spec["data"])
@@ -284,7 +284,7 @@ def synthetic_images(count: int, seed: int,
 
 def model_outputs(model: Path, inputs: np.ndarray, input_name: str) -> dict[str, np.ndarray]:
     """Graph outputs of `model` in ONNX Runtime over `inputs`, batch by batch."""
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
     backend = OnnxRuntimeBackend(model)
     parts = [backend.run({input_name: inputs[start:start + BATCH_SIZE]})
@@ -294,10 +294,11 @@ def model_outputs(model: Path, inputs: np.ndarray, input_name: str) -> dict[str,
 
 def prepare_shapes_det(folder: Path, count: int) -> Subject:
     """The zoo detector, its calibration split and COCO mAP on its held-out split."""
-    from quantlab import tasks, zoo
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab import zoo
+    from quantlab.calibration.pipeline import export_zoo_model
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.errors import DataError
-    from quantlab.pipeline import export_zoo_model
+    from quantlab.evaluation import tasks
 
     entry = zoo.get("shapes-det")
     model_path = folder / "model.onnx"
@@ -322,7 +323,7 @@ def prepare_resnet18(folder: Path, count: int) -> Subject:
     from torchvision.models import resnet18
 
     from quantlab import graph
-    from quantlab.compare import TensorError
+    from quantlab.evaluation.compare import TensorError
 
     torch.manual_seed(SEED)
     model_path = folder / "model.onnx"
@@ -346,8 +347,9 @@ PREPARE = {"shapes-det": prepare_shapes_det, "resnet18": prepare_resnet18}
 
 def exposed_model(subject: Subject) -> Path:
     """The FP32 model whose outputs are the activations quantlab calibrates (written once)."""
-    from quantlab import graph, qdq
-    from quantlab.backends.onnxruntime import with_outputs
+    from quantlab import graph
+    from quantlab.calibration import qdq
+    from quantlab.engine.backends.onnxruntime import with_outputs
 
     path = subject.model_path.with_name("model.exposed.onnx")
     if not path.exists():

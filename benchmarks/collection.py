@@ -101,7 +101,8 @@ def run_floor(spec: Mapping) -> dict:
 def collected_tensors(model, tool: str) -> list[str]:
     """What ``quantlab calibrate`` collects: the Q/DQ inputs, or with ``--trt-version``
     (tool ``quantlab-cache``) every float tensor a TensorRT <= 10 cache needs too."""
-    from quantlab import qdq, trt_ranges
+    from quantlab.calibration import qdq
+    from quantlab.engine import trt_ranges
 
     if tool == "quantlab-cache":
         return trt_ranges.tensors_to_calibrate(model)
@@ -110,7 +111,8 @@ def collected_tensors(model, tool: str) -> list[str]:
 
 def run_quantlab(spec: Mapping) -> dict:
     """``collect.collect`` over the tensors ``quantlab calibrate`` collects (timed alone)."""
-    from quantlab import collect, graph
+    from quantlab import graph
+    from quantlab.calibration import collect
     from quantlab.data import BatchSource
 
     model = graph.load_model(spec["model"])
@@ -152,7 +154,7 @@ def child_main(spec: Mapping) -> None:
 
     limit_address_space(spec["memory_limit"])
     if spec["tool"].startswith("quantlab"):
-        import quantlab.collect  # noqa: F401 - imports (numba, onnx) are not timed
+        import quantlab.calibration.collect  # noqa: F401 - imports (numba, onnx) are not timed
     else:
         import onnxruntime.quantization  # noqa: F401
     baseline = psutil.Process().memory_info().rss
@@ -212,8 +214,8 @@ def prepare(name: str, folder: Path, count: int) -> dict:
     data = folder / f"images-{count}.npy"
     if not data.exists():
         write_images(data, count, shape)
-    from quantlab import collect
-    from quantlab.backends.onnxruntime import with_outputs
+    from quantlab.calibration import collect
+    from quantlab.engine.backends.onnxruntime import with_outputs
 
     tensors = collected_tensors(model, "quantlab")
     exposed = folder / "model.exposed.onnx"

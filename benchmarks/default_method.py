@@ -111,7 +111,8 @@ def prepare(name: str, folder: Path, quick: bool) -> Subject:
     """Write the subject's model and data into `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
     if name in ZOO:
-        from quantlab import pipeline, zoo
+        from quantlab import zoo
+        from quantlab.calibration import pipeline
 
         entry = zoo.get(name)
         model = folder / "model.onnx"
@@ -208,7 +209,8 @@ def child_quantlab(spec: Mapping) -> dict:
     import inspect
 
     import quantlab
-    from quantlab import collect, graph, pipeline
+    from quantlab import graph
+    from quantlab.calibration import collect, pipeline
 
     out = Path(spec["out"])
     methods = spec["methods"]
@@ -384,7 +386,8 @@ def score(subject: Subject, fp32: dict, int8: dict) -> dict:
     row["min_sqnr_db"] = min(row["sqnr_db"].values())
     name = subject.name
     if name in ZOO:
-        from quantlab import tasks, zoo
+        from quantlab import zoo
+        from quantlab.evaluation import tasks
 
         entry = zoo.get(name)
         eval_set = subject.eval_set

@@ -31,11 +31,12 @@ from scipy.stats import spearmanr
 
 
 def main(argv: list[str] | None = None) -> int:
-    from quantlab import graph, plan, qdq
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-    from quantlab.calibrate import Scales
+    from quantlab import graph, plan
+    from quantlab.calibration import qdq
+    from quantlab.calibration.calibrate import Scales
     from quantlab.data import Preprocess, open_data
-    from quantlab.experiment import read_json
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.experiments.experiment import read_json
     from quantlab.planner.measure import in_runs, output_sample_axes
     from quantlab.planner.trials import single_unit_samples
 

@@ -149,8 +149,9 @@ def stack(samples: Outputs) -> dict[str, np.ndarray]:
 
 def zoo_case(name: str) -> Case:
     """A zoo model: its calibration split, held-out split and task metric in points."""
-    from quantlab import tasks, zoo
-    from quantlab.pipeline import prepare_model
+    from quantlab import zoo
+    from quantlab.calibration.pipeline import prepare_model
+    from quantlab.evaluation import tasks
 
     entry = zoo.get(name)
     eval_set = entry.eval_set()
@@ -199,7 +200,7 @@ def suite_case(name: str, data: dict[str, str]) -> Case:
     against FP32 in points: layout's agreement mAP, yolo's F1 x100."""
     from benchmarks import planner_metrics
     from quantlab import graph
-    from quantlab.pipeline import prepare_model
+    from quantlab.calibration.pipeline import prepare_model
     from tests import realmodels
 
     model = prepare_model(str(realmodels.fetch(names=(name,))[name]))
@@ -226,7 +227,8 @@ def load_case(spec: dict) -> Case:
 
 def int8_mac_share(candidate, case: Case) -> tuple[float, int, int]:
     """(share of linear-op MACs whose data and weight inputs are dequantized, INT8 ops, ops)."""
-    from quantlab import graph, plan, qdq
+    from quantlab import graph, plan
+    from quantlab.calibration import qdq
 
     model = case.model
     g = graph.Graph(model)
@@ -255,7 +257,7 @@ def run_model(model, case: Case, indices: Sequence[int] | None = None,
               name: str = "candidate") -> Outputs:
     """Per-sample outputs of `model` over the evaluation samples (ONNX Runtime, quantlab's
     session options)."""
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
     backend = OnnxRuntimeBackend(model, name=name)
     outputs: Outputs = []
@@ -305,7 +307,7 @@ def run_quantlab(args: list[str], unit: float, budget: float, out: Path, progres
     import onnx
 
     from quantlab import cli
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
     samples: dict[str, int] = {}
     original = OnnxRuntimeBackend.run
@@ -360,7 +362,7 @@ def run_nncf(case: Case, budget: float, progress: Progress, tensorrt: bool = Fal
         QuantizationParameters,
     )
 
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
     references: dict[int, dict[str, np.ndarray]] = {}
     calls: list[int] = []
@@ -431,8 +433,10 @@ def int8_activations(model):
 
 def run_bisect(case: Case, budget: float, progress: Progress, reverse: bool):
     """Polygraphy-style bisection over the units in topological order (first or last N FP32)."""
-    from quantlab import calibrate, collect, plan, qdq, trt_ranges
+    from quantlab import plan
+    from quantlab.calibration import calibrate, collect, qdq
     from quantlab.data import open_data
+    from quantlab.engine import trt_ranges
     from quantlab.graph import Graph, input_specs
 
     model = case.model
@@ -517,7 +521,8 @@ def child(spec: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     progress = Progress(Path(spec["progress"]), 0)
     limit_address_space(int(spec["memory_limit"]))
-    from quantlab import cli, pipeline, plan  # noqa: F401
+    from quantlab import cli, plan  # noqa: F401
+    from quantlab.calibration import pipeline  # noqa: F401
     version = code_version()  # of the quantlab just imported
     if spec["tool"].startswith("nncf"):
         import nncf  # noqa: F401
@@ -544,7 +549,7 @@ def child(spec: dict) -> None:
 def floor_child(spec: dict) -> None:
     """The floor: one FP32 pass over the calibration and evaluation samples; time and RSS."""
     limit_address_space(int(spec["memory_limit"]))
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
     start = time.perf_counter()
     case = load_case(spec)
@@ -575,7 +580,7 @@ def warm_up(work: Path, zoo_models: Sequence[str]) -> None:
     """One unmeasured child: the exports of `zoo_models`, then `quantlab plan` of the zoo's
     digits-cnn (see the module's docstring)."""
     start = time.monotonic()
-    script = ("import sys; from quantlab import cli, pipeline\n"
+    script = ("import sys; from quantlab import cli; from quantlab.calibration import pipeline\n"
               "for name in sys.argv[1].split(): pipeline.export_zoo_model(name)\n"
               "sys.exit(cli.main(sys.argv[2:]))")
     code = subprocess.run(

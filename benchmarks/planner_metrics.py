@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from quantlab.tasks import coco_map, coco_map_resampler
+from quantlab.evaluation.tasks import coco_map, coco_map_resampler
 
 POSTPROCESS_MEMBER = "rapid_layout/model_handler/pp/post_process.py"
 # rapid_layout.utils.typings.RapidLayoutInput defaults (conf_thresh, iou_thresh).
@@ -131,7 +131,8 @@ def agreement_map(candidate: list, reference: list, key: str = "map") -> float:
 
 def agreement_resampler(candidate: list, reference: list, key: str = "map"):
     """``score(positions)``: :func:`agreement_map` of the images at `positions` (repeats count
-    again), COCO's per-image matching done once (:func:`quantlab.tasks.coco_map_resampler`)."""
+    again), COCO's per-image matching done once
+    (:func:`quantlab.evaluation.tasks.coco_map_resampler`)."""
     truth, detections = _coco_sets(candidate, reference)
     resample = coco_map_resampler(truth, detections, range(len(reference)), key)
     boxes = np.array([len(b) for b, _, _ in reference])

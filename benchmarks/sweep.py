@@ -12,7 +12,7 @@ For every model, on the same calibration and evaluation data:
 - separately: one child process per configuration, as a user without the sweep would
   run it: ``quantlab calibrate --method M [--percentile P] --max-samples n`` into a
   folder, then that folder's INT8 model evaluated against FP32 on the held-out data
-  (:class:`quantlab.sweep.Evaluator`, the sweep's own scoring).
+  (:class:`quantlab.experiments.sweep.Evaluator`, the sweep's own scoring).
 
 Every child reports its wall time and peak RSS (VmHWM, benchmarks/harness.py) and how
 many samples statistics collection ran; the sweep's best configuration is compared with
@@ -74,7 +74,7 @@ def sizes(count: int) -> list[int]:
 
 def _counting_collect(counts: dict) -> None:
     """Count the samples statistics collection runs in this (child) process."""
-    from quantlab import collect
+    from quantlab.calibration import collect
 
     original = collect.collect
 
@@ -89,7 +89,7 @@ def _counting_collect(counts: dict) -> None:
 def child_sweep(spec: Mapping) -> dict:
     """``quantlab sweep`` with the spec's methods, percentiles and sizes."""
     from quantlab.cli import main
-    from quantlab.experiment import read_json
+    from quantlab.experiments.experiment import read_json
 
     counts: dict = {}
     _counting_collect(counts)
@@ -120,8 +120,8 @@ def child_separate(spec: Mapping) -> dict:
     from quantlab import graph, zoo
     from quantlab.cli import main
     from quantlab.data import open_data
-    from quantlab.sweep import Evaluator
-    from quantlab.tasks import Task
+    from quantlab.evaluation.tasks import Task
+    from quantlab.experiments.sweep import Evaluator
 
     counts: dict = {}
     _counting_collect(counts)
@@ -150,7 +150,7 @@ def child_default(spec: Mapping) -> dict:
     from quantlab import graph
     from quantlab.cli import main
     from quantlab.data import open_data
-    from quantlab.sweep import Evaluator
+    from quantlab.experiments.sweep import Evaluator
 
     counts: dict = {}
     _counting_collect(counts)

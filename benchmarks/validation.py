@@ -5,7 +5,7 @@ For each model and number of samples, one child process per configuration
 
 - ``floor``: the bare forward passes of the stages validation runs — the FP32
   model and the INT8 Q/DQ model once each over the samples, unexposed;
-- ``global`` / ``local``: ``quantlab.validate.validate`` in that mode (default
+- ``global`` / ``local``: ``quantlab.evaluation.validate.validate`` in that mode (default
   memory budget, 2 GB), report and tables written.
 
 Models: ``ssdlite640`` (torchvision SSDlite, random weights, 640x640 input) and
@@ -62,7 +62,7 @@ def _source(spec: Mapping):
 
 def run_floor(spec: Mapping) -> dict:
     """The FP32 and the INT8 model once each over the samples, outputs dropped."""
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
     times = {}
     for label, path in (("fp32_s", spec["model"]), ("int8_s", spec["int8"])):
@@ -77,7 +77,7 @@ def run_floor(spec: Mapping) -> dict:
 def run_validate(spec: Mapping) -> dict:
     """``validate`` in the configured mode (timed alone: models loaded before)."""
     from quantlab import graph
-    from quantlab.validate import validate
+    from quantlab.evaluation.validate import validate
 
     model, int8 = graph.load_model(spec["model"]), graph.load_model(spec["int8"])
     start = time.perf_counter()
@@ -91,7 +91,7 @@ def child_main(spec: Mapping) -> None:
     import psutil
 
     limit_address_space(spec["memory_limit"])
-    import quantlab.validate  # noqa: F401 - imports (numba, onnx, torch) are not timed
+    import quantlab.evaluation.validate  # noqa: F401 - imports (numba, onnx, torch) are not timed
 
     baseline = psutil.Process().memory_info().rss
     start = time.perf_counter()
@@ -112,7 +112,7 @@ def child_main(spec: Mapping) -> None:
 
 def prepare_int8(subject: Mapping, folder: Path) -> str:
     """A Q/DQ INT8 model of the subject, max-calibrated on its first samples (cached)."""
-    from quantlab import pipeline
+    from quantlab.calibration import pipeline
 
     path = folder / "calibration" / "model.int8.onnx"
     if not path.exists():

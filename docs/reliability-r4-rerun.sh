@@ -78,10 +78,10 @@ row I09 "sweep ... --out on a full disk" echo "not re-run (needs a tmpfs mount; 
 $Q sweep base/model.onnx --data digits.npy --eval eval64.npy --methods max --out o/I12 --no-progress > o/I12.sw.log 2>&1; echo "sweep rc $?" >> o/I12.sw.log
 wait
 row I12 "calibrate and sweep into o/I12 at once" bash -c "tail -1 o/I12.cal.log; tail -2 o/I12.sw.log | tr '\n' ' '"
-row R5 "calibrate() on stats.npz whose max is NaN" python -c "import numpy as np;from quantlab.collect import Statistics;from quantlab.calibrate import calibrate;z=dict(np.load('base/stats.npz'));z['max'][:]=np.nan;np.savez('o/nan.npz',**z);print(calibrate(Statistics.load('o/nan.npz'),'entropy').amax)"
+row R5 "calibrate() on stats.npz whose max is NaN" python -c "import numpy as np;from quantlab.calibration.collect import Statistics;from quantlab.calibration.calibrate import calibrate;z=dict(np.load('base/stats.npz'));z['max'][:]=np.nan;np.savez('o/nan.npz',**z);print(calibrate(Statistics.load('o/nan.npz'),'entropy').amax)"
 row P44 "plan base/model.onnx --data vbase --eval eval64.npy --min-sqnr 30 --out o/P44" $Q plan base/model.onnx --data vbase --eval eval64.npy --min-sqnr 30 --out o/P44 --no-progress
 row B01 "plan base/model.onnx --data digits.npy --eval eval64.npy --min-sqnr 45 --trt-version 8.6.1 --out o/B01 && build o/B01" bash -c "$Q plan base/model.onnx --data digits.npy --eval eval64.npy --min-sqnr 45 --trt-version 8.6.1 --out o/B01 --no-progress >/dev/null 2>&1 && $Q build o/B01 2>&1 | head -1"
-row MT09 "validate ... --metric r4metrics:slow (bootstrap progress)" echo "tests/test_validate.py::test_a_metric_bootstrap_shows_progress"
+row MT09 "validate ... --metric r4metrics:slow (bootstrap progress)" echo "tests/evaluation/test_validate.py::test_a_metric_bootstrap_shows_progress"
 # G08: two depthwise convs sharing one weight and bias, on relu(x) and -0.1 * relu(x), summed
 # (tests/helpers.py); 3 channels, with the initializers also listed as graph inputs for G08b.
 python - <<PY

@@ -3,7 +3,7 @@ notebooks call.
 
 :func:`calibrate_model` is `quantlab calibrate`, :func:`plan_model` `quantlab plan`,
 :func:`validate_model` `quantlab validate`, :func:`sweep_model` `quantlab sweep`,
-:func:`check_model` (:mod:`quantlab.gate`) `quantlab check`;
+:func:`check_model` (:mod:`quantlab.evaluation.gate`) `quantlab check`;
 the commands in :mod:`quantlab.commands` only map their options onto these calls and print
 what they return. Each takes the model, the data, one settings value and the output folder,
 and writes the folder the command writes.
@@ -21,14 +21,10 @@ from pathlib import Path
 
 import onnx
 
-from quantlab import cache, calibrate, choices, graph, qdq, sweep, sweep_folder
-from quantlab.backends import tensorrt as trt_backend
-from quantlab.collect import Statistics
-from quantlab.data import BatchSource, DataOptions, Preprocess, checked_digest, preprocessing
-from quantlab.errors import ConfigError, DataError
-from quantlab.experiment import check_output, recorded_path
-from quantlab.gate import CheckOptions, CheckOutcome, check_model  # noqa: F401 (quantlab check)
-from quantlab.pipeline import (
+from quantlab import choices, graph
+from quantlab.calibration import calibrate, qdq
+from quantlab.calibration.collect import Statistics
+from quantlab.calibration.pipeline import (
     CALIBRATION_FILES,
     CalibrationResult,
     equalized,
@@ -37,6 +33,18 @@ from quantlab.pipeline import (
     run_calibration,
     write_results,
 )
+from quantlab.data import BatchSource, DataOptions, Preprocess, checked_digest, preprocessing
+from quantlab.engine import cache
+from quantlab.engine.backends import tensorrt as trt_backend
+from quantlab.errors import ConfigError, DataError
+from quantlab.evaluation.gate import CheckOptions, CheckOutcome, check_model  # noqa: F401 (quantlab check)
+from quantlab.evaluation.tasks import Task
+from quantlab.evaluation.validate import ValidationResult, validate
+from quantlab.experiments import sweep, sweep_folder
+from quantlab.experiments.experiment import check_output, recorded_path
+from quantlab.experiments.records import UNCERTIFIED, CalibrationRecord, PlanSummary, SweepRecord
+from quantlab.experiments.report.plan import next_steps
+from quantlab.experiments.sweep import Config, SweepResult
 from quantlab.planner import folder as plan_folder
 from quantlab.planner import prepare
 from quantlab.planner.certify import Certificate
@@ -44,11 +52,6 @@ from quantlab.planner.decisions import Plan
 from quantlab.planner.evaluate import Checkpoint, resume_fingerprint
 from quantlab.planner.flow import PlanResult, PlanSettings, check_metric_on_model, make_plan
 from quantlab.progress import progress_bar
-from quantlab.records import UNCERTIFIED, CalibrationRecord, PlanSummary, SweepRecord
-from quantlab.report.plan import next_steps
-from quantlab.sweep import Config, SweepResult
-from quantlab.tasks import Task
-from quantlab.validate import ValidationResult, validate
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ def calibrate_model(model: str | os.PathLike | onnx.ModelProto,
                     data_options: DataOptions | None = None, force: bool = False,
                     progress: bool = True) -> CalibrationResult:
     """`quantlab calibrate`: statistics of `model` on `data`, scales, the Q/DQ model, written
-    into `out` (:func:`quantlab.pipeline.run_calibration`)."""
+    into `out` (:func:`quantlab.calibration.pipeline.run_calibration`)."""
     data_options = data_options or DataOptions()
     return run_calibration(
         model, data, out, method=options.method, method_params=options.method_params,
@@ -380,8 +383,8 @@ def _engine_stage(engine: str | os.PathLike, model: str | os.PathLike, data: obj
 class SweepOptions:
     """What `quantlab sweep` sweeps (its defaults): the calibrator `methods`, the
     `percentiles` of the percentile calibrator and the calibration-set sizes `calib_sizes`
-    (None: quantlab.sweep's defaults), each configuration scored by `metric` against FP32
-    with `resamples` paired bootstrap resamples; an amax moving by less than `tolerance`
+    (None: quantlab.experiments.sweep's defaults), each configuration scored by `metric` against
+    FP32 with `resamples` paired bootstrap resamples; an amax moving by less than `tolerance`
     from n/2 to n samples has converged; the model `equalize`d as calibrate does."""
 
     metric: str = "sqnr"

@@ -5,12 +5,13 @@ import the numeric stack (a second and over 100 MB); the modules that act on
 these names import them from here. The zoo's names live in :mod:`quantlab.zoo_names`.
 """
 
-# Calibrators of quantlab.calibrate, by name (each a class in quantlab.calibrate.CALIBRATORS,
-# which tests/test_calibrate.py checks against this tuple).
+# Calibrators of quantlab.calibration.calibrate, by name (each a class in
+# quantlab.calibration.calibrate.CALIBRATORS, which tests/calibration/test_calibrate.py checks
+# against this tuple).
 METHODS = ("entropy", "max", "percentile", "mse")
 # The defaults of every command, one per role, here alone (each --help names this module):
 # the calibrator of activations (calibrate --method, plan's starting scales, validate --zoo,
-# quantlab.calibrate.calibrate),
+# quantlab.calibration.calibrate.calibrate),
 # the weight amax (calibrate --weight-amax, validate --zoo). mse since issue 19 (with the
 # weight amax by layer error and bias correction), by benchmarks/default_method.py's rule:
 # behind the best on 1 of 7 models (silero-vad), auto on 2, percentile on 3; plan's default
@@ -20,7 +21,7 @@ DEFAULT_METHOD = "mse"
 # The calibrators each planner unit chooses from (plan --calibrators): all of them.
 DEFAULT_PLAN_CALIBRATORS = METHODS
 # The calibrate command's own method: per layer, the calibrator whose amax gives the layer
-# the least error on the calibration data (quantlab.pipeline.calibrate_from_stats).
+# the least error on the calibration data (quantlab.calibration.pipeline.calibrate_from_stats).
 AUTO_METHOD = "auto"
 CALIBRATE_METHODS = (*METHODS, AUTO_METHOD)
 # The amax each layer chooses from with method "auto" (label -> calibrator, parameters):
@@ -35,19 +36,21 @@ AUTO_CANDIDATES = {
     "mse": ("mse", {}),
 }
 AUTO_DEFAULT = "percentile"  # for tensors no layer chooses
-# Validation modes of quantlab.validate: stages end to end, or each INT8 layer fed FP32 inputs.
+# Validation modes of quantlab.evaluation.validate: stages end to end, or each INT8 layer fed FP32
+# inputs.
 MODES = ("global", "local")
-# How quantlab.qdq chooses a weight channel's amax: max |w|, or least int8 squared error.
+# How quantlab.calibration.qdq chooses a weight channel's amax: max |w|, or least int8 squared
+# error.
 WEIGHT_CRITERIA = ("max", "mse")
 # calibrate's weight amax: also "local", per channel the one of the two that gives the layer
-# TensorRT runs the least error on the calibration data (quantlab.weights).
+# TensorRT runs the least error on the calibration data (quantlab.calibration.weights).
 CALIBRATE_WEIGHT_CRITERIA = ("local", *WEIGHT_CRITERIA)
 DEFAULT_WEIGHT_AMAX = "local"
-# Repairs of quantlab.repairs, by name (each a Repair in quantlab.repairs.REGISTRY, which
-# tests/test_repairs.py checks against this tuple): dw-equalize (per-channel equalization of
-# depthwise-conv inputs), pw-equalize (that and 1x1-conv inputs,
-# repairs.depthwise_equalization(pointwise=True)), cle (cross-layer equalization, data-free),
-# smoothquant (activation outliers into weights).
+# Repairs of quantlab.calibration.repairs, by name (each a Repair in
+# quantlab.calibration.repairs.REGISTRY, which tests/calibration/test_repairs.py checks against this
+# tuple): dw-equalize (per-channel equalization of depthwise-conv inputs), pw-equalize (that and
+# 1x1-conv inputs, repairs.depthwise_equalization(pointwise=True)), cle (cross-layer equalization,
+# data-free), smoothquant (activation outliers into weights).
 # Bias correction changes the INT8 ops alone: on by default in calibrate and plan alike
 # (--no-bias-correction), weighed on its own.
 REPAIRS = ("dw-equalize", "pw-equalize", "cle", "smoothquant")

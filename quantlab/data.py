@@ -209,7 +209,7 @@ class DataOptions:
     """How a command reads its data (the --data options): samples per batch, the first
     `max_samples`, the image `preprocess` fields given (:func:`preprocessing`), inputs
     frozen to `constants` and the sample axes `batch_axes` of
-    :func:`quantlab.pipeline.prepare_model`."""
+    :func:`quantlab.calibration.pipeline.prepare_model`."""
 
     batch_size: int = 32
     max_samples: int | None = None
@@ -320,7 +320,7 @@ class BatchSource:
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         """The batches, each checked for NaN/Inf here, where every command reads its data: a
         DataError names the data, the samples and the tensor."""
-        from quantlab.compare import first_nonfinite
+        from quantlab.evaluation.compare import first_nonfinite
 
         for start in range(0, self.num_samples, self.batch_size):
             stop = min(start + self.batch_size, self.num_samples)

@@ -25,18 +25,18 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from quantlab import calibrate, collect, pipeline, plan, qdq, tasks, zoo
+from quantlab import plan, zoo
 from quantlab.api import PlanOptions, plan_model
-from quantlab.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
+from quantlab.calibration import calibrate, collect, pipeline, qdq
 from quantlab.data import DataOptions, open_data
+from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
 from quantlab.errors import OutputExistsError
-from quantlab.experiment import check_output, output_folder
-from quantlab.graph import input_specs
-from quantlab.planner.flow import PlanSettings
-from quantlab.progress import progress_bar
-from quantlab.records import DemoSummary
-from quantlab.report import Section, write_report
-from quantlab.report.demo import (
+from quantlab.evaluation import tasks
+from quantlab.evaluation.validate import validate
+from quantlab.experiments.experiment import check_output, output_folder
+from quantlab.experiments.records import DemoSummary
+from quantlab.experiments.report import Section, write_report
+from quantlab.experiments.report.demo import (
     calibration_html,
     latency_section,
     layer_text,
@@ -44,7 +44,9 @@ from quantlab.report.demo import (
     plan_html,
     story_section,
 )
-from quantlab.validate import validate
+from quantlab.graph import input_specs
+from quantlab.planner.flow import PlanSettings
+from quantlab.progress import progress_bar
 
 # Integer kernels ONNX Runtime substitutes for Q/DQ groups; their presence in the
 # optimized graph is the evidence that the INT8 model really runs in int8.

@@ -4,7 +4,7 @@ sources could not settle (docs/tensorrt.md, "What quantlab doctor checks").
 
 For each zoo model it calibrates a folder, then builds and compares the engine of every
 path the installed TensorRT has (:func:`supported_paths`) with the backend's own
-functions (:func:`quantlab.backends.tensorrt.build_engine`, ``TensorRTBackend``,
+functions (:func:`quantlab.engine.backends.tensorrt.build_engine`, ``TensorRTBackend``,
 ``make_calibrator``, ``quantlab build``'s trtexec lines), so a failure here is a
 failure of what a user runs. It answers:
 
@@ -32,7 +32,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from quantlab import __version__, cache, graph, qdq
+from quantlab import __version__, graph
+from quantlab.calibration import qdq
+from quantlab.engine import cache
 from quantlab.errors import QuantlabError
 
 DEFAULT_MODELS = ("digits-cnn", "digits-vit")
@@ -48,7 +50,7 @@ BATCH = 8
 def supported_paths(version: Sequence[int], has_trtexec: bool) -> list[str]:
     """The :data:`PATHS` TensorRT `version` has: strongly typed from 9.0; explicit and the
     implicit ones (calibrator, trtexec where it is on PATH, a plan with pins) before 11.0."""
-    from quantlab.backends.tensorrt import IMPLICIT_INT8_UNTIL, STRONGLY_TYPED_SINCE
+    from quantlab.engine.backends.tensorrt import IMPLICIT_INT8_UNTIL, STRONGLY_TYPED_SINCE
 
     version = tuple(version)
     paths = ["strongly_typed"] if version >= STRONGLY_TYPED_SINCE else []
@@ -163,7 +165,7 @@ def run_doctor(out: str | os.PathLike, models: Sequence[str] = DEFAULT_MODELS,
     ConfigError for a name that is not a zoo model (before anything else: each is joined to
     `out`), BackendUnavailableError, naming what to install, where TensorRT is missing.
     """
-    from quantlab.backends.tensorrt import installed_version, require_tensorrt
+    from quantlab.engine.backends.tensorrt import installed_version, require_tensorrt
     from quantlab.errors import ConfigError
     from quantlab.zoo_names import ZOO_NAMES
 
@@ -206,7 +208,7 @@ def run_doctor(out: str | os.PathLike, models: Sequence[str] = DEFAULT_MODELS,
     ct = _attempt(_conv_transpose, out / "conv_transpose")
     questions["conv_transpose_axis"] = ct.get("result", ct)
     report["ok"] = all(p["status"] == "ok" for p in report["paths"])
-    from quantlab.experiment import write_json, write_text
+    from quantlab.experiments.experiment import write_json, write_text
 
     write_json(out / "doctor.json", report)
     write_text(out / "doctor.md", format_report(report))
@@ -260,7 +262,8 @@ def _gpu_name() -> str:
 
 
 def _calibrate(name: str, folder: Path, version: tuple[int, ...]) -> Path:
-    from quantlab import pipeline, zoo
+    from quantlab import zoo
+    from quantlab.calibration import pipeline
 
     trt_version = ".".join(map(str, version)) if version < (11, 0) else None
     pipeline.run_calibration(name, zoo.get(name).calibration_set(), folder, progress=False,
@@ -359,9 +362,9 @@ def judge_row(row: dict) -> dict:
 def inspect_engine(layer_info: str | Mapping, model: onnx.ModelProto,
                    plan: Mapping[str, str] | None = None) -> dict:
     """What the inspector tells of an engine built from `model`: its INT8 coverage
-    (:func:`quantlab.trt_layers.int8_coverage`), its reformat layers, and for a `plan` the
+    (:func:`quantlab.engine.trt_layers.int8_coverage`), its reformat layers, and for a `plan` the
     nodes whose layers run another precision."""
-    from quantlab.trt_layers import engine_layers, int8_coverage, precision_mismatches
+    from quantlab.engine.trt_layers import engine_layers, int8_coverage, precision_mismatches
 
     layers = engine_layers(layer_info, model)
     result = {"int8_coverage": int8_coverage(layers),
@@ -373,7 +376,7 @@ def inspect_engine(layer_info: str | Mapping, model: onnx.ModelProto,
 
 
 def _engine(path: str, folder: Path, version: tuple[int, ...]) -> tuple[object, dict]:
-    from quantlab.backends.tensorrt import LAYERS, TensorRTBackend, layer_information
+    from quantlab.engine.backends.tensorrt import LAYERS, TensorRTBackend, layer_information
 
     if path in ("strongly_typed", "explicit"):
         engine = TensorRTBackend(folder / "model.int8.onnx", name=path, debug_tensors=LAYERS,
@@ -417,7 +420,7 @@ def _pin_plan(model: onnx.ModelProto) -> dict[str, str]:
 
 def _feeder(folder: Path, model: onnx.ModelProto, version: tuple[int, ...], scratch: Path,
             batches: object | None):
-    from quantlab.backends.trt_calibrator import CalibrationFeeder
+    from quantlab.engine.backends.trt_calibrator import CalibrationFeeder
 
     header, _ = cache.read_calibration_cache(folder / "calibration.cache")
     path = scratch / "calibration.cache"
@@ -429,7 +432,7 @@ def _feeder(folder: Path, model: onnx.ModelProto, version: tuple[int, ...], scra
 
 
 def _calibrator(feeder):
-    from quantlab.backends.trt_calibrator import make_calibrator
+    from quantlab.engine.backends.trt_calibrator import make_calibrator
 
     return make_calibrator(feeder)
 
@@ -438,7 +441,7 @@ def _run_trtexec(folder: Path) -> None:
     """Write trtexec.txt with `quantlab build` and run its implicit line in the folder."""
     import shlex
 
-    from quantlab.build import build_folder
+    from quantlab.engine.build import build_folder
 
     build_folder(folder, max_batch=BATCH, force=True)
     lines = (folder / "trtexec.txt").read_text(encoding="utf-8").splitlines()
@@ -454,10 +457,10 @@ def _compare(name: str, folder: Path, engine, path: str, max_samples: int,
     """Validate `engine` against ONNX Runtime's INT8 model (or `reference_model`): layer table,
     the mapped layers below :data:`AGREEMENT_DB`, end to end, and both latencies."""
     from quantlab import zoo
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.data import open_data
-    from quantlab.tasks import Task
-    from quantlab.validate import validate
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.evaluation.tasks import Task
+    from quantlab.evaluation.validate import validate
 
     entry = zoo.get(name)
     reference = OnnxRuntimeBackend(reference_model or
@@ -503,8 +506,8 @@ def _latency_ms(backend, batch: Mapping[str, np.ndarray], runs: int = 20) -> flo
 def _tensorrt_cache(folder: Path, version: tuple[int, ...]) -> tuple[str, dict]:
     """TensorRT's own calibration of the folder's model from its batches: header, scales."""
     from quantlab import zoo
-    from quantlab.backends.tensorrt import build_engine
     from quantlab.data import open_data
+    from quantlab.engine.backends.tensorrt import build_engine
 
     model = graph.load_model(folder / "model.onnx")
     name = folder.name
@@ -520,8 +523,8 @@ def _tensorrt_cache(folder: Path, version: tuple[int, ...]) -> tuple[str, dict]:
 
 def _gemm_precisions(engine: bytes, model: onnx.ModelProto) -> dict[str, list[str | None]]:
     """Gemm node -> the precision of each engine layer holding it."""
-    from quantlab.backends.tensorrt import layer_information
-    from quantlab.trt_layers import engine_layers, node_layers
+    from quantlab.engine.backends.tensorrt import layer_information
+    from quantlab.engine.trt_layers import engine_layers, node_layers
 
     where = node_layers(engine_layers(layer_information(engine), model))
     return {node.name: [layer.precision for layer in where.get(node.name, [])]
@@ -532,8 +535,8 @@ def _gemm_ranges(folder: Path, version: tuple[int, ...], scales: Mapping[str, fl
                  own: Mapping[str, list[str | None]]) -> dict:
     """Question 1: TensorRT's own ranges (`scales`) against quantlab's, and the precision of the
     Gemm layers of the engine built from quantlab's cache against those from TensorRT's (`own`)."""
-    from quantlab import trt_ranges
-    from quantlab.backends.tensorrt import build_engine
+    from quantlab.engine import trt_ranges
+    from quantlab.engine.backends.tensorrt import build_engine
 
     model = graph.load_model(folder / "model.onnx")
     with tempfile.TemporaryDirectory(prefix="quantlab-doctor-") as scratch:
@@ -545,9 +548,9 @@ def _gemm_ranges(folder: Path, version: tuple[int, ...], scales: Mapping[str, fl
 
 
 def _conv_transpose(folder: Path) -> dict:
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-    from quantlab.backends.tensorrt import TensorRTBackend
-    from quantlab.compare import TensorError
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.engine.backends.tensorrt import TensorRTBackend
+    from quantlab.evaluation.compare import TensorError
 
     folder.mkdir(parents=True, exist_ok=True)
     x = {"x": np.random.default_rng(1).uniform(-3, 3, (1, 4, 8, 8)).astype(np.float32)}

@@ -18,9 +18,9 @@ import onnx
 from onnx import helper, numpy_helper, shape_inference
 
 from quantlab import metadata
+from quantlab.calibration.folding import fold_batchnorms, folded_batchnorms
 from quantlab.errors import ConfigError, ModelError
-from quantlab.experiment import atomic_write
-from quantlab.folding import fold_batchnorms, folded_batchnorms
+from quantlab.experiments.experiment import atomic_write
 
 MIN_OPSET = 17
 EXPORT_OPSET = 18
@@ -646,7 +646,7 @@ def module_paths(model: onnx.ModelProto) -> dict[str, str]:
     """Node name -> the torch module whose output the node computes, where recorded.
 
     A Conv with a BatchNormalization folded into it computes the BN module's output, so
-    it takes the BN's scope (:mod:`quantlab.folding`); other nodes their own
+    it takes the BN's scope (:mod:`quantlab.calibration.folding`); other nodes their own
     (:func:`node_module_path`).
     """
     folded = {f["node"]: f["scope"] for f in folded_batchnorms(model) if f.get("scope")}

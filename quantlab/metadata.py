@@ -4,7 +4,7 @@ Facts an import step learns about a model (the BatchNormalizations folded, the i
 frozen, the sample axes, the shapes the data fed) travel with the model file as JSON
 values in its ``metadata_props``, under ``quantlab.*`` keys, so every later command
 reads them from the model it is given. Both :mod:`quantlab.graph` and
-:mod:`quantlab.folding` write them; this module imports neither.
+:mod:`quantlab.calibration.folding` write them; this module imports neither.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def quantlab_cache(tmp_path_factory):
     every command a test runs in a child process: never the user's own."""
     import os
 
-    from quantlab import pipeline
+    from quantlab.calibration import pipeline
 
     folder = tmp_path_factory.mktemp("quantlab-cache")
     saved = os.environ.get(pipeline.CACHE_ENV)

@@ -10,9 +10,10 @@ import numpy as np
 import onnx
 import pytest
 
-from quantlab import qdq, trt_ranges
-from quantlab.cache import read_calibration_cache
+from quantlab.calibration import qdq
 from quantlab.cli import main
+from quantlab.engine import trt_ranges
+from quantlab.engine.cache import read_calibration_cache
 
 
 def test_help_lists_every_command(capsys):
@@ -201,7 +202,7 @@ def test_disk_full_while_writing_is_one_line_and_keeps_old_results(tmp_path, cap
     ("/sys/quantlab-out", "creating a file in /sys fails"),
 ])
 def test_unwritable_out_is_one_line_before_the_work(tmp_path, capsys, monkeypatch, out, message):
-    from quantlab import collect
+    from quantlab.calibration import collect
 
     model, data = _small_onnx_and_data(tmp_path)
     (tmp_path / "afile").write_text("x")
@@ -220,7 +221,7 @@ def test_os_error_from_any_command_is_one_line_not_a_traceback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c",
          "import errno, sys\n"
-         "from quantlab import cli, pipeline\n"
+         "from quantlab import cli; from quantlab.calibration import pipeline\n"
          "def fail(*a, **k):\n"
          "    raise OSError(errno.EROFS, 'Read-only file system', 'ro/out')\n"
          "pipeline.run_calibration = fail\n"

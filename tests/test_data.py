@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from quantlab.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.data import (
     Preprocess,
     area_resize,
@@ -16,6 +15,7 @@ from quantlab.data import (
     opencv_linear_resize,
     scalar_arrays,
 )
+from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.errors import ConfigError, DataError
 from quantlab.graph import TensorSpec
 

@@ -7,9 +7,9 @@ records of the shape it writes into summary.json.
 from helpers import assert_every_column_explained
 
 from quantlab import demo
+from quantlab.experiments.report import render_report
+from quantlab.experiments.report.demo import story_section
 from quantlab.plan import Plan, Reason, UnitDecision
-from quantlab.report import render_report
-from quantlab.report.demo import story_section
 
 
 def _record(certified: bool = True) -> dict:

@@ -14,7 +14,7 @@ import pytest
 from onnx import helper
 
 from quantlab import doctor
-from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 
@@ -129,7 +129,8 @@ def test_comparison_against_onnxruntime_int8_runs_through_validate(tmp_path):
     # The doctor's comparison (ONNX Runtime's INT8 model as the reference stage, layer table and
     # end to end) on a second ONNX Runtime session of the same model, named for what it is: the
     # plumbing the TensorRT engines go through, which must find no difference here.
-    from quantlab import graph, pipeline, zoo
+    from quantlab import graph, zoo
+    from quantlab.calibration import pipeline
 
     folder = tmp_path / "digits-cnn"
     pipeline.run_calibration("digits-cnn", zoo.get("digits-cnn").calibration_set()[:64], folder,
@@ -201,7 +202,7 @@ def test_tensorrt_warnings_are_sorted_by_kind():
 
 def test_doctor_rows_on_real_shaped_layer_information():
     # The constructs of trt-engine-explorer's recorded MobileNetV2 QAT engine (see
-    # tests/test_trt_layers.py, LAYERS_REAL_SHAPED): INT8 coverage, reformats, pins, and the
+    # tests/engine/test_trt_layers.py, LAYERS_REAL_SHAPED): INT8 coverage, reformats, pins, and the
     # report carrying every row of issue 42's item 2.
     from test_trt_layers import LAYERS_8_6, LAYERS_REAL_SHAPED, qdq_cnn
 
@@ -234,7 +235,9 @@ def test_implicit_reference_quantizes_with_the_cache_scales(tmp_path):
     # cache's scales (no bias correction), what TensorRT can reproduce from the cache.
     from onnx import numpy_helper
 
-    from quantlab import cache, pipeline, zoo
+    from quantlab import zoo
+    from quantlab.calibration import pipeline
+    from quantlab.engine import cache
 
     folder = tmp_path / "digits-cnn"
     pipeline.run_calibration("digits-cnn", zoo.get("digits-cnn").calibration_set()[:64], folder,
@@ -262,8 +265,8 @@ def test_readme_doctor_against_stand_in_engines_exits_0_with_every_row(tmp_path,
     from trt_standin import StandInTensorRT
 
     from quantlab import graph
-    from quantlab.backends import tensorrt as trt_backend
     from quantlab.cli import main
+    from quantlab.engine.backends import tensorrt as trt_backend
 
     def engine(path, folder, version):
         model = (doctor._implicit_reference(folder) if path.startswith("implicit")

@@ -8,7 +8,7 @@ from helpers import depthwise_conv, onnx_model
 from onnx import TensorProto, helper, numpy_helper
 
 from quantlab import graph
-from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.errors import ModelError
 
 

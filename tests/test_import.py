@@ -16,10 +16,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from quantlab import graph, pipeline, qdq
-from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+from quantlab import graph
+from quantlab.calibration import pipeline, qdq
 from quantlab.cli import main
 from quantlab.data import open_data
+from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.errors import ConfigError, DataError, ModelError
 
 RNG = np.random.default_rng(0)

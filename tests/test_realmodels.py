@@ -135,10 +135,10 @@ def sqnr_db(reference: np.ndarray, test: np.ndarray) -> float:
 
 def session(path: Path, qdq_int8: bool = True) -> ort.InferenceSession:
     """An ORT session; ``qdq_int8`` sets the option quantlab's backend runs Q/DQ models with.
-    A plan's FP16 units run as FP16 (:func:`quantlab.fp16.emulated`): ONNX Runtime's CPU
+    A plan's FP16 units run as FP16 (:func:`quantlab.engine.fp16.emulated`): ONNX Runtime's CPU
     provider would run them in FP32, which is neither what quantlab certified nor what
     TensorRT builds."""
-    from quantlab.fp16 import emulated
+    from quantlab.engine.fp16 import emulated
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -379,7 +379,8 @@ def test_batchnorm_folding_keeps_every_real_model_s_outputs(name, case_files, tm
     15x that and still far below an unfolded or mis-folded channel (its whole size)."""
     import onnx
 
-    from quantlab import folding, graph
+    from quantlab import graph
+    from quantlab.calibration import folding
 
     case = CASES[name]
     model_path, data = case_files(name)
@@ -437,7 +438,7 @@ def planner_sqnr(fp32: dict[str, np.ndarray], int8: dict[str, np.ndarray]) -> fl
 def test_plan_certifies_a_floor_that_numpy_confirms(name, folder, case_files, calibrated,
                                                    tmp_path):
     from quantlab import plan
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.graph import Graph, input_specs
 
     case, floor = CASES[name], PLAN_CASES.get(name, PLAN_CASES["orientation-npy"])

@@ -2,7 +2,7 @@
 ran it, and the README flow calibrate -> plan -> build -> validate --from on a real model.
 
 Case ids (P40, D05, B01, ...) are the field report's. The plans run on the planted model of
-tests/test_plan.py (16 channels at 6x6: a plan takes seconds); the finding's commands ran on
+tests/planner/test_plan.py (16 channels at 6x6: a plan takes seconds); the finding's commands ran on
 digits-cnn, which fails the same way. Each test asserts the behaviour the report expects,
 and each failed at 9232738, the commit the report tested (a traceback, a certified plan, a
 deleted file, rc 0), but for one parameter kept as a guard: --metric map without --eval zoo
@@ -263,7 +263,7 @@ def test_p27_p30_a_failing_metric_is_one_message_before_the_measurement(
     monkeypatch.delitem(__import__("sys").modules, "user_metric", raising=False)
     out = tmp_path / "P27"
     # before the statistics pass (minutes on a real detector), not after it
-    from quantlab import collect
+    from quantlab.calibration import collect
     monkeypatch.setattr(collect, "collect", lambda *a, **k: pytest.fail("statistics collected "
                                                                          "before the metric ran"))
     assert main(plan_argv(files, out, "--metric", "user_metric:failing", "--max-drop", "0.1")) == 1
@@ -404,7 +404,7 @@ def test_p16_a_failure_after_the_measurement_leaves_no_folder(files, tmp_path, c
 # 9. P45b: calibration folders record absolute paths.
 
 def test_p45b_calibration_folders_work_from_any_directory(files, tmp_path, monkeypatch):
-    from quantlab.records import read_calibration_record
+    from quantlab.experiments.records import read_calibration_record
 
     monkeypatch.chdir(files["root"])
     assert main(["calibrate", "planted.onnx", "--data", "calib.npy", "--out",
@@ -422,7 +422,7 @@ def test_p45b_calibration_folders_work_from_any_directory(files, tmp_path, monke
 # 10. 1.5: a custom-domain op keeps the linear ops after it in float, and says so.
 
 def test_custom_domain_warning_lists_the_linear_ops_it_keeps_in_float():
-    from quantlab import pipeline
+    from quantlab.calibration import pipeline
 
     rng = np.random.default_rng(0)
     nodes = [helper.make_node("Gemm", ["x", "w1"], ["h"], name="gemm1"),
@@ -485,7 +485,7 @@ def test_p37_evaluation_images_of_another_size_than_the_profile_are_refused(tmp_
 def test_a4_a_torch_tensor_is_data(tiny_model, tmp_path):
     import torch
 
-    from quantlab.pipeline import run_calibration
+    from quantlab.calibration.pipeline import run_calibration
 
     model, _, _ = tiny_model
     result = run_calibration(model, torch.randn(8, 3, 16, 16), tmp_path / "A4", progress=False)

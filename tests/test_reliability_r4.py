@@ -3,7 +3,7 @@ issue 43 each breaks, and a property test per rule over every command's parser, 
 command or option inherits them.
 
 Case ids (K05, H01, MT08, ...) are the field report's. The commands run on the planted model
-of tests/test_plan.py (16 channels at 6x6; "another model" is the same chain one conv
+of tests/planner/test_plan.py (16 channels at 6x6; "another model" is the same chain one conv
 shorter) with 32 samples: each run takes a second or two. Each case test failed at 3c9fb6a.
 """
 
@@ -22,12 +22,13 @@ import pytest
 from helpers import shared_weight_convs
 from test_plan import planted_model
 
-from quantlab import calibrate, collect, graph
-from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+from quantlab import graph
+from quantlab.calibration import calibrate, collect
 from quantlab.cli import COMMANDS, build_parser, main
 from quantlab.commands import options
+from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 from quantlab.errors import DataError
-from quantlab.experiment import PAGE_MARK
+from quantlab.experiments.experiment import PAGE_MARK
 
 HOSTILE_NAMES = ("javascript:alert(7)", "<img src=x onerror=alert(1)>")
 
@@ -541,7 +542,7 @@ def test_pp12_pp13_resize_short_below_the_crop_or_without_center_crop(tmp_path):
 
 
 def test_i09_a_failed_sweep_leaves_no_checkpoint(files, tmp_path, monkeypatch, capsys):
-    from quantlab import sweep_folder
+    from quantlab.experiments import sweep_folder
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device", str(tmp_path / "s" / "best"))

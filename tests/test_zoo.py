@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from quantlab import tasks, zoo
+from quantlab import zoo
 from quantlab.errors import ConfigError, DataError
+from quantlab.evaluation import tasks
 from quantlab.zoo import digits, shapes, shapes_det
 
 

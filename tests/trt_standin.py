@@ -1,6 +1,6 @@
 """A stand-in for a TensorRT engine: NOT TensorRT, and it builds nothing.
 
-:class:`StandInTensorRT` has :class:`quantlab.backends.tensorrt.TensorRTBackend`'s interface,
+:class:`StandInTensorRT` has :class:`quantlab.engine.backends.tensorrt.TensorRTBackend`'s interface,
 and its ``run``, ``available`` and ``not_exposed`` are TensorRTBackend's own code. Only the
 runner underneath is a stand-in: ONNX Runtime runs the Q/DQ model and hands back what a real
 engine's Polygraphy runner would, and nothing more: the graph outputs and the intermediate
@@ -17,8 +17,8 @@ import numpy as np
 from polygraphy.exception import PolygraphyException
 
 from quantlab import graph
-from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-from quantlab.backends.tensorrt import (
+from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
+from quantlab.engine.backends.tensorrt import (
     LAYERS,
     ExposedTensors,
     TensorRTBackend,

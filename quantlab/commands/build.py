@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write trtexec.txt, then build the engine where TensorRT is installed
-    (quantlab.build.build_folder)."""
-    from quantlab.build import build_folder
+    (quantlab.engine.build.build_folder)."""
+    from quantlab.engine.build import build_folder
 
     build_folder(args.folder, args.plan, args.max_batch, args.mode, args.force)
     return 0

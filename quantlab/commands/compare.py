@@ -37,10 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Compare the two runs, print the largest differences and write the page."""
-    from quantlab.experiment import check_page
-    from quantlab.report import write_report
-    from quantlab.report.runs import comparison_sections
-    from quantlab.runs import compare_runs, load_run
+    from quantlab.experiments.experiment import check_page
+    from quantlab.experiments.report import write_report
+    from quantlab.experiments.report.runs import comparison_sections
+    from quantlab.experiments.runs import compare_runs, load_run
 
     check_page(args.out, args.force)
     comparison = compare_runs(load_run(args.a), load_run(args.b))

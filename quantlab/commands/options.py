@@ -120,8 +120,8 @@ def check_metric(metric: str, ground_truth: bool, how: str, model: str | None = 
     the error says `how` to get it) and, when `model` is named, a zoo model of its task.
     Checked before any data is read."""
     from quantlab.errors import ConfigError
-    from quantlab.scoring import resolve_metric
-    from quantlab.tasks import PRIMARY_METRIC
+    from quantlab.evaluation.scoring import resolve_metric
+    from quantlab.evaluation.tasks import PRIMARY_METRIC
     from quantlab.zoo_names import ZOO_NAMES
 
     if metric not in TASK_METRICS:
@@ -159,7 +159,7 @@ def data_options(args: argparse.Namespace):
 
 
 def input_options(args: argparse.Namespace) -> dict:
-    """``constants`` and ``batch_axes`` for :func:`quantlab.pipeline.prepare_model`;
+    """``constants`` and ``batch_axes`` for :func:`quantlab.calibration.pipeline.prepare_model`;
     ConfigError when one name is given twice (the last would win without a word)."""
     from quantlab.errors import ConfigError
 
@@ -223,7 +223,7 @@ def add_memory_argument(parser: argparse.ArgumentParser, what: str) -> None:
 
 def memory_size(text: str) -> int:
     """argparse type: a memory budget in bytes from ``2G``, ``512M`` (collect.parse_memory)."""
-    from quantlab.collect import parse_memory
+    from quantlab.calibration.collect import parse_memory
     from quantlab.errors import ConfigError
 
     try:

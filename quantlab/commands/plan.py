@@ -25,7 +25,7 @@ Runtime sessions at once on equal shares of the machine's cores.
 Writes into --out: plan.json (every unit: precision, reason codes, evidence,
 predicted contribution; the repairs weighed), model.onnx (FP32, normalized, repaired
 when plan.json says so), model.int8.onnx (the plan's Q/DQ model, FP16 units as Cast
-pairs, strongly typed for TensorRT 11), trtexec.txt (quantlab.trtexec: TensorRT
+pairs, strongly typed for TensorRT 11), trtexec.txt (quantlab.engine.trtexec: TensorRT
 10/11 strongly typed from model.int8.onnx), summary.json (certificate, evaluation
 ledger, predicted front, seconds per step, the noise model's checks), report.html
 (the front, the evaluations, a waterfall of the noise each pin removes, the

@@ -32,10 +32,10 @@ def run(args: argparse.Namespace) -> int:
     """Find the runs and write the index."""
     from pathlib import Path
 
-    from quantlab.experiment import check_page
-    from quantlab.report import write_report
-    from quantlab.report.runs import index_section
-    from quantlab.runs import find_runs
+    from quantlab.experiments.experiment import check_page
+    from quantlab.experiments.report import write_report
+    from quantlab.experiments.report.runs import index_section
+    from quantlab.experiments.runs import find_runs
 
     runs = find_runs(args.roots)
     out = Path(args.out) if args.out else Path(args.roots[0]) / "index.html"

@@ -72,8 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "what every configuration is scored by, against FP32: ")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
                         help=f"calibrators (default: all of {', '.join(METHODS)})")
-    # Defaults of quantlab.sweep, filled in by quantlab.api.sweep_model (the parser does not
-    # import NumPy).
+    # Defaults of quantlab.experiments.sweep, filled in by quantlab.api.sweep_model (the parser does
+    # not import NumPy).
     parser.add_argument("--percentiles", nargs="+", type=percentile, metavar="P",
                         help="percentiles of the percentile calibrator (default: 99.9 99.99 "
                              "99.999)")

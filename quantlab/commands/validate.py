@@ -129,11 +129,11 @@ def load_factory(spec: str):
 
 def run(args: argparse.Namespace) -> int:
     """Run `quantlab validate` (quantlab.api.validate_model) and print its results."""
-    from quantlab import pipeline
     from quantlab.api import ValidateOptions, validate_model
+    from quantlab.calibration import pipeline
     from quantlab.commands.options import check_metric, data_options
     from quantlab.errors import ConfigError
-    from quantlab.validate import Task, check_threshold
+    from quantlab.evaluation.validate import Task, check_threshold
 
     # Every option is checked before any long work (export, calibration, validation).
     check_threshold(args.threshold_db, 10.0)
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                      "pass --zoo NAME without --data: its evaluation split has the labels",
                      args.zoo)
     if args.engine_backend == "tensorrt":
-        from quantlab.backends.tensorrt import require_tensorrt
+        from quantlab.engine.backends.tensorrt import require_tensorrt
 
         require_tensorrt()
     torch_module, task, data, entry = None, None, args.data, None
@@ -186,7 +186,12 @@ def _print_result(result) -> None:
     """Task metrics, warnings, end-to-end outputs, first divergences and the worst layers."""
     import sys
 
-    from quantlab.report.validation import metric_line, outputs_frame, pair_label, worst_tensors
+    from quantlab.experiments.report.validation import (
+        metric_line,
+        outputs_frame,
+        pair_label,
+        worst_tensors,
+    )
 
     for stage, values in result.metrics.items():
         shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items() if isinstance(v, float))

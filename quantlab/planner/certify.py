@@ -1,6 +1,6 @@
 """The planner's budget: one :class:`Budget` value, what it needs of the metric and the data,
 and the noise floor of all-FP16. Metrics and the paired bootstrap live below the planner, in
-:mod:`quantlab.scoring` (one scorer for plan, validate, sweep and check); their names are
+:mod:`quantlab.evaluation.scoring` (one scorer for plan, validate, sweep and check); their names are
 importable from here too."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from quantlab.errors import ConfigError
-from quantlab.scoring import (  # noqa: F401 (the planner's names for them)
+from quantlab.evaluation.scoring import (  # noqa: F401 (the planner's names for them)
     METRICS,
     RESAMPLER_RTOL,
     Certificate,

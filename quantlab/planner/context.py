@@ -14,11 +14,11 @@ import onnx
 
 from quantlab.data import BatchSource
 from quantlab.errors import ConfigError
+from quantlab.evaluation.scoring import Metric, metric_for
+from quantlab.evaluation.tasks import Task
 from quantlab.graph import Graph
 from quantlab.planner.certify import Budget, data_shortfalls
 from quantlab.planner.measure import in_runs, output_sample_axes, samples_per_run
-from quantlab.scoring import Metric, metric_for
-from quantlab.tasks import Task
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def fp32_runs(model: onnx.ModelProto, calibration: BatchSource
 
     Every whole-model run: runs of a bounded size (a 640 px batch of 32 held 13-15 GB),
     outputs samples first (a recurrent state [layers, N, hidden])."""
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
     fp32 = OnnxRuntimeBackend(model, name="fp32", release_arena=True)
     first = next(iter(calibration))

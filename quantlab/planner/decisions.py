@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from quantlab import qdq
+from quantlab.calibration import qdq
 from quantlab.errors import DataError
-from quantlab.experiment import read_artifact, write_json
+from quantlab.experiments.experiment import read_artifact, write_json
 from quantlab.graph import Graph
 from quantlab.planner.rules import Reason, allowed_precisions
 from quantlab.planner.units import Unit

@@ -22,7 +22,8 @@ from typing import Protocol
 import numpy as np
 import onnx
 
-from quantlab import experiment
+from quantlab.evaluation.scoring import Metric, PairedScore, Reference
+from quantlab.experiments import experiment
 from quantlab.planner.certify import (
     Budget,
     Certificate,
@@ -35,7 +36,6 @@ from quantlab.planner.context import Context
 from quantlab.planner.measure import Draw, Runner
 from quantlab.planner.rules import Rules
 from quantlab.planner.search import FrontPoint, fallback_precision
-from quantlab.scoring import Metric, PairedScore, Reference
 
 # The least INT8 (share of MACs) an evaluation must be able to add over the certified plan.
 MIN_GAIN = 1e-4
@@ -51,9 +51,9 @@ CHEAP_SECONDS = 1.0
 
 
 class Checkpoint(experiment.Checkpoint):
-    """What an interrupted plan run already measured (:class:`quantlab.experiment.Checkpoint`):
-    its trials (index -> nsr) and evaluations (plan key, :func:`plan_key` ->
-    :class:`Evaluation`)."""
+    """What an interrupted plan run already measured
+    (:class:`quantlab.experiments.experiment.Checkpoint`): its trials (index -> nsr) and evaluations
+    (plan key, :func:`plan_key` -> :class:`Evaluation`)."""
 
     def __init__(self, path: str | os.PathLike, fingerprint: str):
         super().__init__(path, "quantlab.plan-progress", fingerprint, {

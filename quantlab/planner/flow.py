@@ -34,6 +34,8 @@ import onnx
 
 from quantlab.data import BatchSource
 from quantlab.errors import ModelError
+from quantlab.evaluation.scoring import metric_for
+from quantlab.evaluation.tasks import Task
 from quantlab.planner.certify import Certificate
 from quantlab.planner.choose import Search, search_front
 from quantlab.planner.context import PlanSettings, fp32_runs, open_context, try_metric
@@ -47,8 +49,6 @@ from quantlab.planner.scales import Calibrated, calibrate_units
 from quantlab.planner.search import FrontPoint
 from quantlab.planner.trials import NoiseModel, OutputSensitivity, noise_model
 from quantlab.planner.units import read_back
-from quantlab.scoring import metric_for
-from quantlab.tasks import Task
 
 # make_plan's settings when none are given (frozen: one value serves every call).
 DEFAULT_SETTINGS = PlanSettings()
@@ -125,7 +125,7 @@ def make_plan(original: CalibratedModel, calibration: BatchSource, evaluation: B
 
     `calibration` and `evaluation` are BatchSources (measurement on the former's
     hardest samples, certification on the latter). With a
-    :class:`quantlab.tasks.Task` (labels or COCO ground truth of `evaluation`), the
+    :class:`quantlab.evaluation.tasks.Task` (labels or COCO ground truth of `evaluation`), the
     metric may be its primary metric (``top1``, ``map``). `repairs` (name -> a
     repaired copy and its calibration) are weighed first; ``plan.repairs`` records
     every option's noise. `checkpoint` (an interrupted run of the same plan) skips

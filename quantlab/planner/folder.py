@@ -1,6 +1,6 @@
 """A plan's folder: its file names, its writer, and the readers `quantlab build` uses.
 
-Written all or nothing through its record, :class:`quantlab.records.PlanSummary`
+Written all or nothing through its record, :class:`quantlab.experiments.records.PlanSummary`
 (summary.json), which names its files: plan.json, model.onnx, model.int8.onnx,
 trtexec.txt, summary.json, report.html, with a TensorRT version also calibration.cache
 (and its trtexec copy), and uncertified/ where a better plan could not be certified.
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantlab.errors import DataError
-from quantlab.experiment import read_record
-from quantlab.records import UNCERTIFIED, PlanSummary
+from quantlab.experiments.experiment import read_record
+from quantlab.experiments.records import UNCERTIFIED, PlanSummary
 
 # The checkpoint of a running plan, left in the folder when it is interrupted.
 PROGRESS_FILE = ".plan-progress.json"
@@ -65,11 +65,12 @@ def write_plan_folder(out: str | os.PathLike, result, run: PlanRun, profile,
     for the TensorRT `profile` and, with `trt_version`, the calibration cache without the
     pinned units' tensors; `steps` are the next steps the report and summary name. Returns
     summary.json's record."""
-    from quantlab import graph, trtexec
-    from quantlab.backends import tensorrt as trt_backend
-    from quantlab.experiment import write_text
-    from quantlab.report import write_report
-    from quantlab.report.plan import plan_section
+    from quantlab import graph
+    from quantlab.engine import trtexec
+    from quantlab.engine.backends import tensorrt as trt_backend
+    from quantlab.experiments.experiment import write_text
+    from quantlab.experiments.report import write_report
+    from quantlab.experiments.report.plan import plan_section
 
     def files(folder: Path) -> None:
         result.plan.save(folder / "plan.json")
@@ -110,8 +111,9 @@ def _write_cache(folder: Path, result, method: str, trt_version: str):
     """calibration.cache of the plan's INT8 tensors (the pinned units' left out) and, when
     `method`'s algorithm is not EntropyCalibration2, the relabelled copy trtexec reads;
     (the name trtexec.txt names, its header)."""
-    from quantlab import cache, graph
-    from quantlab.pipeline import CACHE_ALGORITHM
+    from quantlab import graph
+    from quantlab.calibration.pipeline import CACHE_ALGORITHM
+    from quantlab.engine import cache
     from quantlab.planner.decisions import pinned_tensors
 
     pinned = pinned_tensors(result.plan, graph.Graph(result.model))

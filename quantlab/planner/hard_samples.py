@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from quantlab.calibration.repairs import RepairReport, lowers_noise
 from quantlab.planner.context import Context
 from quantlab.planner.evaluate import plan_key
 from quantlab.planner.measure import (
@@ -25,7 +26,6 @@ from quantlab.planner.measure import (
 from quantlab.planner.prepare import Prepared, repair_summary
 from quantlab.planner.rules import Rules
 from quantlab.planner.scales import Calibrated
-from quantlab.repairs import RepairReport, lowers_noise
 
 # FP32's outputs on the hardest samples are held across the local errors up to this size, and
 # made again after them when larger.

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from quantlab import graph, qdq
-from quantlab.compare import joined_energies, output_nsr, sample_energies
+from quantlab import graph
+from quantlab.calibration import qdq
+from quantlab.evaluation.compare import joined_energies, output_nsr, sample_energies
+from quantlab.evaluation.sensitivity import error_sums
 from quantlab.graph import Graph
 from quantlab.planner.units import Unit
-from quantlab.sensitivity import error_sums
 
 
 def sample_nsr(outputs: Mapping[str, np.ndarray],
@@ -40,7 +41,7 @@ def _nsr_per_sample(noise: np.ndarray, power: np.ndarray) -> np.ndarray:
 
 def pooled_nsr(outputs: Mapping[str, np.ndarray], references: Mapping[str, np.ndarray]) -> float:
     """The output NSR of one batch of outputs against the references, pooled over its samples
-    (:func:`quantlab.compare.output_nsr`): what the trials measure."""
+    (:func:`quantlab.evaluation.compare.output_nsr`): what the trials measure."""
     noise, power = sample_energies(outputs, references)
     return output_nsr(noise.sum(axis=0), power.sum(axis=0))
 
@@ -290,14 +291,14 @@ def unit_starts(g: Graph, units: Sequence[Unit]) -> dict[str, int]:
 def choose_cuts(g: Graph, starts: Mapping[str, int], macs: Mapping[str, float],
                 sizes: Mapping[str, int], samples: int) -> dict[int, list[str]]:
     """Where runs of plans that differ from a base plan in one unit may start: node position
-    -> what the run is fed there (:func:`quantlab.segments.boundary`).
+    -> what the run is fed there (:func:`quantlab.evaluation.segments.boundary`).
 
     Units' `starts`, up to MOST_CUTS of them about evenly spaced in the units' `macs`, so
     that a unit's run skips most of what precedes it; where the boundaries of all of them on
     `samples` samples (`sizes`: bytes per sample) exceed CUT_BYTES, the cuts with the
     largest are dropped.
     """
-    from quantlab.segments import boundary
+    from quantlab.evaluation.segments import boundary
 
     total = sum(macs.values()) or 1.0
     cuts: dict[int, list[str]] = {}
@@ -323,7 +324,7 @@ class FromCuts:
     The base plan runs once over `batch`, in the runs `bounded` (a backend run -> its
     :class:`BoundedRun`) makes, keeping its outputs and every cut's boundary tensors.
     What follows each cut is cut from the FP32 model once
-    (:func:`quantlab.segments.tail_model`); a plan's Q/DQ model of that tail
+    (:func:`quantlab.evaluation.segments.tail_model`); a plan's Q/DQ model of that tail
     (``quantized(precisions, tail)``) then runs fed them: the same outputs as the whole
     model's run, without building or computing again what the plan does not change. On
     the layout detector the 95 units' runs skip 60 % of the network's MACs on average.
@@ -333,8 +334,8 @@ class FromCuts:
                  quantized: Callable[[Mapping[str, str], Graph], onnx.ModelProto],
                  bounded: Callable[[Callable], BoundedRun], base: Mapping[str, str],
                  cuts: Mapping[int, list[str]], batch: Mapping[str, np.ndarray]):
-        from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-        from quantlab.segments import tail_model
+        from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
+        from quantlab.evaluation.segments import tail_model
 
         self.quantized = quantized
         self.tails: dict[int, tuple[Graph, list[str]]] = {}
@@ -357,7 +358,7 @@ class FromCuts:
             references: Mapping[str, np.ndarray], threads: int | None = None) -> float:
         """The output NSR of the plan `precisions` run from the cut at `position`, against
         `references` (samples first), on a session of `threads` intra-op threads."""
-        from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+        from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
         tail, computed = self.tails[position]
         backend = OnnxRuntimeBackend(self.quantized(precisions, tail), name="trial",
@@ -372,7 +373,7 @@ def local_sqnr(g: Graph, amax: Mapping[str, float], units: Sequence[Unit],
                ) -> dict[str, dict[str, float]]:
     """Each unit's local SQNR in dB per precision: its nodes run alone on FP32 inputs.
 
-    :func:`quantlab.sensitivity.local_error_model` over the Q/DQ models that run
+    :func:`quantlab.evaluation.sensitivity.local_error_model` over the Q/DQ models that run
     every unit in each of `precisions` ("int8", "fp16"), side by side, attached to
     the FP32 model and reduced in the graph (:func:`error_sums`): each run of
     `batches` returns only sums, and noise and signal power are summed over all of
@@ -393,8 +394,8 @@ def _local_figures(g: Graph, variants: Mapping[str, onnx.ModelProto], units: Seq
     """unit -> variant -> local SQNR (dB) of the Q/DQ models `variants` (name -> model of
     `g`: one per precision, or of one precision with other scales), side by side in one
     pass of one model."""
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
-    from quantlab.sensitivity import local_error_model
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.evaluation.sensitivity import local_error_model
 
     local = local_error_model([Graph(model) for model in variants.values()], g,
                               labels=list(variants),
@@ -484,12 +485,12 @@ def choose_calibrators(g: Graph, candidates: Mapping[str, Mapping[str, float]],
 class CalibratedModel:
     """An FP32 model and its calibration: what the planner plans, and each repaired option
     it weighs before any pin (:func:`quantlab.planner.prepare.weigh_repairs`;
-    :mod:`quantlab.repairs` makes them).
+    :mod:`quantlab.calibration.repairs` makes them).
 
     `amax` are the calibrated scales' amax, `ranges` max |x| and `p9999` the 99.99th
     percentile per tensor (for the rules), `candidates` (method -> amax) the
     calibrators each unit may choose from; `report` is a repair's
-    :class:`quantlab.repairs.RepairReport` as plain data (empty for the model as given).
+    :class:`quantlab.calibration.repairs.RepairReport` as plain data (empty for the model as given).
     """
 
     model: onnx.ModelProto
@@ -509,7 +510,7 @@ def all_int8_nsr(options: Mapping[str, CalibratedModel], batch: Mapping[str, np.
     backend's run wrapped by `runs` (:func:`in_runs`: bounded runs, samples first).
     Nodes of `plan` an option lacks are skipped.
     """
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
     result = {}
     for name, option in options.items():
@@ -538,8 +539,8 @@ class Runner:
     def quantized(self, precisions: Mapping[str, str], g: Graph | None = None,
                   shifts: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
         """The plan's Q/DQ model of the model, or of `g`, a part of it cut from it
-        (:func:`quantlab.segments.tail_model`), with `shifts` (default: the runner's)."""
-        from quantlab.repairs import shift_biases
+        (:func:`quantlab.evaluation.segments.tail_model`), with `shifts` (default: the runner's)."""
+        from quantlab.calibration.repairs import shift_biases
 
         g = g or self.g
         shifts = self.shifts if shifts is None else shifts
@@ -551,7 +552,7 @@ class Runner:
     def __call__(self, precisions: Mapping[str, str], name: str = "trial",
                  threads: int | None = None,
                  shifts: Mapping[str, np.ndarray] | None = None) -> Callable:
-        from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+        from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
         # Without ONNX Runtime's memory pattern: a session runs a few times, and its planned
         # block stayed on top of the hardest samples (a 640 px detector's trials peaked higher).

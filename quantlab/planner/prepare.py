@@ -18,19 +18,21 @@ from typing import NamedTuple
 import numpy as np
 import onnx
 
-from quantlab import calibrate, collect, graph, qdq, repairs, trt_ranges
+from quantlab import graph
+from quantlab.calibration import calibrate, collect, qdq, repairs
+from quantlab.calibration.repairs import quietest
 from quantlab.choices import PREPROCESS_OPTIONS
 from quantlab.data import BatchSource, DataOptions, Preprocess, open_data
+from quantlab.engine import trt_ranges
 from quantlab.errors import ConfigError, DataError
 from quantlab.planner.context import Context
 from quantlab.planner.measure import CalibratedModel, all_int8_nsr
-from quantlab.repairs import quietest
 
 
 def calibration_record(data: str) -> dict | None:
     """``calibration.json`` of `data` when it is a calibration folder (with ``stats.npz``),
-    read and checked by :func:`quantlab.records.read_calibration_record`."""
-    from quantlab.records import read_calibration_record
+    read and checked by :func:`quantlab.experiments.records.read_calibration_record`."""
+    from quantlab.experiments.records import read_calibration_record
 
     folder = Path(data)
     if (folder / "stats.npz").is_file() and (folder / "calibration.json").is_file():
@@ -108,7 +110,7 @@ def evaluation_source(model_name: str, evaluation: str, model: onnx.ModelProto,
         return open_data(evaluation, inputs, options.batch_size, options.max_samples,
                          preprocess), None
     from quantlab import zoo
-    from quantlab.tasks import Task
+    from quantlab.evaluation.tasks import Task
 
     entry = zoo.get(model_name)
     eval_set = entry.eval_set(options.max_samples)
@@ -142,8 +144,8 @@ def prepared_model(model_name: str, data: str, evaluation: str, recorded: dict |
     (`recorded`) frozen inputs and sample axes; the `options`' constants and batch axes on
     top. Refused when `evaluation` holds another value for a frozen input (the model would
     silently run on this one)."""
+    from quantlab.calibration.pipeline import prepare_model
     from quantlab.data import scalar_arrays
-    from quantlab.pipeline import prepare_model
 
     given = {"constants": dict(options.constants), "batch_axes": dict(options.batch_axes)}
     source = model_name
@@ -177,7 +179,7 @@ def prepared_model(model_name: str, data: str, evaluation: str, recorded: dict |
 def check_same_model(model: onnx.ModelProto, given: str, where: str) -> None:
     """ConfigError unless `model` (a folder's model.onnx) was made from the model `given`
     (file or zoo name), compared by content digest (pipeline.model_digest)."""
-    from quantlab.pipeline import model_digest
+    from quantlab.calibration.pipeline import model_digest
 
     if graph.source_digest(model) != model_digest(given):
         raise ConfigError(

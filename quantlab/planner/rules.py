@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import onnx
 
-from quantlab import qdq
+from quantlab.calibration import qdq
 from quantlab.errors import ModelError
 from quantlab.graph import Graph
 from quantlab.metadata import attribute
@@ -306,7 +306,7 @@ class Rules:
 def unit_rules(prepared: Prepared) -> Rules:
     """Units (MACs per sample: shapes inference misses, so one sample runs) and their rules;
     timed as "rules"."""
-    from quantlab.backends.onnxruntime import OnnxRuntimeBackend
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.planner.search import fallback_precision
 
     context, chosen, g = prepared.context, prepared.chosen, prepared.g

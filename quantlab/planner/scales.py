@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from quantlab.calibration.repairs import RepairReport, bias_shifts
 from quantlab.planner.measure import Runner, choose_calibrators, single_samples
 from quantlab.planner.prepare import Prepared
 from quantlab.planner.rules import Rules
 from quantlab.planner.units import share_scales
-from quantlab.repairs import RepairReport, bias_shifts
 
 
 @dataclass

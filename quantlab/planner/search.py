@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize
 
-from quantlab import qdq
+from quantlab.calibration import qdq
 from quantlab.errors import ConfigError
 from quantlab.planner.units import Unit
 

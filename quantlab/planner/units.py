@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from quantlab import qdq
+from quantlab.calibration import qdq
 from quantlab.errors import ModelError
 from quantlab.graph import Graph, concrete_types
 

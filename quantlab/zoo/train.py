@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from quantlab import tasks, zoo
+from quantlab import zoo
+from quantlab.evaluation import tasks
 from quantlab.zoo import digits, digits_nets, shapes, shapes_det, shapes_det_net
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
