@@ -166,16 +166,19 @@ def run_fingerprint(model: onnx.ModelProto, model_name: str,
 
 def plan_model(model: str, data: str, evaluation: str, options: PlanOptions,
                out: str | os.PathLike, *, data_options: DataOptions | None = None,
-               force: bool = False, progress: bool = True) -> PlanOutcome:
+               force: bool = False, progress: bool = True,
+               named: str | os.PathLike | None = None) -> PlanOutcome:
     """`quantlab plan`: the most INT8 MACs of `model` (an .onnx file or zoo name) whose
     accuracy on `evaluation` stays inside `options`' budget, certified, written into `out`.
 
     `data` is calibration data, a calibration folder (its statistics reused) or ``zoo``;
     `evaluation` is held-out data or ``zoo``. Everything is checked before the long work;
     an interrupted run resumes from the checkpoint it left in `out`, a failed one leaves
-    `out` as it was.
+    `out` as it was. `named` is the folder the next steps name (default `out`): where the
+    user will find it when `out` is a staging folder (the demo's).
     """
     out, data_options = os.fspath(out), data_options or DataOptions()
+    named = out if named is None else os.fspath(named)
     check_output(out, force=force, produces=PlanSummary.FILES)
     if options.trt_version is not None:
         cache.implicit_int8_version(options.trt_version)
@@ -211,7 +214,8 @@ def plan_model(model: str, data: str, evaluation: str, options: PlanOptions,
     existed = {path for path in (Path(out), *Path(out).parents) if path.exists()}
     had_checkpoint = (Path(out) / plan_folder.PROGRESS_FILE).exists()
     try:
-        return _planned(inputs, model, data, options, data_options, out, force, progress)
+        return _planned(inputs, model, data, options, data_options, out, force, progress,
+                        named)
     except Exception:
         # A failure, not an interruption (Ctrl-C, SIGTERM keep the checkpoint to resume
         # from): the folder is left as it was.
@@ -243,9 +247,10 @@ class _PlanInputs:
 
 
 def _planned(inputs: _PlanInputs, model_name: str, data: str, options: PlanOptions,
-             data_options: DataOptions, out: str, force: bool, progress: bool) -> PlanOutcome:
+             data_options: DataOptions, out: str, force: bool, progress: bool,
+             named: str) -> PlanOutcome:
     """The long work of :func:`plan_model` once everything is checked: statistics and
-    repairs, the plan, the folder."""
+    repairs, the plan, the folder (its next steps naming `named`)."""
     model, source, evaluation = inputs.model, inputs.source, inputs.evaluation
     settings = options.planner
     if ":" in settings.metric:  # the user's metric fails now, not after the statistics pass
@@ -276,7 +281,7 @@ def _planned(inputs: _PlanInputs, model_name: str, data: str, options: PlanOptio
     result.phases = {**prepared.phases, **result.phases}
     # Titled with the user's model, not a calibration folder's normalized copy of it.
     model_file = graph.source_model(model) or model_name
-    steps = next_steps(result, out, UNCERTIFIED)
+    steps = next_steps(result, named, UNCERTIFIED)
     run = plan_folder.PlanRun(
         model_file, settings.metric, settings.max_drop, settings.min_sqnr,
         recorded_path(source.description), calibration.scales.method,

@@ -123,17 +123,20 @@ def _evaluate(entry, backend: OnnxRuntimeBackend, eval_set, label: str, progress
 
 
 def run_model(
-    name: str, out: Path, methods: Sequence[str], eval_limit: int | None, progress: bool
+    name: str, out: Path, methods: Sequence[str], eval_limit: int | None, progress: bool,
+    named: Path | None = None,
 ) -> tuple[dict, list[Section]]:
     """Calibrate and evaluate `name` with every method (:func:`_calibrations`); for PLANNED
-    also validate and plan. Returns the model's summary record and its report sections."""
+    also validate and plan. Returns the model's summary record and its report sections.
+    `named`: the folder `out` becomes (`out` may be the demo's staging folder)."""
     record, best = _calibrations(name, out, methods, eval_limit, progress)
     sections = [Section(name, calibration_html(record), anchor=name)]
     if name == PLANNED:
         record["validation"] = _validate(zoo.get(name), best, out / name / "validate",
                                          progress)
         del best  # the plan runs in its own memory budget
-        record["plan"] = _plan(name, out / name / "plan", methods, eval_limit, progress)
+        record["plan"] = _plan(name, out / name / "plan", methods, eval_limit, progress,
+                               (named or out) / name / "plan")
         decided = plan.Plan.load(out / name / "plan" / "plan.json")
         sections.insert(0, story_section(record, decided, out / name / "plan"))
         sections.append(Section(f"{name}: precision plan", plan_html(record["plan"], decided),
@@ -259,9 +262,10 @@ def plan_settings(name: str, methods: Sequence[str], eval_limit: int | None
 
 
 def _plan(name: str, out: Path, methods: Sequence[str], eval_limit: int | None,
-          progress: bool) -> dict:
+          progress: bool, named: Path) -> dict:
     """Plan `name` into `out` (plan.json, the models, trtexec.txt, its own report) as
-    `quantlab plan` does, and return its figures for the story."""
+    `quantlab plan` does, its next steps naming `named` (where `out` ends up), and return
+    its figures for the story."""
     folder = f"{name}/plan"  # where it ends up, relative to the demo's folder
     shown = "quantlab plan " + " ".join(plan_argv(name, folder, methods, eval_limit))
     _log(f"[{name}] {shown}")
@@ -269,7 +273,7 @@ def _plan(name: str, out: Path, methods: Sequence[str], eval_limit: int | None,
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):  # its lines name the staging folder
         outcome = plan_model(name, "zoo", "zoo", options, out, data_options=reading,
-                             progress=progress)
+                             progress=progress, named=named)
     for line in [*printed.getvalue().splitlines(), *outcome.lines(notes=progress)]:
         _log(f"[{name}] {line.replace(str(out), folder)}")
     summary = outcome.summary
@@ -295,7 +299,7 @@ def run_demo(
         started = time.perf_counter()
         records, story, details = [], [], []
         for name in names:
-            record, sections = run_model(name, staging, methods, eval_limit, progress)
+            record, sections = run_model(name, staging, methods, eval_limit, progress, out)
             records.append(record)
             story += [s for s in sections if s.anchor == "story"]
             details += [s for s in sections if s.anchor != "story"]

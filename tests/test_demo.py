@@ -97,3 +97,17 @@ def test_the_demo_plans_as_the_command_line_it_shows():
         args = parser.parse_args(demo.plan_argv("digits-cnn", "out", methods, limit))
         assert (command.plan_options(args), data_options(args)) == demo.plan_settings(
             "digits-cnn", methods, limit)
+
+
+def test_the_demo_plan_names_the_folder_it_ends_up_in_not_the_staging_one(tmp_path):
+    """The demo plans into its staging folder; the plan's next steps (summary.json, its
+    report) name the folder the user finds afterwards (they named the staging folder, gone
+    once the demo finished)."""
+    from quantlab.experiments.experiment import read_json
+
+    staging, final = tmp_path / ".demo.quantlab-tmp-x" / "plan", tmp_path / "demo" / "plan"
+    demo._plan("digits-cnn", staging, ["max"], 64, False, final)
+    steps = read_json(staging / "summary.json")["next_steps"]
+    assert any(f"quantlab build {final}`" in step for step in steps), steps
+    for name in ("summary.json", "report.html"):
+        assert ".quantlab-tmp" not in (staging / name).read_text()
