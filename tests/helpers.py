@@ -183,3 +183,31 @@ def shared_weight_convs(channels: int, weights_as_inputs: bool, seed: int = 0):
         return {"da": first, "y": first + depthwise_conv(-0.1 * a, w, b, 1)}
 
     return model, reference
+
+
+def zoo_held_out(name: str, calibration_samples: int):
+    """A zoo model as calibrate's decisions see it: its normalized graph, its first
+    `calibration_samples` calibration samples (batches of 16), their statistics, and the
+    held-out score of a Q/DQ model: the worst output's SQNR (dB, float64) against FP32 on
+    64 evaluation samples."""
+    from quantlab import graph
+    from quantlab.calibration import collect, pipeline, qdq
+    from quantlab.data import open_data
+    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
+
+    entry = zoo.get(name)
+    model = graph.Graph(pipeline.export_zoo_model(name))
+    source = open_data(entry.calibration_set()[:calibration_samples],
+                       graph.input_specs(model.model), 16)
+    stats = collect.collect(model, source, qdq.activation_tensors_to_calibrate(model),
+                            progress=False)
+    held_out = {model.input_names[0]: entry.eval_set(64).inputs}
+    fp32 = OnnxRuntimeBackend(model.model).run(held_out)
+
+    def score(quantized: onnx.ModelProto) -> float:
+        out = OnnxRuntimeBackend(quantized).run(held_out)
+        return min(10 * np.log10(np.sum(fp32[k].astype(np.float64) ** 2) /
+                                 np.sum((out[k].astype(np.float64) - fp32[k]) ** 2))
+                   for k in fp32)
+
+    return model, source, stats, score

@@ -610,7 +610,7 @@ class _Runs:
         self.run_size = 1
         self.measure = False
 
-    def _plan(self, batch: Mapping[str, np.ndarray], size: int) -> None:
+    def _first_plan(self, batch: Mapping[str, np.ndarray], size: int) -> None:
         unit = size if self.fixed else 1
         known = activation_bytes(self.index.model, self.names, batch, self.index.inputs, unit)
         self.measure = any(known[name] is None for name in self.names)
@@ -626,7 +626,7 @@ class _Runs:
         its sample count."""
         size = batch_length(batch, self.axes)
         if not self.runs:
-            self._plan(batch, size)
+            self._first_plan(batch, size)
         start = 0
         while start < size:
             stop = size if self.fixed else min(size, start + (1 if self.measure

@@ -59,7 +59,7 @@ from quantlab.experiments.experiment import (
     check_output,
     recorded_path,
 )
-from quantlab.experiments.records import ValidationSummary
+from quantlab.experiments.records import ENGINE_STAGE, ValidationSummary
 from quantlab.experiments.report import write_report
 from quantlab.experiments.report.validation import next_steps, validation_section
 from quantlab.planner.measure import output_sample_axes
@@ -68,7 +68,7 @@ from quantlab.progress import progress_bar
 __all__ = ["ENGINE", "FP32", "MODES", "TORCH", "Task", "ValidationResult", "layers_file",
            "validate"]
 
-TORCH, FP32, ENGINE = "torch", "onnx_fp32", "engine_int8"
+TORCH, FP32, ENGINE = "torch", "onnx_fp32", ENGINE_STAGE
 STAGE_DESCRIPTIONS = {
     TORCH: "PyTorch module (forward hooks)",
     FP32: "FP32 ONNX model in ONNX Runtime",

@@ -25,7 +25,7 @@ from quantlab.errors import DataError
 from quantlab.experiments.experiment import check_fields, output_folder, read_record, write_json
 
 R = TypeVar("R", bound="FolderRecord")
-# The stage pair of a validation whose test is the INT8 engine (validate.ENGINE).
+# The stage whose test is the INT8 engine (validate.ENGINE is this name).
 ENGINE_STAGE = "engine_int8"
 # The key every record is written with (absent: version 1).
 VERSION_KEY = "version"

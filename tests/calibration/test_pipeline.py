@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from helpers import zoo_held_out
 from onnx import TensorProto, helper, numpy_helper
 
 from quantlab import graph
@@ -268,27 +269,14 @@ def test_folds_scored_on_a_few_samples_score_as_folds_scored_on_the_whole_half(n
     model that verdict gives is held out no more than 0.2 dB (issue 41's bound) below the
     model the folds give scored on the whole halves (output SQNR against FP32, float64,
     the worst output): the same verdict, or one of the two whose difference does not show."""
-    from quantlab import zoo
     from quantlab.calibration import calibrate, qdq
-    from quantlab.data import open_data
-    from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
-    entry = zoo.get(name)
-    model = graph.Graph(pipeline.export_zoo_model(name))
-    source = open_data(entry.calibration_set()[:pipeline.BIAS_SAMPLES],
-                       graph.input_specs(model.model), 16)
-    stats = collect.collect(model, source, qdq.activation_tensors_to_calibrate(model),
-                            progress=False)
+    model, source, stats, score = zoo_held_out(name, pipeline.BIAS_SAMPLES)
     quantized = qdq.quantize_model(model, calibrate.calibrate(stats, "mse").amax)
-    held_out = {model.input_names[0]: entry.eval_set(64).inputs}
-    fp32 = OnnxRuntimeBackend(model.model).run(held_out)
 
-    def corrected() -> tuple[float, bool]:
+    def corrected() -> tuple[float, list]:
         found, report = pipeline._corrected_biases(model, quantized, source, pipeline.Phases(False))
-        out = OnnxRuntimeBackend(found).run(held_out)
-        return min(10 * np.log10(np.sum(fp32[k].astype(np.float64) ** 2) /
-                                 np.sum((out[k].astype(np.float64) - fp32[k]) ** 2))
-                   for k in fp32), report["bias_correction"]["summary"]["folds"]
+        return score(found), report["bias_correction"]["summary"]["folds"]
 
     few, few_folds = corrected()
     limit = pipeline.FOLD_MAX_SAMPLES

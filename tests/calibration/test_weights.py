@@ -11,7 +11,7 @@ from onnx import helper, numpy_helper
 from quantlab import graph
 from quantlab.calibration import qdq, weights
 from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
-from tests.helpers import onnx_model
+from tests.helpers import onnx_model, zoo_held_out
 
 
 def outlier_conv() -> tuple[graph.Graph, np.ndarray, np.ndarray]:
@@ -133,25 +133,13 @@ def test_the_settled_choice_scores_as_the_choice_on_every_sample_on_the_zoo(name
     more than 0.2 dB (issue 41's bound) below the choice on all CHOICE_SAMPLES, held out
     (output SQNR against FP32, float64). digits-vit reads 8x8 inputs: few values per
     sample, the case where a fixed 8 samples lost 0.35 dB."""
-    from quantlab import zoo
-    from quantlab.calibration import calibrate, collect, pipeline
-    from quantlab.data import open_data
+    from quantlab.calibration import calibrate, pipeline
 
-    entry = zoo.get(name)
-    model = graph.Graph(pipeline.export_zoo_model(name))
-    source = open_data(entry.calibration_set()[:64], graph.input_specs(model.model), 16)
-    stats = collect.collect(model, source, qdq.activation_tensors_to_calibrate(model),
-                            progress=False)
+    model, source, stats, score = zoo_held_out(name, 64)
     amax = calibrate.calibrate(stats, "mse").amax
-    held_out = entry.eval_set(64).inputs
-    fp32 = OnnxRuntimeBackend(model.model).run({model.input_names[0]: held_out})
 
     def sqnr(choice: weights.WeightChoice) -> float:
-        int8 = OnnxRuntimeBackend(qdq.quantize_model(model, amax, weight_amax=choice.amax))
-        out = int8.run({model.input_names[0]: held_out})
-        return min(10 * np.log10(np.sum(fp32[k].astype(np.float64) ** 2) /
-                                 np.sum((out[k].astype(np.float64) - fp32[k]) ** 2))
-                   for k in fp32)
+        return score(qdq.quantize_model(model, amax, weight_amax=choice.amax))
 
     def choose() -> weights.WeightChoice:
         return weights.choose_weight_amax(model, pipeline.samples(
