@@ -21,12 +21,14 @@ from quantlab.planner.units import Unit
 if TYPE_CHECKING:  # the stages' records, for the last stage's signature: `Plan` stays light
     import onnx  # (gate.py and plan.json's readers import it without the planner's stages)
 
+    from quantlab.planner.certify import Budget
     from quantlab.planner.choose import Search
     from quantlab.planner.evaluate import Evaluation
     from quantlab.planner.hard_samples import HardSamples
     from quantlab.planner.prepare import Prepared
     from quantlab.planner.rules import Rules
     from quantlab.planner.scales import Calibrated
+    from quantlab.planner.search import FrontPoint
     from quantlab.planner.trials import NoiseModel
 
 PLAN_FORMAT = "quantlab.plan"
@@ -130,21 +132,21 @@ def decide(prepared: Prepared, rules: Rules, calibrated: Calibrated, hard: HardS
     """The plan as plain data: each unit's precision (the search's choice), its evidence
     (fitted contributions, rank, local SQNR, noise alone in INT8, calibrator, bias shift)
     and its reasons, and the repairs weighed."""
-    budget = prepared.context.budget
-    fit = noise.model_fit.fitted
-    decided = Plan.from_rules(rules.units, rules.reasons)
-    applied = calibrated.shifts if calibrated.runner.shifts else {}
+    fit, sensitivity = noise.model_fit.fitted, noise.model_fit.sensitivity
+    decided = _plan_of(search.point, rules, prepared.context.budget)
+    applied = calibrated.runner.shifts  # the bias shifts kept (hard_samples' verdict)
+    rank = {name: place for place, name in enumerate(sensitivity.ranking(), start=1)}
+    all_int8 = sensitivity.predicted_nsr(fit.contribution)
     for unit in rules.units:
         decision = decided.units[unit.name]
-        decision.precision = search.point.precisions[unit.name]
         decision.predicted = fit.contribution.get(unit.name, 0.0)
-        decision.evidence.update(_evidence(unit, rules, calibrated, hard, noise))
+        decision.evidence.update(_evidence(unit, rank[unit.name], calibrated, hard, noise))
         if decision.precision == "int8" and any(n in applied for n in unit.linear):
             decision.evidence["bias_shift_max"] = max(float(np.abs(applied[n]).max())
                                                       for n in unit.linear if n in applied)
         decision.reasons.extend(_search_reasons(unit, decision, rules, hard, noise, search,
-                                                prepared.context.settings.high_precision))
-    decided.metric, decided.budget = budget.metric, budget.amount
+                                                prepared.context.settings.high_precision,
+                                                all_int8))
     if search.floor is not None:
         from quantlab.planner.certify import floor_record
 
@@ -154,11 +156,21 @@ def decide(prepared: Prepared, rules: Rules, calibrated: Calibrated, hard: HardS
     return decided
 
 
-def _evidence(unit: Unit, rules: Rules, calibrated: Calibrated, hard: HardSamples,
+def _plan_of(point: FrontPoint, rules: Rules, budget: Budget) -> Plan:
+    """The plan of a front point: the rules' units and reasons, the point's precisions and
+    the budget's metric and amount."""
+    plan = Plan.from_rules(rules.units, rules.reasons)
+    for unit in rules.units:
+        plan.units[unit.name].precision = point.precisions[unit.name]
+    plan.metric, plan.budget = budget.metric, budget.amount
+    return plan
+
+
+def _evidence(unit: Unit, rank: int, calibrated: Calibrated, hard: HardSamples,
               noise: NoiseModel) -> dict:
-    """A unit's measured figures for plan.json, in plan.json's order."""
-    sensitivity, fit = noise.model_fit.sensitivity, noise.model_fit.fitted
-    rank = sensitivity.ranking().index(unit.name) + 1
+    """A unit's measured figures for plan.json, in plan.json's order (`rank`: its place by
+    output-noise contribution)."""
+    fit = noise.model_fit.fitted
     evidence = {"output_nsr_contribution": fit.contribution.get(unit.name, 0.0),
                 "output_rank": rank}
     for precision, figure in hard.local.get(unit.name, {}).items():
@@ -173,12 +185,13 @@ def _evidence(unit: Unit, rules: Rules, calibrated: Calibrated, hard: HardSample
 
 
 def _search_reasons(unit: Unit, decision: UnitDecision, rules: Rules, hard: HardSamples,
-                    noise: NoiseModel, search: Search, high_precision: str) -> list[Reason]:
-    """Why the search (not a rule) keeps a unit out of INT8, and out of FP16."""
+                    noise: NoiseModel, search: Search, high_precision: str,
+                    all_int8: float) -> list[Reason]:
+    """Why the search (not a rule) keeps a unit out of INT8, and out of FP16 (`all_int8`:
+    the predicted output NSR of all-INT8)."""
     reasons = []
     fit, units = noise.model_fit.fitted, len(rules.units)
     if decision.precision != "int8" and not any(r.hard for r in decision.reasons):
-        all_int8 = noise.model_fit.sensitivity.predicted_nsr(fit.contribution)
         reasons.append(Reason(
             SEARCH_CODE, False, (decision.precision,),
             f"rank {decision.evidence['output_rank']} of {units} by output-noise contribution "
@@ -209,9 +222,5 @@ def uncertified_plan(prepared: Prepared, rules: Rules, calibrated: Calibrated, s
     if search.uncertified is None:
         return None
     point, evaluation = search.uncertified
-    kept = Plan.from_rules(rules.units, rules.reasons)
-    for unit in rules.units:
-        kept.units[unit.name].precision = point.precisions[unit.name]
-    budget = prepared.context.budget
-    kept.metric, kept.budget = budget.metric, budget.amount
+    kept = _plan_of(point, rules, prepared.context.budget)
     return kept, calibrated.runner.quantized(kept.node_precisions()), evaluation
