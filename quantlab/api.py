@@ -49,7 +49,7 @@ from quantlab.planner import folder as plan_folder
 from quantlab.planner import prepare
 from quantlab.planner.certify import Certificate
 from quantlab.planner.decisions import Plan
-from quantlab.planner.evaluate import Checkpoint, resume_fingerprint
+from quantlab.planner.evaluate import Checkpoint, fingerprint
 from quantlab.planner.flow import PlanResult, PlanSettings, check_metric_on_model, make_plan
 from quantlab.progress import progress_bar
 
@@ -159,9 +159,12 @@ def run_fingerprint(model: onnx.ModelProto, model_name: str,
                     *parts) -> str:
     """What identifies a plan's or a sweep's run for its checkpoint: the model, every setting,
     the metric's code and `parts` (the data's content, what the run derived)."""
+    from quantlab.user_code import metric_code
+
     settings = options.fingerprinted()
-    return resume_fingerprint(model, {**settings, **asdict(data_options), "model": model_name},
-                              settings["metric"], *parts)
+    chosen = {**settings, **asdict(data_options), "model": model_name}
+    return fingerprint(model, *parts, sorted((key, str(value)) for key, value in chosen.items()),
+                       metric_code(settings["metric"]))
 
 
 def plan_model(model: str, data: str, evaluation: str, options: PlanOptions,

@@ -92,22 +92,11 @@ def plan_key(precisions: Mapping[str, str]) -> str:
 
 
 def fingerprint(model: onnx.ModelProto, *parts) -> str:
-    """A hash identifying a plan run: the model and the settings and data descriptions."""
+    """A hash identifying a resumable run (a plan's or a sweep's checkpoint: api.run_fingerprint):
+    the model and the settings and data descriptions."""
     digest = hashlib.sha256(model.SerializeToString())
     digest.update(json.dumps([str(p) for p in parts]).encode())
     return digest.hexdigest()
-
-
-def resume_fingerprint(model: onnx.ModelProto, options: Mapping[str, object], metric: str,
-                       *parts) -> str:
-    """The one fingerprint of resumable work (plan's and sweep's checkpoints): the model,
-    `parts` (the data's content digests, what the run derived), every option and the
-    `metric`'s code (user_code.metric_code)."""
-    from quantlab.user_code import metric_code
-
-    return fingerprint(model, *parts, sorted((key, str(value)) for key, value in options.items()),
-                       metric_code(metric))
-
 
 
 @dataclass
