@@ -90,10 +90,6 @@ class Context:
     step: Callable  # progress: (items, desc=) -> items
     phases: Phases = field(default_factory=Phases)
 
-    @property
-    def budget(self) -> Budget:
-        return self.settings.budget
-
 
 def fp32_runs(model: onnx.ModelProto, calibration: BatchSource
               ) -> tuple[Callable[[Callable], Callable], Callable, Mapping[str, np.ndarray]]:

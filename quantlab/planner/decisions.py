@@ -133,7 +133,7 @@ def decide(prepared: Prepared, rules: Rules, calibrated: Calibrated, hard: HardS
     (fitted contributions, rank, local SQNR, noise alone in INT8, calibrator, bias shift)
     and its reasons, and the repairs weighed."""
     fit, sensitivity = noise.model_fit.fitted, noise.model_fit.sensitivity
-    decided = _plan_of(search.point, rules, prepared.context.budget)
+    decided = _plan_of(search.point, rules, prepared.context.settings.budget)
     applied = calibrated.runner.shifts  # the bias shifts kept (hard_samples' verdict)
     rank = {name: place for place, name in enumerate(sensitivity.ranking(), start=1)}
     all_int8 = sensitivity.predicted_nsr(fit.contribution)
@@ -222,5 +222,5 @@ def uncertified_plan(prepared: Prepared, rules: Rules, calibrated: Calibrated, s
     if search.uncertified is None:
         return None
     point, evaluation = search.uncertified
-    kept = _plan_of(point, rules, prepared.context.budget)
+    kept = _plan_of(point, rules, prepared.context.settings.budget)
     return kept, calibrated.runner.quantized(kept.node_precisions()), evaluation

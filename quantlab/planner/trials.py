@@ -590,7 +590,7 @@ def _all_int8_first(prepared: Prepared, rules: Rules, calibrated: Calibrated,
                              trials, context.settings.high_precision)
         first = evaluator.first(model_fit.most_int8(), hard.drawn)
     hard.drawn = None  # the screen's samples, read by all-INT8 alone
-    message = unreachable(first, context.budget)
+    message = unreachable(first, context.settings.budget)
     if message:  # before the trials, which could not change it
         warnings.warn(message, stacklevel=4)
     return NoiseModel(model_fit, first, evaluator, trials)
