@@ -92,7 +92,7 @@ def check_model(candidate: str, baseline: str, evaluation: str, options: CheckOp
     if baseline_run.kind not in CHECKED_KINDS:
         raise ConfigError(f"--baseline {baseline} is a {baseline_run.kind} run; a baseline is "
                           f"a folder of {', '.join(CHECKED_KINDS)} (it holds the INT8 model).")
-    base_folder = _model_folder(baseline_run)
+    base_folder = baseline_run.model_folder
     recorded = _recorded(base_folder)
     preprocess = preprocessing(data_options.preprocess, recorded and recorded.get("preprocess"))
     bars = partial(progress_bar, leave=False) if progress else None
@@ -102,7 +102,7 @@ def check_model(candidate: str, baseline: str, evaluation: str, options: CheckOp
         if candidate_run.kind not in CHECKED_KINDS:
             raise ConfigError(f"{candidate} is a {candidate_run.kind} run; check a folder of "
                               f"{', '.join(CHECKED_KINDS)}, or a model.")
-        models = _folder_models(_model_folder(candidate_run))
+        models = _folder_models(candidate_run.model_folder)
     else:
         if baseline_run.kind == "plan":
             raise ConfigError(
@@ -110,11 +110,12 @@ def check_model(candidate: str, baseline: str, evaluation: str, options: CheckOp
                 f"{candidate} ... --out DIR) and check DIR against it, so the INT8 shares "
                 "of both plans are compared.")
         models = _calibrated(candidate, data, recorded, preprocess, data_options, progress)
-    _check_like_with_like(candidate, baseline, baseline_run, base_folder, models[0],
+    base_models = _folder_models(base_folder)
+    _check_like_with_like(candidate, baseline, baseline_run, base_models[0], models[0],
                           options.metric)
     task = _task(candidate, evaluation, data_options.max_samples)
     scores = {}
-    for name, (fp32, int8) in (("baseline", _folder_models(base_folder)), ("candidate", models)):
+    for name, (fp32, int8) in (("baseline", base_models), ("candidate", models)):
         scores[name] = _score(fp32, int8, evaluation, options, data_options, preprocess, task,
                               bars)
         cert, sqnr = scores[name]
@@ -161,13 +162,12 @@ def _failures(outcome: CheckOutcome, options: CheckOptions, baseline_run: Run,
     return failures
 
 
-def _check_like_with_like(candidate: str, baseline: str, baseline_run: Run, base_folder: Path,
+def _check_like_with_like(candidate: str, baseline: str, baseline_run: Run, base_fp32,
                           candidate_fp32, metric: str) -> None:
     """ConfigError unless baseline and candidate hold the same model and the baseline, when it
     records a metric (plan, sweep), was made with `metric`. The same model: the same content
     (digest of the FP32 model each was made from), or the same network with other weights (a
     retrained or rebuilt model, what the CI recipe checks), which is said."""
-    base_fp32 = graph.load_model(base_folder / "model.onnx")
     digests = graph.source_digest(base_fp32), graph.source_digest(candidate_fp32)
     same_network = graph.architecture_digest(base_fp32) == graph.architecture_digest(
         candidate_fp32)
@@ -186,11 +186,6 @@ def _check_like_with_like(candidate: str, baseline: str, baseline_run: Run, base
     if recorded and recorded != metric:
         raise ConfigError(f"--baseline {baseline} was made with --metric {recorded}; "
                           f"check it with --metric {recorded}, not {metric}.")
-
-
-def _model_folder(run: Run) -> Path:
-    """The folder holding a run's model.onnx and model.int8.onnx (a sweep's: best/)."""
-    return run.path / "best" if run.kind == "sweep" else run.path
 
 
 def _recorded(folder: Path) -> dict | None:

@@ -55,12 +55,16 @@ class Run:
         return path if path.is_file() else None
 
     @property
+    def model_folder(self) -> Path:
+        """The folder holding its model.onnx and model.int8.onnx (a sweep's: best/, its best
+        configuration's calibration)."""
+        return self.path / "best" if self.kind == "sweep" else self.path
+
+    @property
     def scales_file(self) -> Path | None:
         """The scales.json its INT8 model was made from (a sweep's: its best configuration's)."""
-        for path in (self.path / "scales.json", self.path / "best" / "scales.json"):
-            if path.is_file():
-                return path
-        return None
+        path = self.model_folder / "scales.json"
+        return path if path.is_file() else None
 
 
 def run_kind(folder: str | os.PathLike) -> str | None:
