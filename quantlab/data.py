@@ -289,7 +289,8 @@ class BatchSource:
 
     `axes` maps input name -> sample axis for inputs whose samples are not on axis 0.
     `preprocess` is the image preprocessing the source applies (None: it applies none, as
-    for arrays), which a calibration folder records.
+    for arrays), which a calibration folder records. `offset`: where its samples start in
+    the data it was cut from (:meth:`subset`), so that a message names the data's samples.
     """
 
     def __init__(
@@ -313,6 +314,7 @@ class BatchSource:
         self.axes = dict(axes or {})
         self.preprocess = preprocess
         self._load = load
+        self.offset = 0
 
     def __len__(self) -> int:
         return -(-self.num_samples // self.batch_size)
@@ -327,9 +329,10 @@ class BatchSource:
             batch = self._load(start, stop)
             bad = first_nonfinite(batch, sorted(batch))
             if bad is not None:
+                first, last = self.offset + start, self.offset + stop - 1
                 raise DataError(
-                    f"{self.description}: input batch of samples {start}..{stop - 1}: tensor "
-                    f"'{bad}' contains NaN or Inf (batch {start // self.batch_size}, counted "
+                    f"{self.description}: input batch of samples {first}..{last}: tensor "
+                    f"'{bad}' contains NaN or Inf (batch {first // self.batch_size}, counted "
                     "from 0). Fix or remove these samples in the data.")
             yield batch
 
@@ -344,9 +347,11 @@ class BatchSource:
     def subset(self, start: int, stop: int) -> BatchSource:
         """Samples `start:stop` of this source as a source of their own (same batch size and
         description and preprocessing: a calibration folder records the data it came from)."""
-        return BatchSource(self.description, stop - start, self.batch_size,
+        part = BatchSource(self.description, stop - start, self.batch_size,
                            lambda a, b: self._load(start + a, start + b), self.axes,
                            self.preprocess)
+        part.offset = self.offset + start
+        return part
 
     def __repr__(self) -> str:
         return (

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from quantlab import plan, zoo
 from quantlab.api import PlanOptions, plan_model
-from quantlab.calibration import calibrate, collect, pipeline, qdq
+from quantlab.calibration import calibrate, pipeline, qdq
 from quantlab.data import DataOptions, open_data
 from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend, optimized_op_types
 from quantlab.errors import OutputExistsError
@@ -154,12 +154,12 @@ def _calibrations(name: str, out: Path, methods: Sequence[str], eval_limit: int 
     model = pipeline.export_zoo_model(name)
     inputs = input_specs(model)
     source = open_data(entry.calibration_set(), inputs, batch_size=32)
-    # As `quantlab calibrate` does by default: depthwise inputs equalized where it helps.
-    model, repaired = pipeline.equalized(model, source)
+    # As `quantlab calibrate` does by default: depthwise inputs equalized where it helps,
+    # decided inside the statistics pass.
     _log(f"[{name}] collect statistics on {source.num_samples} calibration samples")
-    stats = collect.collect(
-        model, source, qdq.activation_tensors_to_calibrate(model), progress=progress
-    )
+    index, repaired, stats = pipeline.equalized_statistics(
+        model, source, qdq.activation_tensors_to_calibrate, pipeline.Phases(progress))
+    model = index.model
     eval_set = entry.eval_set(eval_limit)
     metric = tasks.PRIMARY_METRIC[entry.task]
     fp32 = OnnxRuntimeBackend(model, name="onnxruntime fp32")

@@ -384,7 +384,8 @@ def record_data_shapes(model: onnx.ModelProto, source) -> onnx.ModelProto:
     dynamic dimensions besides their sample axis (silero-vad's audio length, a detector's
     image size).
 
-    Reads one batch only when some input has such dimensions. The record travels with
+    Reads one sample only when some input has such dimensions (a batch of 32 640 px
+    images was 0.9 s of reading and checking). The record travels with
     the model file, so a later command that needs fixed shapes (TensorRT's optimization
     profile in ``trtexec.txt``, `quantlab build`) takes the ones the model was calibrated on.
     """
@@ -392,7 +393,7 @@ def record_data_shapes(model: onnx.ModelProto, source) -> onnx.ModelProto:
               if any(d is None for i, d in enumerate(spec.shape) if i != spec.batch_axis)]
     if not wanted:
         return model
-    batch = next(iter(source))
+    batch = next(iter(source.subset(0, 1)))
     shapes = {spec.name: [None if i == spec.batch_axis else int(d)
                           for i, d in enumerate(np.shape(batch[spec.name]))] for spec in wanted}
     metadata.write(model, DATA_SHAPES_KEY, {**data_shapes(model), **shapes})

@@ -412,3 +412,16 @@ def test_opencv_linear_interpolation_preprocesses_as_opencv_does(tmp_path):
     pillow = _preprocessed(tmp_path / "imgs", Preprocess(
         size=(40, 40), resize_mode="pad", pad_value=0, scale=1.0), 40, 40)
     assert np.abs(pillow - want).max() > 10
+
+
+def test_a_subset_names_the_samples_of_the_data_it_was_cut_from():
+    """calibrate reads its statistics in two shares (the equalization's first samples, then
+    the rest): NaN in sample 70 is named as sample 70's batch, not as the share's."""
+    arrays = np.ones((96, 2), np.float32)
+    arrays[70, 1] = np.inf
+    source = open_data(arrays, [TensorSpec("x", (None, 2), np.dtype(np.float32))], 32)
+    with pytest.raises(DataError, match=r"samples 64\.\.95: tensor 'x' contains NaN or Inf "
+                                        r"\(batch 2, counted from 0\)"):
+        list(source.subset(64, 96))
+    with pytest.raises(DataError, match=r"samples 64\.\.95"):
+        list(source.subset(32, 96).subset(32, 64))

@@ -14,7 +14,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +36,7 @@ from quantlab.data import (
 from quantlab.engine import cache, trt_ranges
 from quantlab.engine.backends.onnxruntime import SESSION_CONFIG, OnnxRuntimeBackend
 from quantlab.errors import ConfigError, ModelError
+from quantlab.evaluation import compare
 from quantlab.experiments.experiment import check_output, output_folder, recorded_path
 from quantlab.experiments.records import CalibrationRecord
 from quantlab.progress import progress_bar
@@ -60,11 +61,12 @@ CHOICE_SAMPLES = 32
 #   A fixed 8 cost digits-vit 0.35 dB of held-out output SQNR (an 8x8 input: few values per
 #   sample); on the layout detector the choice on 8 pages differed from the one on 16 on 43
 #   of 13,896 channels;
-# - the equalization's per-channel ranges: EQUALIZE_SAMPLES. Its decision and factors are
-#   ratios of per-channel 99.99th percentiles, and the statistics of the equalized model
-#   still come from every sample. On the PP-OCRv3 detector (128 pages, 32 held out) ranges
-#   from 16 / 32 / 64 / 128 pages gave 16.5 / 19.0 / 19.5 / 19.4 dB of output SQNR: a
-#   channel's 99.99th percentile needs about 64 pages of a sparse text map to settle;
+# - the equalization's per-channel ranges: the statistics pass's first EQUALIZE_SAMPLES
+#   (equalized_statistics). Its decision and factors are ratios of per-channel 99.99th
+#   percentiles, and the statistics of the equalized model still cover every sample. On the
+#   PP-OCRv3 detector (128 pages, 32 held out) ranges from 16 / 32 / 64 / 128 pages gave
+#   16.5 / 19.0 / 19.5 / 19.4 dB of output SQNR: a channel's 99.99th percentile needs about
+#   64 pages of a sparse text map to settle;
 # - bias correction's shifts and folds: BIAS_SAMPLES. Halves of 16 (a share of 32)
 #   turned shapes-det's verdict from kept to dropped (-0.15 dB held out).
 BIAS_SAMPLES = 64
@@ -360,8 +362,9 @@ def run_calibration(
     """Calibrate `model` on `data` and write the experiment folder `out`.
 
     With `equalize` (default), depthwise-conv inputs whose channels differ in range are
-    equalized first where the statistics predict a gain (:func:`repairs.depthwise_equalization`:
-    one more FP32 pass over the data, FP32 function unchanged); ``calibration.json``
+    equalized where their channel ranges predict a gain (:func:`repairs.depthwise_equalization`,
+    FP32 function unchanged), decided inside the statistics pass
+    (:func:`equalized_statistics`: still one pass over the data); ``calibration.json``
     records every depthwise input, treated or not, with the reason. `method`, the weight
     amax (`weight_criterion`) and `bias_correction` are those of
     :func:`calibrate_from_stats`; by default activations take the mse calibrator's amax,
@@ -397,19 +400,20 @@ def run_calibration(
     # nothing (experiment.output_folder): a failed run leaves no partial output.
     check_output(out, force=force, produces=CALIBRATION_FILES)
     phases = Phases(progress)
-    model, applied = equalized(model, source, phases) if equalize else (model, {})
-    index = graph.Graph(model)  # built once: every step below reads it
-    if trt_version is None:
-        tensors = quantized_inputs(index, "calibrate for its Q/DQ model. For TensorRT <= 10's "
-                                   "implicit INT8, pass --trt-version to calibrate every float "
-                                   "tensor into calibration.cache")
-    else:
+    if trt_version is not None:
         cache.implicit_int8_version(trt_version)
+
+    def calibrated_tensors(index: graph.Graph) -> list[str]:
+        if trt_version is None:
+            return quantized_inputs(index, "calibrate for its Q/DQ model. For TensorRT <= 10's "
+                                    "implicit INT8, pass --trt-version to calibrate every float "
+                                    "tensor into calibration.cache")
         tensors = trt_ranges.tensors_to_calibrate(index)  # Q/DQ inputs + TensorRT <= 10 ranges
         check_cache_names(tensors)
-    with phases.record("statistics", source.num_samples):
-        stats = collect.collect(index, source, tensors, progress=progress,
-                                memory_budget=memory_budget, desc="calibrate: statistics")
+        return tensors
+
+    index, applied, stats = equalized_statistics(model, source, calibrated_tensors, phases,
+                                                 equalize, memory_budget)
     result = calibrate_from_stats(index, stats, source, method, method_params,
                                   weight_criterion=weight_criterion, phases=phases,
                                   bias_correction=bias_correction)
@@ -418,6 +422,67 @@ def run_calibration(
                                 "bias_correction": bias_correction}
     write_results(result, out, force=force, trt_version=trt_version)
     return result
+
+
+def equalized_statistics(model: onnx.ModelProto, source: BatchSource,
+                         tensors_of: Callable[[graph.Graph], list[str]], phases: Phases,
+                         equalize: bool = True, memory_budget: int | str | None = None,
+                         ) -> tuple[graph.Graph, dict, collect.Statistics]:
+    """The statistics pass, with the equalization decided inside it: `model` equalized where
+    that helps (as :func:`equalized`; not without `equalize`), indexed, ``{repair name:
+    report}``, and the statistics of its tensors `tensors_of(index)` over all of `source`.
+
+    Still one pass over the data. Its first EQUALIZE_SAMPLES run the model as it is,
+    keeping per-channel statistics of the depthwise inputs, from which the equalization is
+    decided; the rest run the equalized model. An equalized tensor's statistics over the
+    first share are its input's per channel, divided as the equalization divides them
+    (:meth:`collect.ChannelStats.divided`); the other tensors' values are the same in both
+    models. A tensor neither gives (one changed on the way into a producer that took the
+    division: a calibration cache's) is collected over the first share once more.
+    """
+    from quantlab.calibration import repairs
+
+    repair = repairs.REGISTRY[choices.DEFAULT_EQUALIZATION]
+    inputs = repair.channel_inputs(model) if equalize else []
+    desc = "calibrate: statistics"
+    if not inputs:
+        index = graph.Graph(model)
+        with phases.record("statistics", source.num_samples):
+            return index, {}, collect.collect(index, source, tensors_of(index),
+                                              progress=phases.progress,
+                                              memory_budget=memory_budget, desc=desc)
+    share = decision_share(model, source, EQUALIZE_SAMPLES)
+    index = graph.Graph(model)
+    with phases.record("statistics, channel ranges", share.num_samples):
+        first = collect.collect(index, share, list(dict.fromkeys(tensors_of(index) + inputs)),
+                                progress=phases.progress, memory_budget=memory_budget,
+                                channels=inputs, desc=f"{desc}, channel ranges", zeros=False)
+    from quantlab.calibration.repairs.equalize import channel_percentiles
+
+    model, report = repair.apply(model, None, channel_percentiles(first.channels))
+    index = graph.Graph(model)
+    tensors = tensors_of(index)
+    fine = first.num_bins * collect.OVERSAMPLE
+    known = {name: first.tensors[name] if name in first.tensors else
+             first.channels[report.divided[name][0]].divided(report.divided[name][1], fine)
+             for name in tensors if name in first.tensors or name in report.divided}
+    missing = [name for name in tensors if name not in known]
+    if missing:
+        with phases.record("statistics, changed tensors", share.num_samples):
+            known.update(collect.collect(index, share, missing, progress=phases.progress,
+                                         memory_budget=memory_budget, zeros=False,
+                                         desc=f"{desc}, changed tensors").tensors)
+    stats = collect.Statistics({name: known[name] for name in tensors}, share.num_samples,
+                               first.num_bins)
+    if share.num_samples < source.num_samples:
+        rest = source.subset(share.num_samples, source.num_samples)
+        with phases.record("statistics", rest.num_samples):
+            stats = stats.merge(collect.collect(index, rest, tensors, progress=phases.progress,
+                                                memory_budget=memory_budget, zeros=False,
+                                                desc=desc))
+    collect.warn_zeros(stats)
+    applied = report.applied or report.skipped
+    return index, ({report.repair: report.to_dict()} if applied else {}), stats
 
 
 def equalized(model: onnx.ModelProto, source: BatchSource, phases: Phases | None = None,
@@ -493,8 +558,9 @@ def calibrate_from_stats(
     :func:`quantlab.calibration.weights.choose_weight_amax`, one pass over the same samples). With
     `bias_correction`, every INT8 layer's mean output error on the first BIAS_SAMPLES of
     `source` is subtracted from its bias (local mode) when it holds on data it was not
-    measured on: measured on either half of them, it must lower the output noise on the
-    other (:func:`_corrected_biases`: one local pass and a few whole-model runs; the
+    measured on: measured on each half of them, it must lower the output noise of samples
+    of the other half, both folds pooled (:func:`_corrected_biases`: one local pass and a
+    few whole-model runs; the
     report in ``repairs`` gives the figures and the verdict).
     The result's `preprocess` is the one `source` applied (None for arrays); its `phases`
     those of `phases` (a :class:`Phases` that shows and times each one) and these.
@@ -543,9 +609,14 @@ def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: Ba
     Two folds: the shifts measured on each half of `source` (one local pass over all of
     it, :func:`repairs.bias_shift_folds`, which pools them into the whole data's shifts),
     and the output noise without and with them on up to FOLD_MAX_SAMPLES samples of the
-    other half, fewer once the verdict is settled (:func:`_fold_noise`). Kept when both
-    folds lower it; a `source` that cannot be halved (one sample, or one batch of a
+    other half, fewer once the verdict is settled (:func:`_fold_noise`). Kept when it
+    lowers the two folds' output noise pooled over all the samples they scored (two-fold
+    cross-validation); a `source` that cannot be halved (one sample, or one batch of a
     fixed-batch model) gives no folds and keeps nothing.
+
+    Not "when both folds lower it": on the PP-OCRv3 detector (page seed 11) one fold's 8
+    pages rose by 3 % with the shifts of 32 pages and the shifts were dropped, while the
+    shifts pooled from all 64 pages, the ones applied, were worth +0.7 dB held out.
 
     Measured on its own data, the correction looks better: on silero-vad with entropy
     scales it lowered the output noise of calibration samples it was measured on by 14 %
@@ -565,7 +636,7 @@ def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: Ba
         shifts, pooled, report = repairs.bias_shift_folds(index.model, quantized, [
             phases.shown(index.model, part, f"bias shifts, {label}")
             for part, label in zip(halves, labels, strict=False)])
-    folds = []
+    folds, energies = [], []
     if half:
         with phases.record("output noise", 0, 3):
             # FP32 and the model without the shifts are the same in both folds: one session.
@@ -576,13 +647,20 @@ def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: Ba
                 scored = phases.shown(index.model, halves[scored_on],
                                       f"output noise, {labels[measured_on]}'s shifts",
                                       FOLD_MAX_SAMPLES)
-                folds.append({"measured_on": labels[measured_on],
-                              **_fold_noise(fp32, without, shifted, scored)})
+                fold, found = _fold_noise(fp32, without, shifted, scored)
+                folds.append({"measured_on": labels[measured_on], **fold})
+                energies.append(found)
         read = sum(f["samples_scored"] for f in folds)
         phases.records[-1].update(samples=read, model_runs=3 * read)
-    kept = bool(folds) and all(repairs.lowers_noise(f["output_nsr_without"], f["output_nsr_with"])
-                               for f in folds)
-    report.summary.update({"kept": kept, "folds": folds})
+    report.summary["folds"] = folds
+    kept = False
+    if folds:
+        noise, power = (sum(found[k] for found in energies) for k in (0, 1))
+        both = {"output_nsr_without": compare.output_nsr(noise[0], power),
+                "output_nsr_with": compare.output_nsr(noise[1], power)}
+        kept = repairs.lowers_noise(both["output_nsr_without"], both["output_nsr_with"])
+        report.summary["both_folds"] = both
+    report.summary["kept"] = kept
     shifted = repairs.shift_biases(index, quantized, pooled) if kept else quantized
     return shifted, {report.repair: report.to_dict()}
 
@@ -590,26 +668,34 @@ def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: Ba
 def _fold_noise(model: onnx.ModelProto | OnnxRuntimeBackend,
                 without: onnx.ModelProto | OnnxRuntimeBackend,
                 with_it: onnx.ModelProto | OnnxRuntimeBackend,
-                samples: Iterable[dict], settled: bool = True) -> dict:
-    """One fold's output noise without and with the shifts (:func:`output_nsr`, means over
-    the samples scored) and how many were scored: all of `samples`, or with `settled`
-    fewer once the verdict is (:func:`_fold_settled`)."""
-    ratios = []
-    for pair in output_nsr(model, [without, with_it], samples):
-        ratios.append(pair)
-        if settled and _fold_settled(np.array(ratios)):
+                samples: Iterable[dict], settled: bool = True,
+                ) -> tuple[dict, tuple[np.ndarray, np.ndarray]]:
+    """One fold's output noise without and with the shifts, pooled over the samples scored
+    (:func:`compare.output_nsr` of their summed energies, as the held-out output SQNR and
+    the planner read it), and how many were scored: all of `samples`, or with `settled`
+    fewer once the verdict is (:func:`_fold_settled`, on the per-sample ratios); and those
+    sums (noise [without / with, outputs], signal [outputs]), which pool with another
+    fold's."""
+    noise, power, ratios = [], [], []
+    for candidates, signal in output_energies(model, [without, with_it], samples):
+        noise.append(candidates)
+        power.append(signal)
+        ratios.append((candidates / np.maximum(signal, np.finfo(np.float64).tiny)).mean(axis=1))
+        pooled = [compare.output_nsr(np.sum(noise, axis=0)[k], np.sum(power, axis=0))
+                  for k in (0, 1)]
+        if settled and _fold_settled(np.array(ratios), pooled):
             break
-    found = np.mean(ratios, axis=0)
-    return {"samples_scored": len(ratios), "output_nsr_without": float(found[0]),
-            "output_nsr_with": float(found[1])}
+    return ({"samples_scored": len(ratios), "output_nsr_without": pooled[0],
+             "output_nsr_with": pooled[1]}, (np.sum(noise, axis=0), np.sum(power, axis=0)))
 
 
-def _fold_settled(ratios: np.ndarray) -> bool:
-    """Whether a fold's verdict is settled on the samples scored so far (`ratios`: sample x
-    (without, with)), after FOLD_MIN_SAMPLES: the per-sample change is FOLD_SETTLED_SE
-    standard errors from zero, read as a log ratio (pages of ten times the noise then weigh
-    no more than the others) with the mean difference of the same sign; or the difference
-    is surely below FOLD_NEGLIGIBLE of the noise (either verdict costs less than 0.05 dB)."""
+def _fold_settled(ratios: np.ndarray, pooled: Sequence[float]) -> bool:
+    """Whether a fold's verdict is settled on the samples scored so far (`ratios`: each one's
+    output NSR, sample x (without, with); `pooled`: the same pooled over them), after
+    FOLD_MIN_SAMPLES: the per-sample change is FOLD_SETTLED_SE standard errors from zero,
+    read as a log ratio (pages of ten times the noise then weigh no more than the others),
+    with the pooled difference of the same sign; or the difference is surely below
+    FOLD_NEGLIGIBLE of the noise (either verdict costs less than 0.05 dB)."""
     if len(ratios) < FOLD_MIN_SAMPLES:
         return False
     difference = ratios[:, 1] - ratios[:, 0]
@@ -620,18 +706,17 @@ def _fold_settled(ratios: np.ndarray) -> bool:
     change = np.log(np.maximum(ratios[:, 1], tiny) / np.maximum(ratios[:, 0], tiny))
     spread = change.std(ddof=1) / np.sqrt(len(change))
     return bool(abs(change.mean()) > FOLD_SETTLED_SE * spread and
-                np.sign(change.mean()) == np.sign(difference.mean()))
+                np.sign(change.mean()) == np.sign(pooled[1] - pooled[0]))
 
 
-def output_nsr(model: onnx.ModelProto | OnnxRuntimeBackend,
-               candidates: Sequence[onnx.ModelProto | OnnxRuntimeBackend],
-               samples: Iterable[dict]) -> Iterator[list[float]]:
-    """Per sample, each candidate Q/DQ model's output noise-to-signal ratio against `model`
-    (FP32): |y - r|^2 / |r|^2 of each float output (whatever axis holds the sample: one
-    per run), averaged over the outputs. A mean of per-sample ratios, not the pooled
-    output NSR the planner and validate use (compare.output_nsr): the folds' verdicts in
-    benchmarks/README.md were measured with this one. Each model may be given as a
-    session already made (the folds share FP32's and the unshifted model's)."""
+def output_energies(model: onnx.ModelProto | OnnxRuntimeBackend,
+                    candidates: Sequence[onnx.ModelProto | OnnxRuntimeBackend],
+                    samples: Iterable[dict]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Per sample, each candidate Q/DQ model's output noise energy against `model` (FP32)
+    and the signal energy, float64: ([candidates, outputs] of |y - r|^2, [outputs] of
+    |r|^2), per float output (whatever axis holds the sample: one per run). Each model
+    may be given as a session already made (the folds share FP32's and the unshifted
+    model's)."""
 
     def session(given, name: str) -> OnnxRuntimeBackend:
         return given if isinstance(given, OnnxRuntimeBackend) else \
@@ -642,11 +727,9 @@ def output_nsr(model: onnx.ModelProto | OnnxRuntimeBackend,
     for sample in samples:
         reference = {name: want.astype(np.float64) for name, want in fp32.run(sample).items()
                      if np.issubdtype(want.dtype, np.floating)}
-        yield [float(np.mean([
-            np.sum((outputs[name] - want) ** 2) /
-            max(float(np.sum(want ** 2)), np.finfo(np.float64).tiny)
-            for name, want in reference.items()])) for outputs in (
-                backend.run(sample) for backend in backends)]
+        yield (np.array([[np.sum((outputs[name] - want) ** 2) for name, want in reference.items()]
+                         for outputs in (backend.run(sample) for backend in backends)]),
+               np.array([np.sum(want ** 2) for want in reference.values()]))
 
 
 def decision_share(model: onnx.ModelProto, source: BatchSource, limit: int) -> BatchSource:

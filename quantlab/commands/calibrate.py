@@ -103,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-bias-correction", action="store_true",
                         help="keep the INT8 layers' biases (by default each INT8 layer's mean "
                         "output error on the calibration data is subtracted from its bias, "
-                        "where, measured on either half of the data, it lowers the output "
-                        "noise on the other)")
+                        "where, measured on each half of the data, it lowers the output "
+                        "noise of samples of the other half, both halves pooled)")
     parser.add_argument("--no-equalize", action="store_true",
                         help="do not equalize conv inputs (by default each depthwise-conv "
                         "input whose channels differ in range gets per-channel scales folded "
@@ -150,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
     if corrected and corrected["summary"].get("kept"):
         print(f"bias-corrected {len(corrected['applied'])} INT8 layers")
     elif corrected:
-        print("bias correction left out: measured on either half of the calibration data, it "
-              "did not lower the output noise on the other (calibration.json, repairs)")
+        print("bias correction left out: measured on each half of the calibration data, it "
+              "did not lower the output noise of samples of the other half, both halves pooled "
+              "(calibration.json, repairs)")
     equalized = result.repairs.get("depthwise_equalization")
     if equalized:
         print(f"equalized {len(equalized['applied'])} of "

@@ -42,10 +42,13 @@ class RepairReport:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     passes: int = 0
     summary: dict[str, Any] = field(default_factory=dict)
+    # The tensors whose channels it divided, new name -> (old name, divisor per channel):
+    # their statistics follow from the old one's per channel (collect.ChannelStats.divided).
+    divided: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values for JSON."""
-        return asdict(self)
+        """Plain values for JSON (`divided` is not one)."""
+        return {name: value for name, value in asdict(self).items() if name != "divided"}
 
 
 class Repair(Protocol):
@@ -73,8 +76,8 @@ def lowers_noise(without: float, with_it: float) -> bool:
 
     The callers differ in the data they measure on, never in the rule: the planner's
     repairs on the first batch (:func:`quietest`), the planner's bias correction on the
-    hardest samples, calibrate's bias correction on each of two held-out folds (kept when
-    both lower it: measured on its own data, a correction always looks better).
+    hardest samples, calibrate's bias correction on two held-out folds pooled (measured on
+    its own data, a correction always looks better).
     """
     return with_it < without
 

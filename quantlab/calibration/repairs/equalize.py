@@ -192,6 +192,7 @@ def depthwise_equalization(model: onnx.ModelProto,
         nodes, factor, gain, path = chosen
         entry["gain_db"] = round(float(gain), 2)
         _divide(index, weights, tensor, nodes, factor, path, muls, renamed, entry)
+        report.divided[entry["equalized_tensor"]] = (tensor, factor)
         entry["spread"] = [entry["spread"], _median_spread(r / factor)]
         report.applied.append(entry)
     for node in result.graph.node:
