@@ -17,9 +17,10 @@ activation fused) depthwise- and 1x1-conv inputs are equalized per channel (the 
 only where their producer takes the division), activations take the
 mse calibrator's amax, each weight channel max |w| or its MSE amax, whichever gives the
 layer the least error (--weight-amax local), and each INT8 layer's mean error is
-subtracted from its bias where that holds on half of the data it was not measured on;
-calibration.json records every choice. These cost a few more passes (layout detector,
-8 pages at 800x608: 20 s and 1.3 GB peak instead of 4 s and 0.6 GB). `--method
+subtracted from its bias where that holds on data it was not measured on (each half
+measured, the other scored, both folds pooled); calibration.json records every choice
+and each phase's time. These cost a few more passes (PP-OCRv3 detector, 128 pages at
+640x640: about 2x ONNX Runtime's MinMax calibration, benchmarks/README.md). `--method
 percentile --weight-amax max --no-bias-correction --no-equalize` is the plain per-tensor
 calibration.
 
@@ -110,8 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "input whose channels differ in range gets per-channel scales folded "
                         "into its producer and the depthwise weights, and each 1x1-conv input "
                         "a share of them (SmoothQuant's trade, where its producer takes the "
-                        "division), where the statistics predict >= 1 dB less noise; one more "
-                        f"FP32 pass. This is `plan --repairs {DEFAULT_EQUALIZATION}`, from "
+                        "division), where the statistics predict >= 1 dB less noise; decided "
+                        "on the statistics pass's first 64 samples, no pass of its own. "
+                        f"This is `plan --repairs {DEFAULT_EQUALIZATION}`, from "
                         f"{DEFAULTS_FROM}; plan weighs dw-equalize alone by default, "
                         "choices.py says why)")
     parser.add_argument("--force", action="store_true", help="replace results already in --out")
