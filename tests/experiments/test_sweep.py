@@ -420,12 +420,13 @@ def test_sweep_quantizes_the_model_calibrate_does_depthwise_inputs_equalized(tmp
             assert swept[name]["amax"] == pytest.approx(scales[name]["amax"], rel=1e-2)
         else:
             assert swept[name] == scales[name], name
-    # the sweep's record is calibrate's INT8 model scored the sweep's way
+    # the sweep's record is its best INT8 model (calibrate's, but for that scale) scored
+    # the separate way
     fp32 = onnx.load(tmp_path / "calib" / "model.onnx")
     evaluator = sweep.Evaluator(fp32, open_data(str(val), input_specs(fp32), 32), "sqnr",
                                 resamples=20)
     separate = evaluator.against_fp32(evaluator.outputs(
-        onnx.load(tmp_path / "calib" / "model.int8.onnx"), "INT8")).value
+        onnx.load(tmp_path / "sweep" / "best" / "model.int8.onnx"), "INT8")).value
     (swept_record,) = result["configurations"]
     assert swept_record["value"] == pytest.approx(separate, abs=1e-9)
 
