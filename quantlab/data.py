@@ -301,6 +301,7 @@ class BatchSource:
         load: Callable[[int, int], dict[str, np.ndarray]],
         axes: Mapping[str, int] | None = None,
         preprocess: Preprocess | None = None,
+        offset: int = 0,
     ):
         if num_samples == 0:
             raise DataError(f"{description} holds no samples; point --data at a non-empty source.")
@@ -314,7 +315,7 @@ class BatchSource:
         self.axes = dict(axes or {})
         self.preprocess = preprocess
         self._load = load
-        self.offset = 0
+        self.offset = offset
 
     def __len__(self) -> int:
         return -(-self.num_samples // self.batch_size)
@@ -347,11 +348,9 @@ class BatchSource:
     def subset(self, start: int, stop: int) -> BatchSource:
         """Samples `start:stop` of this source as a source of their own (same batch size and
         description and preprocessing: a calibration folder records the data it came from)."""
-        part = BatchSource(self.description, stop - start, self.batch_size,
+        return BatchSource(self.description, stop - start, self.batch_size,
                            lambda a, b: self._load(start + a, start + b), self.axes,
-                           self.preprocess)
-        part.offset = self.offset + start
-        return part
+                           self.preprocess, self.offset + start)
 
     def __repr__(self) -> str:
         return (

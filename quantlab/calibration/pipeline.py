@@ -10,6 +10,7 @@ notebook calls directly::
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import time
@@ -402,18 +403,9 @@ def run_calibration(
     phases = Phases(progress)
     if trt_version is not None:
         cache.implicit_int8_version(trt_version)
-
-    def calibrated_tensors(index: graph.Graph) -> list[str]:
-        if trt_version is None:
-            return quantized_inputs(index, "calibrate for its Q/DQ model. For TensorRT <= 10's "
-                                    "implicit INT8, pass --trt-version to calibrate every float "
-                                    "tensor into calibration.cache")
-        tensors = trt_ranges.tensors_to_calibrate(index)  # Q/DQ inputs + TensorRT <= 10 ranges
-        check_cache_names(tensors)
-        return tensors
-
-    index, applied, stats = equalized_statistics(model, source, calibrated_tensors, phases,
-                                                 equalize, memory_budget)
+    index, applied, stats = equalized_statistics(
+        model, source, functools.partial(_calibrated_tensors, implicit=trt_version is not None),
+        phases, equalize, memory_budget)
     result = calibrate_from_stats(index, stats, source, method, method_params,
                                   weight_criterion=weight_criterion, phases=phases,
                                   bias_correction=bias_correction)
@@ -422,6 +414,19 @@ def run_calibration(
                                 "bias_correction": bias_correction}
     write_results(result, out, force=force, trt_version=trt_version)
     return result
+
+
+def _calibrated_tensors(index: graph.Graph, implicit: bool) -> list[str]:
+    """The tensors a calibration collects: the Q/DQ model's inputs, and for TensorRT <= 10's
+    `implicit` INT8 (a calibration cache) every float tensor it needs a range for (names
+    checked for the cache)."""
+    if not implicit:
+        return quantized_inputs(index, "calibrate for its Q/DQ model. For TensorRT <= 10's "
+                                "implicit INT8, pass --trt-version to calibrate every float "
+                                "tensor into calibration.cache")
+    tensors = trt_ranges.tensors_to_calibrate(index)  # Q/DQ inputs + TensorRT <= 10 ranges
+    check_cache_names(tensors)
+    return tensors
 
 
 def equalized_statistics(model: onnx.ModelProto, source: BatchSource,
@@ -481,27 +486,27 @@ def equalized_statistics(model: onnx.ModelProto, source: BatchSource,
                                                 memory_budget=memory_budget, zeros=False,
                                                 desc=desc))
     collect.warn_zeros(stats)
-    applied = report.applied or report.skipped
-    return index, ({report.repair: report.to_dict()} if applied else {}), stats
+    return index, _equalization_record(report), stats
 
 
-def equalized(model: onnx.ModelProto, source: BatchSource, phases: Phases | None = None,
-              ) -> tuple[onnx.ModelProto, dict]:
+def equalized(model: onnx.ModelProto, source: BatchSource) -> tuple[onnx.ModelProto, dict]:
     """`model` with its conv inputs equalized where that helps (choices.DEFAULT_EQUALIZATION
     of :data:`repairs.REGISTRY`: :func:`repairs.depthwise_equalization`, one FP32 pass over
-    `source`), normalized again,
-    and ``{repair name: report}`` for ``calibration.json`` (empty without depthwise convs).
-    The pass is shown and recorded in `phases` as "channel ranges"."""
+    the first EQUALIZE_SAMPLES of `source`), normalized again, and its
+    :func:`_equalization_record` (the sweep's equalization; calibrate decides it inside its
+    statistics pass, :func:`equalized_statistics`)."""
     from quantlab.calibration import repairs
 
-    phases = phases or Phases(progress=False)
     repair = repairs.REGISTRY[choices.DEFAULT_EQUALIZATION]
-    source = decision_share(model, source, EQUALIZE_SAMPLES)
-    read = sample_count(model, source) if repair.channel_inputs(model) else 0
-    with phases.record("channel ranges", read):
-        model, report = repair.apply(model, phases.shown(model, source, "channel ranges"), {})
-    return model, ({report.repair: report.to_dict()} if report.applied or report.skipped
-                   else {})
+    model, report = repair.apply(
+        model, samples(model, decision_share(model, source, EQUALIZE_SAMPLES)), {})
+    return model, _equalization_record(report)
+
+
+def _equalization_record(report) -> dict:
+    """``{repair name: report}`` for ``calibration.json``; empty where the model has no
+    input to equalize."""
+    return {report.repair: report.to_dict()} if report.applied or report.skipped else {}
 
 
 def quantized_inputs(model: onnx.ModelProto | graph.Graph, what: str) -> list[str]:
@@ -676,17 +681,15 @@ def _fold_noise(model: onnx.ModelProto | OnnxRuntimeBackend,
     fewer once the verdict is (:func:`_fold_settled`, on the per-sample ratios); and those
     sums (noise [without / with, outputs], signal [outputs]), which pool with another
     fold's."""
-    noise, power, ratios = [], [], []
+    noise, power, ratios = 0.0, 0.0, []
     for candidates, signal in output_energies(model, [without, with_it], samples):
-        noise.append(candidates)
-        power.append(signal)
-        ratios.append((candidates / np.maximum(signal, np.finfo(np.float64).tiny)).mean(axis=1))
-        pooled = [compare.output_nsr(np.sum(noise, axis=0)[k], np.sum(power, axis=0))
-                  for k in (0, 1)]
+        noise, power = noise + candidates, power + signal
+        ratios.append([compare.output_nsr(candidates[k], signal) for k in (0, 1)])
+        pooled = [compare.output_nsr(noise[k], power) for k in (0, 1)]
         if settled and _fold_settled(np.array(ratios), pooled):
             break
     return ({"samples_scored": len(ratios), "output_nsr_without": pooled[0],
-             "output_nsr_with": pooled[1]}, (np.sum(noise, axis=0), np.sum(power, axis=0)))
+             "output_nsr_with": pooled[1]}, (noise, power))
 
 
 def _fold_settled(ratios: np.ndarray, pooled: Sequence[float]) -> bool:

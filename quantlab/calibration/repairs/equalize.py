@@ -173,13 +173,9 @@ def depthwise_equalization(model: onnx.ModelProto,
         nodes = depthwise + mixing.get(tensor, [])
         names = [n.name for n in nodes]
         r = ranges.get(tensor)
-        if r is None or not np.isfinite(r).all():
-            report.skipped.append({"tensor": tensor, "readers": names,
-                                   "reason": "no finite per-channel ranges"})
-            continue
-        if r.max() <= 0:
-            report.skipped.append({"tensor": tensor, "readers": names,
-                                   "reason": "the tensor is zero on the calibration data"})
+        unusable = _unusable_ranges(r)
+        if unusable:
+            report.skipped.append({"tensor": tensor, "readers": names, "reason": unusable})
             continue
         readers = {id(n) for n in index.consumers.get(tensor, [])}
         sole = tensor not in outputs and readers == {id(n) for n in nodes}
@@ -204,6 +200,15 @@ def depthwise_equalization(model: onnx.ModelProto,
     if pointwise:
         report.summary["pointwise_inputs"] = len(set(mixing) - set(groups))
     return result, report
+
+
+def _unusable_ranges(r: np.ndarray | None) -> str | None:
+    """Why the channel ranges `r` cannot be equalized (None: they can)."""
+    if r is None or not np.isfinite(r).all():
+        return "no finite per-channel ranges"
+    if r.max() <= 0:
+        return "the tensor is zero on the calibration data"
+    return None
 
 
 def _equalization_of(index: Graph, weights: _Weights, tensor: str,
