@@ -68,9 +68,18 @@ CHOICE_SAMPLES = 32
 #   PP-OCRv3 detector (128 pages, 32 held out) ranges from 16 / 32 / 64 / 128 pages gave
 #   16.5 / 19.0 / 19.5 / 19.4 dB of output SQNR: a channel's 99.99th percentile needs about
 #   64 pages of a sparse text map to settle;
-# - bias correction's shifts and folds: BIAS_SAMPLES. Halves of 16 (a share of 32)
-#   turned shapes-det's verdict from kept to dropped (-0.15 dB held out).
+# - bias correction's shifts and folds: halves of BIAS_SAMPLES, each read until its shifts
+#   are settled: after BIAS_MIN_SAMPLES, once the shifts' sampling noise (their squared
+#   standard errors, summed over every INT8 layer's channels) is under BIAS_SETTLED_NOISE
+#   of their squares, the bias energy they remove (repairs.Settle). Fixed halves of 16 (a
+#   share of 32) turned onet's verdict from kept to dropped (-0.8 dB held out), where that
+#   ratio is 0.18 on 16 samples and 0.09 on 32: onet and the ViTs read all 32. The
+#   PP-OCRv3 detector's halves settle at 16-18 pages (0.13 on 8, 0.07-0.09 on 16), YOLOv8n's
+#   after the minimum (0.004 on 16); 8 would do for YOLOv8n's shifts, but the folds' verdict
+#   on them is noisier than the shifts: its map F1 moved by -0.009 with halves of 8.
 BIAS_SAMPLES = 64
+BIAS_MIN_SAMPLES = 16
+BIAS_SETTLED_NOISE = 0.08
 # Bias correction's keep/drop test scores a fold on at least FOLD_MIN_SAMPLES samples and
 # stops once the mean per-sample change of output noise (with / without, as a log ratio) is
 # FOLD_SETTLED_SE standard errors from zero: more samples then no longer change its sign
@@ -640,7 +649,10 @@ def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: Ba
     with phases.record("bias shifts", sample_count(index.model, source)):
         shifts, pooled, report = repairs.bias_shift_folds(index.model, quantized, [
             phases.shown(index.model, part, f"bias shifts, {label}")
-            for part, label in zip(halves, labels, strict=False)])
+            for part, label in zip(halves, labels, strict=False)],
+            settle=repairs.Settle(BIAS_SETTLED_NOISE, BIAS_MIN_SAMPLES))
+    read = sum(report.summary["samples_read"])
+    phases.records[-1].update(samples=read, model_runs=read // fixed)
     folds, energies = [], []
     if half:
         with phases.record("output noise", 0, 3):

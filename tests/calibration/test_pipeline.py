@@ -213,6 +213,8 @@ def test_default_run_records_every_choice_and_auto_chooses_per_layer(tmp_path):
     phases = {p["phase"]: p for p in record_default["phases"]}
     assert list(phases) == ["statistics", "weight amax", "bias shifts", "output noise"]
     assert phases["statistics"]["samples"] == phases["bias shifts"]["samples"] == len(DATA)
+    # Halves of 8, under BIAS_MIN_SAMPLES: each read whole.
+    assert corrected["summary"]["samples_read"] == [len(DATA) // 2] * 2
     assert phases["output noise"]["model_runs"] == 3 * phases["output noise"]["samples"]
     assert all(p["seconds"] >= 0 for p in phases.values())
     # Each layer's amax is the one of the candidate it chose.
@@ -312,8 +314,8 @@ def test_a_bias_correction_that_raises_the_output_noise_is_left_out(tmp_path, mo
     from quantlab.calibration import repairs
     from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
-    def harmful(fp32_model, qdq_model, parts):  # every output shifted by 10: far worse
-        shifts, pooled, report = real(fp32_model, qdq_model, parts)
+    def harmful(fp32_model, qdq_model, parts, **options):  # every output shifted by 10
+        shifts, pooled, report = real(fp32_model, qdq_model, parts, **options)
         return ([{node: s + 10 for node, s in part.items()} for part in shifts],
                 {node: s + 10 for node, s in pooled.items()}, report)
 

@@ -295,6 +295,45 @@ def test_bias_correction_shrinks_the_error_of_a_two_layer_net_and_matmul_gets_a_
         assert now < 0.5 * was, (name, was, now)
 
 
+def test_settled_bias_shifts_stop_once_their_sampling_noise_is_under_the_tolerance():
+    """With a Settle, a part is read until its shifts' squared standard errors, summed over
+    every op's channels, are under the tolerance of their squares (not before the minimum):
+    the stop is checked against that ratio computed the slow way, from each sample's own
+    bias_shifts in float64; the shifts are bias_shifts of the samples read; a tolerance no
+    ratio reaches reads everything."""
+    w1 = RNG.standard_normal((12, 8)).astype(np.float32)
+    model = make_model([
+        helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2"),
+    ], [("x", [None, 8])], ["y"], {"w1": w1, "b1": RNG.standard_normal(12).astype(np.float32),
+                                   "w2": (RNG.standard_normal((12, 5)) * 0.3).astype(np.float32)})
+    x = (RNG.standard_normal((40, 8)) + 0.5).astype(np.float32)
+    quantized = qdq.quantize_model(model, {"x": float(np.abs(x).max()), "r": 3.0})
+    samples = [{"x": x[i:i + 1]} for i in range(len(x))]
+    each = [repairs.bias_shifts(model, quantized, [sample])[0] for sample in samples]
+
+    def ratio(n: int) -> float:
+        shifts = {node: np.array([s[node] for s in each[:n]], np.float64) for node in each[0]}
+        return sum((v.var(axis=0, ddof=1) / n).sum() for v in shifts.values()) / \
+            sum((v.mean(axis=0) ** 2).sum() for v in shifts.values())
+
+    minimum, ratios = 6, {n: ratio(n) for n in range(2, len(x) + 1)}
+    tolerance = ratios[24]
+    expected = next(n for n in range(minimum, len(x) + 1) if ratios[n] <= tolerance)
+    assert minimum < expected <= 24 and min(abs(r / tolerance - 1) for n, r in ratios.items()
+                                            if n != 24 and r != tolerance) > 1e-6
+    shifts, _, report = repairs.bias_shift_folds(model, quantized, [samples],
+                                                 settle=repairs.Settle(tolerance, minimum))
+    assert report.summary["samples_read"] == [expected]
+    read, _ = repairs.bias_shifts(model, quantized, samples[:expected])
+    for node in read:
+        np.testing.assert_allclose(shifts[0][node], read[node], rtol=1e-9, atol=0)
+    _, _, everything = repairs.bias_shift_folds(
+        model, quantized, [samples], settle=repairs.Settle(min(ratios.values()) / 2, minimum))
+    assert everything.summary["samples_read"] == [len(x)]
+
+
 def test_bias_shift_folds_pool_into_the_whole_datas_shifts():
     """Each part's shifts are bias_shifts on that part, and the pooled ones bias_shifts on
     all of it (parts of unequal size: their means weighted by what each counted), up to

@@ -40,6 +40,7 @@ from quantlab.calibration.repairs.base import (
 )
 from quantlab.calibration.repairs.bias import (
     BIAS_CORRECTION_MODES,
+    Settle,
     bias_correction,
     bias_shift_folds,
     bias_shifts,
@@ -69,7 +70,7 @@ from quantlab.calibration.repairs.smoothquant import (
 __all__ = [
     "BIAS_CORRECTION_MODES", "DEFAULT_MIN_GAIN_DB", "DEFAULT_MIN_SPREAD", "DW_PERCENTILE",
     "HOMOGENEOUS_OPS", "MIGRATION_ALPHAS", "REGISTRY", "SCALE_LIMIT", "ConvInputEqualization",
-    "CrossLayerEqualization", "Repair", "RepairReport", "SmoothQuant", "bias_correction",
+    "CrossLayerEqualization", "Repair", "RepairReport", "Settle", "SmoothQuant", "bias_correction",
     "bias_shift_folds", "bias_shifts", "channel_amax", "channel_percentiles", "channel_ranges",
     "cross_layer_equalization", "depthwise_convs", "depthwise_equalization",
     "equalization_inputs", "lowers_noise", "pointwise_convs", "quietest", "shift_biases",

@@ -24,6 +24,7 @@ from quantlab.calibration.repairs.base import (
 from quantlab.calibration.repairs.scaling import (
     _output_channels,
 )
+from quantlab.data import batch_length, sample_axes
 from quantlab.errors import ConfigError
 from quantlab.graph import Graph
 from quantlab.metadata import attribute
@@ -198,21 +199,24 @@ def bias_shifts(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
 
 def bias_shift_folds(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
                      parts: Sequence[Iterable[Mapping[str, np.ndarray]]],
-                     run_bytes: int = RUN_BYTES,
+                     run_bytes: int = RUN_BYTES, settle: Settle | None = None,
                      ) -> tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray], RepairReport]:
     """:func:`bias_shifts` measured on each of `parts` (disjoint shares of the data), and the
     shifts of all of them together with its report, as :func:`bias_correction` gives them.
 
     Local bias correction's shift is a per-channel mean, so the shifts of the whole data
     are the parts' means weighted by the elements each counted: one local pass over the
-    data in all, where measuring the parts and then the whole took two.
+    data in all, where measuring the parts and then the whole took two. With `settle`, each
+    part is read until its shifts are settled (:class:`Settle`), not to its end; the report's
+    ``samples_read`` gives the runs each part read.
     """
-    measured = [_bias_correction(fp32_model, qdq_model, part, "local", 1, run_bytes)
+    measured = [_bias_correction(fp32_model, qdq_model, part, "local", 1, run_bytes, settle)
                 for part in parts]
     counts = [m[3] for m in measured]
     pooled = {node: sum(m[2][node] * c[node] for m, c in zip(measured, counts, strict=True))
                     / max(sum(c[node] for c in counts), 1.0) for node in measured[0][2]}
     report = measured[0][1]
+    report.summary["samples_read"] = [m[1].summary.get("samples_read", 0) for m in measured]
     for entry in report.applied:
         largest = float(np.abs(pooled[entry["node"]]).max())
         entry.update({"mean_error_max_per_round": [largest], "correction_max": largest})
@@ -238,10 +242,12 @@ def shift_biases(fp32_model: onnx.ModelProto | Graph, qdq_model: onnx.ModelProto
 
 def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
                      batches: Iterable[Mapping[str, np.ndarray]], mode: str, rounds: int,
-                     run_bytes: int) -> tuple[onnx.ModelProto, RepairReport,
-                                              dict[str, np.ndarray], dict[str, float]]:
+                     run_bytes: int, settle: Settle | None = None,
+                     ) -> tuple[onnx.ModelProto, RepairReport, dict[str, np.ndarray],
+                                dict[str, float]]:
     """bias_correction, also returning each op's total output shift (node -> per channel)
-    and, local mode, the elements per channel its mean error was taken over."""
+    and, local mode, the elements per channel its mean error was taken over (read until
+    settled with `settle`; the report's ``samples_read`` says how far)."""
     if mode not in BIAS_CORRECTION_MODES:
         raise ConfigError(f"mode '{mode}' is not one of {', '.join(BIAS_CORRECTION_MODES)}.")
     if not isinstance(rounds, int) or rounds < 1:
@@ -281,8 +287,8 @@ def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
 
     counts: dict[str, float] = {}
     if local is not None:
-        mean_errors, counts = _local_mean_errors(reference, local, cut, targets, batches,
-                                                 run_bytes)
+        mean_errors, counts, report.summary["samples_read"] = _local_mean_errors(
+            reference, local, cut, targets, batches, run_bytes, settle)
         apply(mean_errors)
     else:
         counts = _global_rounds(fp32_model, result, reference, targets, batches, rounds,
@@ -332,23 +338,77 @@ def _global_rounds(fp32_model: onnx.ModelProto, result: onnx.ModelProto, referen
 
 def _local_mean_errors(reference: Graph, local, cut: Mapping[str, str],
                        targets: Sequence[_Target], batches: Iterable[Mapping[str, np.ndarray]],
-                       run_bytes: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """Each target's mean error per output channel, its op quantized on FP32 inputs, and
-    the elements per channel the mean is over: one
+                       run_bytes: int, settle: Settle | None = None,
+                       ) -> tuple[dict[str, np.ndarray], dict[str, float], int]:
+    """Each target's mean error per output channel, its op quantized on FP32 inputs, the
+    elements per channel the mean is over, and the samples read: one
     pass of the FP32 model with the local copies attached and the errors summed in it
     (:func:`quantlab.evaluation.sensitivity.error_channel_sums`), so only per-channel sums leave
     ONNX Runtime (returning every op's FP32 inputs and local outputs of one 640 px sample held
-    about 1.9 GB more); runs of as many samples as all their tensors fit `run_bytes`."""
+    about 1.9 GB more); runs of as many samples as all their tensors fit `run_bytes`, until
+    the means are settled with `settle`."""
     from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.evaluation.sensitivity import error_channel_sums
 
     model, sums = error_channel_sums(reference, local.model,
                                      {cut[t.measured]: (t.measured, t.axis) for t in targets})
+    names = {t.node: sums[cut[t.measured]] for t in targets}
+    channels = {t.node: t.channels for t in targets}
     backend = OnnxRuntimeBackend(model, name="bias shifts", memory_pattern=False)
     totals = dict.fromkeys(backend.outputs, 0.0)
+    spread = _RunSpread()
+    axes = sample_axes(reference.inputs)
+    read = 0
     for run in _runs(batches, reference, None, run_bytes):
-        for name, value in backend.run(run).items():
-            totals[name] = totals[name] + np.asarray(value, np.float64)
-    counts = {t.node: float(totals[sums[cut[t.measured]][1]]) / t.channels for t in targets}
-    return {t.node: totals[sums[cut[t.measured]][0]] / max(counts[t.node], 1.0)
-            for t in targets}, counts
+        values = {name: np.asarray(value, np.float64) for name, value in backend.run(run).items()}
+        for name, value in values.items():
+            totals[name] = totals[name] + value
+        read += batch_length(run, axes)
+        if settle is not None:
+            spread.add({node: values[total] * channels[node] / max(float(values[count]), 1.0)
+                        for node, (total, count) in names.items()})
+            if read >= settle.minimum and spread.noise_ratio() <= settle.tolerance:
+                break
+    counts = {node: float(totals[count]) / channels[node] for node, (_, count) in names.items()}
+    return {node: totals[total] / max(counts[node], 1.0)
+            for node, (total, _) in names.items()}, counts, read
+
+
+@dataclass(frozen=True)
+class Settle:
+    """When local bias correction's shifts are measured enough (:func:`bias_shift_folds`):
+    after `minimum` samples, once the shifts' sampling noise is under `tolerance` of what
+    they remove (:meth:`_RunSpread.noise_ratio`)."""
+
+    tolerance: float
+    minimum: int
+
+
+class _RunSpread:
+    """Each run's mean error per channel of every op, summed, for the shifts' sampling noise."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.sums: dict[str, np.ndarray] = {}
+        self.squares: dict[str, np.ndarray] = {}
+
+    def add(self, means: Mapping[str, np.ndarray]) -> None:
+        self.runs += 1
+        for node, mean in means.items():
+            self.sums[node] = self.sums.get(node, 0.0) + mean
+            self.squares[node] = self.squares.get(node, 0.0) + mean * mean
+
+    def noise_ratio(self) -> float:
+        """The shifts' squared standard errors summed over every op's channels, over their
+        squares summed: correcting by a mean of these runs leaves that share of the bias
+        energy the exact means would remove (inf before two runs)."""
+        if self.runs < 2:
+            return float("inf")
+        count = self.runs
+        noise = signal = 0.0
+        for node, total in self.sums.items():
+            mean = total / count
+            spread = np.maximum(self.squares[node] - count * mean * mean, 0.0) / (count - 1)
+            noise += float(np.sum(spread)) / count  # squared standard errors of the means
+            signal += float(np.sum(mean * mean))
+        return noise / signal if signal > 0 else float("inf")
