@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import optimize
 
 from quantlab.calibration import qdq
 from quantlab.errors import ConfigError
@@ -86,6 +85,9 @@ def _knapsack(value: np.ndarray, weight: np.ndarray, capacity: float,
     Without HiGHS's presolve: on knapsacks of a hundred units it took two thirds of
     each solve (20 ms on the layout detector's) and changed no choice.
     """
+    # scipy.optimize takes 0.3 s to import: only the planner's solves need it.
+    from scipy import optimize
+
     if not allowed.any():
         return np.zeros(len(value), bool)
     weight = np.where(allowed, weight, 0.0)

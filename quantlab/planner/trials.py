@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-from scipy import optimize
 
 from quantlab.planner.context import Context, PlanSettings
 from quantlab.planner.evaluate import (
@@ -310,6 +309,9 @@ def _fit(masks: np.ndarray, nsr: np.ndarray, prior: np.ndarray, ridge: float) ->
     some trial ran alone in INT8 takes that trial's noise as its prior
     (:func:`_measured_alone`).
     """
+    # scipy.optimize takes 0.3 s to import: only the planner's solves need it.
+    from scipy import optimize
+
     if not (prior > 0).any():
         ran = masks.any(axis=0)
         prior = np.where(ran, float(nsr.max(initial=0.0)) / max(int(ran.sum()), 1), 0.0)
