@@ -29,7 +29,7 @@ from onnx import helper
 from quantlab.calibration.qdq import LINEAR_OPS, PASS_THROUGH_OPS
 from quantlab.engine.fusion import fused_activation
 from quantlab.errors import ModelError
-from quantlab.graph import Graph
+from quantlab.graph import Graph, subgraphs
 
 # Suffix of the copies of a node's sub-graph in the local-error graph.
 LOCAL_SUFFIX = "::local::"
@@ -465,16 +465,43 @@ class _Attached:
         return f"{tensor}::{op}::f64"
 
     def model(self, outputs: Iterable[str]) -> onnx.ModelProto:
+        outputs = list(dict.fromkeys(outputs))
         model = onnx.helper.make_model(
             onnx.helper.make_graph(
-                _interleaved(list(self.g.model.graph.node), self.added), "local_error_sums",
+                _feeding(_interleaved(list(self.g.model.graph.node), self.added), outputs),
+                "local_error_sums",
                 list(self.g.model.graph.input),
                 [onnx.helper.make_tensor_value_info(t, onnx.TensorProto.DOUBLE, None)
-                 for t in dict.fromkeys(outputs)],
+                 for t in outputs],
                 self.initializers),
             opset_imports=self.local.opset_import)
         model.ir_version = self.local.ir_version
         return model
+
+
+def _feeding(nodes: list[onnx.NodeProto], outputs: Sequence[str]) -> list[onnx.NodeProto]:
+    """The nodes of `nodes` (in topological order) that `outputs` are computed from, in order.
+
+    ONNX Runtime runs every node of a graph, read or not: the FP32 model's nodes after the
+    last tensor compared, and local copies no output reads, would run for nothing."""
+    wanted, kept = set(outputs), []
+    for node in reversed(nodes):
+        if wanted.intersection(node.output):
+            kept.append(node)
+            wanted.update(node.input)
+            wanted.update(_read_inside(node))
+    return kept[::-1]
+
+
+def _read_inside(node: onnx.NodeProto) -> set[str]:
+    """Names read inside the bodies `node` holds (If/Loop/Scan, at any depth): outer tensors
+    among them are the node's inputs too."""
+    names: set[str] = set()
+    for body in subgraphs(node):
+        for inner in body.node:
+            names.update(inner.input)
+            names.update(_read_inside(inner))
+    return names
 
 
 def _interleaved(nodes: list[onnx.NodeProto], added: list[onnx.NodeProto],

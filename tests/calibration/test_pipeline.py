@@ -192,10 +192,14 @@ def test_default_run_records_every_choice_and_auto_chooses_per_layer(tmp_path):
     assert layers["samples"] == len(DATA) and set(layers["chosen"]) == {"conv1", "conv2"}
     assert set(layers["chosen"].values()) <= set(pipeline.AUTO_CANDIDATES)
     assert record["weight_amax"] == "local"
-    tensors = record["weight_amax_choice"]["tensors"]
-    assert set(tensors) == {"w1", "w2"} and all(
-        t["local_sqnr_db"]["chosen"] >= max(t["local_sqnr_db"]["max"], t["local_sqnr_db"]["mse"])
-        for t in tensors.values())
+    # Each weight measured, or counted alike (its candidates agree: nothing to choose).
+    tensors, summary = (record["weight_amax_choice"][k] for k in ("tensors", "summary"))
+    alike = {w for w in ("w1", "w2") if np.array_equal(
+        *(qdq.weight_amax(graph.initializers(result.model)[w], 0, c) for c in ("max", "mse")))}
+    assert set(tensors) == {"w1", "w2"} - alike and summary["tensors_alike"] == len(alike)
+    assert all(t["local_sqnr_db"]["chosen"] >= max(t["local_sqnr_db"]["max"],
+                                                   t["local_sqnr_db"]["mse"])
+               for t in tensors.values())
     corrected = record["repairs"]["bias_correction"]
     assert {a["node"] for a in corrected["applied"]} == {"conv1", "conv2"}
     # Kept only if, measured on each half of the data, it lowers the noise of the other half.

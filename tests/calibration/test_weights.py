@@ -75,7 +75,49 @@ def test_each_channel_takes_the_amax_with_the_least_layer_error():
     assert record["local_sqnr_db"]["chosen"] > max(record["local_sqnr_db"][c]
                                                    for c in weights.CANDIDATES)
     assert choice.summary() == {"tensors": 1, "channels_by_candidate": {"max": 1, "mse": 1},
-                                "samples": 2}
+                                "samples": 2, "tensors_alike": 0}
+
+
+def test_a_weight_whose_candidates_agree_is_not_measured():
+    """A weight whose MSE amax equals its max |w| on every channel (every weight +-1: no
+    clipping pays) has nothing to choose: it is left out of the measuring graph, counted as
+    alike, and quantized by max |w|; the other weight's choice is the one it gets alone.
+    No Conv copy of the alike layer runs: the graph holds one copy per candidate of the
+    other conv and the FP32 model's first conv (its last one, after every compared tensor,
+    is left out too)."""
+    g, w, x = outlier_conv()
+    signs = np.sign(np.random.default_rng(1).standard_normal((16, 2, 1, 1))).astype(np.float32)
+    model = onnx_model([helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1] * 4),
+                        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+                        helper.make_node("Conv", ["r", "s"], ["y"], name="mix")],
+                       [("x", ["N", 16, 10, 10])], ["y"], {"w": w, "s": signs})
+    index = graph.Graph(graph.normalize(model))
+    assert np.array_equal(qdq.weight_amax(signs, 0, "mse"), qdq.weight_amax(signs, 0, "max"))
+    from quantlab.evaluation import sensitivity
+
+    built = []
+    real = sensitivity.error_sums
+
+    def recording(*arguments, **options):
+        made = real(*arguments, **options)
+        built.append(made[0])
+        return made
+
+    sensitivity.error_sums = recording
+    try:
+        choice = weights.choose_weight_amax(index, [{"x": x[:4]}, {"x": x[4:]}])
+    finally:
+        sensitivity.error_sums = real
+    alone = weights.choose_weight_amax(g, [{"x": x[:4]}, {"x": x[4:]}])
+    assert choice.alike == 1 and set(choice.tensors) == set(choice.amax) == {"w"}
+    np.testing.assert_array_equal(choice.amax["w"], alone.amax["w"])
+    assert sum(node.op_type == "Conv" for node in built[0].graph.node) == 1 + 2
+    quantized = qdq.quantize_model(index, dict.fromkeys(qdq.activation_tensors_to_calibrate(
+        index), 1.0), weight_criterion="max", weight_amax=choice.amax)
+    by_max = qdq.quantize_model(index, dict.fromkeys(qdq.activation_tensors_to_calibrate(
+        index), 1.0), weight_criterion="max")
+    assert graph.initializers(quantized)["s_quantized"].tolist() == \
+        graph.initializers(by_max)["s_quantized"].tolist()
 
 
 def test_the_choice_stops_once_settled_and_costs_at_most_its_tolerance_on_every_sample():
