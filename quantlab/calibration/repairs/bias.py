@@ -208,7 +208,7 @@ def bias_shift_folds(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     are the parts' means weighted by the elements each counted: one local pass over the
     data in all, where measuring the parts and then the whole took two. With `settle`, each
     part is read until its shifts are settled (:class:`Settle`), not to its end; the report's
-    ``samples_read`` gives the runs each part read.
+    ``samples_read`` gives the samples each part read.
     """
     measured = [_bias_correction(fp32_model, qdq_model, part, "local", 1, run_bytes, settle)
                 for part in parts]
