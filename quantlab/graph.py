@@ -511,16 +511,17 @@ def frozen_inputs(model: onnx.ModelProto) -> dict[str, object]:
 
 def outer_scope_names(model: onnx.ModelProto) -> set[str]:
     """Names read inside If/Loop/Scan bodies (at any depth), which may be outer tensors."""
+    return {name for node in model.graph.node for name in names_read_inside(node)}
+
+
+def names_read_inside(node: onnx.NodeProto) -> set[str]:
+    """Names read inside the bodies `node` holds (If/Loop/Scan, at any depth): the outer
+    tensors among them are inputs of `node` too."""
     names: set[str] = set()
-
-    def visit(g: onnx.GraphProto, nested: bool) -> None:
-        for node in g.node:
-            if nested:
-                names.update(node.input)
-            for body in subgraphs(node):
-                visit(body, True)
-
-    visit(model.graph, False)
+    for body in subgraphs(node):
+        for inner in body.node:
+            names.update(inner.input)
+            names.update(names_read_inside(inner))
     return names
 
 

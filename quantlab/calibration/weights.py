@@ -101,8 +101,9 @@ def choose_weight_amax(model: onnx.ModelProto | Graph,
              if all(np.array_equal(amax[candidates[0]], amax[c]) for c in candidates[1:])}
     readers = {w: reads for w, reads in readers.items() if w not in alike}
     unused = dict.fromkeys(qdq.activation_tensors_to_calibrate(index), 1.0)  # pairs left out
-    local = local_error_model(
-        [Graph(qdq.quantize_model(index, unused, weight_criterion=c)) for c in candidates],
+    local = local_error_model(  # the amax of `options`, not worked out again
+        [Graph(qdq.quantize_model(index, unused, weight_criterion=c, weight_amax={
+            w: amax[c] for w, amax in options.items()})) for c in candidates],
         index, labels=list(candidates), weights_only=True)
     axes = {node: axis for reads in readers.values() for node, axis in reads}
     by_node = {(local.nodes[name], local.labels[name]): name for name in local.outputs}

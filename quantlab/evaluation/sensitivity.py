@@ -29,7 +29,7 @@ from onnx import helper
 from quantlab.calibration.qdq import LINEAR_OPS, PASS_THROUGH_OPS
 from quantlab.engine.fusion import fused_activation
 from quantlab.errors import ModelError
-from quantlab.graph import Graph, subgraphs
+from quantlab.graph import Graph, names_read_inside
 
 # Suffix of the copies of a node's sub-graph in the local-error graph.
 LOCAL_SUFFIX = "::local::"
@@ -489,19 +489,8 @@ def _feeding(nodes: list[onnx.NodeProto], outputs: Sequence[str]) -> list[onnx.N
         if wanted.intersection(node.output):
             kept.append(node)
             wanted.update(node.input)
-            wanted.update(_read_inside(node))
+            wanted.update(names_read_inside(node))
     return kept[::-1]
-
-
-def _read_inside(node: onnx.NodeProto) -> set[str]:
-    """Names read inside the bodies `node` holds (If/Loop/Scan, at any depth): outer tensors
-    among them are the node's inputs too."""
-    names: set[str] = set()
-    for body in subgraphs(node):
-        for inner in body.node:
-            names.update(inner.input)
-            names.update(_read_inside(inner))
-    return names
 
 
 def _interleaved(nodes: list[onnx.NodeProto], added: list[onnx.NodeProto],
