@@ -18,6 +18,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 
@@ -37,21 +38,36 @@ from quantlab.data import BatchSource, DataOptions, Preprocess, checked_digest, 
 from quantlab.engine import cache
 from quantlab.engine.backends import tensorrt as trt_backend
 from quantlab.errors import ConfigError, DataError
-from quantlab.evaluation.gate import CheckOptions, CheckOutcome, check_model  # noqa: F401 (quantlab check)
-from quantlab.evaluation.tasks import Task
-from quantlab.evaluation.validate import ValidationResult, validate
-from quantlab.experiments import sweep, sweep_folder
 from quantlab.experiments.experiment import check_output, recorded_path
 from quantlab.experiments.records import UNCERTIFIED, CalibrationRecord, PlanSummary, SweepRecord
-from quantlab.experiments.report.plan import next_steps
-from quantlab.experiments.sweep import Config, SweepResult
-from quantlab.planner import folder as plan_folder
-from quantlab.planner import prepare
-from quantlab.planner.certify import Certificate
-from quantlab.planner.decisions import Plan
-from quantlab.planner.evaluate import Checkpoint, fingerprint
-from quantlab.planner.flow import PlanResult, PlanSettings, check_metric_on_model, make_plan
 from quantlab.progress import progress_bar
+
+# What only plan, sweep, validate and check use is imported where they run: `quantlab
+# calibrate` then starts without the planner, the sweep, validation and the reports
+# (0.3-0.4 s of imports).
+if TYPE_CHECKING:
+    from quantlab.evaluation.tasks import Task
+    from quantlab.evaluation.validate import ValidationResult
+    from quantlab.experiments.sweep import Config, SweepResult
+    from quantlab.planner.certify import Certificate
+    from quantlab.planner.decisions import Plan
+    from quantlab.planner.flow import PlanResult, PlanSettings
+
+
+def __getattr__(name: str):
+    """`quantlab check`'s call and settings, :mod:`quantlab.evaluation.gate`'s, imported when
+    first asked for."""
+    if name in ("CheckOptions", "CheckOutcome", "check_model"):
+        from quantlab.evaluation import gate
+
+        return getattr(gate, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _plan_settings() -> PlanSettings:
+    from quantlab.planner.flow import PlanSettings
+
+    return PlanSettings()
 
 
 @dataclass(frozen=True)
@@ -94,7 +110,7 @@ class PlanOptions:
     measure (`planner`), the starting calibrator `method`, the `calibrators` each unit
     chooses from, the `repairs` weighed, and a calibration cache for `trt_version`."""
 
-    planner: PlanSettings = field(default_factory=PlanSettings)
+    planner: PlanSettings = field(default_factory=_plan_settings)
     method: str = choices.DEFAULT_METHOD
     calibrators: tuple[str, ...] = choices.DEFAULT_PLAN_CALIBRATORS
     repairs: tuple[str, ...] = choices.DEFAULT_PLAN_REPAIRS
@@ -159,6 +175,7 @@ def run_fingerprint(model: onnx.ModelProto, model_name: str,
                     *parts) -> str:
     """What identifies a plan's or a sweep's run for its checkpoint: the model, every setting,
     the metric's code and `parts` (the data's content, what the run derived)."""
+    from quantlab.planner.evaluate import fingerprint
     from quantlab.user_code import metric_code
 
     settings = options.fingerprinted()
@@ -180,6 +197,9 @@ def plan_model(model: str, data: str, evaluation: str, options: PlanOptions,
     `out` as it was. `named` is the folder the next steps name (default `out`): where the
     user will find it when `out` is a staging folder (the demo's).
     """
+    from quantlab.planner import folder as plan_folder
+    from quantlab.planner import prepare
+
     out, data_options = os.fspath(out), data_options or DataOptions()
     named = out if named is None else os.fspath(named)
     check_output(out, force=force, produces=PlanSummary.FILES)
@@ -254,6 +274,12 @@ def _planned(inputs: _PlanInputs, model_name: str, data: str, options: PlanOptio
              named: str) -> PlanOutcome:
     """The long work of :func:`plan_model` once everything is checked: statistics and
     repairs, the plan, the folder (its next steps naming `named`)."""
+    from quantlab.experiments.report.plan import next_steps
+    from quantlab.planner import folder as plan_folder
+    from quantlab.planner import prepare
+    from quantlab.planner.evaluate import Checkpoint
+    from quantlab.planner.flow import check_metric_on_model, make_plan
+
     model, source, evaluation = inputs.model, inputs.source, inputs.evaluation
     settings = options.planner
     if ":" in settings.metric:  # the user's metric fails now, not after the statistics pass
@@ -328,6 +354,7 @@ def validate_model(model: str | os.PathLike, engine: str | os.PathLike | None, d
     with `model_file` (default: the user's file the model was made from).
     """
     from quantlab import data as batches  # at call time: tests watch what it opens
+    from quantlab.evaluation.validate import validate
 
     data_options = data_options or DataOptions()
     recorded = CalibrationRecord.read(from_folder).preprocessing() if from_folder else None
@@ -441,6 +468,9 @@ def sweep_model(model: str, data: str, evaluation: str, options: SweepOptions,
     calibration sizes, one collection pass over `data`) scored on `evaluation`, the data's
     sufficiency judged, written into `out`. A sweep estimated to take over an hour is
     refused unless `allow_long`; an interrupted one resumes from its checkpoint in `out`."""
+    from quantlab.experiments import sweep
+    from quantlab.planner import prepare
+
     out, data_options = os.fspath(out), data_options or DataOptions()
     check_output(out, force=force, produces=SweepRecord.FILES)
     for method in options.methods:
@@ -512,6 +542,8 @@ def _swept(inputs: _SweepInputs, configs: list[Config], model_name: str, data: s
            evaluation: str, options: SweepOptions, data_options: DataOptions, out: str,
            force: bool, progress: bool) -> SweepOutcome:
     """The long work of :func:`sweep_model`: statistics, every configuration, the folder."""
+    from quantlab.experiments import sweep, sweep_folder
+
     tensors = qdq.activation_tensors_to_calibrate(inputs.index)
     known, stats, source = {}, inputs.stats, inputs.source
     if stats is not None:

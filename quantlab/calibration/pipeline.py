@@ -84,8 +84,9 @@ BIAS_SETTLED_NOISE = 0.08
 # stops once the mean per-sample change of output noise (with / without, as a log ratio) is
 # FOLD_SETTLED_SE standard errors from zero: more samples then no longer change its sign
 # (a t of 4 on 3 degrees of freedom is p < 0.03 two-sided; on the layout detector the
-# difference was 6-10 standard errors after 4 pages). Each sample costs three whole-model
-# runs (FP32, without, with): 5 s on a layout page. The log ratio: the PP-OCRv3 detector's
+# difference was 6-10 standard errors after 4 pages). Each sample costs two whole-model
+# Q/DQ runs (without, with; FP32's outputs come from the bias pass, which ran the FP32 model
+# on the same samples): over 3 s on a layout page. The log ratio: the PP-OCRv3 detector's
 # pages differ 10x in noise, so the plain differences of 16 pages, every one of them lowered
 # by about a third, were still under 4 standard errors.
 FOLD_MIN_SAMPLES = 4
@@ -93,8 +94,8 @@ FOLD_SETTLED_SE = 4.0
 # ... or once the difference is surely (two standard errors) under 1 % of the output noise:
 # then the verdict moves the output SQNR by under 0.05 dB either way.
 FOLD_NEGLIGIBLE = 0.01
-# A fold scores at most FOLD_MAX_SAMPLES samples of its other half (three whole-model runs
-# each, the costliest phase on a 640 px detector). The PP-OCRv3 detector's pages change
+# A fold scores at most FOLD_MAX_SAMPLES samples of its other half (two whole-model runs
+# each, among the costliest phases on a 640 px detector). The PP-OCRv3 detector's pages change
 # their noise by -76 % to +78 % with the shifts, so no count settles it by the t test; on 8
 # pages both folds keep the shifts, as on 16 (tests/calibration/test_pipeline.py holds the zoo
 # within 0.2 dB of folds scored on the whole halves).
@@ -647,28 +648,33 @@ def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: Ba
               else [source])
     labels = ("first half", "second half")
     with phases.record("bias shifts", sample_count(index.model, source)):
-        shifts, pooled, report = repairs.bias_shift_folds(index.model, quantized, [
+        # The pass runs the FP32 model on the samples the folds score (each half's first
+        # FOLD_MAX_SAMPLES, the first it reads): its outputs are the folds' references.
+        shifts, pooled, report, references = repairs.bias_shift_folds(index.model, quantized, [
             phases.shown(index.model, part, f"bias shifts, {label}")
             for part, label in zip(halves, labels, strict=False)],
-            settle=repairs.Settle(BIAS_SETTLED_NOISE, BIAS_MIN_SAMPLES))
+            settle=repairs.Settle(BIAS_SETTLED_NOISE, BIAS_MIN_SAMPLES),
+            model_outputs=FOLD_MAX_SAMPLES if half else 0)
     read = sum(report.summary["samples_read"])
     phases.records[-1].update(samples=read, model_runs=read // fixed)
     folds, energies = [], []
     if half:
-        with phases.record("output noise", 0, 3):
-            # FP32 and the model without the shifts are the same in both folds: one session.
-            fp32, without = (OnnxRuntimeBackend(index.model, name="fp32", spinning=False),
-                             OnnxRuntimeBackend(quantized, name="int8", spinning=False))
+        with phases.record("output noise", 0, 2):
+            # The model without the shifts is the same in both folds: one session.
+            without = OnnxRuntimeBackend(quantized, name="int8", spinning=False)
             for measured_on, scored_on in ((0, 1), (1, 0)):
                 shifted = repairs.shift_biases(index, quantized, shifts[measured_on])
                 scored = phases.shown(index.model, halves[scored_on],
                                       f"output noise, {labels[measured_on]}'s shifts",
                                       FOLD_MAX_SAMPLES)
-                fold, found = _fold_noise(fp32, without, shifted, scored)
+                fold, found = _fold_noise(index.model, without, shifted, scored,
+                                          references=references[scored_on])
                 folds.append({"measured_on": labels[measured_on], **fold})
                 energies.append(found)
         read = sum(f["samples_scored"] for f in folds)
-        phases.records[-1].update(samples=read, model_runs=3 * read)
+        fp32_runs = sum(max(f["samples_scored"] - len(references[scored_on]), 0)
+                        for f, scored_on in zip(folds, (1, 0), strict=True))
+        phases.records[-1].update(samples=read, model_runs=2 * read + fp32_runs)
     report.summary["folds"] = folds
     kept = False
     if folds:
@@ -686,15 +692,17 @@ def _fold_noise(model: onnx.ModelProto | OnnxRuntimeBackend,
                 without: onnx.ModelProto | OnnxRuntimeBackend,
                 with_it: onnx.ModelProto | OnnxRuntimeBackend,
                 samples: Iterable[dict], settled: bool = True,
+                references: Sequence[dict[str, np.ndarray]] = (),
                 ) -> tuple[dict, tuple[np.ndarray, np.ndarray]]:
     """One fold's output noise without and with the shifts, pooled over the samples scored
     (:func:`compare.output_nsr` of their summed energies, as the held-out output SQNR and
     the planner read it), and how many were scored: all of `samples`, or with `settled`
     fewer once the verdict is (:func:`_fold_settled`, on the per-sample ratios); and those
     sums (noise [without / with, outputs], signal [outputs]), which pool with another
-    fold's."""
+    fold's. FP32's outputs of the first samples may be given (`references`)."""
     noise, power, ratios = 0.0, 0.0, []
-    for candidates, signal in output_energies(model, [without, with_it], samples):
+    for candidates, signal in output_energies(model, [without, with_it], samples,
+                                              references):
         noise, power = noise + candidates, power + signal
         ratios.append([compare.output_nsr(candidates[k], signal) for k in (0, 1)])
         pooled = [compare.output_nsr(noise[k], power) for k in (0, 1)]
@@ -726,12 +734,16 @@ def _fold_settled(ratios: np.ndarray, pooled: Sequence[float]) -> bool:
 
 def output_energies(model: onnx.ModelProto | OnnxRuntimeBackend,
                     candidates: Sequence[onnx.ModelProto | OnnxRuntimeBackend],
-                    samples: Iterable[dict]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                    samples: Iterable[dict],
+                    references: Sequence[dict[str, np.ndarray]] = (),
+                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Per sample, each candidate Q/DQ model's output noise energy against `model` (FP32)
     and the signal energy, float64: ([candidates, outputs] of |y - r|^2, [outputs] of
     |r|^2), per float output (whatever axis holds the sample: one per run). Each model
-    may be given as a session already made (the folds share FP32's and the unshifted
-    model's, made without spinning).
+    may be given as a session already made (the folds share the unshifted model's, made
+    without spinning); FP32's outputs of the first samples may be given (`references`,
+    one dict per sample, in order: bias correction's pass computed them), and FP32 runs
+    for the samples after them only.
 
     The sessions take turns, so none spins waiting for a next run of its own: on the
     PP-OCRv3 detector a sample's three runs took 0.26-0.28 s so, 0.37 s with the other
@@ -741,10 +753,13 @@ def output_energies(model: onnx.ModelProto | OnnxRuntimeBackend,
         return given if isinstance(given, OnnxRuntimeBackend) else \
             OnnxRuntimeBackend(given, name=name, spinning=False)
 
-    fp32 = session(model, "fp32")
+    fp32 = None
     backends = [session(candidate, "int8") for candidate in candidates]
-    for sample in samples:
-        reference = {name: want.astype(np.float64) for name, want in fp32.run(sample).items()
+    for index, sample in enumerate(samples):
+        if index >= len(references) and fp32 is None:
+            fp32 = session(model, "fp32")
+        outputs = references[index] if index < len(references) else fp32.run(sample)
+        reference = {name: want.astype(np.float64) for name, want in outputs.items()
                      if np.issubdtype(want.dtype, np.floating)}
         yield (np.array([[np.sum((outputs[name] - want) ** 2) for name, want in reference.items()]
                          for outputs in (backend.run(sample) for backend in backends)]),

@@ -12,12 +12,15 @@ import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
-import pandas as pd
 
 from quantlab.errors import ModelError
+
+if TYPE_CHECKING:  # pandas (0.2 s of imports) only where a table is made: not in calibrate
+    import pandas as pd
 
 METRICS = ("cosine", "sqnr_db", "rel_l2", "max_abs", "frac_outside")
 TABLE_COLUMNS = ("tensor", "node", "op_type", "torch_module", *METRICS)
@@ -309,6 +312,8 @@ class Comparison:
 
     def table(self, info: pd.DataFrame | None = None) -> pd.DataFrame:
         """One row per tensor (compared order): tensor, node, op_type, torch_module, metrics."""
+        import pandas as pd
+
         rows = []
         for name in self.tensors:
             described = info.loc[name] if info is not None and name in info.index else None

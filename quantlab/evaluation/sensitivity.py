@@ -381,13 +381,14 @@ def error_sums(g: Graph, local: onnx.ModelProto, compared: Mapping[str, str],
 
 
 def error_channel_sums(g: Graph, local: onnx.ModelProto, compared: Mapping[str, tuple[str, int]],
+                       also: Sequence[str] = (),
                        ) -> tuple[onnx.ModelProto, dict[str, tuple[str, str]]]:
     """As :func:`error_sums`, the signed error summed per channel: `compared` maps each
     output of `local` to (the tensor of `g` it approximates, its channel axis); the model
     returns, for each, the sum of (output - reference) per channel and the error's
     element count (both float64; per channel: divide by the channels), by name
-    (output -> (sums, count)). What bias correction needs, without any tensor leaving
-    ONNX Runtime."""
+    (output -> (sums, count)), and the outputs of `g` named in `also`, as they are. What
+    bias correction needs, without any other tensor leaving ONNX Runtime."""
     attached = _Attached(g, local)
     sums = {}
     for name, (ref, axis) in compared.items():
@@ -397,7 +398,7 @@ def error_channel_sums(g: Graph, local: onnx.ModelProto, compared: Mapping[str, 
                                                  to=onnx.TensorProto.DOUBLE)]
         sums[name] = (attached.reduced("ReduceSum", error, axis, len(g.shapes.get(ref) or ())),
                       f"{error}::count")
-    return attached.model(t for pair in sums.values() for t in pair), sums
+    return attached.model((t for pair in sums.values() for t in pair), also), sums
 
 
 class _Attached:
@@ -464,15 +465,18 @@ class _Attached:
                                   to=onnx.TensorProto.DOUBLE)]
         return f"{tensor}::{op}::f64"
 
-    def model(self, outputs: Iterable[str]) -> onnx.ModelProto:
+    def model(self, outputs: Iterable[str], kept: Sequence[str] = ()) -> onnx.ModelProto:
+        """The model returning the float64 `outputs` added, then the outputs of `g` in `kept`."""
         outputs = list(dict.fromkeys(outputs))
+        given = {output.name: output for output in self.g.model.graph.output}
         model = onnx.helper.make_model(
             onnx.helper.make_graph(
-                _feeding(_interleaved(list(self.g.model.graph.node), self.added), outputs),
+                _feeding(_interleaved(list(self.g.model.graph.node), self.added),
+                         [*outputs, *kept]),
                 "local_error_sums",
                 list(self.g.model.graph.input),
-                [onnx.helper.make_tensor_value_info(t, onnx.TensorProto.DOUBLE, None)
-                 for t in outputs],
+                [*(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.DOUBLE, None)
+                   for t in outputs), *(given[t] for t in kept)],
                 self.initializers),
             opset_imports=self.local.opset_import)
         model.ir_version = self.local.ir_version

@@ -219,7 +219,8 @@ def test_default_run_records_every_choice_and_auto_chooses_per_layer(tmp_path):
     assert phases["statistics"]["samples"] == phases["bias shifts"]["samples"] == len(DATA)
     # Halves of 8, under BIAS_MIN_SAMPLES: each read whole.
     assert corrected["summary"]["samples_read"] == [len(DATA) // 2] * 2
-    assert phases["output noise"]["model_runs"] == 3 * phases["output noise"]["samples"]
+    # Two Q/DQ runs a scored sample: FP32's outputs are those the bias pass computed.
+    assert phases["output noise"]["model_runs"] == 2 * phases["output noise"]["samples"]
     assert all(p["seconds"] >= 0 for p in phases.values())
     # Each layer's amax is the one of the candidate it chose.
     stats = collect.Statistics.load(tmp_path / "auto" / "stats.npz")
@@ -248,7 +249,8 @@ def test_a_settled_fold_verdict_is_the_verdict_of_all_its_samples():
     sample of the other half, each fold reaches the same verdict, or one whose difference
     is under FOLD_NEGLIGIBLE of the noise on every sample. The noise of the samples it
     stopped at is their pooled output NSR: checked against float64 sums of the outputs of
-    plain ONNX Runtime sessions."""
+    plain ONNX Runtime sessions. FP32's outputs of the first samples, kept by the bias
+    pass, stand for FP32's runs of them: the figures are the same."""
     import onnxruntime as ort
 
     from quantlab.calibration import qdq, repairs
@@ -257,14 +259,25 @@ def test_a_settled_fold_verdict_is_the_verdict_of_all_its_samples():
     model = graph.normalize(small_model())
     data = np.random.default_rng(5).standard_normal((48, 3, 8, 8)).astype(np.float32)
     quantized = qdq.quantize_model(model, {"input": 4.0, "relu": 3.0}, weight_criterion="max")
-    halves = [[{"input": data[:24]}], [{"input": data[24:]}]]
-    shifts, _, _ = repairs.bias_shift_folds(model, quantized, halves)
+    halves = [[{"input": x[None]} for x in data[24 * h:24 * (h + 1)]] for h in (0, 1)]
+    shifts, _, _, references = repairs.bias_shift_folds(model, quantized, halves,
+                                                        model_outputs=10)
+    fp32 = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for half, kept in zip(halves, references, strict=True):
+        assert len(kept) == 10
+        for sample, outputs in zip(half, kept, strict=False):
+            np.testing.assert_allclose(outputs["output"], fp32.run(None, sample)[0],
+                                       rtol=1e-6, atol=1e-6)
     for measured_on, scored_on in ((0, 1), (1, 0)):
         shifted = repairs.shift_biases(model, quantized, shifts[measured_on])
-        samples = [{"input": x[None]} for x in data[24 * scored_on:24 * (scored_on + 1)]]
+        samples = halves[scored_on]
         every, _ = pipeline._fold_noise(model, quantized, shifted, samples, settled=False)
+        given, _ = pipeline._fold_noise(model, quantized, shifted, samples, settled=False,
+                                        references=references[scored_on])
+        for key in ("output_nsr_without", "output_nsr_with"):
+            np.testing.assert_allclose(given[key], every[key], rtol=1e-6)
         settled, (noise, power) = pipeline._fold_noise(model, quantized, shifted, samples)
-        assert every["samples_scored"] == 24
+        assert every["samples_scored"] == given["samples_scored"] == 24
         assert pipeline.FOLD_MIN_SAMPLES <= settled["samples_scored"] <= 24
         same = (settled["output_nsr_with"] < settled["output_nsr_without"]) == \
             (every["output_nsr_with"] < every["output_nsr_without"])
@@ -319,9 +332,9 @@ def test_a_bias_correction_that_raises_the_output_noise_is_left_out(tmp_path, mo
     from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
 
     def harmful(fp32_model, qdq_model, parts, **options):  # every output shifted by 10
-        shifts, pooled, report = real(fp32_model, qdq_model, parts, **options)
+        shifts, pooled, report, references = real(fp32_model, qdq_model, parts, **options)
         return ([{node: s + 10 for node, s in part.items()} for part in shifts],
-                {node: s + 10 for node, s in pooled.items()}, report)
+                {node: s + 10 for node, s in pooled.items()}, report, references)
 
     real = repairs.bias_shift_folds
     monkeypatch.setattr(repairs, "bias_shift_folds", harmful)

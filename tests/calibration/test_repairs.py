@@ -323,13 +323,13 @@ def test_settled_bias_shifts_stop_once_their_sampling_noise_is_under_the_toleran
     expected = next(n for n in range(minimum, len(x) + 1) if ratios[n] <= tolerance)
     assert minimum < expected <= 24 and min(abs(r / tolerance - 1) for n, r in ratios.items()
                                             if n != 24 and r != tolerance) > 1e-6
-    shifts, _, report = repairs.bias_shift_folds(model, quantized, [samples],
+    shifts, _, report, _ = repairs.bias_shift_folds(model, quantized, [samples],
                                                  settle=repairs.Settle(tolerance, minimum))
     assert report.summary["samples_read"] == [expected]
     read, _ = repairs.bias_shifts(model, quantized, samples[:expected])
     for node in read:
         np.testing.assert_allclose(shifts[0][node], read[node], rtol=1e-9, atol=0)
-    _, _, everything = repairs.bias_shift_folds(
+    _, _, everything, _ = repairs.bias_shift_folds(
         model, quantized, [samples], settle=repairs.Settle(min(ratios.values()) / 2, minimum))
     assert everything.summary["samples_read"] == [len(x)]
 
@@ -351,7 +351,7 @@ def test_bias_shift_folds_pool_into_the_whole_datas_shifts():
     x = (RNG.standard_normal((70, 8)) + 0.5).astype(np.float32)
     quantized = qdq.quantize_model(model, {"x": float(np.abs(x).max()), "r": 3.0})
     parts = [[{"x": x[:10]}, {"x": x[10:25]}], [{"x": x[25:]}]]
-    shifts, pooled, report = repairs.bias_shift_folds(model, quantized, parts)
+    shifts, pooled, report, _ = repairs.bias_shift_folds(model, quantized, parts)
     for part, found in zip(parts, shifts, strict=True):
         expected, _ = repairs.bias_shifts(model, quantized, part)
         assert found.keys() == expected.keys() == {"fc1", "fc2"}

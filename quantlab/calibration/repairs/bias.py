@@ -5,7 +5,7 @@ registry: it shifts the INT8 ops of a plan, and calibrate and plan each run it t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -200,9 +200,14 @@ def bias_shifts(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
 def bias_shift_folds(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
                      parts: Sequence[Iterable[Mapping[str, np.ndarray]]],
                      run_bytes: int = RUN_BYTES, settle: Settle | None = None,
-                     ) -> tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray], RepairReport]:
-    """:func:`bias_shifts` measured on each of `parts` (disjoint shares of the data), and the
-    shifts of all of them together with its report, as :func:`bias_correction` gives them.
+                     model_outputs: int = 0,
+                     ) -> tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray], RepairReport,
+                                list[list[dict[str, np.ndarray]]]]:
+    """:func:`bias_shifts` measured on each of `parts` (disjoint shares of the data), the
+    shifts of all of them together with its report, as :func:`bias_correction` gives them,
+    and per part the FP32 model's outputs of its first `model_outputs` runs (name -> value),
+    which the pass computes anyway: a caller scoring those samples against FP32 reads them
+    here instead of running the model again.
 
     Local bias correction's shift is a per-channel mean, so the shifts of the whole data
     are the parts' means weighted by the elements each counted: one local pass over the
@@ -210,8 +215,9 @@ def bias_shift_folds(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     part is read until its shifts are settled (:class:`Settle`), not to its end; the report's
     ``samples_read`` gives the samples each part read.
     """
-    measured = [_bias_correction(fp32_model, qdq_model, part, "local", 1, run_bytes, settle)
-                for part in parts]
+    kept = [FirstOutputs(model_outputs) for _ in parts]
+    measured = [_bias_correction(fp32_model, qdq_model, part, "local", 1, run_bytes, settle,
+                                 outputs) for part, outputs in zip(parts, kept, strict=True)]
     counts = [m[3] for m in measured]
     pooled = {node: sum(m[2][node] * c[node] for m, c in zip(measured, counts, strict=True))
                     / max(sum(c[node] for c in counts), 1.0) for node in measured[0][2]}
@@ -220,7 +226,7 @@ def bias_shift_folds(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     for entry in report.applied:
         largest = float(np.abs(pooled[entry["node"]]).max())
         entry.update({"mean_error_max_per_round": [largest], "correction_max": largest})
-    return [m[2] for m in measured], pooled, report
+    return [m[2] for m in measured], pooled, report, [outputs.runs for outputs in kept]
 
 
 def shift_biases(fp32_model: onnx.ModelProto | Graph, qdq_model: onnx.ModelProto,
@@ -243,11 +249,13 @@ def shift_biases(fp32_model: onnx.ModelProto | Graph, qdq_model: onnx.ModelProto
 def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
                      batches: Iterable[Mapping[str, np.ndarray]], mode: str, rounds: int,
                      run_bytes: int, settle: Settle | None = None,
+                     outputs: FirstOutputs | None = None,
                      ) -> tuple[onnx.ModelProto, RepairReport, dict[str, np.ndarray],
                                 dict[str, float]]:
     """bias_correction, also returning each op's total output shift (node -> per channel)
     and, local mode, the elements per channel its mean error was taken over (read until
-    settled with `settle`; the report's ``samples_read`` says how far)."""
+    settled with `settle`; the report's ``samples_read`` says how far), keeping the FP32
+    model's outputs of the first runs in `outputs`."""
     if mode not in BIAS_CORRECTION_MODES:
         raise ConfigError(f"mode '{mode}' is not one of {', '.join(BIAS_CORRECTION_MODES)}.")
     if not isinstance(rounds, int) or rounds < 1:
@@ -288,7 +296,7 @@ def _bias_correction(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     counts: dict[str, float] = {}
     if local is not None:
         mean_errors, counts, report.summary["samples_read"] = _local_mean_errors(
-            reference, local, cut, targets, batches, run_bytes, settle)
+            reference, local, cut, targets, batches, run_bytes, settle, outputs)
         apply(mean_errors)
     else:
         counts = _global_rounds(fp32_model, result, reference, targets, batches, rounds,
@@ -339,6 +347,7 @@ def _global_rounds(fp32_model: onnx.ModelProto, result: onnx.ModelProto, referen
 def _local_mean_errors(reference: Graph, local, cut: Mapping[str, str],
                        targets: Sequence[_Target], batches: Iterable[Mapping[str, np.ndarray]],
                        run_bytes: int, settle: Settle | None = None,
+                       outputs: FirstOutputs | None = None,
                        ) -> tuple[dict[str, np.ndarray], dict[str, float], int]:
     """Each target's mean error per output channel, its op quantized on FP32 inputs, the
     elements per channel the mean is over, and the samples read: one
@@ -346,21 +355,27 @@ def _local_mean_errors(reference: Graph, local, cut: Mapping[str, str],
     (:func:`quantlab.evaluation.sensitivity.error_channel_sums`), so only per-channel sums leave
     ONNX Runtime (returning every op's FP32 inputs and local outputs of one 640 px sample held
     about 1.9 GB more); runs of as many samples as all their tensors fit `run_bytes`, until
-    the means are settled with `settle`."""
+    the means are settled with `settle`; the FP32 model's outputs of the first runs go into
+    `outputs`."""
     from quantlab.engine.backends.onnxruntime import OnnxRuntimeBackend
     from quantlab.evaluation.sensitivity import error_channel_sums
 
+    kept = reference.outputs if outputs is not None and outputs.limit else []
     model, sums = error_channel_sums(reference, local.model,
-                                     {cut[t.measured]: (t.measured, t.axis) for t in targets})
+                                     {cut[t.measured]: (t.measured, t.axis) for t in targets},
+                                     kept)
     names = {t.node: sums[cut[t.measured]] for t in targets}
     channels = {t.node: t.channels for t in targets}
     backend = OnnxRuntimeBackend(model, name="bias shifts", memory_pattern=False)
-    totals = dict.fromkeys(backend.outputs, 0.0)
+    totals = {name: 0.0 for pair in sums.values() for name in pair}
     spread = _RunSpread()
     axes = sample_axes(reference.inputs)
     read = 0
     for run in _runs(batches, reference, None, run_bytes):
-        values = {name: np.asarray(value, np.float64) for name, value in backend.run(run).items()}
+        values = backend.run(run)
+        if kept and len(outputs.runs) < outputs.limit:
+            outputs.runs.append({name: values[name] for name in kept})
+        values = {name: np.asarray(values[name], np.float64) for name in totals}
         for name, value in values.items():
             totals[name] = totals[name] + value
         read += batch_length(run, axes)
@@ -372,6 +387,15 @@ def _local_mean_errors(reference: Graph, local, cut: Mapping[str, str],
     counts = {node: float(totals[count]) / channels[node] for node, (_, count) in names.items()}
     return {node: totals[total] / max(counts[node], 1.0)
             for node, (total, _) in names.items()}, counts, read
+
+
+@dataclass
+class FirstOutputs:
+    """The FP32 model's outputs of the first `limit` runs of a measuring pass (name ->
+    value, one dict per run), as the pass computes them."""
+
+    limit: int
+    runs: list[dict[str, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
