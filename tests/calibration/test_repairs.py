@@ -334,6 +334,25 @@ def test_settled_bias_shifts_stop_once_their_sampling_noise_is_under_the_toleran
     assert everything.summary["samples_read"] == [len(x)]
 
 
+def test_kept_model_outputs_are_the_first_runs_that_fit_their_bytes():
+    """The bias pass keeps FP32's outputs of its first runs for the folds, which take them
+    as the outputs of the first samples: only a prefix of the runs, within the byte cap (a
+    model of large outputs would otherwise hold them all)."""
+    from quantlab.calibration.repairs.bias import FirstOutputs
+
+    kept = FirstOutputs(limit=4, max_bytes=100)
+    runs = [{"y": np.zeros(n, np.float32)} for n in (10, 10, 10, 1, 1)]  # 40 bytes each, then 4
+    for run in runs:
+        kept.offer(run)
+    assert [run["y"] is given["y"] for run, given in zip(runs, kept.runs, strict=False)] == \
+        [True, True]
+    assert kept.limit == 2  # the 4-byte runs after the one that did not fit are not kept
+    roomy = FirstOutputs(limit=2, max_bytes=1000)
+    for run in runs:
+        roomy.offer(run)
+    assert len(roomy.runs) == 2
+
+
 def test_bias_shift_folds_pool_into_the_whole_datas_shifts():
     """Each part's shifts are bias_shifts on that part, and the pooled ones bias_shifts on
     all of it (parts of unequal size: their means weighted by what each counted), up to

@@ -205,9 +205,10 @@ def bias_shift_folds(fp32_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
                                 list[list[dict[str, np.ndarray]]]]:
     """:func:`bias_shifts` measured on each of `parts` (disjoint shares of the data), the
     shifts of all of them together with its report, as :func:`bias_correction` gives them,
-    and per part the FP32 model's outputs of its first `model_outputs` runs (name -> value),
-    which the pass computes anyway: a caller scoring those samples against FP32 reads them
-    here instead of running the model again.
+    and per part the FP32 model's outputs of its first `model_outputs` runs (name -> value;
+    fewer where they would hold more than RUN_BYTES: :class:`FirstOutputs`), which the pass
+    computes anyway: a caller scoring those samples against FP32 reads them here instead of
+    running the model again.
 
     Local bias correction's shift is a per-channel mean, so the shifts of the whole data
     are the parts' means weighted by the elements each counted: one local pass over the
@@ -374,7 +375,7 @@ def _local_mean_errors(reference: Graph, local, cut: Mapping[str, str],
     for run in _runs(batches, reference, None, run_bytes):
         values = backend.run(run)
         if kept and len(outputs.runs) < outputs.limit:
-            outputs.runs.append({name: values[name] for name in kept})
+            outputs.offer({name: values[name] for name in kept})
         values = {name: np.asarray(values[name], np.float64) for name in totals}
         for name, value in values.items():
             totals[name] = totals[name] + value
@@ -392,10 +393,22 @@ def _local_mean_errors(reference: Graph, local, cut: Mapping[str, str],
 @dataclass
 class FirstOutputs:
     """The FP32 model's outputs of the first `limit` runs of a measuring pass (name ->
-    value, one dict per run), as the pass computes them."""
+    value, one dict per run), as the pass computes them, as long as they fit `max_bytes`
+    together (the runs after the first that does not fit are not kept either: a reader
+    takes them as the outputs of the first runs, in order)."""
 
     limit: int
+    max_bytes: int = RUN_BYTES
     runs: list[dict[str, np.ndarray]] = field(default_factory=list)
+
+    def offer(self, outputs: dict[str, np.ndarray]) -> None:
+        """Keep a run's `outputs` if the runs before it were all kept and they fit."""
+        held = sum(value.nbytes for run in self.runs for value in run.values())
+        if len(self.runs) < self.limit and \
+                held + sum(value.nbytes for value in outputs.values()) <= self.max_bytes:
+            self.runs.append(outputs)
+        else:
+            self.limit = len(self.runs)
 
 
 @dataclass(frozen=True)
