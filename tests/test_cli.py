@@ -161,9 +161,9 @@ def test_calibrating_an_onnx_file_imports_neither_torch_nor_what_other_commands_
     """torch is for zoo models, and the planner, the sweep, validation, the reports, pandas
     and matplotlib for other commands: a default calibration of an ONNX file loads none."""
     model, data = _small_onnx_and_data(tmp_path)
-    unused = ("torch", "pandas", "matplotlib", "quantlab.planner.flow", "quantlab.experiments.sweep",
-              "quantlab.evaluation.validate", "quantlab.evaluation.gate",
-              "quantlab.experiments.report")
+    unused = ("torch", "pandas", "matplotlib", "quantlab.planner.flow",
+              "quantlab.experiments.sweep", "quantlab.evaluation.validate",
+              "quantlab.evaluation.gate", "quantlab.experiments.report")
     result = _python(
         "import sys\n"
         "from quantlab.cli import main\n"
