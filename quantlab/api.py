@@ -54,13 +54,24 @@ if TYPE_CHECKING:
     from quantlab.planner.flow import PlanResult, PlanSettings
 
 
-def __getattr__(name: str):
-    """`quantlab check`'s call and settings, :mod:`quantlab.evaluation.gate`'s, imported when
-    first asked for."""
-    if name in ("CheckOptions", "CheckOutcome", "check_model"):
-        from quantlab.evaluation import gate
+# Names this API's calls take or return, defined elsewhere and imported when first asked
+# for (``from quantlab.api import PlanSettings``): `quantlab check`'s call and settings,
+# the planner's settings and results, the sweep's, validation's.
+_IMPORTED_WHEN_ASKED = {
+    "CheckOptions": "quantlab.evaluation.gate", "CheckOutcome": "quantlab.evaluation.gate",
+    "check_model": "quantlab.evaluation.gate", "PlanSettings": "quantlab.planner.flow",
+    "PlanResult": "quantlab.planner.flow", "Plan": "quantlab.planner.decisions",
+    "Certificate": "quantlab.planner.certify", "Config": "quantlab.experiments.sweep",
+    "SweepResult": "quantlab.experiments.sweep", "Task": "quantlab.evaluation.tasks",
+    "ValidationResult": "quantlab.evaluation.validate",
+}
 
-        return getattr(gate, name)
+
+def __getattr__(name: str):
+    if name in _IMPORTED_WHEN_ASKED:
+        import importlib
+
+        return getattr(importlib.import_module(_IMPORTED_WHEN_ASKED[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -176,6 +176,27 @@ def test_calibrating_an_onnx_file_imports_neither_torch_nor_what_other_commands_
     assert (tmp_path / "out" / "model.int8.onnx").is_file()
 
 
+def test_what_the_api_takes_and_returns_imports_from_quantlab_api(tmp_path):
+    """The settings and results of quantlab.api's calls import from it (the notebooks take
+    PlanSettings from there), each the object of the module that defines it, though the
+    module is loaded only when asked for."""
+    result = _python(
+        "import sys\n"
+        "import quantlab.api as api\n"
+        "print('LOADED', 'quantlab.planner.flow' in sys.modules)\n"
+        "from quantlab.api import PlanSettings, CheckOptions, Config, ValidationResult\n"
+        "from quantlab.planner.flow import PlanSettings as defined\n"
+        "assert PlanSettings is defined\n"
+        "assert api.PlanOptions().planner == defined()\n"
+        "try:\n"
+        "    api.NoSuchName\n"
+        "except AttributeError as error:\n"
+        "    print('MISSING', error)\n", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "LOADED False" in result.stdout
+    assert "MISSING module 'quantlab.api' has no attribute 'NoSuchName'" in result.stdout
+
+
 def _calibrate_args(model, data, out, *extra):
     return ["calibrate", str(model), "--data", str(data), "--out", str(out), "--method", "max",
             "--no-progress", *extra]
