@@ -480,6 +480,35 @@ def test_a_phase_shows_its_samples_and_ends_when_its_reader_stops(monkeypatch, c
                                "samples": 6, "model_runs": 12}]
 
 
+def test_a_bias_half_that_settles_ends_its_line_before_the_next_half_starts(monkeypatch, capsys):
+    """A half of the bias pass that stops once settled closes its samples then, so its
+    progress line ends before the second half's starts (not once both had run)."""
+    import sys
+
+    from quantlab import progress
+    from quantlab.calibration import qdq, repairs
+    from quantlab.data import open_data
+
+    monkeypatch.setattr(progress, "LINE_SECONDS", 0.0)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    model = graph.normalize(small_model())
+    quantized = qdq.quantize_model(model, {"input": 4.0, "relu": 3.0}, weight_criterion="max")
+    source = open_data(DATA, graph.input_specs(model), 5)
+    half = len(DATA) // 2
+    phases = pipeline.Phases()
+    _, _, report, _ = repairs.bias_shift_folds(model, quantized, [
+        phases.shown(model, source.subset(start, start + half), f"bias shifts, {label}")
+        for start, label in ((0, "first half"), (half, "second half"))],
+        settle=repairs.Settle(float("inf"), 3))  # settled as soon as 3 are read
+    assert report.summary["samples_read"] == [3, 3]
+    lines = [line for line in capsys.readouterr().err.splitlines()
+             if ": started, " in line or ": done, " in line]
+    assert lines[0] == f"calibrate: bias shifts, first half: started, {half} sample"
+    assert lines[1].startswith("calibrate: bias shifts, first half: done, 3 sample in ")
+    assert lines[2] == f"calibrate: bias shifts, second half: started, {half} sample"
+    assert lines[3].startswith("calibrate: bias shifts, second half: done, 3 sample in ")
+
+
 def test_equalization_decided_inside_the_statistics_pass_gives_the_pass_of_its_own():
     """Issue 41: the equalization is decided from the statistics pass's first
     EQUALIZE_SAMPLES (the model as it is, channels kept), the rest run the equalized model.

@@ -386,6 +386,9 @@ def _local_mean_errors(reference: Graph, local, cut: Mapping[str, str],
             spread.add({node: values[total] * channels[node] / max(float(values[count]), 1.0)
                         for node, (total, count) in names.items()})
             if read >= settle.minimum and spread.noise_ratio() <= settle.tolerance:
+                # Told now that no more is read: a progress bar over the samples says so
+                # here, not when the caller lets go of it (after the other half had run).
+                getattr(batches, "close", lambda: None)()
                 break
     counts = {node: float(totals[count]) / channels[node] for node, (_, count) in names.items()}
     return {node: totals[total] / max(counts[node], 1.0)
