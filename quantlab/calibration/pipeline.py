@@ -138,10 +138,13 @@ class Phases:
 
     `model_runs` counts forward passes: one per sample (per batch of a fixed-batch model)
     and graph run, a whole model or a cut-out with its layers' copies attached alike.
+    `batch` is the samples one run takes: a fixed-batch model's batch size, else 1; the
+    progress bars of such a model count its batches.
     """
 
-    def __init__(self, progress: bool = True):
+    def __init__(self, progress: bool = True, batch: int = 1):
         self.progress = progress
+        self.batch = batch
         self.records: list[dict] = []
 
     @contextmanager
@@ -150,14 +153,16 @@ class Phases:
         start = time.perf_counter()
         yield
         self.records.append({"phase": name, "seconds": round(time.perf_counter() - start, 2),
-                             "samples": samples, "model_runs": samples * graphs})
+                             "samples": samples, "model_runs": -(-samples // self.batch) * graphs})
 
     def shown(self, model: onnx.ModelProto, source: BatchSource, name: str,
               limit: int | None = None) -> Iterator[dict]:
-        """The samples of `source` (up to `limit`), one at a time, with a progress bar named
-        ``calibrate: <name>`` that shows the time left (:func:`samples`)."""
+        """The samples of `source` (up to `limit`), one at a time (a fixed-batch model's
+        batches), with a progress bar named ``calibrate: <name>`` that shows the time left
+        (:func:`samples`)."""
         total = min(sample_count(model, source), limit or source.num_samples)
-        with progress_bar(total=total, desc=f"calibrate: {name}", unit="sample",
+        unit = "sample" if graph.fixed_batch_size(model) is None else "batch"
+        with progress_bar(total=total, desc=f"calibrate: {name}", unit=unit,
                           enabled=self.progress) as bar:
             try:
                 for sample in samples(model, source, total):
@@ -410,7 +415,7 @@ def run_calibration(
     # unwritable folder, the cache's version and tensor names. The folder is written all or
     # nothing (experiment.output_folder): a failed run leaves no partial output.
     check_output(out, force=force, produces=CALIBRATION_FILES)
-    phases = Phases(progress)
+    phases = Phases(progress, graph.fixed_batch_size(model) or 1)
     if trt_version is not None:
         cache.implicit_int8_version(trt_version)
     index, applied, stats = equalized_statistics(
@@ -585,12 +590,13 @@ def calibrate_from_stats(
     collection serves every method (the demo compares them all).
     """
     check_options(method, dict(method_params or {}), weight_criterion)
-    phases = phases or Phases(progress=False)
     index = qdq.indexed(model)
+    phases = phases or Phases(progress=False, batch=graph.fixed_batch_size(index.model) or 1)
     chosen: dict = {}
     if method == AUTO:
         measured = _choice_samples(index, source)
-        with phases.record("layer calibrators", len(measured), len(AUTO_CANDIDATES) + 1):
+        with phases.record("layer calibrators", len(measured) * phases.batch,
+                           len(AUTO_CANDIDATES) + 1):
             scales, chosen = _auto_scales(index, stats, measured)
     else:
         scales = calibrate.calibrate(stats, method, **dict(method_params or {}))
@@ -599,10 +605,12 @@ def calibrate_from_stats(
         from quantlab.calibration import weights
 
         count = min(sample_count(index.model, source), CHOICE_SAMPLES)
-        with phases.record("weight amax", count):
+        with phases.record("weight amax", count * phases.batch):
             choice = weights.choose_weight_amax(
                 index, phases.shown(index.model, source, "weight amax", CHOICE_SAMPLES))
-        phases.records[-1].update(samples=choice.samples, model_runs=choice.samples)
+        # choice.samples counts runs (a fixed-batch model's batches)
+        phases.records[-1].update(samples=choice.samples * phases.batch,
+                                  model_runs=choice.samples)
         weight_amax, weight_choice = choice.amax, {"summary": choice.summary(),
                                                    "tensors": choice.tensors}
     quantized = qdq.quantize_model(index, scales.amax, weight_criterion=_QDQ_CRITERION.get(
@@ -647,7 +655,7 @@ def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: Ba
     halves = ([source.subset(0, half), source.subset(half, source.num_samples)] if half
               else [source])
     labels = ("first half", "second half")
-    with phases.record("bias shifts", sample_count(index.model, source)):
+    with phases.record("bias shifts", source.num_samples):
         # The pass runs the FP32 model on the samples the folds score (each half's first
         # FOLD_MAX_SAMPLES, the first it reads): its outputs are the folds' references.
         shifts, pooled, report, references = repairs.bias_shift_folds(index.model, quantized, [
@@ -671,10 +679,10 @@ def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: Ba
                                           references=references[scored_on])
                 folds.append({"measured_on": labels[measured_on], **fold})
                 energies.append(found)
-        read = sum(f["samples_scored"] for f in folds)
+        runs = sum(f["samples_scored"] for f in folds)  # a fixed-batch model's batches
         fp32_runs = sum(max(f["samples_scored"] - len(references[scored_on]), 0)
                         for f, scored_on in zip(folds, (1, 0), strict=True))
-        phases.records[-1].update(samples=read, model_runs=2 * read + fp32_runs)
+        phases.records[-1].update(samples=runs * fixed, model_runs=2 * runs + fp32_runs)
     report.summary["folds"] = folds
     kept = False
     if folds:

@@ -480,6 +480,33 @@ def test_a_phase_shows_its_samples_and_ends_when_its_reader_stops(monkeypatch, c
                                "samples": 6, "model_runs": 12}]
 
 
+def test_a_fixed_batch_models_phases_count_samples_and_its_runs_batches(tmp_path, monkeypatch,
+                                                                      capsys):
+    """A model that takes exactly 4 samples a run: each phase records the samples it read
+    and one model run per batch of 4 (per graph), and the decisions' progress bars count
+    batches (the statistics pass's its samples)."""
+    import sys
+
+    from quantlab import progress
+
+    monkeypatch.setattr(progress, "LINE_SECONDS", 0.0)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    model = small_model()
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 4
+    result = pipeline.run_calibration(model, DATA, tmp_path / "run")
+    phases = {p["phase"]: p for p in result.phases}
+    assert list(phases) == ["statistics", "weight amax", "bias shifts", "output noise"]
+    assert phases["statistics"]["samples"] == len(DATA)
+    graphs = {"statistics": 1, "weight amax": 1, "bias shifts": 1, "output noise": 2}
+    for name, phase in phases.items():  # weight amax reads none where no weight differs
+        assert phase["samples"] % 4 == 0 and (phase["samples"] > 0 or name == "weight amax")
+        assert phase["model_runs"] == phase["samples"] // 4 * graphs[name], phase
+    lines = capsys.readouterr().err.splitlines()
+    assert f"calibrate: statistics: started, {len(DATA)} sample" in lines  # its samples
+    assert "calibrate: bias shifts, first half: started, 2 batch" in lines  # 8 samples
+    assert not [line for line in lines if "shifts" in line and " sample" in line]
+
+
 def test_a_bias_half_that_settles_ends_its_line_before_the_next_half_starts(monkeypatch, capsys):
     """A half of the bias pass that stops once settled closes its samples then, so its
     progress line ends before the second half's starts (not once both had run)."""
