@@ -155,6 +155,12 @@ class Phases:
         self.records.append({"phase": name, "seconds": round(time.perf_counter() - start, 2),
                              "samples": samples, "model_runs": -(-samples // self.batch) * graphs})
 
+    def read(self, runs: int, graphs: int = 1, more: int = 0) -> None:
+        """What the phase just recorded read, once known (a decision that stops once
+        settled): `runs` runs (samples, a fixed-batch model's batches) through `graphs`
+        graphs each, and `more` runs of other graphs."""
+        self.records[-1].update(samples=runs * self.batch, model_runs=runs * graphs + more)
+
     def shown(self, model: onnx.ModelProto, source: BatchSource, name: str,
               limit: int | None = None) -> Iterator[dict]:
         """The samples of `source` (up to `limit`), one at a time (a fixed-batch model's
@@ -608,9 +614,7 @@ def calibrate_from_stats(
         with phases.record("weight amax", count * phases.batch):
             choice = weights.choose_weight_amax(
                 index, phases.shown(index.model, source, "weight amax", CHOICE_SAMPLES))
-        # choice.samples counts runs (a fixed-batch model's batches)
-        phases.records[-1].update(samples=choice.samples * phases.batch,
-                                  model_runs=choice.samples)
+        phases.read(choice.samples)  # its runs (a fixed-batch model's batches)
         weight_amax, weight_choice = choice.amax, {"summary": choice.summary(),
                                                    "tensors": choice.tensors}
     quantized = qdq.quantize_model(index, scales.amax, weight_criterion=_QDQ_CRITERION.get(
@@ -663,8 +667,7 @@ def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: Ba
             for part, label in zip(halves, labels, strict=False)],
             settle=repairs.Settle(BIAS_SETTLED_NOISE, BIAS_MIN_SAMPLES),
             model_outputs=FOLD_MAX_SAMPLES if half else 0)
-    read = sum(report.summary["samples_read"])
-    phases.records[-1].update(samples=read, model_runs=read // fixed)
+    phases.read(sum(report.summary["samples_read"]) // phases.batch)
     folds, energies = [], []
     if half:
         with phases.record("output noise", 0, 2):
@@ -679,10 +682,11 @@ def _corrected_biases(index: graph.Graph, quantized: onnx.ModelProto, source: Ba
                                           references=references[scored_on])
                 folds.append({"measured_on": labels[measured_on], **fold})
                 energies.append(found)
-        runs = sum(f["samples_scored"] for f in folds)  # a fixed-batch model's batches
-        fp32_runs = sum(max(f["samples_scored"] - len(references[scored_on]), 0)
-                        for f, scored_on in zip(folds, (1, 0), strict=True))
-        phases.records[-1].update(samples=runs * fixed, model_runs=2 * runs + fp32_runs)
+        # Each scored run (a fixed-batch model's batch) ran both Q/DQ models, and FP32 those
+        # past the references.
+        phases.read(sum(f["samples_scored"] for f in folds), 2,
+                    sum(max(f["samples_scored"] - len(references[scored_on]), 0)
+                        for f, scored_on in zip(folds, (1, 0), strict=True)))
     report.summary["folds"] = folds
     kept = False
     if folds:
