@@ -768,10 +768,12 @@ def output_energies(model: onnx.ModelProto | OnnxRuntimeBackend,
     fp32 = None
     backends = [session(candidate, "int8") for candidate in candidates]
     for index, sample in enumerate(samples):
-        if index >= len(references) and fp32 is None:
-            fp32 = session(model, "fp32")
-        outputs = references[index] if index < len(references) else fp32.run(sample)
-        reference = {name: want.astype(np.float64) for name, want in outputs.items()
+        if index < len(references):
+            fp32_outputs = references[index]
+        else:
+            fp32 = fp32 if fp32 is not None else session(model, "fp32")
+            fp32_outputs = fp32.run(sample)
+        reference = {name: want.astype(np.float64) for name, want in fp32_outputs.items()
                      if np.issubdtype(want.dtype, np.floating)}
         yield (np.array([[np.sum((outputs[name] - want) ** 2) for name, want in reference.items()]
                          for outputs in (backend.run(sample) for backend in backends)]),
