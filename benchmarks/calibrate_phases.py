@@ -3,6 +3,7 @@
 One configuration per process, so ``farm-bench --vs`` can pair them:
 
     python benchmarks/calibrate_phases.py quantlab MODEL CALIB.npy VAL.npy [--root TREE]
+        [--weight-rounding gptq]
     python benchmarks/calibrate_phases.py ort MODEL CALIB.npy
     VENV/bin/python benchmarks/calibrate_phases.py modelopt MODEL CALIB.npy VAL.npy --keep DIR
     python benchmarks/calibrate_phases.py score DIR/fp32.onnx DIR/int8.onnx VAL.npy --metric M
@@ -77,14 +78,17 @@ def held_out(fp32: bytes | str, int8: bytes | str, val: str, metric: str | None 
 
 
 def run_quantlab(model: str, calib: str, val: str, root: Path, metric: str | None = None,
-                 keep: Path | None = None) -> dict:
-    """Calibrate with the tree's defaults; time it, read its phases, score it held out."""
+                 keep: Path | None = None, weight_rounding: str | None = None) -> dict:
+    """Calibrate with the tree's defaults (or `weight_rounding`); time it, read its phases,
+    score it held out."""
     sys.path.insert(0, str(root))
     from quantlab.calibration import pipeline
 
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
-        result = pipeline.run_calibration(model, calib, Path(out) / "run", progress=False)
+        options = {"weight_rounding": weight_rounding} if weight_rounding else {}
+        result = pipeline.run_calibration(model, calib, Path(out) / "run", progress=False,
+                                          **options)
         wall = time.perf_counter() - start
     scores = held_out(result.model.SerializeToString(), result.qdq_model.SerializeToString(),
                       val, metric)
@@ -167,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     mine = sub.add_parser("quantlab")
     mine.add_argument("--root", type=Path, default=ROOT, help="the quantlab tree to measure")
     mine.add_argument("--metric", help="module:function scored held out beside the SQNR")
+    mine.add_argument("--weight-rounding", help="calibrate's --weight-rounding (default: the "
+                      "tree's)")
     theirs = sub.add_parser("ort")
     peer = sub.add_parser("modelopt")
     score = sub.add_parser("score", help="score kept models (FP32 = MODEL, INT8 = CALIB)")
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tool == "quantlab":
         found = run_quantlab(args.model, args.calib, args.val, args.root, args.metric,
-                             args.keep)
+                             args.keep, args.weight_rounding)
     elif args.tool == "modelopt":
         found = run_modelopt(args.model, args.calib, args.val, args.keep)
     elif args.tool == "score":

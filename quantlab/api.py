@@ -84,13 +84,14 @@ def _plan_settings() -> PlanSettings:
 @dataclass(frozen=True)
 class CalibrateOptions:
     """How `quantlab calibrate` calibrates (its defaults, choices.py's): the activations'
-    `method` (with `method_params`), the weight amax, bias correction, equalization of
+    `method` (with `method_params`), the weight amax and rounding, bias correction, equalization of
     depthwise and 1x1-conv inputs, a TensorRT <= 10 calibration cache for `trt_version`,
     and the collection's memory budget (None: 2 GB)."""
 
     method: str = choices.DEFAULT_METHOD
     method_params: dict[str, float] = field(default_factory=dict)
     weight_amax: str = choices.DEFAULT_WEIGHT_AMAX
+    weight_rounding: str = choices.DEFAULT_WEIGHT_ROUNDING
     bias_correction: bool = True
     equalize: bool = True
     trt_version: str | None = None
@@ -112,7 +113,7 @@ def calibrate_model(model: str | os.PathLike | onnx.ModelProto,
         trt_version=options.trt_version, constants=data_options.constants,
         batch_axes=data_options.batch_axes, memory_budget=options.memory,
         equalize=options.equalize, weight_criterion=options.weight_amax,
-        bias_correction=options.bias_correction)
+        weight_rounding=options.weight_rounding, bias_correction=options.bias_correction)
 
 
 @dataclass(frozen=True)

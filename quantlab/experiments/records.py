@@ -45,6 +45,9 @@ class FolderRecord:
     FORMAT: ClassVar[str | None] = None
     # Checks and conversions of fields when read (experiment.check_fields).
     CHECKS: ClassVar[Mapping[str, Callable[[Any], Any]]] = {}
+    # Fields declared after files of the kind were first written: an older file has none,
+    # so each is written only when set, and such a file reads and writes back the same.
+    ADDED: ClassVar[frozenset[str]] = frozenset()
 
     # Fields of the file this class does not declare (an edited file, or one of a newer
     # quantlab of the same version): kept, written back and indexed as they are.
@@ -52,7 +55,8 @@ class FolderRecord:
 
     def values(self) -> dict:
         """The record's fields by name, as its file holds them, the undeclared ones last."""
-        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "others"},
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "others"
+                   and not (f.name in self.ADDED and getattr(self, f.name) is None)},
                 **self.others}
 
     def to_json(self) -> dict:
@@ -203,6 +207,7 @@ class CalibrationRecord(FolderRecord):
     CHECKS: ClassVar[Mapping[str, Callable[[Any], Any]]] = {
         "data": _data_path, "preprocess": _preprocess, "data_stamp": _stamp,
         "frozen_inputs": _mapping, "sample_axes": _mapping}
+    ADDED: ClassVar[frozenset[str]] = frozenset({"weight_rounding", "weight_rounding_choice"})
 
     # The user's model file (absolute) or zoo name; model.onnx is its normalized copy.
     model: str
@@ -225,6 +230,8 @@ class CalibrationRecord(FolderRecord):
     repairs_requested: dict | None = None
     weight_amax: str | None = None
     weight_amax_choice: dict | None = None
+    weight_rounding: str | None = None
+    weight_rounding_choice: dict | None = None
     layer_calibrators: dict | None = None
     phases: list | None = None
 
