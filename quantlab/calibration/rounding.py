@@ -47,7 +47,7 @@ class _Layer:
     node: onnx.NodeProto  # the FP32 model's linear op
     weight: np.ndarray  # its FP32 weight
     quantized: str  # the Q/DQ model's int8 initializer
-    scale: np.ndarray  # per row of `rows(weight)`, or one
+    scale: np.ndarray  # per row of `_rows(weight)` (a per-tensor scale repeated)
     bias: np.ndarray | None  # per row, where the rounding refits it
     moments: np.ndarray | float = 0.0  # H summed (one per channel: a depthwise conv)
     count: int = 0  # rows of x summed into it
