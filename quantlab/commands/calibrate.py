@@ -20,7 +20,7 @@ layer the least error (--weight-amax local), and each INT8 layer's mean error is
 subtracted from its bias where that holds on data it was not measured on (each half
 read until its shifts are settled, the other scored, both folds pooled);
 calibration.json records every choice and each phase's time. These cost a few more
-passes (PP-OCRv3 detector, 128 pages at 640x640: 1.35-1.55x ONNX Runtime's MinMax
+passes (PP-OCRv3 detector, 128 pages at 640x640: 1.3-1.55x ONNX Runtime's MinMax
 calibration, benchmarks/README.md). `--method
 percentile --weight-amax max --no-bias-correction --no-equalize` is the plain per-tensor
 calibration.
