@@ -214,22 +214,23 @@ def _from_rows(layer: _Layer, rows: np.ndarray) -> np.ndarray:
 
 
 def _input_rows(layer: _Layer, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Up to POSITIONS of the layer's input vectors (rows), one per output position: the
-    patches a conv reads, a ConvTranspose's input pixels, a matrix's input rows; a 1
-    appended where the bias is refitted. A depthwise conv's are [channel, row, tap]."""
+    """Up to POSITIONS of the layer's input vectors (rows, float32), one per output position:
+    the patches a conv reads, a ConvTranspose's input pixels, a matrix's input rows. A
+    depthwise conv's are [channel, row, tap]."""
     op = layer.node.op_type
     if op in ("Gemm", "MatMul"):
         rows = x.reshape(-1, x.shape[-1])
-        return _with_ones(layer, rows[_pick(len(rows), rng)])
+        return rows[_pick(len(rows), rng)].astype(np.float32, copy=False)
     if op == "ConvTranspose":
         rows = np.moveaxis(x, 1, -1).reshape(-1, x.shape[1])
-        return _with_ones(layer, rows[_pick(len(rows), rng)])
+        return rows[_pick(len(rows), rng)].astype(np.float32, copy=False)
     attrs = _attrs(layer.node)
     kernel = layer.weight.shape[2:]
     strides = attrs.get("strides", [1, 1])
     dilations = attrs.get("dilations", [1, 1])
     pads = attrs.get("pads", [0, 0, 0, 0])
-    padded = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    padded = np.pad(x.astype(np.float32, copy=False),
+                    ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
     span = [(k - 1) * d + 1 for k, d in zip(kernel, dilations, strict=True)]
     windows = np.lib.stride_tricks.sliding_window_view(padded, span, axis=(2, 3))
     windows = windows[:, :, ::strides[0], ::strides[1], ::dilations[0], ::dilations[1]]
@@ -238,15 +239,8 @@ def _input_rows(layer: _Layer, x: np.ndarray, rng: np.random.Generator) -> np.nd
     sample, position = np.divmod(picked, oh * ow)
     flat = windows[sample, :, position // ow, position % ow].reshape(len(picked), c, -1)
     if _depthwise(layer):
-        return _with_ones(layer, np.moveaxis(flat, 1, 0))  # c, rows, taps
-    return _with_ones(layer, flat.reshape(len(picked), -1))
-
-
-def _with_ones(layer: _Layer, rows: np.ndarray) -> np.ndarray:
-    rows = rows.astype(np.float32)
-    if layer.bias is None:
-        return rows
-    return np.concatenate([rows, np.ones((*rows.shape[:-1], 1), np.float32)], axis=-1)
+        return np.moveaxis(flat, 1, 0)  # c, rows, taps
+    return flat.reshape(len(picked), -1)
 
 
 def _pick(count: int, rng: np.random.Generator) -> np.ndarray:
@@ -256,13 +250,20 @@ def _pick(count: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def _accumulate(layer: _Layer, rows: np.ndarray) -> None:
-    if rows.ndim == 3:  # depthwise: per channel
-        layer.moments = layer.moments + np.matmul(rows.transpose(0, 2, 1), rows).astype(
-            np.float64)
-        layer.count += rows.shape[1]
-    else:
-        layer.moments = layer.moments + (rows.T @ rows).astype(np.float64)
-        layer.count += rows.shape[0]
+    """Add `rows`' second moments to the layer's H; where the bias is refitted, H's last row
+    and column are those of the input 1 beside them: the rows' sums and their count."""
+    depthwise = rows.ndim == 3  # per channel
+    count = rows.shape[-2]
+    moments = (np.matmul(rows.transpose(0, 2, 1), rows) if depthwise else rows.T @ rows
+               ).astype(np.float64)
+    if layer.bias is not None:
+        sums = rows.sum(axis=-2, dtype=np.float64)[..., None]  # (channels,) columns x 1
+        corner = np.full((*sums.shape[:-2], 1, 1), float(count))
+        moments = np.concatenate([np.concatenate([moments, sums], axis=-1),
+                                  np.concatenate([np.swapaxes(sums, -1, -2), corner],
+                                                 axis=-1)], axis=-2)
+    layer.moments = layer.moments + moments
+    layer.count += count
 
 
 def _gptq(weight: np.ndarray, moments: np.ndarray, scale: np.ndarray, free_last: bool

@@ -86,8 +86,8 @@ CONVS = {
 
 @pytest.mark.parametrize("case", list(CONVS))
 def test_input_rows_times_the_weight_rows_are_the_conv_output(case, monkeypatch):
-    """Every output position's row (its patch, then a 1 for the bias) times the weight's rows
-    is what ONNX Runtime's conv computes there."""
+    """Every output position's row (its patch) times the weight's rows, plus the bias (their
+    last column), is what ONNX Runtime's conv computes there."""
     monkeypatch.setattr(rounding, "POSITIONS", 10**6)  # every position, in order
     attrs, shape = CONVS[case]
     rng = np.random.default_rng(2)
@@ -98,12 +98,12 @@ def test_input_rows_times_the_weight_rows_are_the_conv_output(case, monkeypatch)
     x = rng.standard_normal((2, 4, 9, 8)).astype(np.float32)
     want = OnnxRuntimeBackend(model.model).run({"x": x})["y"].astype(np.float64)
     rows = rounding._input_rows(layer, x, np.random.default_rng(0)).astype(np.float64)
-    weights = rounding._rows(layer)
-    if rounding._depthwise(layer):  # channel x position x (taps, 1)
-        got = np.einsum("cpk,ck->cp", rows, weights)
+    weights, biases = rounding._rows(layer)[:, :-1], rounding._rows(layer)[:, -1]
+    if rounding._depthwise(layer):  # channel x position x taps
+        got = np.einsum("cpk,ck->cp", rows, weights) + biases[:, None]
         got = got.reshape(4, 2, -1).transpose(1, 0, 2)
-    else:  # position x (patch, 1)
-        got = (rows @ weights.T).reshape(2, -1, shape[0]).transpose(0, 2, 1)
+    else:  # position x patch
+        got = (rows @ weights.T + biases).reshape(2, -1, shape[0]).transpose(0, 2, 1)
     np.testing.assert_allclose(got, want.reshape(got.shape), rtol=1e-5, atol=1e-5)
 
 
