@@ -48,9 +48,9 @@ CALIBRATE_WEIGHT_CRITERIA = ("local", *WEIGHT_CRITERIA)
 DEFAULT_WEIGHT_AMAX = "local"
 # How calibrate rounds the int8 weights: to the nearest step, or by GPTQ on the layer's inputs
 # with a conv's bias refitted (quantlab.calibration.rounding). Not the default: held out it
-# gained 0.6-1.8 dB on the PP-OCRv3 detector's three page sets (map F1 +0.002-0.003), but
-# lost 0.3-0.5 dB on the layout detector, the suite's ViT and onet, and YOLOv8n's map F1
-# fell below ModelOpt's (benchmarks/README.md, "weight rounding").
+# gained 0.6-1.8 dB on the PP-OCRv3 detector's three page sets (map F1 +0.001-0.003), but
+# lost 0.3-0.5 dB on the suite's ViT and onet, and YOLOv8n's map F1 fell below ModelOpt's
+# (benchmarks/README.md, "weight rounding").
 WEIGHT_ROUNDINGS = ("nearest", "gptq")
 DEFAULT_WEIGHT_ROUNDING = "nearest"
 # Repairs of quantlab.calibration.repairs, by name (each a Repair in

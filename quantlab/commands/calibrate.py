@@ -114,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "calibration samples; a conv's bias refitted; recorded per tensor in "
                         "calibration.json; about 5 s on a 640 px detector). Held out, gptq gained "
                         "0.6-1.8 dB on a PP-OCRv3 text detector and lost 0.3-0.5 dB on "
-                        "three other models of the real-model suite: calibrate both and "
+                        "two small models of the real-model suite: calibrate both and "
                         "`quantlab compare` them")
     parser.add_argument("--no-bias-correction", action="store_true",
                         help="keep the INT8 layers' biases (by default each INT8 layer's mean "
