@@ -29,7 +29,9 @@ from onnx import numpy_helper
 
 from quantlab import graph
 from quantlab.calibration import qdq
+from quantlab.calibration.repairs.base import _copy, _Weights
 from quantlab.graph import Graph
+from quantlab.metadata import attribute
 
 # Input rows (output positions) read per sample and layer: 8 samples of a 640 px detector
 # give 16,384 rows, 19 per column for its widest layer (a 3x3 conv of 96 channels).
@@ -49,6 +51,7 @@ class _Layer:
     quantized: str  # the Q/DQ model's int8 initializer
     scale: np.ndarray  # per row of `_rows(weight)` (a per-tensor scale repeated)
     bias: np.ndarray | None  # per row, where the rounding refits it
+    nearest: np.ndarray | None = None  # the int8 values nearest rounding gave it
     moments: np.ndarray | float = 0.0  # H summed (one per channel: a depthwise conv)
     count: int = 0  # rows of x summed into it
 
@@ -96,8 +99,7 @@ def round_weights(index: Graph, quantized: onnx.ModelProto,
             continue
         moments = layer.moments / layer.count
         target = _rows(layer)
-        nearest = _rows_of(layer, numpy_helper.to_array(
-            _initializer(quantized, layer.quantized)).astype(np.float64)) * layer.scale[:, None]
+        nearest = _rows_of(layer, layer.nearest.astype(np.float64)) * layer.scale[:, None]
         if layer.bias is not None:
             nearest = np.concatenate([nearest, layer.bias[:, None]], axis=1)
         chosen = _gptq(target, moments, layer.scale, layer.bias is not None)
@@ -108,7 +110,7 @@ def round_weights(index: Graph, quantized: onnx.ModelProto,
             weights[layer.quantized] = _from_rows(layer, np.rint(
                 grid / np.reshape(layer.scale, (-1, 1)))).astype(np.int8)
             if layer.bias is not None:
-                biases[layer.node.name] = chosen[:, -1].astype(np.float32)
+                biases[layer.node.name] = chosen[:, -1]
         result.tensors[name] = {"rounded": bool(keep), "rows": layer.count, "columns": columns,
                                 "error_ratio": after / before if before else 1.0}
     return _written(quantized, weights, biases), result
@@ -116,20 +118,13 @@ def round_weights(index: Graph, quantized: onnx.ModelProto,
 
 def _layers(index: Graph, quantized: onnx.ModelProto) -> dict[str, _Layer]:
     """The FP32 model's INT8 linear ops whose rounding this module handles, by weight."""
-    producers = {o: n for n in quantized.graph.node for o in n.output}
+    producers = graph.producers(quantized)
     q_nodes = {n.name: n for n in quantized.graph.node}
     values = graph.initializers(index.model)
     q_values = graph.initializers(quantized)
     # A weight or bias that two ops read (shared) keeps its nearest rounding / its value:
     # one rounding cannot fit both ops' inputs.
-    uses: dict[str, int] = {}
-    for node in quantized.graph.node:
-        for name in node.input[1:]:
-            uses[name] = uses.get(name, 0) + 1
-    readers: dict[str, int] = {}
-    for node in index.model.graph.node:
-        if qdq.LINEAR_OPS.get(node.op_type) == 1 and len(node.input) > 1:
-            readers[node.input[1]] = readers.get(node.input[1], 0) + 1
+    readers = graph.consumers(quantized)
     layers = {}
     for node in index.model.graph.node:
         if qdq.LINEAR_OPS.get(node.op_type) != 1 or len(node.input) < 2:
@@ -141,18 +136,19 @@ def _layers(index: Graph, quantized: onnx.ModelProto) -> dict[str, _Layer]:
         dq = producers[q_node.input[1]]
         if dq.op_type != "DequantizeLinear" or dq.input[0] not in q_values:
             continue
-        if readers[node.input[1]] > 1 or uses.get(dq.output[0], 0) > 1 \
+        if len(index.consumers[node.input[1]]) > 1 or len(readers[dq.output[0]]) > 1 \
                 or not _handled(node, weight):
             continue
         scale = q_values[dq.input[1]].astype(np.float64).reshape(-1)
-        layer = _Layer(node, weight.astype(np.float64), dq.input[0], scale, None)
+        layer = _Layer(node, weight.astype(np.float64), dq.input[0], scale, None,
+                       q_values[dq.input[0]])
         rows = _rows(layer).shape[0]
         if scale.size not in (1, rows):
             continue  # a per-channel axis that is not the rows this module forms
         layer.scale = np.broadcast_to(scale, (rows,)).copy()
         named = q_node.input[2] if len(q_node.input) > 2 else ""
         if node.op_type == "Conv" and (not named or (named in q_values
-                                                      and uses[named] == 1)):
+                                                      and len(readers[named]) == 1)):
             # The bias refitted as the last column (a conv without one gets one).
             layer.bias = (np.broadcast_to(q_values[named].astype(np.float64).reshape(-1),
                                           (rows,)).copy() if named else np.zeros(rows))
@@ -160,25 +156,20 @@ def _layers(index: Graph, quantized: onnx.ModelProto) -> dict[str, _Layer]:
     return layers
 
 
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
 def _handled(node: onnx.NodeProto, weight: np.ndarray) -> bool:
-    attrs = _attrs(node)
     if node.op_type == "Conv":
-        group = attrs.get("group", 1)
+        group = attribute(node, "group", 1)
         return weight.ndim == 4 and (group == 1 or (weight.shape[1] == 1
                                                    and weight.shape[0] == group))
     if node.op_type == "ConvTranspose":
-        return weight.ndim == 4 and attrs.get("group", 1) == 1
+        return weight.ndim == 4 and attribute(node, "group", 1) == 1
     if node.op_type == "Gemm":
-        return weight.ndim == 2 and not attrs.get("transA", 0)
+        return weight.ndim == 2 and not attribute(node, "transA", 0)
     return weight.ndim == 2  # MatMul
 
 
 def _depthwise(layer: _Layer) -> bool:
-    return layer.node.op_type == "Conv" and _attrs(layer.node).get("group", 1) > 1
+    return layer.node.op_type == "Conv" and attribute(layer.node, "group", 1) > 1
 
 
 def _rows(layer: _Layer) -> np.ndarray:
@@ -196,7 +187,7 @@ def _rows_of(layer: _Layer, weight: np.ndarray) -> np.ndarray:
         return weight.reshape(weight.shape[0], -1)
     if op == "ConvTranspose":  # [C_in, C_out, kh, kw]: every tap is a 1x1 map of C_in
         return np.moveaxis(weight, 0, -1).reshape(-1, weight.shape[0])
-    if op == "Gemm" and _attrs(layer.node).get("transB", 0):
+    if op == "Gemm" and attribute(layer.node, "transB", 0):
         return weight
     return weight.T
 
@@ -208,7 +199,7 @@ def _from_rows(layer: _Layer, rows: np.ndarray) -> np.ndarray:
         return rows.reshape(shape)
     if op == "ConvTranspose":
         return np.moveaxis(rows.reshape(*shape[1:], shape[0]), -1, 0)
-    if op == "Gemm" and _attrs(layer.node).get("transB", 0):
+    if op == "Gemm" and attribute(layer.node, "transB", 0):
         return rows
     return rows.T
 
@@ -224,11 +215,10 @@ def _input_rows(layer: _Layer, x: np.ndarray, rng: np.random.Generator) -> np.nd
     if op == "ConvTranspose":
         rows = np.moveaxis(x, 1, -1).reshape(-1, x.shape[1])
         return rows[_pick(len(rows), rng)].astype(np.float32, copy=False)
-    attrs = _attrs(layer.node)
     kernel = layer.weight.shape[2:]
-    strides = attrs.get("strides", [1, 1])
-    dilations = attrs.get("dilations", [1, 1])
-    pads = attrs.get("pads", [0, 0, 0, 0])
+    strides = attribute(layer.node, "strides", [1, 1])
+    dilations = attribute(layer.node, "dilations", [1, 1])
+    pads = attribute(layer.node, "pads", [0, 0, 0, 0])
     padded = np.pad(x.astype(np.float32, copy=False),
                     ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
     span = [(k - 1) * d + 1 for k, d in zip(kernel, dilations, strict=True)]
@@ -298,35 +288,26 @@ def _error(target: np.ndarray, values: np.ndarray, moments: np.ndarray) -> float
     return float(np.einsum("rk,kl,rl->", difference, moments, difference))
 
 
-def _initializer(model: onnx.ModelProto, name: str) -> onnx.TensorProto:
-    return next(i for i in model.graph.initializer if i.name == name)
-
-
 def _written(model: onnx.ModelProto, weights: Mapping[str, np.ndarray],
              biases: Mapping[str, np.ndarray]) -> onnx.ModelProto:
     """`model` with the int8 `weights` (by initializer) and the `biases` (by node) replaced;
     a node without a bias gets one."""
     if not weights and not biases:
         return model
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    names = qdq.FreshNames(result)
+    result = _copy(model)
     for initializer in result.graph.initializer:
         if initializer.name in weights:
             initializer.CopyFrom(numpy_helper.from_array(weights[initializer.name],
                                                          initializer.name))
-    stored = {i.name: i for i in result.graph.initializer}
+    floats = _Weights(result)
     for node in result.graph.node:
         if node.name not in biases:
             continue
         if len(node.input) > 2 and node.input[2]:
-            stored[node.input[2]].CopyFrom(numpy_helper.from_array(biases[node.name],
-                                                                   node.input[2]))
+            floats.values[node.input[2]] = biases[node.name]
+        elif len(node.input) > 2:
+            node.input[2] = floats.add(f"{node.name}_bias", biases[node.name])
         else:
-            name = names(f"{node.name}_bias")
-            result.graph.initializer.append(numpy_helper.from_array(biases[node.name], name))
-            if len(node.input) > 2:
-                node.input[2] = name
-            else:
-                node.input.append(name)
+            node.input.append(floats.add(f"{node.name}_bias", biases[node.name]))
+    floats.write()
     return result
