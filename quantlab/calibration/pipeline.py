@@ -164,6 +164,15 @@ class Phases:
         self.records.append({"phase": name, "seconds": round(time.perf_counter() - start, 2),
                              "samples": samples, "model_runs": -(-samples // self.batch) * graphs})
 
+    @contextmanager
+    def reading(self, name: str, model: onnx.ModelProto, source: BatchSource, limit: int
+                ) -> Iterator[Iterator[dict]]:
+        """Time the block as phase `name`, reading up to `limit` samples of `source` one at a
+        time with a progress bar (:meth:`shown`), the samples it yields."""
+        count = min(sample_count(model, source), limit)
+        with self.record(name, count * self.batch):
+            yield self.shown(model, source, name, limit)
+
     def read(self, runs: int, graphs: int = 1, more: int = 0) -> None:
         """What the phase just recorded read, once known (a decision that stops once
         settled): `runs` runs (samples, a fixed-batch model's batches) through `graphs`
@@ -629,10 +638,8 @@ def calibrate_from_stats(
     if weight_criterion == "local":
         from quantlab.calibration import weights
 
-        count = min(sample_count(index.model, source), CHOICE_SAMPLES)
-        with phases.record("weight amax", count * phases.batch):
-            choice = weights.choose_weight_amax(
-                index, phases.shown(index.model, source, "weight amax", CHOICE_SAMPLES))
+        with phases.reading("weight amax", index.model, source, CHOICE_SAMPLES) as batches:
+            choice = weights.choose_weight_amax(index, batches)
         phases.read(choice.samples)  # its runs (a fixed-batch model's batches)
         weight_amax, weight_choice = choice.amax, {"summary": choice.summary(),
                                                    "tensors": choice.tensors}
@@ -642,11 +649,9 @@ def calibrate_from_stats(
     if weight_rounding == "gptq":
         from quantlab.calibration import rounding
 
-        count = min(sample_count(index.model, source), ROUNDING_SAMPLES)
-        with phases.record("weight rounding", count * phases.batch):
-            quantized, rounded = rounding.round_weights(
-                index, quantized,
-                phases.shown(index.model, source, "weight rounding", ROUNDING_SAMPLES))
+        with phases.reading("weight rounding", index.model, source, ROUNDING_SAMPLES
+                            ) as batches:
+            quantized, rounded = rounding.round_weights(index, quantized, batches)
         rounding_report = {"summary": rounded.summary(), "tensors": rounded.tensors}
     corrected = {}
     if bias_correction:
@@ -904,52 +909,52 @@ def write_results(
                 trt_version=trt_version,
             )
         graph.save_model(result.qdq_model, folder / "model.int8.onnx")
-        CalibrationRecord(
-            **{
-                # The user's model file (absolute) or zoo name; model.onnx is its normalized copy.
-                "model": graph.source_model(result.model),
-                # Absolute: a later command (plan --data DIR) may run from anywhere.
-                "data": recorded_path(result.data.description),
-                # Size and mtime of its files: `plan --data DIR` reuses stats.npz only while
-                # they are unchanged.
-                "data_stamp": files_stamp(data_files(result.data.description)),
-                "num_samples": result.data.num_samples,
-                "batch_size": result.data.batch_size,
-                "method": scales.method,
-                "params": scales.params,
-                "tensors": len(scales.amax),
-                "trt_version": trt_version,
-                # How the images were read, so `validate --from` reads them the same way; null
-                # where none was applied (arrays are fed as they are).
-                "preprocess": result.preprocess.to_dict() if result.preprocess else None,
-                "frozen_inputs": graph.frozen_inputs(result.model),
-                "sample_axes": {spec.name: spec.batch_axis
-                                for spec in graph.input_specs(result.model)},
-                # Run model.int8.onnx in ONNX Runtime with these session config entries
-                # to get the numbers quantlab reports (see backends/onnxruntime.py).
-                "onnxruntime_session_config": SESSION_CONFIG,
-                # FP32-preserving rewrites of model.onnx before collection, with what each
-                # treated and left alone (and why).
-                "repairs": result.repairs,
-                "repairs_requested": result.repairs_requested,
-                "weight_amax": result.weight_criterion,
-                # weight_amax "local": per weight tensor, the channels taking max |w| or the
-                # MSE amax and the local SQNR each gives.
-                "weight_amax_choice": result.weight_choice,
-                # weight_rounding "gptq": per weight tensor, whether GPTQ rounded it (and
-                # refitted a conv's bias) and its output error against nearest rounding.
-                "weight_rounding": result.weight_rounding,
-                "weight_rounding_choice": result.rounding,
-                # method "auto": the candidates, the samples the choice measured, and per
-                # layer (unit, named by its first linear op) the candidate whose amax it took.
-                "layer_calibrators": result.layer_calibrators,
-                # Each phase in order: seconds, samples read, model runs (forward passes:
-                # one per sample and graph, whole model or cut-out).
-                "phases": result.phases,
-            },
-        ).save(folder)
+        _calibration_record(result, trt_version).save(folder)
     result.folder = Path(out)
     return result.folder
+
+
+def _calibration_record(result: CalibrationResult, trt_version: str | None = None
+                       ) -> CalibrationRecord:
+    """``calibration.json`` of `result`: what was run, on what, with every choice made."""
+    scales = result.scales
+    return CalibrationRecord(
+        model=graph.source_model(result.model),
+        # Absolute: a later command (plan --data DIR) may run from anywhere.
+        data=recorded_path(result.data.description),
+        data_stamp=files_stamp(data_files(result.data.description)),
+        num_samples=result.data.num_samples,
+        batch_size=result.data.batch_size,
+        method=scales.method,
+        params=scales.params,
+        tensors=len(scales.amax),
+        trt_version=trt_version,
+        # So `validate --from` reads the images the same way.
+        preprocess=result.preprocess.to_dict() if result.preprocess else None,
+        frozen_inputs=graph.frozen_inputs(result.model),
+        sample_axes={spec.name: spec.batch_axis for spec in graph.input_specs(result.model)},
+        # Run model.int8.onnx in ONNX Runtime with these session config entries to get the
+        # numbers quantlab reports (see backends/onnxruntime.py).
+        onnxruntime_session_config=SESSION_CONFIG,
+        # FP32-preserving rewrites of model.onnx before collection, with what each treated
+        # and left alone (and why).
+        repairs=result.repairs,
+        repairs_requested=result.repairs_requested,
+        weight_amax=result.weight_criterion,
+        # weight_amax "local": per weight tensor, the channels taking max |w| or the MSE amax
+        # and the local SQNR each gives.
+        weight_amax_choice=result.weight_choice,
+        # weight_rounding "gptq": per weight tensor, whether GPTQ rounded it (and refitted a
+        # conv's bias) and its output error against nearest rounding.
+        weight_rounding=result.weight_rounding,
+        weight_rounding_choice=result.rounding,
+        # method "auto": the candidates, the samples the choice measured, and per layer
+        # (unit, named by its first linear op) the candidate whose amax it took.
+        layer_calibrators=result.layer_calibrators,
+        # Each phase in order: seconds, samples read, model runs (forward passes: one per
+        # sample and graph, whole model or cut-out).
+        phases=result.phases,
+    )
 
 
 # Characters str.splitlines() breaks at: a cache line (and its reader) cannot hold them.
