@@ -216,6 +216,11 @@ def main() -> None:
     if args.metric:
         module, function = args.metric.split(":")
         metric = getattr(importlib.import_module(module), function)
+    missing = [name for name in ("model.onnx", "model.int8.onnx")
+               if not (args.folder / name).is_file()]
+    if missing:
+        parser.error(f"{args.folder} has no {' or '.join(missing)}: give the --out folder of "
+                     "a `quantlab calibrate` run")
     fp32 = onnx.load(args.folder / "model.onnx")
     int8 = onnx.load(args.folder / "model.int8.onnx")
     val = np.load(args.val, mmap_mode="r")
