@@ -204,25 +204,36 @@ def score(model: onnx.ModelProto, references: list[list[np.ndarray]], names: lis
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
+def folder_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of a script that reads a calibration folder: FOLDER CALIB VAL [--metric]."""
+    parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folder", type=Path)
+    parser.add_argument("folder", type=Path, help="the --out folder of a `quantlab calibrate`")
     parser.add_argument("calib", help="calibration samples (.npy, leading sample axis)")
     parser.add_argument("val", help="held-out samples (.npy, leading sample axis)")
     parser.add_argument("--metric", help="module:function, lists of candidate and FP32 batches")
+    return parser
+
+
+def folder_models(parser: argparse.ArgumentParser, folder: Path) -> tuple[Path, Path]:
+    """FOLDER's model.onnx and model.int8.onnx; a folder without them is refused by name."""
+    models = folder / "model.onnx", folder / "model.int8.onnx"
+    missing = [path.name for path in models if not path.is_file()]
+    if missing:
+        parser.error(f"{folder} has no {' or '.join(missing)}: give the --out folder of a "
+                     "`quantlab calibrate` run")
+    return models
+
+
+def main() -> None:
+    parser = folder_parser(__doc__)
     args = parser.parse_args()
+    fp32_path, int8_path = folder_models(parser, args.folder)
     metric = None
     if args.metric:
         module, function = args.metric.split(":")
         metric = getattr(importlib.import_module(module), function)
-    missing = [name for name in ("model.onnx", "model.int8.onnx")
-               if not (args.folder / name).is_file()]
-    if missing:
-        parser.error(f"{args.folder} has no {' or '.join(missing)}: give the --out folder of "
-                     "a `quantlab calibrate` run")
-    fp32 = onnx.load(args.folder / "model.onnx")
-    int8 = onnx.load(args.folder / "model.int8.onnx")
+    fp32, int8 = onnx.load(fp32_path), onnx.load(int8_path)
     val = np.load(args.val, mmap_mode="r")
     calib = np.load(args.calib, mmap_mode="r")[:OFFSET_SAMPLES]
     reference = _session(fp32)

@@ -15,7 +15,6 @@ quantizer: a search, not a default's cost.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -27,7 +26,12 @@ from onnx import numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrate_phases import held_out  # noqa: E402
-from noise_bound import _activation_quantizers, _session  # noqa: E402
+from noise_bound import (  # noqa: E402
+    _activation_quantizers,
+    _session,
+    folder_models,
+    folder_parser,
+)
 
 FACTORS = (0.96, 1.04)
 GAIN = 0.99  # a factor is kept when the noise falls under this share of the current one
@@ -46,18 +50,10 @@ def with_scales(model: onnx.ModelProto, factors: dict[str, float]) -> onnx.Model
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folder", type=Path)
-    parser.add_argument("calib", help="calibration samples (.npy, leading sample axis)")
-    parser.add_argument("val", help="held-out samples (.npy, leading sample axis)")
+    parser = folder_parser(__doc__)
     parser.add_argument("--pages", type=int, default=8, help="calibration samples searched on")
-    parser.add_argument("--metric", help="module:function, lists of candidate and FP32 batches")
     args = parser.parse_args()
-    fp32, int8 = (args.folder / "model.onnx", args.folder / "model.int8.onnx")
-    if not (fp32.is_file() and int8.is_file()):
-        parser.error(f"{args.folder} has no model.onnx and model.int8.onnx: give the --out "
-                     "folder of a `quantlab calibrate` run")
+    fp32, int8 = folder_models(parser, args.folder)
     quantized = onnx.load(int8)
     samples = np.load(args.calib, mmap_mode="r")[:args.pages]
     reference = _session(onnx.load(fp32))
