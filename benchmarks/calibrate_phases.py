@@ -41,14 +41,37 @@ def sqnr_db(reference: np.ndarray, test: np.ndarray) -> float:
     return float(10 * np.log10(float(np.sum(reference ** 2)) / max(noise, 1e-300)))
 
 
+def metric_function(spec: str):
+    """The function ``module:function`` names (quantlab's one-function ``--metric`` form:
+    lists of batches, candidate then FP32), importable from this tree's root."""
+    import importlib
+
+    module, function = spec.split(":")
+    sys.path.insert(0, str(ROOT))
+    return getattr(importlib.import_module(module), function)
+
+
+def output_scores(references: list[list[np.ndarray]], outputs: list[list[np.ndarray]],
+                  names: list[str], metric: str | None = None) -> tuple[float, float | None]:
+    """The worst output's SQNR (dB, float64, pooled over the runs) of `outputs` against
+    `references` (per run, the outputs `names` lists, in order), and with `metric`
+    (``module:function``, :func:`metric_function`) its score, else None."""
+    worst = min(sqnr_db(np.concatenate([run[k].ravel() for run in references]),
+                        np.concatenate([run[k].ravel() for run in outputs]))
+                for k in range(len(names)))
+    if not metric:
+        return worst, None
+    batches = [[dict(zip(names, run, strict=True)) for run in runs]
+               for runs in (outputs, references)]
+    return worst, float(metric_function(metric)(*batches))
+
+
 def held_out(fp32: bytes | str, int8: bytes | str, val: str, metric: str | None = None
              ) -> dict:
     """The worst output's SQNR (dB, float64, pooled over VAL's samples) of `int8` against
     `fp32` (serialized models or paths), run one sample at a time in ONNX Runtime, and with
     `metric` (``module:function``, quantlab's one-function ``--metric`` form: lists of
     batches, candidate then FP32) its score."""
-    import importlib
-
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -57,23 +80,11 @@ def held_out(fp32: bytes | str, int8: bytes | str, val: str, metric: str | None 
                 for m in (fp32, int8)]
     name = sessions[0].get_inputs()[0].name
     names = [o.name for o in sessions[0].get_outputs()]
-    pairs: dict[int, list] = {}
-    batches: tuple[list, list] = ([], [])
-    for sample in np.load(val):
-        fp32_out, int8_out = (s.run(None, {name: sample[None]}) for s in sessions)
-        for k, (r, t) in enumerate(zip(fp32_out, int8_out, strict=True)):
-            pairs.setdefault(k, []).append((r, t))
-        if metric:
-            batches[0].append(dict(zip(names, int8_out, strict=True)))
-            batches[1].append(dict(zip(names, fp32_out, strict=True)))
-    found = {"sqnr_db": round(min(sqnr_db(np.concatenate([r.ravel() for r, _ in v]),
-                                          np.concatenate([t.ravel() for _, t in v]))
-                                  for v in pairs.values()), 3)}
+    runs = [[s.run(None, {name: sample[None]}) for s in sessions] for sample in np.load(val)]
+    worst, score = output_scores([r for r, _ in runs], [t for _, t in runs], names, metric)
+    found = {"sqnr_db": round(worst, 3)}
     if metric:
-        module, function = metric.split(":")
-        sys.path.insert(0, str(ROOT))
-        found[metric] = round(float(getattr(importlib.import_module(module), function)(
-            *batches)), 4)
+        found[metric] = round(score, 4)
     return found
 
 

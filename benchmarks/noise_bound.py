@@ -30,7 +30,6 @@ the variants differ only in what is quantized.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -40,11 +39,12 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # --metric benchmarks.planner_metrics:...
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, run or imported
+from calibrate_phases import ROOT, output_scores  # noqa: E402
 
-from calibrate_phases import sqnr_db  # noqa: E402  (this folder is on sys.path)
+sys.path.insert(0, str(ROOT))  # quantlab, and --metric benchmarks.planner_metrics:...
+from quantlab import graph  # noqa: E402
+from quantlab.metadata import attribute  # noqa: E402
 
 OFFSET_SAMPLES = 4  # calibration samples whose FP32 minima decide which tensors are one-sided
 ONE_SIDED = 0.5  # a tensor is one-sided when its minimum is above -ONE_SIDED * amax
@@ -60,36 +60,32 @@ def _session(model: onnx.ModelProto) -> ort.InferenceSession:
                                 providers=["CPUExecutionProvider"])
 
 
-def _constant(tensor: str, producers: dict, initializers: set) -> bool:
+def _copied(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
+def _constant(tensor: str, producers: dict, constants: set) -> bool:
     """True when `tensor` is computed from initializers and Constant nodes alone."""
-    if tensor in initializers:
+    if tensor in constants:
         return True
     node = producers.get(tensor)
-    return node is not None and all(_constant(name, producers, initializers)
+    return node is not None and all(_constant(name, producers, constants)
                                     for name in node.input if name)
 
 
 def _activation_quantizers(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """The QuantizeLinear nodes of tensors that depend on the model's input."""
-    initializers = {i.name for i in model.graph.initializer}
-    producers = {out: node for node in model.graph.node for out in node.output}
+    producers, constants = graph.producers(model), graph.constant_tensors(model)
     return [node for node in model.graph.node if node.op_type == "QuantizeLinear"
-            and not _constant(node.input[0], producers, initializers)]
-
-
-def _readers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    return readers
+            and not _constant(node.input[0], producers, constants)]
 
 
 def weights_only(int8: onnx.ModelProto) -> onnx.ModelProto:
     """`int8` with its activations' Q/DQ pairs removed."""
-    model = onnx.ModelProto()
-    model.CopyFrom(int8)
-    readers = _readers(model)
+    model = _copied(int8)
+    readers = graph.consumers(model)
     bypass, dropped = {}, set()
     for quantize in _activation_quantizers(model):
         dropped.add(id(quantize))
@@ -107,8 +103,7 @@ def weights_only(int8: onnx.ModelProto) -> onnx.ModelProto:
 def activations_only(int8: onnx.ModelProto, fp32: onnx.ModelProto) -> onnx.ModelProto:
     """`int8` with every node's initializer inputs as in `fp32` (the same node names): FP32
     weights and biases, the biases bias correction added dropped."""
-    model = onnx.ModelProto()
-    model.CopyFrom(int8)
+    model = _copied(int8)
     fp32_nodes = {node.name: node for node in fp32.graph.node if node.name}
     fp32_initializers = {i.name: i for i in fp32.graph.initializer}
     used = set()
@@ -130,8 +125,7 @@ def activations_only(int8: onnx.ModelProto, fp32: onnx.ModelProto) -> onnx.Model
 
 def minima(model: onnx.ModelProto, tensors: list[str], samples: np.ndarray) -> dict[str, float]:
     """Each tensor's minimum over `samples` (one at a time) in `model`."""
-    exposed = onnx.ModelProto()
-    exposed.CopyFrom(model)
+    exposed = _copied(model)
     del exposed.graph.output[:]
     exposed.graph.output.extend(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
                                 for name in tensors)
@@ -145,21 +139,18 @@ def minima(model: onnx.ModelProto, tensors: list[str], samples: np.ndarray) -> d
 
 
 def _unpadded_convs(readers: list[onnx.NodeProto]) -> bool:
-    return all(node.op_type == "Conv" and not any(
-        attribute.name == "pads" and any(attribute.ints) for attribute in node.attribute)
-        for node in readers)
+    return all(node.op_type == "Conv" and not any(attribute(node, "pads", []))
+               for node in readers)
 
 
 def with_offsets(model: onnx.ModelProto, low: dict[str, float], unpadded_only: bool
                  ) -> tuple[onnx.ModelProto, int]:
     """`model` with each one-sided activation `x` quantized as ``DQ(Q(x - c, s'), s') + c``;
     and how many tensors."""
-    model_copy = onnx.ModelProto()
-    model_copy.CopyFrom(model)
-    model = model_copy
+    model = _copied(model)
     scales = {i.name: float(numpy_helper.to_array(i)) for i in model.graph.initializer
               if not i.dims}
-    readers = _readers(model)
+    readers = graph.consumers(model)
     before, after, added = {}, {}, []
     for quantize in _activation_quantizers(model):
         tensor, amax = quantize.input[0], 127 * scales[quantize.input[1]]
@@ -188,19 +179,16 @@ def with_offsets(model: onnx.ModelProto, low: dict[str, float], unpadded_only: b
 
 
 def score(model: onnx.ModelProto, references: list[list[np.ndarray]], names: list[str],
-          val: np.ndarray, metric) -> dict:
-    """Held-out SQNR of `model` (the worst output) against `references`, and `metric`."""
+          val: np.ndarray, metric: str | None) -> dict:
+    """Held-out SQNR of `model` (the worst output) against `references`, and `metric`'s
+    score (``module:function``)."""
     session = _session(model)
     feed = session.get_inputs()[0].name
     outputs = [session.run(names, {feed: sample[None]}) for sample in val]
-    worst = min(sqnr_db(np.concatenate([r[k].ravel() for r in references]),
-                        np.concatenate([o[k].ravel() for o in outputs]))
-                for k in range(len(names)))
+    worst, found = output_scores(references, outputs, names, metric)
     result = {"sqnr_db": round(worst, 2)}
-    if metric is not None:
-        batches = [[dict(zip(names, run, strict=True)) for run in runs]
-                   for runs in (outputs, references)]
-        result["metric"] = round(float(metric(*batches)), 4)
+    if metric:
+        result["metric"] = round(found, 4)
     return result
 
 
@@ -229,10 +217,6 @@ def main() -> None:
     parser = folder_parser(__doc__)
     args = parser.parse_args()
     fp32_path, int8_path = folder_models(parser, args.folder)
-    metric = None
-    if args.metric:
-        module, function = args.metric.split(":")
-        metric = getattr(importlib.import_module(module), function)
     fp32, int8 = onnx.load(fp32_path), onnx.load(int8_path)
     val = np.load(args.val, mmap_mode="r")
     calib = np.load(args.calib, mmap_mode="r")[:OFFSET_SAMPLES]
@@ -249,7 +233,7 @@ def main() -> None:
         model, count = with_offsets(activations, low, unpadded)
         variants[f"activations only, offsets ({label})"] = (model, count)
     for label, (model, count) in variants.items():
-        result = score(model, references, names, val, metric)
+        result = score(model, references, names, val, args.metric)
         if count is not None:
             result["offset_tensors"] = count
         print(json.dumps({"variant": label, **result}), flush=True)

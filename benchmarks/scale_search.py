@@ -24,10 +24,11 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, run or imported
 from calibrate_phases import held_out  # noqa: E402
 from noise_bound import (  # noqa: E402
     _activation_quantizers,
+    _copied,
     _session,
     folder_models,
     folder_parser,
@@ -39,8 +40,7 @@ GAIN = 0.99  # a factor is kept when the noise falls under this share of the cur
 
 def with_scales(model: onnx.ModelProto, factors: dict[str, float]) -> onnx.ModelProto:
     """`model` with each scale initializer in `factors` multiplied by its factor."""
-    scaled = onnx.ModelProto()
-    scaled.CopyFrom(model)
+    scaled = _copied(model)
     for initializer in scaled.graph.initializer:
         if initializer.name in factors:
             value = numpy_helper.to_array(initializer) * factors[initializer.name]
@@ -67,9 +67,10 @@ def main() -> None:
         return sum(float(np.sum((o - r) ** 2)) for s, runs in zip(samples, references, strict=True)
                    for o, r in zip(session.run(None, {feed: s[None]}), runs, strict=True))
 
+    quantizers = _activation_quantizers(quantized)
     start, kept = time.perf_counter(), {}
     current = before = noise(kept)
-    for quantizer in _activation_quantizers(quantized):
+    for quantizer in quantizers:
         scale = quantizer.input[1]
         tried = {factor: noise({**kept, scale: factor}) for factor in FACTORS}
         factor = min(tried, key=tried.get)
@@ -79,7 +80,7 @@ def main() -> None:
                               "calib_sqnr_db": round(10 * np.log10(energy / current), 2)}),
                   flush=True)
     print(json.dumps({"search_s": round(time.perf_counter() - start, 1),
-                      "evaluations": 1 + len(FACTORS) * len(_activation_quantizers(quantized)),
+                      "evaluations": 1 + len(FACTORS) * len(quantizers),
                       "calib_sqnr_db": [round(10 * np.log10(energy / n), 2)
                                         for n in (before, current)],
                       "changed": len(kept)}), flush=True)
