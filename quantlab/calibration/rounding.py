@@ -99,9 +99,8 @@ def round_weights(index: Graph, quantized: onnx.ModelProto,
             continue
         moments = layer.moments / layer.count
         target = _rows(layer)
-        nearest = _rows_of(layer, layer.nearest.astype(np.float64)) * layer.scale[:, None]
-        if layer.bias is not None:
-            nearest = np.concatenate([nearest, layer.bias[:, None]], axis=1)
+        nearest = _with_bias(layer, _rows_of(layer, layer.nearest.astype(np.float64))
+                             * layer.scale[:, None])
         chosen = _gptq(target, moments, layer.scale, layer.bias is not None)
         before, after = _error(target, nearest, moments), _error(target, chosen, moments)
         keep = after < before
@@ -175,7 +174,11 @@ def _depthwise(layer: _Layer) -> bool:
 def _rows(layer: _Layer) -> np.ndarray:
     """The weight as output rows x input columns (in the order of _input_rows), the bias
     the last column where the rounding refits it."""
-    rows = _rows_of(layer, layer.weight)
+    return _with_bias(layer, _rows_of(layer, layer.weight))
+
+
+def _with_bias(layer: _Layer, rows: np.ndarray) -> np.ndarray:
+    """`rows` with the layer's bias as the last column where the rounding refits it."""
     if layer.bias is None:
         return rows
     return np.concatenate([rows, layer.bias[:, None]], axis=1)
